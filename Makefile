@@ -1,0 +1,39 @@
+# The two commands a newcomer needs: `make demo` and `make test`. Everything else is optional.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: demo test bench chaos chaos-short install clean
+
+# A virtualenv with the package (editable) and its test extra; redone when pyproject changes.
+$(STAMP): pyproject.toml
+	@$(PYTHON) -m venv $(VENV) 2>/dev/null || { \
+		echo "python3 -m venv failed: installing python3-venv"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv python3-pip >/dev/null; \
+		$(PYTHON) -m venv $(VENV); }
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[test]'
+	@touch $@
+
+install: $(STAMP)
+
+# Runs the whole system on embedded defaults: no cluster, no Redis, no PostgreSQL needed.
+demo: $(STAMP)
+	$(BIN)/k8s-dispatch demo
+
+# Installs what it needs, starts PostgreSQL and Redis if needed, runs the test suite.
+test: $(STAMP)
+	bash tests/services.sh
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	bash tests/services.sh
+	$(BIN)/python -m bench
+
+chaos: $(STAMP)
+	bash tests/services.sh
+	$(BIN)/k8s-dispatch chaos $(CHAOS_ARGS)
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis

@@ -1,0 +1,130 @@
+"""Engines, sessions and transactions for the store, on PostgreSQL (psycopg 3) or SQLite.
+
+`make_engine` picks the driver and pool settings for a URL; `transaction` is the one place a
+session is committed or rolled back, and the one place a lost connection becomes
+`DatabaseUnavailable`, which the tasks retry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy import event, exc
+from sqlalchemy.engine import URL, Engine, make_url
+from sqlalchemy.orm import Session, sessionmaker
+
+from engine.errors import DatabaseUnavailable
+
+SQLITE_BUSY_TIMEOUT_MS = 30_000
+PG_CONNECT_TIMEOUT_S = 10
+
+
+def normalise_url(url: str | URL) -> URL:
+    """The URL with its driver made explicit: `postgres://` and `postgresql://` use psycopg 3."""
+    parsed = make_url(url)
+    if parsed.drivername in ("postgres", "postgresql"):
+        parsed = parsed.set(drivername="postgresql+psycopg")
+    return parsed
+
+
+def make_engine(url: str | URL, *, pool_size: int = 5, max_overflow: int = 10, echo: bool = False) -> Engine:
+    """An engine for `url`. Dispose of it when done.
+
+    PostgreSQL: a pool checked before use (`pool_pre_ping`) and recycled every 30 minutes, so
+    a restarted server costs one failed ping, not a failed task. SQLite: see `_sqlite_setup`.
+    """
+    parsed = normalise_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        in_memory = parsed.database in (None, "", ":memory:")
+        engine = sa.create_engine(
+            parsed,
+            echo=echo,
+            connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000},
+            # A file database gets a normal pool; an in-memory one keeps SQLAlchemy's default.
+            **({} if in_memory else {"pool_size": pool_size, "max_overflow": max_overflow}),
+        )
+        _sqlite_setup(engine)
+        return engine
+    connect_args: dict[str, Any] = {}
+    if parsed.get_backend_name() == "postgresql":
+        connect_args["connect_timeout"] = PG_CONNECT_TIMEOUT_S
+    return sa.create_engine(
+        parsed,
+        echo=echo,
+        pool_size=pool_size,
+        max_overflow=max_overflow,
+        pool_timeout=30,
+        pool_pre_ping=True,
+        pool_recycle=1800,
+        connect_args=connect_args,
+    )
+
+
+def _sqlite_setup(engine: Engine) -> None:
+    """Make SQLite safe for several threads and processes at once.
+
+    Foreign keys on; WAL so readers do not block the writer; a busy timeout so a writer waits
+    for the lock instead of failing. Every transaction starts with `BEGIN IMMEDIATE`: it takes
+    the write lock up front, so a read-then-write transaction never fails half-way when it
+    would upgrade its lock (SQLite does not wait in that case), and SAVEPOINTs work, which
+    Python's sqlite3 module would otherwise get wrong. The cost, one writer at a time, is the
+    price of an embedded database.
+    """
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        dbapi_connection.isolation_level = None  # we issue BEGIN ourselves (see "begin")
+        cursor = dbapi_connection.cursor()
+        try:
+            cursor.execute("PRAGMA foreign_keys = ON")
+            cursor.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")
+            cursor.execute("PRAGMA journal_mode = WAL")
+            cursor.execute("PRAGMA synchronous = NORMAL")  # durable enough with WAL
+        finally:
+            cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(connection: sa.Connection) -> None:
+        connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+def make_sessionmaker(engine: Engine) -> sessionmaker[Session]:
+    """Sessions that keep loaded attributes after commit, so results can be read afterwards."""
+    return sessionmaker(bind=engine, expire_on_commit=False)
+
+
+def is_connection_failure(error: BaseException) -> bool:
+    """True if `error` means the database is unreachable or dropped us, rather than a bad query."""
+    if isinstance(error, (exc.OperationalError, exc.InterfaceError)):
+        return True
+    if isinstance(error, exc.DBAPIError) and error.connection_invalidated:
+        return True
+    return isinstance(error, exc.TimeoutError)  # the pool had no connection to give
+
+
+@contextmanager
+def transaction(factory: sessionmaker[Session]) -> Iterator[Session]:
+    """A session inside one transaction: committed on success, rolled back on any error.
+
+    Raises:
+        DatabaseUnavailable: the connection failed (unreachable, dropped, pool exhausted,
+            locked for too long); raised `from` the driver's error. Other errors pass through.
+    """
+    session = factory()
+    try:
+        with session.begin():
+            yield session
+    except (exc.DBAPIError, exc.TimeoutError) as e:
+        if is_connection_failure(e):
+            raise DatabaseUnavailable(f"database unavailable: {e.__class__.__name__}: {_first_line(e)}") from e
+        raise
+    finally:
+        session.close()
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(getattr(error, "orig", None) or error)
+    return text.strip().splitlines()[0] if text.strip() else ""

@@ -1,0 +1,45 @@
+"""Alembic environment for the engine's store: online migrations only, on one connection.
+
+`engine.migrate` passes the database URL (or an open connection) through
+`config.attributes`, so no alembic.ini and no URL interpolation is involved.
+"""
+
+from __future__ import annotations
+
+from alembic import context
+
+from engine.db import make_engine
+from engine.migrate import VERSION_TABLE
+from engine.models import Base
+
+config = context.config
+
+
+def _run(connection) -> None:
+    context.configure(
+        connection=connection,
+        target_metadata=Base.metadata,
+        version_table=VERSION_TABLE,
+        render_as_batch=connection.dialect.name == "sqlite",
+    )
+    with context.begin_transaction():
+        context.run_migrations()
+
+
+def run_migrations_online() -> None:
+    connection = config.attributes.get("connection")
+    if connection is not None:
+        _run(connection)
+        return
+    engine = make_engine(config.attributes["url"], pool_size=1, max_overflow=0)
+    try:
+        with engine.connect() as connection:
+            _run(connection)
+            connection.commit()
+    finally:
+        engine.dispose()
+
+
+if context.is_offline_mode():
+    raise RuntimeError("offline (--sql) migrations are not supported: run `k8s-dispatch migrate`")
+run_migrations_online()

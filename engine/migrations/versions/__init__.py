@@ -1,0 +1,1 @@
+"""Hand-written Alembic revisions, applied in order by engine.migrate."""

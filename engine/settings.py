@@ -1,0 +1,110 @@
+"""One settings object for every process, read from `K8S_DISPATCH_*` environment variables.
+
+Validated when it is built, so a bad value fails the process at start with an error naming
+the variable. The embedded defaults (SQLite, local Redis, namespace `default`) let the demo
+and a first try run with nothing set.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from functools import lru_cache
+from pathlib import Path
+from typing import Mapping
+
+from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from engine.errors import ConfigError
+
+ENV_PREFIX = "K8S_DISPATCH_"
+
+
+class OrphanPolicy(str, Enum):
+    """What the sweep does with a Job of ours that has no matching dispatch."""
+
+    REPORT = "report"
+    DELETE = "delete"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, frozen=True, extra="ignore")
+
+    database_url: str = "sqlite:///k8s-dispatch.db"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    broker_url: str | None = None  # defaults to redis_url
+    namespace: str = "default"
+    capabilities: Path | None = None  # YAML or JSON file; see workers/resolver.py
+    kubeconfig: Path | None = None  # else in-cluster config, else ~/.kube/config
+
+    max_input_bytes: int = Field(default=32 * 1024, gt=0, le=256 * 1024)
+    poll_interval_s: float = Field(default=2.0, gt=0)
+    poll_page_size: int = Field(default=500, gt=0, le=10_000)
+    sweep_interval_s: float = Field(default=30.0, gt=0)
+    sweep_grace_s: float = Field(default=30.0, ge=0)
+    guard_lease_ms: int = Field(default=60_000, gt=0)
+    max_job_attempts: int = Field(default=3, ge=1)
+    orphan_policy: OrphanPolicy = OrphanPolicy.REPORT
+    notify_task: str = "engine.dispatch_finished"
+    notify_queue: str = "engine"
+    key_prefix: str = Field(default="k8s-dispatch", min_length=1, max_length=64)  # Redis keys and Celery queues
+    metrics_port: int = Field(default=0, ge=0, le=65535)  # 0: no metrics endpoint
+    broker_visibility_timeout_s: int = Field(default=3600, gt=0)
+    # Threads per worker process: the tasks wait on the API, the DB and Redis, not the CPU.
+    worker_concurrency: int = Field(default=8, ge=1, le=256)
+    kube_timeout_s: float = Field(default=10.0, gt=0, le=300)  # each Kubernetes API request
+
+    @field_validator("namespace")
+    @classmethod
+    def _namespace_is_dns_label(cls, value: str) -> str:
+        from engine.names import is_dns1123_label
+
+        if not is_dns1123_label(value):
+            raise ValueError(f"{value!r} is not a valid namespace name (DNS-1123 label)")
+        return value
+
+    @field_validator("database_url", "redis_url")
+    @classmethod
+    def _url_has_scheme(cls, value: str) -> str:
+        if "://" not in value:
+            raise ValueError(f"{value!r} is not a URL (expected scheme://...)")
+        return value
+
+    @model_validator(mode="after")
+    def _capabilities_file_exists(self) -> "Settings":
+        if self.capabilities is not None and not self.capabilities.is_file():
+            raise ValueError(f"capabilities file {str(self.capabilities)!r} does not exist")
+        return self
+
+    @property
+    def effective_broker_url(self) -> str:
+        return self.broker_url or self.redis_url
+
+
+def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
+    """Build and validate settings from `environ` (default: the process environment).
+
+    Raises:
+        ConfigError: naming each invalid `K8S_DISPATCH_*` variable and why.
+    """
+    try:
+        if environ is None:
+            return Settings()
+        values = {
+            key[len(ENV_PREFIX) :].lower(): value
+            for key, value in environ.items()
+            if key.startswith(ENV_PREFIX)
+        }
+        return Settings.model_validate(values)
+    except ValidationError as e:
+        problems = "; ".join(
+            f"{ENV_PREFIX}{'.'.join(str(p) for p in err['loc']).upper() or '(settings)'}: {err['msg']}"
+            for err in e.errors()
+        )
+        raise ConfigError(f"invalid configuration: {problems}") from e
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """The process-wide settings, loaded once from the environment."""
+    return load_settings()

@@ -1,0 +1,173 @@
+"""The `k8s-dispatch` command line: one entry point for operators, the demo and the tests.
+
+Subcommands import what they need lazily, so `k8s-dispatch --help` and `localcluster serve`
+start fast and never touch the broker, the database or the cluster on their own.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from engine.errors import DispatchError
+
+# Exit codes scripts can rely on.
+EXIT_OK = 0
+EXIT_FAILED = 1  # the command ran and found a problem (a failed check, a lost dispatch)
+EXIT_USAGE = 2  # click's own code for bad arguments
+EXIT_CONFIG = 3  # invalid configuration or input: nothing was done
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def cli() -> None:
+    """k8s-dispatch: run an engine's work as Kubernetes Jobs, deliver each result exactly once."""
+
+
+@cli.command()
+@click.option("--revision", default="head", show_default=True, help="Alembic revision to upgrade to.")
+def migrate(revision: str) -> None:
+    """Create or upgrade the database schema (K8S_DISPATCH_DATABASE_URL)."""
+    from engine.migrate import upgrade
+    from engine.settings import get_settings
+
+    settings = get_settings()
+    upgrade(settings.database_url, revision)
+    click.echo(f"migrated {_redacted(settings.database_url)} to {revision}")
+
+
+@cli.command()
+@click.option("--case", "case_id", required=True, help="The engine's case id.")
+@click.option("--tenancy", "tenancy_id", required=True, help="The case's tenancy.")
+@click.option("--capability", required=True, help="A capability of K8S_DISPATCH_CAPABILITIES.")
+@click.option("--input", "input_json", default="{}", show_default=True, help="The input, as JSON.")
+@click.option("--idempotency-key", required=True, help="Scheduling twice with one key is one dispatch.")
+@click.option("--dispatch-id", default=None, help="A UUID to use as the dispatch id (default: a new one).")
+@click.option("--create-case", is_flag=True, help="Create the case first if it does not exist.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def schedule(
+    case_id: str,
+    tenancy_id: str,
+    capability: str,
+    input_json: str,
+    idempotency_key: str,
+    dispatch_id: str | None,
+    create_case: bool,
+    as_json: bool,
+) -> None:
+    """Schedule one dispatch; its Job is created by a worker. Prints the dispatch id."""
+    import json
+
+    from engine import store
+    from engine.db import make_engine, make_sessionmaker, transaction
+    from engine.settings import get_settings
+    from tasks.jobs import schedule_in_session
+    from workers.resolver import CapabilityResolver
+
+    try:
+        value = json.loads(input_json)
+    except ValueError as e:
+        raise click.BadParameter(f"not JSON: {e}", param_hint="--input") from e
+    settings = get_settings()
+    resolver = CapabilityResolver.from_settings(settings)
+    engine = make_engine(settings.database_url)
+    try:
+        with transaction(make_sessionmaker(engine)) as session:
+            if create_case:
+                store.create_case(session, case_id=case_id, tenancy_id=tenancy_id)
+            result = schedule_in_session(
+                session,
+                case_id=case_id,
+                tenancy_id=tenancy_id,
+                capability=capability,
+                input=value,
+                idempotency_key=idempotency_key,
+                router=resolver,
+                max_input_bytes=settings.max_input_bytes,
+                dispatch_id=dispatch_id,
+            )
+    finally:
+        engine.dispose()
+    if as_json:
+        click.echo(json.dumps({"dispatch_id": result.dispatch_id, "created": result.created, "state": result.state.value}))
+    else:
+        click.echo(result.dispatch_id)
+
+
+@cli.command()
+@click.argument("dispatch_id")
+@click.option("--reason", default="Cancelled", show_default=True, help="The reason the event records.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def cancel(dispatch_id: str, reason: str, as_json: bool) -> None:
+    """Cancel a dispatch: record WORKER_CANCELLED (unless it ended already) and delete its Job."""
+    import json
+
+    from engine.settings import get_settings
+    from recovery.delivery import cancel_dispatch, load_record
+    from recovery.runtime import Runtime
+    from tasks.app import celery_notifier
+
+    settings = get_settings()
+    with Runtime.from_settings(settings, notifier=celery_notifier(settings)) as runtime:
+        cancelled = cancel_dispatch(runtime, dispatch_id, reason=reason)
+        record = load_record(runtime, dispatch_id)
+    state = record.state.value if record is not None else None
+    if as_json:
+        click.echo(json.dumps({"dispatch_id": dispatch_id, "cancelled": cancelled, "state": state}))
+    else:
+        click.echo(f"{'cancelled' if cancelled else 'already ended'}: {dispatch_id} ({state})")
+
+
+@cli.command()
+@click.option("--dry-run", is_flag=True, help="Find and count, change nothing.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def recover(dry_run: bool, as_json: bool) -> int:
+    """Run one recovery sweep now; print what it found and did, per category.
+
+    Exits 1 if anything failed (an action, a listing); the next sweep retries it.
+    """
+    import json
+
+    from engine.settings import get_settings
+    from recovery.reconcile import run_sweep
+    from recovery.runtime import Runtime
+    from tasks.app import celery_notifier
+
+    settings = get_settings()
+    with Runtime.from_settings(settings, notifier=celery_notifier(settings)) as runtime:
+        report = run_sweep(runtime, dry_run=dry_run)
+    click.echo(json.dumps(report.to_dict(), indent=2) if as_json else report.table())
+    return EXIT_FAILED if report.errors else EXIT_OK
+
+
+def _redacted(url: str) -> str:
+    """A URL safe to print: the password, if any, is hidden."""
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).render_as_string(hide_password=True)
+
+
+def _mount_subcommands() -> None:
+    from localcluster.cli import localcluster
+
+    cli.add_command(localcluster)
+
+
+def main(argv: list[str] | None = None) -> int:
+    _mount_subcommands()
+    try:
+        result = cli.main(args=argv, prog_name="k8s-dispatch", standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        return EXIT_FAILED
+    except click.ClickException as e:
+        e.show()
+        return e.exit_code
+    except DispatchError as e:
+        click.echo(f"error: {e.reason}: {e}", err=True)
+        return EXIT_CONFIG
+    return result if isinstance(result, int) else EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,216 @@
+"""A dispatch's progress after scheduling: `mark_created`, `record_attempt`, `record_terminal`,
+and the unique indexes that make one terminal event per dispatch a fact of the database."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.exc import IntegrityError
+
+from engine import store
+from engine.db import transaction
+from engine.errors import InputNotSerialisable, InvalidInput, UnknownDispatch
+from engine.models import CaseEvent, CaseInstance, DispatchState, EventType
+
+Schedule = Callable[..., store.ScheduleResult]
+T0 = datetime(2024, 5, 1, 12, 0, tzinfo=timezone.utc)
+
+
+def _dispatch(sm, dispatch_id: str):
+    with transaction(sm) as session:
+        dispatch = store.get_dispatch(session, dispatch_id)
+    assert dispatch is not None
+    return dispatch
+
+
+# --- mark_created / record_attempt ---------------------------------------------------------
+
+
+def test_mark_created_records_the_job(db_sessionmaker, new_case, schedule_for: Schedule) -> None:
+    result = schedule_for(db_sessionmaker, new_case(db_sessionmaker), now=T0)
+    at = T0 + timedelta(seconds=5)
+    with transaction(db_sessionmaker) as session:
+        assert store.mark_created(session, result.dispatch_id, job_name="job-a", namespace="ns-a", attempt=1, now=at)
+    dispatch = _dispatch(db_sessionmaker, result.dispatch_id)
+    assert (dispatch.state, dispatch.job_name, dispatch.job_namespace, dispatch.attempts) == (
+        DispatchState.CREATED,
+        "job-a",
+        "ns-a",
+        1,
+    )
+    assert dispatch.job_created_at == at and dispatch.updated_at == at and dispatch.created_at == T0
+
+
+def test_mark_created_again_is_harmless_and_attempts_never_go_down(db_sessionmaker, new_case, schedule_for: Schedule) -> None:
+    result = schedule_for(db_sessionmaker, new_case(db_sessionmaker))
+    with transaction(db_sessionmaker) as session:
+        assert store.mark_created(session, result.dispatch_id, job_name="job-2", namespace="ns", attempt=2)
+    with transaction(db_sessionmaker) as session:
+        assert store.mark_created(session, result.dispatch_id, job_name="job-2", namespace="ns", attempt=1)
+    dispatch = _dispatch(db_sessionmaker, result.dispatch_id)
+    assert (dispatch.state, dispatch.attempts, dispatch.job_name) == (DispatchState.CREATED, 2, "job-2")
+
+
+def test_mark_created_after_the_end_changes_nothing(db_sessionmaker, new_case, schedule_for: Schedule) -> None:
+    result = schedule_for(db_sessionmaker, new_case(db_sessionmaker))
+    with transaction(db_sessionmaker) as session:
+        assert store.record_terminal(session, result.dispatch_id, EventType.WORKER_CANCELLED, {"reason": "Cancelled"})
+    before = _dispatch(db_sessionmaker, result.dispatch_id)
+    with transaction(db_sessionmaker) as session:
+        assert not store.mark_created(session, result.dispatch_id, job_name="late", namespace="ns", attempt=3)
+    after = _dispatch(db_sessionmaker, result.dispatch_id)
+    assert (after.state, after.job_name, after.attempts, after.updated_at) == (
+        DispatchState.CANCELLED,
+        None,
+        0,
+        before.updated_at,
+    )
+
+
+def test_record_attempt_counts_up(db_sessionmaker, new_case, schedule_for: Schedule) -> None:
+    result = schedule_for(db_sessionmaker, new_case(db_sessionmaker))
+    with transaction(db_sessionmaker) as session:
+        assert [store.record_attempt(session, result.dispatch_id) for _ in range(3)] == [1, 2, 3]
+    assert _dispatch(db_sessionmaker, result.dispatch_id).attempts == 3
+
+
+def test_unknown_dispatch_is_refused_by_every_update(db_sessionmaker) -> None:
+    missing = str(uuid.uuid4())
+    with transaction(db_sessionmaker) as session:
+        with pytest.raises(UnknownDispatch):
+            store.mark_created(session, missing, job_name="j", namespace="n", attempt=1)
+        with pytest.raises(UnknownDispatch):
+            store.record_attempt(session, missing)
+        with pytest.raises(UnknownDispatch):
+            store.record_terminal(session, missing, EventType.WORKER_COMPLETED, {})
+
+
+# --- record_terminal -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("event_type", "state"),
+    [
+        (EventType.WORKER_COMPLETED, DispatchState.COMPLETED),
+        (EventType.WORKER_FAILED, DispatchState.FAILED),
+        (EventType.WORKER_CANCELLED, DispatchState.CANCELLED),
+    ],
+)
+def test_the_winner_writes_the_event_and_updates_dispatch_and_case(
+    db_sessionmaker, new_case, schedule_for: Schedule, event_type: EventType, state: DispatchState
+) -> None:
+    case = new_case(db_sessionmaker)
+    result = schedule_for(db_sessionmaker, case, now=T0)
+    at = T0 + timedelta(minutes=3)
+    payload = {"reason": "BackoffLimitExceeded", "output": {"lines": ["a", "b"], "code": 3}, "pod": "p-1"}
+    with transaction(db_sessionmaker) as session:
+        assert store.record_terminal(session, result.dispatch_id, event_type, payload, now=at)
+
+    with transaction(db_sessionmaker) as session:
+        dispatch = store.get_dispatch(session, result.dispatch_id)
+        event = store.terminal_event(session, result.dispatch_id)
+        case_row = session.get(CaseInstance, case.case_id)
+    assert dispatch is not None and event is not None and case_row is not None
+    assert (dispatch.state, dispatch.reason, dispatch.output) == (state, "BackoffLimitExceeded", {"lines": ["a", "b"], "code": 3})
+    assert dispatch.finished_at == at and dispatch.updated_at == at and dispatch.terminal
+    assert (event.type, event.case_id, event.payload, event.created_at) == (event_type, case.case_id, payload, at)
+    assert case_row.updated_at == at
+
+
+def test_a_payload_without_reason_or_output_leaves_them_empty(db_sessionmaker, new_case, schedule_for: Schedule) -> None:
+    result = schedule_for(db_sessionmaker, new_case(db_sessionmaker))
+    with transaction(db_sessionmaker) as session:
+        assert store.record_terminal(session, result.dispatch_id, EventType.WORKER_COMPLETED, {})
+    dispatch = _dispatch(db_sessionmaker, result.dispatch_id)
+    assert (dispatch.state, dispatch.reason, dispatch.output) == (DispatchState.COMPLETED, None, None)
+
+
+def test_a_second_terminal_event_loses_and_writes_nothing(db_sessionmaker, new_case, schedule_for: Schedule, count_rows) -> None:
+    case = new_case(db_sessionmaker)
+    result = schedule_for(db_sessionmaker, case)
+    with transaction(db_sessionmaker) as session:
+        assert store.record_terminal(session, result.dispatch_id, EventType.WORKER_COMPLETED, {"output": {"n": 1}})
+    before_rows, before = count_rows(db_sessionmaker), _dispatch(db_sessionmaker, result.dispatch_id)
+    for event_type in (EventType.WORKER_COMPLETED, EventType.WORKER_FAILED, EventType.WORKER_CANCELLED):
+        with transaction(db_sessionmaker) as session:
+            assert not store.record_terminal(session, result.dispatch_id, event_type, {"reason": "Late", "output": {"n": 2}})
+    after = _dispatch(db_sessionmaker, result.dispatch_id)
+    assert count_rows(db_sessionmaker) == before_rows
+    assert (after.state, after.reason, after.output, after.finished_at) == (
+        DispatchState.COMPLETED,
+        None,
+        {"n": 1},
+        before.finished_at,
+    )
+
+
+BAD_TERMINALS: list[tuple[str, Any, Any, type[Exception]]] = [
+    ("scheduled-is-not-terminal", EventType.WORKER_SCHEDULED, {}, InvalidInput),
+    ("not-an-event-type", "WORKER_EXPLODED", {}, InvalidInput),
+    ("payload-not-object", EventType.WORKER_FAILED, ["reason"], InputNotSerialisable),
+    ("payload-nan", EventType.WORKER_FAILED, {"output": float("nan")}, InputNotSerialisable),
+    ("payload-int-key", EventType.WORKER_FAILED, {"output": {1: 2}}, InputNotSerialisable),
+    ("reason-not-str", EventType.WORKER_FAILED, {"reason": 42}, InvalidInput),
+]
+
+
+@pytest.mark.parametrize(("event_type", "payload", "error"), [b[1:] for b in BAD_TERMINALS], ids=[b[0] for b in BAD_TERMINALS])
+def test_a_bad_terminal_request_is_refused_and_writes_nothing(
+    db_sessionmaker, new_case, schedule_for: Schedule, count_rows, event_type: Any, payload: Any, error: type[Exception]
+) -> None:
+    result = schedule_for(db_sessionmaker, new_case(db_sessionmaker))
+    before = count_rows(db_sessionmaker)
+    with transaction(db_sessionmaker) as session, pytest.raises(error):
+        store.record_terminal(session, result.dispatch_id, event_type, payload)
+    assert count_rows(db_sessionmaker) == before
+    assert _dispatch(db_sessionmaker, result.dispatch_id).state is DispatchState.SCHEDULED
+
+
+# --- the indexes themselves, without our code ------------------------------------------------
+
+
+def _raw_event(session, case_id: str, dispatch_id: str, event_type: str) -> None:
+    session.execute(
+        sa.insert(CaseEvent).values(case_id=case_id, dispatch_id=dispatch_id, type=event_type, payload={})
+    )
+
+
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [
+        (EventType.WORKER_COMPLETED, EventType.WORKER_COMPLETED),
+        (EventType.WORKER_COMPLETED, EventType.WORKER_FAILED),
+        (EventType.WORKER_FAILED, EventType.WORKER_CANCELLED),
+        (EventType.WORKER_SCHEDULED, EventType.WORKER_SCHEDULED),
+    ],
+)
+def test_the_database_refuses_a_second_event_of_a_unique_kind(
+    db_sessionmaker, new_case, first: EventType, second: EventType
+) -> None:
+    case, dispatch_id = new_case(db_sessionmaker), str(uuid.uuid4())
+    with transaction(db_sessionmaker) as session:
+        _raw_event(session, case.case_id, dispatch_id, first)
+    with pytest.raises(IntegrityError), transaction(db_sessionmaker) as session:
+        _raw_event(session, case.case_id, dispatch_id, second)
+
+
+def test_the_indexes_allow_the_engines_other_events(db_sessionmaker, new_case) -> None:
+    case, dispatch_id = new_case(db_sessionmaker), str(uuid.uuid4())
+    with transaction(db_sessionmaker) as session:
+        for event_type in ("WORKER_SCHEDULED", "WORKER_COMPLETED", "WORKER_PROGRESS", "WORKER_PROGRESS", "NOTE"):
+            _raw_event(session, case.case_id, dispatch_id, event_type)
+        _raw_event(session, case.case_id, None, "CASE_OPENED")  # type: ignore[arg-type]
+        _raw_event(session, case.case_id, None, "CASE_OPENED")  # type: ignore[arg-type]
+    with transaction(db_sessionmaker) as session:
+        assert [e.type for e in store.events_for(session, dispatch_id)] == [
+            "WORKER_SCHEDULED",
+            "WORKER_COMPLETED",
+            "WORKER_PROGRESS",
+            "WORKER_PROGRESS",
+            "NOTE",
+        ]

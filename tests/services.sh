@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Make sure the PostgreSQL and Redis that the tests need are reachable: start them when they
+# are installed but stopped, install them from Debian's packages when missing (root only).
+# Idempotent: on a machine where both already run it only checks them.
+set -euo pipefail
+
+PG_HOST=127.0.0.1 PG_PORT=5432 REDIS_PORT=6379
+
+log() { echo "services: $*"; }
+as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo -n "$@"; fi; }
+wait_for() { # wait_for DESCRIPTION COMMAND...: poll up to 30 s
+    local what=$1; shift
+    for _ in $(seq 1 60); do "$@" >/dev/null 2>&1 && return 0; sleep 0.5; done
+    log "$what did not come up"; return 1
+}
+
+apt_updated=0
+apt_install() {
+    [ "$apt_updated" = 1 ] || { as_root apt-get update -qq; apt_updated=1; }
+    DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq "$@" >/dev/null
+}
+
+pg_up() { pg_isready -q -h "$PG_HOST" -p "$PG_PORT"; }
+pg_login() { psql -h "$PG_HOST" -p "$PG_PORT" -U postgres -d postgres -Atc 'select 1' ; }
+
+ensure_postgres() {
+    if command -v pg_isready >/dev/null && pg_up && pg_login >/dev/null 2>&1; then
+        log "postgresql ok"; return
+    fi
+    local installed_now=0
+    if ! ls /etc/postgresql/*/main >/dev/null 2>&1; then
+        log "installing postgresql"; apt_install postgresql postgresql-client; installed_now=1
+    fi
+    local version; version=$(ls /etc/postgresql | sort -V | tail -n 1)
+    if [ "$installed_now" = 1 ]; then
+        # A fresh cluster asks for passwords on TCP; the tests connect as postgres with trust
+        # on loopback only, as the CI machine is set up.
+        local hba=/etc/postgresql/$version/main/pg_hba.conf
+        as_root sed -i -E 's/^(host\s+all\s+all\s+(127\.0\.0\.1\/32|::1\/128)\s+)\S+/\1trust/' "$hba"
+    fi
+    if ! pg_up; then
+        log "starting postgresql $version"
+        as_root pg_ctlcluster --skip-systemctl-redirect "$version" main start || true
+    fi
+    wait_for "postgresql" pg_up
+    wait_for "postgresql login as postgres" pg_login
+    log "postgresql ok"
+}
+
+redis_up() { redis-cli -h 127.0.0.1 -p "$REDIS_PORT" ping | grep -q PONG; }
+
+ensure_redis() {
+    if command -v redis-cli >/dev/null && redis_up; then log "redis ok"; return; fi
+    command -v redis-server >/dev/null || { log "installing redis"; apt_install redis-server redis-tools; }
+    log "starting redis"
+    as_root mkdir -p /var/lib/redis /var/log/redis
+    as_root redis-server --daemonize yes --bind 127.0.0.1 -::1 --port "$REDIS_PORT" --save "" \
+        --appendonly no --dir /var/lib/redis --logfile /var/log/redis/ci.log
+    wait_for "redis" redis_up
+    log "redis ok"
+}
+
+ensure_postgres
+ensure_redis
