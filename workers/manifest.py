@@ -1,0 +1,263 @@
+"""A dispatch as a batch/v1 Job manifest, and the rules a capability spec must keep (pure).
+
+`build_job` maps a `DispatchRef`, its input and its `CapabilitySpec` to the Job dict the API
+takes (camelCase keys). Names, labels, resources and sizes are checked here against the
+rules the API server applies, so a manifest either builds valid or fails with a typed error
+before any request. The input reaches the container as compact JSON in `K8S_DISPATCH_INPUT`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from decimal import Decimal
+from typing import TYPE_CHECKING, Any
+
+from engine.errors import InputNotSerialisable, InputTooLarge, InvalidId, InvalidManifest
+from engine.names import is_dns1123_label, is_label_value, is_qualified_name
+from workers import labels as job_labels
+from workers.types import DispatchId, DispatchRef, check_ref, is_capability_name, is_dispatch_id, is_worker_name
+
+if TYPE_CHECKING:
+    from workers.resolver import CapabilitySpec
+
+JOB_NAME_PREFIX = "kd-"  # + the 36-character dispatch id: 39 characters
+FINALIZER = "k8s-dispatch.io/result-protection"
+INPUT_ENV = "K8S_DISPATCH_INPUT"
+CONTAINER_NAME = "worker"
+TERMINATION_MESSAGE_PATH = "/dev/termination-log"
+TERMINATION_MESSAGE_POLICY = "FallbackToLogsOnError"
+MAX_ANNOTATIONS_BYTES = 256 * 1024  # the API server's limit on all annotations of an object
+MAX_INT32 = 2**31 - 1
+
+RESERVED_ENV = frozenset({INPUT_ENV})
+RESOURCE_KINDS = ("requests", "limits")
+# Labels the Job controller puts on a Job's pods itself; a template carrying them is refused.
+_CONTROLLER_LABELS = frozenset({"job-name", "controller-uid"})
+_CONTROLLER_LABEL_PREFIX = "batch.kubernetes.io/"
+_ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
+_QUANTITY = re.compile(
+    r"^(?P<number>[0-9]+(\.[0-9]*)?|\.[0-9]+)"  # no sign: resources are never negative
+    r"(?P<suffix>Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE]|[eE][-+]?[0-9]+)?$"
+)
+_SUFFIX_FACTORS = {
+    None: Decimal(1), "n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"),
+    "k": Decimal("1e3"), "M": Decimal("1e6"), "G": Decimal("1e9"), "T": Decimal("1e12"),
+    "P": Decimal("1e15"), "E": Decimal("1e18"),
+    "Ki": Decimal(2**10), "Mi": Decimal(2**20), "Gi": Decimal(2**30),
+    "Ti": Decimal(2**40), "Pi": Decimal(2**50), "Ei": Decimal(2**60),
+}  # fmt: skip
+
+
+def encode_input(value: object) -> str:
+    """The one serialisation of inputs and results: compact JSON, keys sorted, UTF-8.
+
+    `$` is written as `\\u0024`, so the text never holds the `$(VAR)` syntax that Kubernetes
+    expands in env values (any JSON parser reads it back as `$`).
+
+    Raises:
+        InputNotSerialisable: not JSON (sets, bytes, NaN, cycles, mixed-type keys...) or
+            holding strings that are not valid Unicode (lone surrogates).
+    """
+    try:
+        text = json.dumps(value, ensure_ascii=False, allow_nan=False, sort_keys=True, separators=(",", ":"))
+        text.encode("utf-8")
+    except (TypeError, ValueError, RecursionError) as e:  # UnicodeEncodeError is a ValueError
+        raise InputNotSerialisable(f"value is not JSON-serialisable: {type(e).__name__}: {e}") from e
+    return text.replace("$", "\\u0024")
+
+
+def check_input_size(value: object, max_bytes: int) -> str:
+    """Serialise `value` and return the text if it fits in `max_bytes` (UTF-8).
+
+    Raises:
+        InputNotSerialisable: see `encode_input`.
+        InputTooLarge: the compact JSON is longer than `max_bytes`.
+    """
+    text = encode_input(value)
+    size = len(text.encode("utf-8"))
+    if size > max_bytes:
+        raise InputTooLarge(f"input is {size} bytes of JSON, more than the limit of {max_bytes}")
+    return text
+
+
+def job_name(dispatch_id: DispatchId | str) -> str:
+    """The Job's name, derived from the dispatch id alone: a re-create meets the same name.
+
+    Raises:
+        InvalidId: `dispatch_id` is not a canonical lowercase UUID.
+    """
+    if not is_dispatch_id(dispatch_id):
+        raise InvalidId(f"dispatch_id {dispatch_id!r} is not a lowercase canonical UUID")
+    return JOB_NAME_PREFIX + dispatch_id
+
+
+def build_job(
+    ref: DispatchRef,
+    *,
+    input: object,  # noqa: A002 - the name the callers use
+    spec: CapabilitySpec,
+    namespace: str,
+    attempt: int = 0,
+) -> dict[str, Any]:
+    """The batch/v1 Job that runs `ref`'s dispatch; `spec.namespace`, if set, wins over `namespace`.
+
+    Raises:
+        InvalidId, InvalidIdempotencyKey: a field of `ref` is malformed.
+        InputNotSerialisable: `input` is not JSON.
+        InvalidManifest: `spec` is invalid or for another capability/worker, the namespace
+            or attempt is invalid, or the annotations exceed the API's size limit.
+    """
+    check_ref(ref)
+    if ref.capability != spec.name:
+        raise InvalidManifest(f"dispatch is for capability {ref.capability!r}, spec is for {spec.name!r}")
+    if ref.worker_name != spec.worker_name:
+        raise InvalidManifest(
+            f"dispatch is for worker {ref.worker_name!r}, capability {spec.name!r} runs on {spec.worker_name!r}"
+        )
+    problems = spec_problems(spec)
+    if problems:
+        raise InvalidManifest(f"capability {spec.name!r}: " + "; ".join(f"{field}: {why}" for field, why in problems))
+    target = spec.namespace or namespace
+    if not isinstance(target, str) or not is_dns1123_label(target):
+        raise InvalidManifest(f"namespace {target!r} is not a DNS-1123 label")
+    if not _is_int_in(attempt, 0, MAX_INT32):
+        raise InvalidManifest(f"attempt {attempt!r} is not a non-negative integer")
+    text = encode_input(input)
+
+    our_labels, our_annotations = job_labels.encode(ref)
+    our_annotations[job_labels.ATTEMPT_KEY] = str(attempt)
+    # Ours last: a capability's labels can add to them, never replace them.
+    labels = {**spec.labels, **our_labels}
+    annotations = {**spec.annotations, **our_annotations}
+    size = sum(len(k.encode("utf-8")) + len(v.encode("utf-8")) for k, v in annotations.items())
+    if size > MAX_ANNOTATIONS_BYTES:
+        raise InvalidManifest(f"annotations are {size} bytes, more than the API's limit of {MAX_ANNOTATIONS_BYTES}")
+
+    container: dict[str, Any] = {"name": CONTAINER_NAME, "image": spec.image}
+    if spec.command:
+        container["command"] = list(spec.command)
+    if spec.args:
+        container["args"] = list(spec.args)
+    container["env"] = [{"name": k, "value": v} for k, v in spec.env.items()] + [{"name": INPUT_ENV, "value": text}]
+    container["resources"] = {kind: dict(spec.resources[kind]) for kind in RESOURCE_KINDS if kind in spec.resources}
+    container["terminationMessagePath"] = TERMINATION_MESSAGE_PATH
+    container["terminationMessagePolicy"] = TERMINATION_MESSAGE_POLICY
+
+    job_spec: dict[str, Any] = {"backoffLimit": spec.backoff_limit}
+    if spec.active_deadline_seconds is not None:
+        job_spec["activeDeadlineSeconds"] = spec.active_deadline_seconds
+    job_spec["template"] = {
+        "metadata": {"labels": dict(labels), "annotations": dict(annotations)},
+        "spec": {"restartPolicy": "Never", "containers": [container]},
+    }
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {
+            "name": job_name(ref.dispatch_id),
+            "namespace": target,
+            "labels": labels,
+            "annotations": annotations,
+            "finalizers": [FINALIZER],
+        },
+        "spec": job_spec,
+    }
+
+
+def spec_problems(spec: CapabilitySpec) -> list[tuple[str, str]]:
+    """What keeps `spec` from making a valid Job: (config field name, why) pairs, in field order.
+
+    The resolver reports these as config errors at start; `build_job` checks them again so
+    a hand-built spec cannot slip through.
+    """
+    problems: list[tuple[str, str]] = []
+    if not is_capability_name(spec.name):
+        problems.append(("name", f"{spec.name!r} is not a capability name (letters, digits, -_.:/, at most 128)"))
+    if not is_worker_name(spec.worker_name):
+        problems.append(("worker", f"{spec.worker_name!r} is not a DNS-1123 label"))
+    if not isinstance(spec.image, str) or not spec.image.isprintable() or spec.image.split() != [spec.image]:
+        problems.append(("image", f"{spec.image!r} is not an image reference (non-empty, no spaces)"))
+    for field, items in (("command", spec.command), ("args", spec.args)):
+        if not all(isinstance(item, str) and "\x00" not in item for item in items):
+            problems.append((field, "every element must be a string without NUL characters"))
+    for name, value in spec.env.items():
+        if not isinstance(name, str) or not _ENV_NAME.match(name):
+            problems.append(("env", f"{name!r} is not a valid environment variable name"))
+        elif name in RESERVED_ENV:
+            problems.append(("env", f"{name!r} is reserved: k8s-dispatch sets it"))
+        elif not isinstance(value, str) or "\x00" in value:
+            problems.append(("env", f"the value of {name!r} must be a string without NUL characters"))
+    problems.extend(("resources", why) for why in _resource_problems(spec.resources))
+    if spec.namespace is not None and not (isinstance(spec.namespace, str) and is_dns1123_label(spec.namespace)):
+        problems.append(("namespace", f"{spec.namespace!r} is not a DNS-1123 label"))
+    deadline = spec.active_deadline_seconds
+    if deadline is not None and not _is_int_in(deadline, 1, MAX_INT32):
+        problems.append(("activeDeadlineSeconds", f"{deadline!r} is not a positive integer"))
+    limit = spec.backoff_limit
+    if not _is_int_in(limit, 0, MAX_INT32):
+        problems.append(("backoffLimit", f"{limit!r} is not a non-negative integer"))
+    problems.extend(("labels", why) for why in _metadata_problems(spec.labels, labels=True))
+    problems.extend(("annotations", why) for why in _metadata_problems(spec.annotations, labels=False))
+    return problems
+
+
+def _is_int_in(value: object, low: int, high: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+def _metadata_problems(values: Mapping[str, str], *, labels: bool) -> list[str]:
+    problems = []
+    for key, value in values.items():
+        if not isinstance(key, str) or not is_qualified_name(key):
+            problems.append(f"{key!r} is not a valid key (optional DNS prefix, '/', name of at most 63)")
+        elif key.startswith(job_labels.PREFIX) or key == job_labels.MANAGED_BY_LABEL:
+            problems.append(f"{key!r} is reserved: k8s-dispatch sets it")
+        elif labels and (key in _CONTROLLER_LABELS or key.startswith(_CONTROLLER_LABEL_PREFIX)):
+            problems.append(f"{key!r} is reserved: the Job controller sets it")
+        elif not isinstance(value, str):
+            problems.append(f"the value of {key!r} must be a string")
+        elif labels and not is_label_value(value):
+            problems.append(f"the value of {key!r}, {value!r}, is not a valid label value")
+    return problems
+
+
+def parse_quantity(text: str) -> Decimal | None:
+    """A Kubernetes resource quantity ("100m", "64Mi", "1e3", "2") as a number; None if invalid."""
+    match = _QUANTITY.match(text) if isinstance(text, str) else None
+    if match is None:
+        return None
+    suffix = match["suffix"]
+    try:
+        if suffix and suffix[0] in "eE":
+            return Decimal(match["number"]) * (Decimal(10) ** int(suffix[1:]))
+        return Decimal(match["number"]) * _SUFFIX_FACTORS[suffix]
+    except (ArithmeticError, ValueError):  # decimal's Overflow and InvalidOperation included
+        return None
+
+
+def _resource_problems(resources: Mapping[str, Mapping[str, str]]) -> list[str]:
+    problems = []
+    parsed: dict[str, dict[str, Decimal]] = {}
+    for kind, amounts in resources.items():
+        if kind not in RESOURCE_KINDS:
+            problems.append(f"{kind!r} is not one of {', '.join(RESOURCE_KINDS)}")
+            continue
+        if not isinstance(amounts, Mapping):
+            problems.append(f"{kind} must map resource names to quantities")
+            continue
+        for name, quantity in amounts.items():
+            number = parse_quantity(quantity)
+            if not isinstance(name, str) or not is_qualified_name(name):
+                problems.append(f"{kind}: {name!r} is not a valid resource name")
+            elif number is None:
+                problems.append(f"{kind}: {name}: {quantity!r} is not a quantity (like 100m, 64Mi, 2)")
+            else:
+                parsed.setdefault(kind, {})[name] = number
+    for name, request in parsed.get("requests", {}).items():
+        limit = parsed.get("limits", {}).get(name)
+        if limit is not None and request > limit:
+            request_text, limit_text = resources["requests"][name], resources["limits"][name]
+            problems.append(f"requests: {name}: {request_text} is more than its limit {limit_text}")
+    return problems

@@ -1,0 +1,367 @@
+"""The capability resolver: capability name -> how to run it, loaded and checked when built.
+
+A resolver is built from a YAML (`.yaml`, `.yml`) or JSON (`.json`) file, or a mapping, and
+validates everything then, so recovery that runs first thing at start-up can already route.
+Problems are reported together in one `ConfigError`, each line naming the file, the
+capability and the field (a capability's values are checked once its types are right).
+Schema (field names as Kubernetes spells them)::
+
+    capabilities:                      # required, at least one
+      demo.wordcount:                  # capability name: letters, digits, -_.:/ (<= 128)
+        worker: demo-text              # required, DNS-1123 label
+        image: k8s-dispatch:latest     # required
+        command: [python, -m, workers.runner]   # list of strings, default: image entrypoint
+        args: [workers.demo_functions:wordcount] # list of strings, default []
+        env: {LOG_LEVEL: info}         # string -> string (K8S_DISPATCH_INPUT is reserved)
+        resources:                     # requests/limits: resource name -> quantity
+          requests: {cpu: 50m, memory: 64Mi}
+          limits: {memory: 128Mi}
+        namespace: jobs                # default: the settings' namespace
+        activeDeadlineSeconds: 600     # absent: 3600; null: no deadline
+        backoffLimit: 0                # default 0: one pod, a failure fails the Job at once
+        labels: {team: search}         # added to Job and Pod; ours cannot be overridden
+        annotations: {owner: me}
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+import yaml
+
+from engine.errors import ConfigError, UnknownCapability
+from workers.backends import Worker
+from workers.manifest import spec_problems
+from workers.types import CapabilityName, WorkerName, is_capability_name
+
+if TYPE_CHECKING:
+    from engine.settings import Settings
+
+# No deadline by default would let a pod that never starts (a bad image: ImagePullBackOff)
+# hold its dispatch open for ever; one hour ends it with DeadlineExceeded. `null` opts out.
+DEFAULT_ACTIVE_DEADLINE_S = 3600
+# One pod per dispatch: a failure is reported at once instead of after minutes of pod
+# retries, and work that is not idempotent is not run twice behind the engine's back.
+# Retrying is the engine's decision; a capability that wants pod retries sets backoffLimit.
+DEFAULT_BACKOFF_LIMIT = 0
+
+_EMPTY: Mapping[str, Any] = MappingProxyType({})
+
+
+@dataclass(frozen=True)
+class CapabilitySpec:
+    """How to run one capability: everything `manifest.build_job` needs besides the dispatch."""
+
+    name: CapabilityName
+    worker_name: WorkerName
+    image: str
+    command: tuple[str, ...] = ()
+    args: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=lambda: _EMPTY)
+    resources: Mapping[str, Mapping[str, str]] = field(default_factory=lambda: _EMPTY)
+    namespace: str | None = None
+    active_deadline_seconds: int | None = DEFAULT_ACTIVE_DEADLINE_S
+    backoff_limit: int = DEFAULT_BACKOFF_LIMIT
+    labels: Mapping[str, str] = field(default_factory=lambda: _EMPTY)
+    annotations: Mapping[str, str] = field(default_factory=lambda: _EMPTY)
+
+
+_REQUIRED = ("worker", "image")
+_FIELDS = (
+    "worker", "image", "command", "args", "env", "resources", "namespace",
+    "activeDeadlineSeconds", "backoffLimit", "labels", "annotations",
+)  # fmt: skip
+_YAML_SUFFIXES = (".yaml", ".yml")
+_JSON_SUFFIXES = (".json",)
+
+
+class CapabilityResolver:
+    """The validated capability table. Build it with `from_file`, `from_mapping` or `demo_resolver`."""
+
+    def __init__(self, specs: Mapping[str, CapabilitySpec], *, source: str) -> None:
+        """Prefer the `from_*` constructors; this one checks the specs but not the raw config."""
+        problems = [] if specs else [f"{source}: no capability is defined"]
+        for name, spec in specs.items():
+            if spec.name != name:
+                problems.append(f"{source}: capability {name!r}: field 'name': the spec is named {spec.name!r}")
+            problems.extend(f"{source}: capability {name!r}: field {fld!r}: {why}" for fld, why in spec_problems(spec))
+        if problems:
+            raise ConfigError("invalid capability config:\n" + "\n".join(problems))
+        self.source = source
+        self._specs: dict[str, CapabilitySpec] = dict(specs)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> CapabilityResolver:
+        """Load a `.yaml`/`.yml` or `.json` capability file.
+
+        Raises:
+            ConfigError: the file cannot be read or parsed, or any capability is invalid; the
+                message names the file (and the capability and field).
+        """
+        path = Path(path)
+        source = str(path)
+        suffix = path.suffix.lower()
+        if suffix not in _YAML_SUFFIXES + _JSON_SUFFIXES:
+            raise ConfigError(f"{source}: capability file must end in .yaml, .yml or .json")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{source}: cannot read capability file: {e}") from e
+        try:
+            data = _load_yaml(text) if suffix in _YAML_SUFFIXES else _load_json(text)
+        except (yaml.YAMLError, ValueError) as e:
+            raise ConfigError(f"{source}: not valid {'YAML' if suffix in _YAML_SUFFIXES else 'JSON'}: {e}") from e
+        return cls.from_mapping(data, source=source)
+
+    @classmethod
+    def from_mapping(cls, data: object, *, source: str = "<inline>") -> CapabilityResolver:
+        """Build from already-parsed config (`{"capabilities": {...}}`).
+
+        Raises:
+            ConfigError: listing every problem, each naming `source`, capability and field.
+        """
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"{source}: the top level must be a mapping with a 'capabilities' key")
+        unknown = sorted(str(k) for k in data if k != "capabilities")
+        if unknown:
+            raise ConfigError(f"{source}: unknown top-level keys {unknown} (only 'capabilities' is allowed)")
+        table = data.get("capabilities")
+        if not isinstance(table, Mapping) or not table:
+            raise ConfigError(f"{source}: 'capabilities' must be a non-empty mapping of name -> fields")
+        problems: list[str] = []
+        specs: dict[str, CapabilitySpec] = {}
+        for name, fields in table.items():
+            spec = _parse_capability(name, fields, problems=problems, source=source)
+            if spec is not None:
+                specs[name] = spec
+        if problems:
+            raise ConfigError("invalid capability config:\n" + "\n".join(problems))
+        return cls(specs, source=source)
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> CapabilityResolver:
+        """The file named by `K8S_DISPATCH_CAPABILITIES`, else the demo capabilities."""
+        if settings.capabilities is None:
+            return demo_resolver()
+        return cls.from_file(settings.capabilities)
+
+    def spec(self, capability: str) -> CapabilitySpec:
+        """Raises: UnknownCapability."""
+        try:
+            return self._specs[capability]
+        except KeyError:
+            known = ", ".join(sorted(self._specs))
+            raise UnknownCapability(f"unknown capability {capability!r} (known in {self.source}: {known})") from None
+
+    def worker_for(self, capability: str) -> WorkerName:
+        """Raises: UnknownCapability."""
+        return self.spec(capability).worker_name
+
+    def capabilities(self) -> frozenset[CapabilityName]:
+        return frozenset(CapabilityName(name) for name in self._specs)
+
+    def workers(self) -> tuple[Worker, ...]:
+        """Each worker named in the config with the capabilities it serves, sorted by name."""
+        served: dict[WorkerName, set[CapabilityName]] = {}
+        for spec in self._specs.values():
+            served.setdefault(spec.worker_name, set()).add(spec.name)
+        return tuple(Worker(name, frozenset(caps)) for name, caps in sorted(served.items()))
+
+    def namespaces(self, default: str) -> frozenset[str]:
+        """Every namespace a Job may be created in: what to list when polling."""
+        return frozenset(spec.namespace or default for spec in self._specs.values())
+
+    def __contains__(self, capability: object) -> bool:
+        return capability in self._specs
+
+    def __repr__(self) -> str:
+        return f"CapabilityResolver(source={self.source!r}, capabilities={sorted(self._specs)})"
+
+
+# --- parsing one capability ------------------------------------------------------------
+
+
+class _Problems:
+    """Collects `file: capability: field: why` lines for one capability."""
+
+    def __init__(self, lines: list[str], *, source: str, name: object) -> None:
+        self.lines, self.source, self.name = lines, source, name
+        self.count = 0
+
+    def add(self, field_name: str, why: str) -> None:
+        self.count += 1
+        self.lines.append(f"{self.source}: capability {self.name!r}: field {field_name!r}: {why}")
+
+
+def _parse_capability(name: object, fields: object, *, problems: list[str], source: str) -> CapabilitySpec | None:
+    report = _Problems(problems, source=source, name=name)
+    if not is_capability_name(name):
+        report.add("name", "must be 1..128 letters, digits and -_.:/, starting and ending with a letter or digit")
+    if not isinstance(fields, Mapping):
+        report.add("(all)", f"must be a mapping of fields, not {_kind(fields)}")
+        return None
+    for key in fields:
+        if key not in _FIELDS:
+            report.add(str(key), f"unknown field (known: {', '.join(_FIELDS)})")
+    for key in _REQUIRED:
+        if key not in fields:
+            report.add(key, "is required")
+
+    def text(key: str, *, optional: bool = False) -> Any:
+        value = fields.get(key)
+        if value is None and (optional or key not in fields):
+            return None
+        if not isinstance(value, str):
+            report.add(key, f"must be a string, not {_kind(value)}")
+            return None
+        return value
+
+    def strings(key: str) -> tuple[str, ...]:
+        value = fields.get(key, [])
+        if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+            report.add(key, "must be a list of strings (quote numbers)")
+            return ()
+        return tuple(value)
+
+    def string_map(key: str) -> Mapping[str, str]:
+        value = fields.get(key, {})
+        if not isinstance(value, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+        ):
+            report.add(key, "must be a mapping of strings to strings (quote numbers and booleans)")
+            return _EMPTY
+        return MappingProxyType(dict(value))
+
+    def integer(key: str, default: int | None) -> int | None:
+        if key not in fields:
+            return default
+        value = fields[key]
+        if value is None and key == "activeDeadlineSeconds":
+            return None
+        if isinstance(value, bool) or not isinstance(value, int):
+            report.add(key, f"must be an integer, not {_kind(value)}")
+            return default
+        return value
+
+    worker = text("worker")
+    image = text("image")
+    spec = CapabilitySpec(
+        name=CapabilityName(str(name)),
+        worker_name=WorkerName(worker or ""),
+        image=image or "",
+        command=strings("command"),
+        args=strings("args"),
+        env=string_map("env"),
+        resources=_resources(fields.get("resources", {}), report),
+        namespace=text("namespace", optional=True),
+        active_deadline_seconds=integer("activeDeadlineSeconds", DEFAULT_ACTIVE_DEADLINE_S),
+        backoff_limit=integer("backoffLimit", DEFAULT_BACKOFF_LIMIT) or 0,
+        labels=string_map("labels"),
+        annotations=string_map("annotations"),
+    )
+    if report.count:
+        return None  # value checks on half-parsed fields would only repeat the type errors
+    for fld, why in spec_problems(spec):
+        report.add(fld, why)
+    return None if report.count else spec
+
+
+def _resources(value: object, report: _Problems) -> Mapping[str, Mapping[str, str]]:
+    """Resource quantities as strings; plain numbers are accepted, as Kubernetes does."""
+    if not isinstance(value, Mapping):
+        report.add("resources", f"must be a mapping with 'requests' and/or 'limits', not {_kind(value)}")
+        return _EMPTY
+    out: dict[str, Mapping[str, str]] = {}
+    for kind, amounts in value.items():
+        if not isinstance(amounts, Mapping):
+            report.add("resources", f"{kind!r} must map resource names to quantities, not {_kind(amounts)}")
+            continue
+        converted: dict[str, str] = {}
+        for resource, quantity in amounts.items():
+            if isinstance(quantity, bool) or not isinstance(quantity, (str, int, float)):
+                report.add("resources", f"{kind}: {resource!r}: {quantity!r} is not a quantity (like 100m, 64Mi, 2)")
+            else:
+                converted[str(resource)] = str(quantity)
+        out[str(kind)] = MappingProxyType(converted)
+    return MappingProxyType(out)
+
+
+def _kind(value: object) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _load_json(text: str) -> object:
+    def no_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
+        keys = [k for k, _ in pairs]
+        duplicates = sorted({k for k in keys if keys.count(k) > 1})
+        if duplicates:
+            raise ValueError(f"duplicate keys {duplicates}")
+        return dict(pairs)
+
+    return json.loads(text, object_pairs_hook=no_duplicates)
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses duplicate keys instead of silently keeping the last one."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        self.flatten_mapping(node)
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                duplicate = key in seen
+                seen.add(key)
+            except TypeError:  # an unhashable key: the base class reports it
+                continue
+            if duplicate:
+                raise yaml.constructor.ConstructorError(
+                    "while constructing a mapping", node.start_mark, f"found duplicate key {key!r}", key_node.start_mark
+                )
+        return super().construct_mapping(node, deep=deep)
+
+
+def _load_yaml(text: str) -> object:
+    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+
+
+# --- the demo capabilities -------------------------------------------------------------
+
+DEMO_IMAGE = "k8s-dispatch:latest"
+DEMO_FUNCTIONS = {
+    "demo.wordcount": ("demo-text", "workers.demo_functions:wordcount"),
+    "demo.sha256": ("demo-text", "workers.demo_functions:sha256"),
+    "demo.primes": ("demo-math", "workers.demo_functions:primes"),
+}
+
+
+def demo_config(*, image: str = DEMO_IMAGE, python: str = "python") -> dict[str, Any]:
+    """The demo capabilities as config data: extend it and pass it to `from_mapping`.
+
+    `python` is the interpreter the container runs: "python" in the project's image; in
+    localcluster's exec mode, `sys.executable` so the Job's process finds this package.
+    """
+    return {
+        "capabilities": {
+            name: {
+                "worker": worker,
+                "image": image,
+                "command": [python, "-m", "workers.runner"],
+                "args": [function],
+                "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}, "limits": {"memory": "128Mi"}},
+                "activeDeadlineSeconds": 120,
+                "backoffLimit": 0,
+            }
+            for name, (worker, function) in DEMO_FUNCTIONS.items()
+        }
+    }
+
+
+def demo_resolver(*, image: str = DEMO_IMAGE, python: str = "python") -> CapabilityResolver:
+    """Three capabilities doing small, checkable work (see `workers/demo_functions.py`)."""
+    return CapabilityResolver.from_mapping(demo_config(image=image, python=python), source="<demo>")
