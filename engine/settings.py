@@ -42,6 +42,9 @@ class Settings(BaseSettings):
     poll_page_size: int = Field(default=500, gt=0, le=10_000)
     sweep_interval_s: float = Field(default=30.0, gt=0)
     sweep_grace_s: float = Field(default=30.0, ge=0)
+    # Actions of one page that a recovery sweep carries out at once (they wait on the API,
+    # the DB and Redis); 1 = one after the other.
+    sweep_concurrency: int = Field(default=8, ge=1, le=64)
     guard_lease_ms: int = Field(default=60_000, gt=0)
     max_job_attempts: int = Field(default=3, ge=1)
     orphan_policy: OrphanPolicy = OrphanPolicy.REPORT

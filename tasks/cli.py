@@ -7,6 +7,7 @@ start fast and never touch the broker, the database or the cluster on their own.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import click
 
@@ -61,7 +62,7 @@ def schedule(
     from engine import store
     from engine.db import make_engine, make_sessionmaker, transaction
     from engine.settings import get_settings
-    from tasks.jobs import schedule_in_session
+    from tasks.scheduling import schedule_in_session
     from workers.resolver import CapabilityResolver
 
     try:
@@ -138,6 +139,99 @@ def recover(dry_run: bool, as_json: bool) -> int:
         report = run_sweep(runtime, dry_run=dry_run)
     click.echo(json.dumps(report.to_dict(), indent=2) if as_json else report.table())
     return EXIT_FAILED if report.errors else EXIT_OK
+
+
+@cli.command()
+@click.option("--failures", default=10, show_default=True, type=click.IntRange(min=0), help="Latest failures to list.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def status(failures: int, as_json: bool) -> None:
+    """Dispatches by state, the oldest one pending and the latest failures with their reasons."""
+    import json
+
+    from rich.console import Console
+
+    from engine.db import make_engine, make_sessionmaker, transaction
+    from engine.models import utcnow
+    from engine.settings import get_settings
+    from tasks.status import read_status, render
+
+    engine = make_engine(get_settings().database_url)
+    try:
+        with transaction(make_sessionmaker(engine)) as session:
+            report = read_status(session, now=utcnow(), failures=failures)
+    finally:
+        engine.dispose()
+    if as_json:
+        click.echo(json.dumps(report.to_dict(), indent=2))
+    else:
+        Console().print(render(report))
+
+
+@cli.command()
+@click.option("--count", default=30, show_default=True, type=click.IntRange(3, 500), help="Dispatches to run.")
+@click.option(
+    "--broker",
+    type=click.Choice(["auto", "redis", "embedded"]),
+    default="auto",
+    show_default=True,
+    help="auto: the Redis at K8S_DISPATCH_REDIS_URL if it answers, else an embedded one.",
+)
+@click.option("--timeout", "timeout_s", default=90.0, show_default=True, help="Seconds before the demo gives up.")
+@click.option("--keep", is_flag=True, help="Keep the demo's temporary directory (logs, database) and print it.")
+def demo(count: int, broker: str, timeout_s: float, keep: bool) -> int:
+    """Run the whole system on embedded defaults, kill its worker mid-run, prove nothing was lost.
+
+    Exits 0 only if every dispatch ended exactly once with the right output.
+    """
+    from tasks.demo import run_demo
+
+    summary = run_demo(count=count, broker=broker, timeout_s=timeout_s, keep=keep)
+    return EXIT_OK if summary.ok else EXIT_FAILED
+
+
+@cli.command()
+@click.option("--dispatches", default=1000, show_default=True, type=click.IntRange(min=1), help="How many to schedule.")
+@click.option("--workers", default=3, show_default=True, type=click.IntRange(min=1), help="Worker processes.")
+@click.option("--seed", default=None, type=int, help="Seed of the fault schedule and the work mix (default: random).")
+@click.option("--mode", type=click.Choice(["simulate", "exec"]), default="simulate", show_default=True,
+              help="localcluster runs the Jobs' pods as processes (exec) or simulates them.")
+@click.option("--rate", default=10.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="Dispatches per second from the feeder.")
+@click.option("--kills", default=20, show_default=True, type=click.IntRange(min=0), help="SIGKILLs of a worker or beat.")
+@click.option("--deadline", default=300.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="Seconds to converge once the faults stop.")
+@click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Also write the result as JSON here.")
+@click.option("--database-url", default=None, help="Use this PostgreSQL database (default: a fresh one, dropped after).")
+@click.option("--work-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Keep logs and cluster state here (default: a temp dir, kept only if the run fails).")
+@click.option("--show-plan", is_flag=True, help="Print the seed's fault schedule and exit; run nothing.")
+def chaos(dispatches: int, workers: int, seed: int | None, mode: str, rate: float, kills: int, deadline: float,
+          json_out: Path | None, database_url: str | None, work_dir: Path | None, show_plan: bool) -> int:  # fmt: skip
+    """Run the system under abuse (kills, a broker flush, API faults and restart, a DB connection
+    kill) against real PostgreSQL, Redis and localcluster; check nothing is lost, doubled, wrong or
+    left over. Ends with one `chaos: ...` line; exits 1 if any check fails."""
+    import json
+    import random
+
+    from rich.console import Console
+
+    from tasks.chaos import ChaosOptions, fault_plan, render, run
+
+    options = ChaosOptions(
+        dispatches=dispatches, workers=workers, seed=seed if seed is not None else random.SystemRandom().randrange(10**6),
+        mode=mode, rate=rate, kills=kills, deadline_s=deadline, database_url=database_url, work_dir=work_dir,
+    )  # fmt: skip
+    if show_plan:
+        click.echo(f"seed {options.seed}: faults over {options.window_s:g}s\n{fault_plan(options).describe()}")
+        return EXIT_OK
+    err = Console(stderr=True)
+    result = run(options, progress=lambda line: err.print(line, highlight=False))
+    render(result, Console())
+    if json_out is not None:
+        json_out.write_text(json.dumps(result.to_dict(), indent=2) + "\n")
+    click.echo(result.final_line())
+    return EXIT_OK if result.ok else EXIT_FAILED
 
 
 def _redacted(url: str) -> str:

@@ -1,0 +1,119 @@
+"""Celery settings for every k8s-dispatch process (worker, beat, Flower), all from K8S_DISPATCH_*.
+
+Read by `tasks/app.py` (`config_from_object("celeryconfig")`). What makes delivery safe lives
+here: late acks and re-queue on a lost worker (every task is idempotent), a visibility timeout,
+one prefetched message per thread, the named queues and routes, the beat schedule and events
+for Flower. `config(settings)` builds the same mapping for any settings (a producer in another
+process, the tests).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from kombu import Queue
+
+from engine.settings import Settings, get_settings
+
+# --- queues and task names ---------------------------------------------------------------
+JOBS_QUEUE = "k8s-dispatch.jobs"  # schedule, create_job, cancel
+COMPLETE_QUEUE = "k8s-dispatch.complete"  # complete: apart, so a burst of creates cannot delay results
+SWEEP_QUEUE = "k8s-dispatch.sweep"  # poll and the recovery sweep
+
+SCHEDULE_TASK = "k8s-dispatch.schedule"
+CREATE_JOB_TASK = "k8s-dispatch.create_job"
+CANCEL_TASK = "k8s-dispatch.cancel"
+POLL_TASK = "k8s-dispatch.poll"
+COMPLETE_TASK = "k8s-dispatch.complete"
+SWEEP_TASK = "k8s-dispatch.sweep"  # the recovery sweep (tasks/recovery_tasks.py)
+
+
+def state_dir(settings: Settings) -> Path:
+    """Beat's bookkeeping (last run times), out of the source tree; one per key prefix."""
+    return Path(tempfile.gettempdir()) / f"k8s-dispatch-{settings.key_prefix}"
+
+
+def config(settings: Settings) -> dict[str, Any]:
+    """The Celery settings for `settings`."""
+    return {
+        # --- broker ------------------------------------------------------------------
+        "broker_url": settings.effective_broker_url,
+        "broker_connection_retry_on_startup": True,
+        "broker_transport_options": {
+            # An unacknowledged message (its worker died mid-task) is delivered again after this.
+            "visibility_timeout": settings.broker_visibility_timeout_s,
+            # Every broker key (queues, unacked hash, fanout channels) under our prefix, so
+            # several deployments or test runs share one Redis without meeting.
+            "global_keyprefix": f"{settings.key_prefix}:",
+        },
+        # Results travel as events in the database, never through Celery.
+        "task_ignore_result": True,
+        "result_backend": None,
+        # --- delivery semantics ------------------------------------------------------
+        # Acknowledge after the task ran: a worker killed mid-task leaves the message to be
+        # delivered again. Safe only because every task is idempotent (deterministic Job
+        # names, guarded completions, a unique terminal event).
+        "task_acks_late": True,
+        "task_reject_on_worker_lost": True,
+        "worker_prefetch_multiplier": 1,
+        # With late acks, a task running when the broker connection drops is redelivered
+        # anyway: cancel it rather than let it finish twice.
+        "worker_cancel_long_running_tasks_on_connection_loss": True,
+        "task_serializer": "json",
+        "accept_content": ["json"],
+        # --- worker --------------------------------------------------------------------
+        # Threads, not prefork: the tasks wait on the API server, PostgreSQL and Redis. And a
+        # worker is then ONE process, so a SIGKILL (the crash tests', the OOM killer's) takes
+        # down exactly the process that held the messages, with no pool of children to
+        # orphan or respawn.
+        "worker_pool": "threads",
+        "worker_concurrency": settings.worker_concurrency,
+        # Time limits are enforced by the prefork pool only; under threads every I/O call
+        # has its own timeout (Kubernetes requests, Redis sockets, database connects), which
+        # is what bounds a task. Declared for anyone running `--pool prefork`.
+        "task_time_limit": 300,
+        "task_soft_time_limit": 240,
+        # Events for Flower: task-sent from producers, the rest from workers.
+        "worker_send_task_events": True,
+        "task_send_sent_event": True,
+        # --- queues and routes ---------------------------------------------------------
+        # A worker consumes every queue listed here unless told otherwise (-Q).
+        "task_queues": (Queue(JOBS_QUEUE), Queue(COMPLETE_QUEUE), Queue(SWEEP_QUEUE)),
+        "task_default_queue": JOBS_QUEUE,
+        "task_create_missing_queues": True,  # the engine's notify queue, declared when sent to
+        "task_routes": {
+            SCHEDULE_TASK: {"queue": JOBS_QUEUE},
+            CREATE_JOB_TASK: {"queue": JOBS_QUEUE},
+            CANCEL_TASK: {"queue": JOBS_QUEUE},
+            COMPLETE_TASK: {"queue": COMPLETE_QUEUE},
+            POLL_TASK: {"queue": SWEEP_QUEUE},
+            SWEEP_TASK: {"queue": SWEEP_QUEUE},
+        },
+        # --- beat ----------------------------------------------------------------------
+        "beat_schedule_filename": str(state_dir(settings) / "celerybeat-schedule"),
+        "beat_schedule": {
+            "poll": {
+                "task": POLL_TASK,
+                "schedule": timedelta(seconds=settings.poll_interval_s),
+                # A poll that waited long (workers busy or down) is superseded by later ones:
+                # dropped, so a stall never leaves a backlog of polls behind it.
+                "options": {"queue": SWEEP_QUEUE, "expires": max(2 * settings.poll_interval_s, 5.0)},
+            },
+            "sweep": {
+                "task": SWEEP_TASK,
+                "schedule": timedelta(seconds=settings.sweep_interval_s),
+                # The recovery sweep (workers also run one as they start); a sweep older
+                # than one interval is superseded by the next one.
+                "options": {"queue": SWEEP_QUEUE, "expires": settings.sweep_interval_s},
+            },
+        },
+    }
+
+
+# The module's own settings, for `config_from_object("celeryconfig")`.
+_settings = get_settings()
+state_dir(_settings).mkdir(parents=True, exist_ok=True)
+globals().update(config(_settings))

@@ -1,0 +1,99 @@
+"""The Celery app, and the one `Runtime` of a worker process, built when the worker starts.
+
+Settings come from `celeryconfig` (read lazily, on first use of `app.conf`). The worker-init
+hook builds the Runtime before the worker consumes anything, so a broken capability file
+stops the process at start with the file, capability and field in the message, and start-up
+recovery finds the resolver ready.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+from typing import TYPE_CHECKING, Any
+
+from celery import Celery, signals
+
+if TYPE_CHECKING:
+    from engine.settings import Settings
+    from recovery.runtime import Notifier, Runtime
+
+log = logging.getLogger(__name__)
+
+EXIT_CONFIG = 3  # as the CLI's: invalid configuration, nothing was done
+
+app = Celery("k8s-dispatch", include=["tasks.jobs", "tasks.recovery_tasks"])
+app.config_from_object("celeryconfig")
+
+_runtime: Runtime | None = None
+_runtime_lock = threading.Lock()
+
+
+def get_runtime() -> Runtime:
+    """This process's Runtime, built on first use (at worker start in a worker)."""
+    global _runtime
+    with _runtime_lock:
+        if _runtime is None:
+            from engine.settings import get_settings
+            from recovery.runtime import Runtime
+
+            settings = get_settings()
+            _runtime = Runtime.from_settings(settings, notifier=celery_notifier(settings))
+        return _runtime
+
+
+def celery_notifier(settings: Settings, *, via: Celery | None = None) -> Notifier:
+    """Sends the engine's task (`notify_task` on `notify_queue`) with the dispatch id.
+
+    `via`: the Celery app to send with (default: this package's `app`).
+    """
+    from kombu.exceptions import OperationalError
+
+    from engine.errors import BrokerUnavailable
+
+    sender = via if via is not None else app
+
+    def notify(dispatch_id: str) -> None:
+        try:
+            sender.send_task(settings.notify_task, args=[dispatch_id], queue=settings.notify_queue)
+        except OperationalError as e:
+            raise BrokerUnavailable(f"sending {settings.notify_task} for {dispatch_id}: {e}") from e
+
+    return notify
+
+
+@signals.worker_init.connect
+def _build_runtime_at_start(**_: Any) -> None:
+    from engine.errors import ConfigError
+
+    try:
+        get_runtime()
+    except ConfigError as e:
+        # Celery logs and swallows exceptions from signal handlers; SystemExit it lets through.
+        # Printed, not logged: stderr is where a supervisor looks, whatever --logfile says.
+        print(f"k8s-dispatch worker cannot start: {e.reason}: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_CONFIG) from e
+
+
+@signals.worker_init.connect
+def _serve_metrics(**_: Any) -> None:
+    """Prometheus metrics on K8S_DISPATCH_METRICS_PORT (0: none); a taken port is logged, not fatal."""
+    from engine.settings import get_settings
+    from recovery import metrics
+
+    port = get_settings().metrics_port
+    if port:
+        try:
+            metrics.serve(port)
+        except OSError as e:
+            log.error("metrics endpoint not started on port %d: %s", port, e)
+
+
+@signals.worker_shutdown.connect
+def _close_runtime(**_: Any) -> None:
+    global _runtime
+    with _runtime_lock:
+        if _runtime is not None:
+            _runtime.close()
+            _runtime = None

@@ -1,0 +1,878 @@
+"""The chaos run: the whole system abused on a seeded schedule, then checked for anything lost,
+doubled, wrong or left over (`k8s-dispatch chaos`, `make chaos`).
+
+`run(options)` creates a PostgreSQL database and a Redis key prefix of its own, starts
+`localcluster serve`, W `celery -A tasks worker` processes and `celery -A tasks beat` as a
+user would, and feeds N dispatches at a steady rate while `tasks.fault_plan` kills processes,
+flushes the broker, breaks and restarts the API server and kills database connections. Then
+it stops the faults, waits for convergence and judges the end state (`tasks.chaos_checks`).
+Every process, the database and the keys are removed at the end, whatever happened.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import tempfile
+import threading
+import time
+import urllib.request
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import redis
+import sqlalchemy as sa
+import yaml
+from sqlalchemy.engine import make_url
+
+from engine.errors import DispatchError
+from engine.models import TERMINAL_EVENT_TYPES, CaseEvent, Dispatch
+from tasks.chaos_checks import RowSnapshot, TerminalEvent, Verdict, judge
+from tasks.chaos_workload import Expected, Planned, capabilities_config, expected, workload
+from tasks.fault_plan import BEAT, Fault, FaultKind, FaultPlan, make_plan, worker_names
+from tasks.processes import (
+    LISTENING,
+    ManagedProcess,
+    WaitTimeout,
+    celery_beat,
+    celery_worker,
+    free_port,
+    localcluster_server,
+    wait_for_log,
+    wait_until,
+)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_ADMIN_URL = os.environ.get("K8S_DISPATCH_CHAOS_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+DEFAULT_REDIS_URL = os.environ.get("K8S_DISPATCH_REDIS_URL", "redis://127.0.0.1:6379/0")
+NAMESPACE = "chaos"
+LOCALCLUSTER = "localcluster"
+# The application_name of the workers' database connections: what the DB_KILL fault kills.
+WORKER_DB_APP = "k8s-dispatch-worker"
+HARNESS_DB_APP = "k8s-dispatch-chaos"
+# The deployment under test, configured as an operator would: short intervals, so that what
+# only the recovery sweep can fix (messages lost with a killed worker or a flushed broker) is
+# fixed within the run's deadline.
+DEPLOYMENT_SETTINGS = {
+    "POLL_INTERVAL_S": "1.0",
+    "SWEEP_INTERVAL_S": "5",
+    "SWEEP_GRACE_S": "10",
+    "GUARD_LEASE_MS": "15000",
+    "BROKER_VISIBILITY_TIMEOUT_S": "60",
+    "WORKER_CONCURRENCY": "8",
+}
+START_TIMEOUT_S = 90.0  # a process's start on a busy 2-core machine
+# The engine's side of the `schedule` task: a call whose dispatch is not in the database after
+# this long is sent again (same dispatch id and idempotency key), as a broker may lose it; the
+# wait doubles with each send, so a slow queue is not flooded with copies.
+RESEND_AFTER_S = 15.0
+TICK_S = 0.5
+THREAD_JOIN_S = 60.0
+PROGRESS_EVERY_S = 10.0
+ID_CHUNK = 500
+
+
+@dataclass(frozen=True)
+class ChaosOptions:
+    dispatches: int = 1000
+    workers: int = 3
+    seed: int = 0
+    mode: str = "simulate"
+    rate: float = 10.0  # dispatches per second from the feeder
+    kills: int = 20
+    deadline_s: float = 300.0  # for convergence, once the faults stop
+    broker_flushes: int = 1
+    api_fault_rate: float = 0.05
+    api_latency_ms: int = 20
+    database_url: str | None = None  # use this database (not dropped); default: a fresh one
+    admin_database_url: str = DEFAULT_ADMIN_URL  # where the fresh database is created
+    redis_url: str = DEFAULT_REDIS_URL
+    work_dir: Path | None = None  # logs and cluster state; default: a temp dir, kept if the run fails
+
+    @property
+    def window_s(self) -> float:
+        """The span the faults are spread over: the feeder's run."""
+        return max(self.dispatches / self.rate, 10.0)
+
+
+@dataclass(frozen=True)
+class FaultDone:
+    fault: Fault
+    at_s: float  # when it actually happened
+    detail: str
+    ok: bool = True
+
+
+@dataclass
+class ChaosResult:
+    options: ChaosOptions
+    plan: FaultPlan
+    prefix: str
+    database: str
+    work_dir: Path
+    verdict: Verdict = field(default_factory=Verdict)
+    done: list[FaultDone] = field(default_factory=list)
+    api_faults: int = 0  # error responses the API server injected
+    db_connections_killed: int = 0
+    converged_s: float | None = None  # None: not converged by the deadline
+    feed_s: float = 0.0
+    wall_s: float = 0.0
+    resends: int = 0
+    unexpected_exits: list[str] = field(default_factory=list)
+    stats: dict[str, int] = field(default_factory=dict)
+    error: str | None = None
+
+    def count_done(self, kind: FaultKind) -> int:
+        return sum(1 for d in self.done if d.fault.kind is kind and d.ok)
+
+    @property
+    def kills(self) -> int:
+        return self.count_done(FaultKind.KILL)
+
+    @property
+    def broker_flushes(self) -> int:
+        return self.count_done(FaultKind.BROKER_FLUSH)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.converged_s is not None and self.verdict.ok
+
+    def final_line(self) -> str:
+        v = self.verdict
+        converged = f"{self.converged_s:.1f}" if self.converged_s is not None else "timeout"
+        return (
+            f"chaos: dispatched={v.dispatched} terminal={v.terminal} lost={v.lost} duplicates={v.duplicates} "
+            f"wrong_output={v.wrong_output} leftover_jobs={v.leftover_jobs} kills={self.kills} "
+            f"broker_flushes={self.broker_flushes} api_faults={self.api_faults} converged_s={converged} "
+            f"seed={self.options.seed}"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        v = self.verdict
+        return {
+            "dispatched": v.dispatched,
+            "terminal": v.terminal,
+            "lost": v.lost,
+            "duplicates": v.duplicates,
+            "wrong_output": v.wrong_output,
+            "leftover_jobs": v.leftover_jobs,
+            "held_claims": v.held_claims,
+            "unnotified": v.unnotified,
+            "kills": self.kills,
+            "broker_flushes": self.broker_flushes,
+            "api_faults": self.api_faults,
+            "api_restarts": self.count_done(FaultKind.API_RESTART),
+            "db_kills": self.count_done(FaultKind.DB_KILL),
+            "db_connections_killed": self.db_connections_killed,
+            "converged_s": round(self.converged_s, 1) if self.converged_s is not None else None,
+            "seed": self.options.seed,
+            "ok": self.ok,
+            "error": self.error,
+            "mode": self.options.mode,
+            "workers": self.options.workers,
+            "rate": self.options.rate,
+            "feed_s": round(self.feed_s, 1),
+            "wall_s": round(self.wall_s, 1),
+            "schedule_resends": self.resends,
+            "unexpected_exits": self.unexpected_exits,
+            "outcomes": dict(sorted(v.outcomes.items())),
+            "stats": self.stats,
+            "problems": v.problems,
+            "faults": [
+                {"planned_s": d.fault.at_s, "at_s": round(d.at_s, 3), "kind": d.fault.kind.value,
+                 "target": d.fault.target, "ok": d.ok, "detail": d.detail}
+                for d in self.done
+            ],  # fmt: skip
+            "prefix": self.prefix,
+            "database": self.database,
+            "work_dir": str(self.work_dir),
+        }
+
+
+def fault_plan(options: ChaosOptions) -> FaultPlan:
+    """The run's fault schedule: a function of the seed and the options alone."""
+    return make_plan(
+        options.seed,
+        window_s=options.window_s,
+        kills=options.kills,
+        targets=[*worker_names(options.workers), BEAT],
+        broker_flushes=options.broker_flushes,
+        api_fault_rate=options.api_fault_rate,
+        api_latency_ms=options.api_latency_ms,
+    )
+
+
+class _Stop(Exception):
+    """The run is stopping (Ctrl-C, SIGTERM, an error): a fault not yet begun is not begun."""
+
+
+def run(options: ChaosOptions, *, progress: Callable[[str], None] = lambda _: None) -> ChaosResult:
+    """One chaos run; cleans up every process, the database and the Redis keys before returning.
+
+    Raises:
+        KeyboardInterrupt: Ctrl-C or SIGTERM (after the clean-up).
+    """
+    if options.dispatches < 1 or options.workers < 1 or options.rate <= 0:
+        raise ValueError("dispatches and workers must be >= 1 and rate > 0")
+    if options.mode not in ("simulate", "exec"):
+        raise ValueError(f"mode must be simulate or exec, got {options.mode!r}")
+    tag = uuid.uuid4().hex[:8]
+    plan = fault_plan(options)
+    work_dir = options.work_dir or Path(tempfile.mkdtemp(prefix=f"k8s-dispatch-chaos-{tag}-"))
+    work_dir.mkdir(parents=True, exist_ok=True)
+    result = ChaosResult(
+        options=options, plan=plan, prefix=f"k8s-dispatch-chaos-{tag}", database="", work_dir=work_dir
+    )
+    started = time.monotonic()
+    try:
+        with _sigterm_as_interrupt(), _Run(options, result, tag=tag, progress=progress) as chaos:
+            chaos.execute()
+    except (DispatchError, WaitTimeout, RuntimeError, OSError, redis.RedisError, psycopg.Error) as e:
+        # The harness itself could not go on (a service down, a process that never started).
+        result.error = f"{e.__class__.__name__}: {e}"
+    finally:
+        result.wall_s = time.monotonic() - started
+        if result.ok and options.work_dir is None:
+            shutil.rmtree(work_dir, ignore_errors=True)
+    return result
+
+
+@contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM stops the run as Ctrl-C does, so its clean-up runs (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+class _Run:
+    """The resources of one run and the steps that use them; `__exit__` releases them all."""
+
+    def __init__(self, options: ChaosOptions, result: ChaosResult, *, tag: str, progress: Callable[[str], None]) -> None:
+        self.options = options
+        self.result = result
+        self.tag = tag
+        self.progress = progress
+        self.prefix = result.prefix
+        self.dir = result.work_dir
+        self.stack = ExitStack()
+        self.stop = threading.Event()
+        self.proc_lock = threading.RLock()
+        self.procs: dict[str, ManagedProcess] = {}
+        self.planned = workload(options.seed, options.dispatches, tag=tag)
+        self.ids: dict[int, str] = {}  # planned index -> dispatch id, once scheduled
+        self.sent_at: dict[str, float] = {}  # dispatch id -> last `schedule` task send (task path)
+        self.sends: Counter[str] = Counter()  # dispatch id -> `schedule` task sends
+        self.recorded: set[str] = set()  # task-path dispatch ids seen in the database
+        self.ids_lock = threading.Lock()
+        self.api_faults_now = (0.0, 0)
+        self.api_injected_before_restarts = 0
+        self.feed_error: BaseException | None = None
+        self.threads: list[threading.Thread] = []
+        self.t0 = 0.0
+
+    # --- set-up and tear-down ------------------------------------------------------------
+
+    def __enter__(self) -> _Run:
+        try:
+            self._set_up()
+        except BaseException:
+            self.stack.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        # The feeder and the fault thread finish what they are doing (a fault started while
+        # we stop the processes could start one again behind our back), then everything goes.
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(timeout=THREAD_JOIN_S)
+        with self.proc_lock:
+            self.stack.close()
+
+    def _set_up(self) -> None:
+        from engine.migrate import upgrade
+        from engine.settings import load_settings
+        from workers.kube import KubeClient
+
+        options = self.options
+        self.redis = redis.Redis.from_url(options.redis_url, socket_timeout=10, socket_connect_timeout=10)
+        self.stack.callback(self.redis.close)
+        self.stack.callback(self._delete_keys)
+        self.redis.ping()
+
+        self.db_url = options.database_url or self._create_database()
+        self.result.database = make_url(self.db_url).database or ""
+        upgrade(self.db_url)
+
+        caps_path = self.dir / "capabilities.yaml"
+        caps_path.write_text(yaml.safe_dump(capabilities_config(options.mode)))
+        self.kubeconfig = self.dir / "kubeconfig"
+        port, tls_port = free_port(), free_port()
+        values = {
+            "K8S_DISPATCH_DATABASE_URL": _with_app_name(self.db_url, WORKER_DB_APP),
+            "K8S_DISPATCH_REDIS_URL": options.redis_url,
+            "K8S_DISPATCH_KEY_PREFIX": self.prefix,
+            "K8S_DISPATCH_NAMESPACE": NAMESPACE,
+            "K8S_DISPATCH_CAPABILITIES": str(caps_path),
+            "K8S_DISPATCH_KUBECONFIG": str(self.kubeconfig),
+            **{f"K8S_DISPATCH_{k}": v for k, v in DEPLOYMENT_SETTINGS.items()},
+        }
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("K8S_DISPATCH_")} | values
+        self.settings = load_settings(values)
+        self.stack.callback(self._remove_beat_state_dir)
+
+        cluster = localcluster_server(
+            log_dir=self.dir, kubeconfig=self.kubeconfig, mode=options.mode,
+            state=self.dir / "cluster-state.jsonl", port=port, tls_port=tls_port, env=self.env,
+        )  # fmt: skip
+        self._add(cluster)
+        cluster.start()
+        wait_for_log(cluster, LISTENING, timeout=START_TIMEOUT_S)
+        self.token = _token(self.kubeconfig)
+        self.api_url = f"http://127.0.0.1:{port}"  # the faults endpoint, on the http listener
+        self.kube = KubeClient(self.kubeconfig, timeout_s=10)
+        self.stack.callback(self.kube.close)
+
+        self._create_engine_side()
+        for name in worker_names(options.workers):
+            self._add(celery_worker(name, env=self.env, log_dir=self.dir, concurrency=self.settings.worker_concurrency))
+        self._add(celery_beat(env=self.env, log_dir=self.dir, name=BEAT))
+        for name, proc in self.procs.items():
+            if name != LOCALCLUSTER:
+                proc.start()
+        for name, proc in self.procs.items():
+            if name != LOCALCLUSTER:
+                wait_for_log(proc, " ready." if name != BEAT else "beat: Starting", timeout=START_TIMEOUT_S)
+        self.progress(
+            f"chaos: {options.workers} workers, beat and localcluster ({options.mode}) up; "
+            f"database {self.result.database}, prefix {self.prefix}, logs in {self.dir}"
+        )
+
+    def _add(self, proc: ManagedProcess) -> None:
+        self.procs[proc.name] = proc
+        self.stack.callback(proc.stop)
+
+    def _create_database(self) -> str:
+        name = f"k8s_dispatch_chaos_{self.tag}"
+        admin_url = self.options.admin_database_url
+        with psycopg.connect(_conninfo(admin_url), autocommit=True, connect_timeout=10) as admin:
+            admin.execute(f'CREATE DATABASE "{name}"')
+        self.stack.callback(_drop_database, admin_url, name)
+        return make_url(admin_url).set(database=name).render_as_string(hide_password=False)
+
+    def _create_engine_side(self) -> None:
+        """The engine's connection (its own application_name: the DB_KILL spares it) and cases."""
+        from celery import Celery
+
+        import celeryconfig
+        from engine import store
+        from engine.db import make_engine, make_sessionmaker, transaction
+        from tasks.chaos_workload import cases
+
+        self.engine = make_engine(_with_app_name(self.db_url, HARNESS_DB_APP))
+        self.stack.callback(self.engine.dispose)
+        self.sessions = make_sessionmaker(self.engine)
+        self.producer = Celery("k8s-dispatch-chaos-engine", set_as_current=False)
+        self.producer.conf.update(celeryconfig.config(self.settings))
+        self.stack.callback(self.producer.close)
+        with transaction(self.sessions) as session:
+            for case_id, tenancy_id in cases(self.tag):
+                store.create_case(session, case_id=case_id, tenancy_id=tenancy_id)
+
+    def _delete_keys(self) -> None:
+        try:
+            _delete_prefix(self.redis, self.prefix)
+        except redis.RedisError as e:
+            log.warning("could not delete the run's keys under %s: %s", self.prefix, e)
+
+    def _remove_beat_state_dir(self) -> None:
+        import celeryconfig
+
+        shutil.rmtree(celeryconfig.state_dir(self.settings), ignore_errors=True)
+
+    # --- the run -------------------------------------------------------------------------
+
+    def execute(self) -> None:
+        result = self.result
+        self.t0 = time.monotonic()
+        feeder = threading.Thread(target=self._feed, name="chaos-feeder", daemon=True)
+        faults = threading.Thread(target=self._inject_faults, name="chaos-faults", daemon=True)
+        self.threads = [feeder, faults]
+        feeder.start()
+        faults.start()
+        next_report = time.monotonic() + PROGRESS_EVERY_S
+        while feeder.is_alive() or faults.is_alive():
+            self._tick()
+            if time.monotonic() >= next_report:
+                next_report += PROGRESS_EVERY_S
+                self.progress(f"chaos: {time.monotonic() - self.t0:5.0f}s fed {len(self.ids)}/{len(self.planned)}, "
+                              f"faults {len(result.done)}/{len(result.plan.faults)}")  # fmt: skip
+            time.sleep(TICK_S)
+        feeder.join()
+        faults.join()
+        if self.feed_error is not None:
+            raise self.feed_error
+        # Faults stop: whatever the plan left on is switched off, every process is up.
+        self._set_api_faults(0.0, 0)
+        self._tick()
+        stopped = time.monotonic()
+        self.progress(f"chaos: faults stopped after {stopped - self.t0:.0f}s; waiting for convergence")
+        deadline = stopped + self.options.deadline_s
+        converged = False
+        next_report = time.monotonic() + PROGRESS_EVERY_S
+        while time.monotonic() < deadline:
+            self._tick()
+            pending, jobs = self._pending(), self._jobs_left()
+            if pending == 0 and jobs == 0:
+                converged = True
+                break
+            if time.monotonic() >= next_report:
+                next_report += PROGRESS_EVERY_S
+                self.progress(f"chaos: converging: {pending} dispatches not ended and notified, {jobs} jobs left")
+            time.sleep(TICK_S)
+        if converged:
+            result.converged_s = time.monotonic() - stopped
+            # A claim is released by its holder or expires with its lease: none may stay longer.
+            lease_s = self.settings.guard_lease_ms / 1000
+            try:
+                wait_until(lambda: not self._claims(), timeout=lease_s + 5, interval=TICK_S, what="no guard claim")
+            except WaitTimeout:
+                pass  # judged below
+        self._judge()
+
+    def _tick(self) -> None:
+        """Restart what died on its own (and say so); send lost `schedule` calls again."""
+        with self.proc_lock:
+            for name, proc in self.procs.items():
+                if not proc.alive:
+                    note = f"{name} exited by itself with code {proc.returncode} (restarted)"
+                    log.warning("%s\n%s", note, proc.log_tail(20))
+                    self.result.unexpected_exits.append(note)
+                    self._restart(proc)
+        self._resend_unrecorded()
+
+    def _restart(self, proc: ManagedProcess) -> None:
+        proc.start()
+        if proc.name == LOCALCLUSTER:
+            wait_for_log(proc, LISTENING, timeout=START_TIMEOUT_S)
+            try:
+                self._set_api_faults(*self.api_faults_now)  # a new server starts without faults
+            except OSError as e:
+                log.warning("could not set the API faults again after a restart: %s", e)
+
+    # --- the feeder (the engine) -----------------------------------------------------------
+
+    def _feed(self) -> None:
+        try:
+            for planned in self.planned:
+                if not self._sleep_until(self.t0 + planned.index / self.options.rate):
+                    return
+                self._schedule(planned)
+            self.result.feed_s = time.monotonic() - self.t0
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread, which raises it
+            self.feed_error = e
+
+    def _schedule(self, planned: Planned) -> None:
+        from engine.db import transaction
+        from engine.errors import DatabaseUnavailable
+        from kombu.exceptions import OperationalError
+        from tasks.scheduling import schedule_in_session
+        from workers.resolver import CapabilityResolver
+
+        if planned.via_task:
+            dispatch_id = str(uuid.uuid4())
+            with self.ids_lock:
+                self.ids[planned.index] = dispatch_id
+            try:
+                self._send_schedule(planned, dispatch_id)
+            except OperationalError as e:
+                log.warning("schedule task for %s not sent (%s); sent again later", dispatch_id, e)
+            return
+        resolver = getattr(self, "_resolver", None) or CapabilityResolver.from_settings(self.settings)
+        self._resolver = resolver
+        while not self.stop.is_set():
+            try:
+                with transaction(self.sessions) as session:
+                    scheduled = schedule_in_session(
+                        session,
+                        via=self.producer,
+                        case_id=planned.case_id,
+                        tenancy_id=planned.tenancy_id,
+                        capability=planned.capability,
+                        input=planned.input,
+                        idempotency_key=planned.idempotency_key,
+                        router=resolver,
+                        max_input_bytes=self.settings.max_input_bytes,
+                    )
+            except DatabaseUnavailable as e:  # the engine retries its own transaction
+                log.warning("scheduling %s: %s; retrying", planned.idempotency_key, e)
+                time.sleep(0.2)
+                continue
+            with self.ids_lock:
+                self.ids[planned.index] = scheduled.dispatch_id
+            return
+
+    def _send_schedule(self, planned: Planned, dispatch_id: str) -> None:
+        import celeryconfig as names
+
+        self.sent_at[dispatch_id] = time.monotonic()
+        self.sends[dispatch_id] += 1
+        self.producer.send_task(
+            names.SCHEDULE_TASK,
+            args=[planned.case_id, planned.tenancy_id, planned.capability, planned.input, planned.idempotency_key],
+            kwargs={"dispatch_id": dispatch_id},
+        )
+
+    def _resend_unrecorded(self) -> None:
+        """The engine's half of the `schedule` task: a call not recorded in time is sent again."""
+        from kombu.exceptions import OperationalError
+
+        now = time.monotonic()
+        with self.ids_lock:
+            waiting = {
+                self.ids[p.index]: p
+                for p in self.planned
+                if p.via_task and p.index in self.ids and self.ids[p.index] not in self.recorded
+            }
+        due = {
+            d: p
+            for d, p in waiting.items()
+            if now - self.sent_at.get(d, 0.0) >= RESEND_AFTER_S * 2 ** max(0, self.sends[d] - 1)
+        }
+        if not due:
+            return
+        try:
+            present = self._existing(list(due))
+        except DispatchError as e:
+            log.warning("cannot read dispatches to resend: %s", e)
+            return
+        self.recorded |= present
+        for dispatch_id, planned in due.items():
+            if dispatch_id in present:
+                continue
+            try:
+                self._send_schedule(planned, dispatch_id)
+                self.result.resends += 1
+            except OperationalError as e:
+                log.warning("schedule task for %s not sent again (%s)", dispatch_id, e)
+
+    # --- the faults ------------------------------------------------------------------------
+
+    def _inject_faults(self) -> None:
+        for fault in self.result.plan.faults:
+            if not self._sleep_until(self.t0 + fault.at_s):
+                return
+            at_s = time.monotonic() - self.t0
+            try:
+                detail, ok = self._inject(fault), True
+            except _Stop:
+                return
+            except (DispatchError, OSError, redis.RedisError, psycopg.Error, WaitTimeout, RuntimeError) as e:
+                detail, ok = f"failed: {e.__class__.__name__}: {e}", False
+                log.warning("fault %s failed: %s", fault.describe(), detail)
+            self.result.done.append(FaultDone(fault=fault, at_s=at_s, detail=detail, ok=ok))
+            log.info("fault %s: %s", fault.describe(), detail)
+
+    def _inject(self, fault: Fault) -> str:
+        kind = fault.kind
+        if kind is FaultKind.KILL:
+            with self.proc_lock:
+                if self.stop.is_set():
+                    raise _Stop
+                proc = self.procs[fault.target or ""]
+                pid = proc.pid
+                proc.kill(signal.SIGKILL)
+                proc.start()
+            return f"SIGKILL {fault.target} (pid {pid}); started again (pid {proc.pid})"
+        if kind is FaultKind.BROKER_FLUSH:
+            return self._flush_broker()
+        if kind is FaultKind.API_FAULTS_ON:
+            plan = self.result.plan
+            self._set_api_faults(plan.api_fault_rate, plan.api_latency_ms)
+            return f"{plan.api_fault_rate:.0%} of requests fail (500/503/429), +{plan.api_latency_ms} ms each"
+        if kind is FaultKind.API_FAULTS_OFF:
+            self._set_api_faults(0.0, 0)
+            return "API faults off"
+        if kind is FaultKind.API_RESTART:
+            with self.proc_lock:
+                if self.stop.is_set():
+                    raise _Stop
+                proc = self.procs[LOCALCLUSTER]
+                self.api_injected_before_restarts += self._api_injected()
+                began = time.monotonic()
+                proc.stop()
+                self._restart(proc)
+            return f"stopped and started again on the same state in {time.monotonic() - began:.1f}s"
+        if kind is FaultKind.DB_KILL:
+            killed = self._kill_db_connections()
+            self.result.db_connections_killed += killed
+            return f"pg_terminate_backend on {killed} worker connections"
+        raise AssertionError(f"unknown fault {fault!r}")
+
+    def _flush_broker(self) -> str:
+        """Every key under the run's prefix: queued and unacknowledged messages, bindings, claims."""
+        from recovery.stats import Stats
+
+        for name, value in Stats(self.redis, prefix=self.prefix).all().items():
+            self.result.stats[name] = self.result.stats.get(name, 0) + value  # counted before they go
+        queued = 0
+        for key in self.redis.scan_iter(match=f"{self.prefix}:k8s-dispatch.*", count=500):
+            if self.redis.type(key) == b"list":
+                queued += self.redis.llen(key)
+        unacked = self.redis.hlen(f"{self.prefix}:unacked")
+        deleted = _delete_prefix(self.redis, self.prefix)
+        return f"deleted {deleted} keys: {queued} queued and {unacked} unacknowledged messages lost"
+
+    def _kill_db_connections(self) -> int:
+        with psycopg.connect(_conninfo(self.options.admin_database_url), autocommit=True, connect_timeout=10) as admin:
+            rows = admin.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s AND application_name = %s",
+                (self.result.database, WORKER_DB_APP),
+            ).fetchall()
+        return sum(1 for (killed,) in rows if killed)
+
+    def _set_api_faults(self, rate: float, latency_ms: int) -> None:
+        self.api_faults_now = (rate, latency_ms)
+        self._api_call({"rate": rate, "latency_ms": latency_ms})
+
+    def _api_injected(self) -> int:
+        return int(self._api_call(None).get("injected", 0))
+
+    def _api_call(self, body: dict[str, Any] | None) -> dict[str, Any]:
+        request = urllib.request.Request(
+            f"{self.api_url}/localcluster/faults",
+            data=json.dumps(body).encode() if body is not None else None,
+            method="POST" if body is not None else "GET",
+            headers={"Authorization": f"Bearer {self.token}", "Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return json.loads(response.read())
+
+    def _sleep_until(self, when: float) -> bool:
+        """Wait until `when` (monotonic); False if the run is stopping."""
+        return not self.stop.wait(max(0.0, when - time.monotonic()))
+
+    # --- convergence and the verdict --------------------------------------------------------
+
+    def _dispatch_ids(self) -> list[str]:
+        with self.ids_lock:
+            return list(self.ids.values())
+
+    def _existing(self, ids: list[str]) -> set[str]:
+        from engine.db import transaction
+
+        found: set[str] = set()
+        with transaction(self.sessions) as session:
+            for chunk in _chunks(ids):
+                found.update(session.scalars(sa.select(Dispatch.dispatch_id).where(Dispatch.dispatch_id.in_(chunk))))
+        return found
+
+    def _pending(self) -> int:
+        """Dispatches the engine asked for that have not ended and been notified yet."""
+        from engine.db import transaction
+        from engine.models import TERMINAL_STATES
+
+        ids = self._dispatch_ids()
+        try:
+            with transaction(self.sessions) as session:
+                done = 0
+                for chunk in _chunks(ids):
+                    done += session.scalar(
+                        sa.select(sa.func.count()).where(
+                            Dispatch.dispatch_id.in_(chunk),
+                            Dispatch.state.in_(sorted(TERMINAL_STATES)),
+                            Dispatch.notified_at.is_not(None),
+                        )
+                    ) or 0
+        except DispatchError:
+            return len(ids)
+        return len(self.planned) - done
+
+    def _all_jobs(self) -> list[dict[str, Any]]:
+        return [job for page in self.kube.iter_jobs(NAMESPACE, label_selector="") for job in page]
+
+    def _jobs_left(self) -> int:
+        try:
+            return len(self._all_jobs())
+        except DispatchError:
+            return -1
+
+    def _claims(self) -> list[tuple[str, int]]:
+        keys = list(self.redis.scan_iter(match=f"{self.prefix}:claim:*", count=500))
+        return [(k.decode(), int(self.redis.pttl(k))) for k in keys]
+
+    def _judge(self) -> None:
+        from engine.db import transaction
+        from recovery.stats import Stats
+
+        result = self.result
+        mode = self.options.mode
+        wanted: dict[str, Expected] = {}
+        with self.ids_lock:
+            for planned in self.planned:
+                dispatch_id = self.ids.get(planned.index, f"never-scheduled-{planned.index}")
+                wanted[dispatch_id] = expected(planned.kind, planned.input, mode=mode)
+        rows: dict[str, RowSnapshot] = {}
+        events: dict[str, list[TerminalEvent]] = {}
+        terminal_types = sorted(t.value for t in TERMINAL_EVENT_TYPES)
+        with transaction(self.sessions) as session:
+            for chunk in _chunks(list(wanted)):
+                for row in session.execute(
+                    sa.select(
+                        Dispatch.dispatch_id, Dispatch.state, Dispatch.output, Dispatch.reason, Dispatch.notified_at
+                    ).where(Dispatch.dispatch_id.in_(chunk))
+                ):
+                    rows[row.dispatch_id] = RowSnapshot(
+                        state=str(row.state.value), output=row.output, reason=row.reason, notified=row.notified_at is not None
+                    )
+                for event in session.execute(
+                    sa.select(CaseEvent.dispatch_id, CaseEvent.type, CaseEvent.payload)
+                    .where(CaseEvent.dispatch_id.in_(chunk), CaseEvent.type.in_(terminal_types))
+                    .order_by(CaseEvent.id)
+                ):
+                    events.setdefault(event.dispatch_id, []).append(TerminalEvent(event.type, event.payload))
+        result.verdict = judge(wanted, rows=rows, events=events, jobs=self._all_jobs(), claims=self._claims())
+        counted = Counter(result.stats)
+        counted.update(Stats(self.redis, prefix=self.prefix).all())
+        result.stats = dict(sorted(counted.items()))
+        result.api_faults = self.api_injected_before_restarts + self._api_injected()
+
+
+# --- helpers at the edges ------------------------------------------------------------------------
+
+
+def _chunks(ids: list[str]) -> Iterator[list[str]]:
+    for start in range(0, len(ids), ID_CHUNK):
+        yield ids[start : start + ID_CHUNK]
+
+
+def _conninfo(url: str) -> str:
+    """A libpq URL for psycopg (without a SQLAlchemy driver suffix)."""
+    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
+
+
+def _with_app_name(url: str, app_name: str) -> str:
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "postgresql":
+        return url
+    return parsed.update_query_dict({"application_name": app_name}).render_as_string(hide_password=False)
+
+
+def _drop_database(admin_url: str, name: str) -> None:
+    with psycopg.connect(_conninfo(admin_url), autocommit=True, connect_timeout=10) as admin:
+        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def _delete_prefix(client: redis.Redis, prefix: str) -> int:
+    deleted = 0
+    batch: list[bytes] = []
+    for key in client.scan_iter(match=f"{prefix}:*", count=1000):
+        batch.append(key)
+        if len(batch) >= 500:
+            deleted += client.delete(*batch)
+            batch = []
+    if batch:
+        deleted += client.delete(*batch)
+    return deleted
+
+
+def _token(kubeconfig: Path) -> str:
+    doc = yaml.safe_load(kubeconfig.read_text())
+    return doc["users"][0]["user"]["token"]
+
+
+# --- the report ----------------------------------------------------------------------------------
+
+
+def render(result: ChaosResult, console: Any) -> None:
+    """Print what the run did and found as tables on a rich Console (not the final line)."""
+    from rich.table import Table
+
+    options, verdict = result.options, result.verdict
+    setup = Table(title="chaos run", show_header=False)
+    setup.add_column(style="bold")
+    setup.add_column()
+    for name, value in (
+        ("seed", options.seed),
+        ("dispatches", f"{options.dispatches} at {options.rate:g}/s (feed {result.feed_s:.1f}s)"),
+        ("processes", f"{options.workers} x celery -A tasks worker, celery -A tasks beat, localcluster serve --mode {options.mode}"),
+        ("deployment", ", ".join(f"{k.lower()}={v}" for k, v in DEPLOYMENT_SETTINGS.items())),
+        ("database / prefix", f"{result.database} / {result.prefix}"),
+        ("converged", f"{result.converged_s:.1f}s after the faults stopped" if result.converged_s is not None
+         else f"NOT within {options.deadline_s:g}s"),
+        ("wall time", f"{result.wall_s:.1f}s"),
+    ):  # fmt: skip
+        setup.add_row(name, str(value))
+    console.print(setup)
+
+    faults = Table(title="faults (planned from the seed, then done)")
+    for column in ("fault", "planned", "done", "what happened"):
+        faults.add_column(column)
+    for kind in FaultKind:
+        done = [d for d in result.done if d.fault.kind is kind]
+        if not done and not result.plan.count(kind):
+            continue
+        if kind is FaultKind.KILL:
+            by_target = Counter(d.fault.target for d in done if d.ok)
+            what = ", ".join(f"{t} x{n}" for t, n in sorted(by_target.items()))
+        elif kind is FaultKind.API_FAULTS_ON:
+            what = f"{done[0].detail if done else ''}; {result.api_faults} error responses injected"
+        else:
+            what = "; ".join(d.detail for d in done)
+        failed = [d for d in done if not d.ok]
+        if failed:
+            what += f" [red]{len(failed)} failed: {failed[0].detail}[/red]"
+        faults.add_row(kind.value, str(result.plan.count(kind)), str(sum(d.ok for d in done)), what)
+    if result.unexpected_exits:
+        faults.add_row("unexpected exits", "0", str(len(result.unexpected_exits)), "; ".join(result.unexpected_exits))
+    console.print(faults)
+
+    outcomes = Table(title="terminal events")
+    outcomes.add_column("event")
+    outcomes.add_column("dispatches", justify="right")
+    for outcome, count in sorted(verdict.outcomes.items()):
+        outcomes.add_row(outcome, str(count))
+    console.print(outcomes)
+
+    checks = Table(title="checks")
+    for column in ("check", "found", ""):
+        checks.add_column(column)
+    for name, value in (
+        ("lost (no terminal event)", verdict.lost),
+        ("duplicates (more than one terminal event)", verdict.duplicates),
+        ("wrong output or reason", verdict.wrong_output),
+        ("leftover jobs or finalizers", verdict.leftover_jobs),
+        ("guard claims held past their lease", verdict.held_claims),
+        ("ended without the engine told", verdict.unnotified),
+    ):
+        checks.add_row(name, str(value), "[green]ok[/green]" if value == 0 else "[red]FAIL[/red]")
+    for name, value in sorted(result.stats.items()):
+        checks.add_row(f"stat: {name}", str(value), "")
+    checks.add_row("schedule task calls sent again by the engine", str(result.resends), "")
+    console.print(checks)
+    for problem in verdict.problems:
+        console.print(f"[red]{problem}[/red]")
+    if result.error:
+        console.print(f"[red]error: {result.error}[/red]")
+    if not result.ok:
+        console.print(f"logs and cluster state kept in {result.work_dir}")

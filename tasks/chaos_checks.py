@@ -1,0 +1,144 @@
+"""The chaos run's verdict (pure): what the database, the cluster and Redis hold after
+convergence, compared with what was dispatched.
+
+Every dispatch must have exactly one terminal event, the one its input calls for (the right
+output, or the expected failure reason), with its row agreeing and the engine notified; no
+Job and no finalizer of ours may be left in the cluster, and no guard claim may outlive its
+lease.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.models import STATE_FOR_TERMINAL_EVENT, EventType
+from tasks.chaos_workload import Expected
+from workers.labels import MANAGED_BY, MANAGED_BY_LABEL
+from workers.manifest import FINALIZER
+
+EXAMPLES = 5  # ids shown per kind of problem
+
+
+@dataclass(frozen=True)
+class RowSnapshot:
+    """What the `dispatches` row says about a dispatch's end."""
+
+    state: str
+    output: Any = None
+    reason: str | None = None
+    notified: bool = True  # the engine was sent its notification (notified_at is set)
+
+
+@dataclass(frozen=True)
+class TerminalEvent:
+    type: str
+    payload: Mapping[str, Any]
+
+
+@dataclass
+class Verdict:
+    dispatched: int = 0
+    terminal: int = 0  # dispatches with at least one terminal event
+    lost: int = 0  # no terminal event (or no row at all)
+    duplicates: int = 0  # more than one terminal event
+    wrong_output: int = 0  # a terminal event other than the expected one, or a row disagreeing
+    leftover_jobs: int = 0  # Jobs with our label or our finalizer still in the cluster
+    held_claims: int = 0  # guard claims still there after convergence plus the lease
+    claims_without_expiry: int = 0  # claims that would be held for ever
+    unnotified: int = 0  # ended, but the engine was never told
+    outcomes: Counter[str] = field(default_factory=Counter)  # "WORKER_COMPLETED", "WORKER_FAILED:Reason"
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not (
+            self.lost or self.duplicates or self.wrong_output or self.leftover_jobs or self.held_claims or self.unnotified
+        )
+
+
+def judge(
+    expected: Mapping[str, Expected],
+    *,
+    rows: Mapping[str, RowSnapshot],
+    events: Mapping[str, Sequence[TerminalEvent]],
+    jobs: Iterable[Mapping[str, Any]],
+    claims: Iterable[tuple[str, int]],
+) -> Verdict:
+    """The verdict on one run.
+
+    `expected`: dispatch id -> the terminal event it must end with (every dispatch the engine
+    asked for). `rows`: the dispatches' rows (missing: never written). `events`: each
+    dispatch's terminal events. `jobs`: every Job left in the run's namespaces (API dicts).
+    `claims`: (key, remaining lease in ms; -1 for no expiry) of the guard claims left.
+    """
+    verdict = Verdict(dispatched=len(expected))
+    examples: dict[str, list[str]] = {}
+
+    def problem(kind: str, text: str) -> None:
+        shown = examples.setdefault(kind, [])
+        if len(shown) < EXAMPLES:
+            shown.append(text)
+
+    for dispatch_id, want in expected.items():
+        found = list(events.get(dispatch_id, ()))
+        if not found:
+            verdict.lost += 1
+            row = rows.get(dispatch_id)
+            problem("lost", f"{dispatch_id}: " + (f"state {row.state}, no terminal event" if row else "no row"))
+            continue
+        verdict.terminal += 1
+        if len(found) > 1:
+            verdict.duplicates += 1
+            problem("duplicate", f"{dispatch_id}: {len(found)} terminal events: {[e.type for e in found]}")
+        event = found[0]
+        verdict.outcomes[_outcome(event)] += 1
+        row = rows.get(dispatch_id)
+        why = mismatch(want, event, row)
+        if why is not None:
+            verdict.wrong_output += 1
+            problem("wrong", f"{dispatch_id}: {why}")
+        if row is not None and not row.notified:
+            verdict.unnotified += 1
+            problem("unnotified", f"{dispatch_id}: {event.type}, the engine was not told")
+
+    for job in jobs:
+        metadata = job.get("metadata") or {}
+        ours = (metadata.get("labels") or {}).get(MANAGED_BY_LABEL) == MANAGED_BY
+        if ours or FINALIZER in (metadata.get("finalizers") or []):
+            verdict.leftover_jobs += 1
+            problem("leftover job", f"{metadata.get('namespace')}/{metadata.get('name')}: finalizers {metadata.get('finalizers')}")
+
+    for key, pttl_ms in claims:
+        verdict.held_claims += 1
+        if pttl_ms < 0:
+            verdict.claims_without_expiry += 1
+        problem("held claim", f"{key}: " + ("no expiry" if pttl_ms < 0 else f"{pttl_ms} ms left"))
+
+    verdict.problems = [f"{kind}: {text}" for kind, texts in examples.items() for text in texts]
+    return verdict
+
+
+def mismatch(want: Expected, event: TerminalEvent, row: RowSnapshot | None) -> str | None:
+    """Why `event` (and the row) is not the expected end, or None when it is."""
+    payload = event.payload or {}
+    if event.type != want.event.value:
+        return f"{event.type} {payload.get('reason') or ''} where {want.event.value} {want.reason or ''} was expected".strip()
+    if want.event is EventType.WORKER_COMPLETED and payload.get("output") != want.output:
+        return f"output {payload.get('output')!r}, expected {want.output!r}"
+    if want.event is EventType.WORKER_FAILED and payload.get("reason") != want.reason:
+        return f"reason {payload.get('reason')!r}, expected {want.reason!r}"
+    if row is None:
+        return "a terminal event but no dispatch row"
+    if row.state != STATE_FOR_TERMINAL_EVENT[want.event].value:
+        return f"row state {row.state} disagrees with its event {event.type}"
+    if row.output != payload.get("output") or row.reason != payload.get("reason"):
+        return f"row (output {row.output!r}, reason {row.reason!r}) disagrees with its event"
+    return None
+
+
+def _outcome(event: TerminalEvent) -> str:
+    reason = (event.payload or {}).get("reason")
+    return f"{event.type}:{reason}" if reason else event.type

@@ -1,0 +1,214 @@
+"""Start, stop and kill the project's processes as real subprocesses, the way the README tells a
+user to start them (`celery -A tasks worker`, `celery -A tasks beat`, `python -m localcluster
+serve`). Used by the demo, the chaos run, the benchmarks and the process tests.
+
+Each process runs in its own session (process group), so a kill takes its children with it,
+and writes its output to a log file the caller can show when something goes wrong.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+class WaitTimeout(TimeoutError):
+    """A condition polled with a deadline did not hold in time."""
+
+
+def wait_until(
+    condition: Callable[[], T], *, timeout: float, interval: float = 0.05, what: str = "condition"
+) -> T:
+    """Poll `condition` until it returns something truthy; return that value.
+
+    Raises:
+        WaitTimeout: after `timeout` seconds, naming `what`.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise WaitTimeout(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(interval)
+
+
+@dataclass
+class ManagedProcess:
+    """One subprocess we can start, kill (any signal) and start again with the same command."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    log_path: Path
+    cwd: Path | None = None
+    popen: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+    starts: int = 0
+
+    def start(self) -> "ManagedProcess":
+        if self.alive:
+            raise RuntimeError(f"{self.name} is already running (pid {self.pid})")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            log.write(f"--- start #{self.starts + 1}: {' '.join(self.argv)}\n".encode())
+            log.flush()
+            self.popen = subprocess.Popen(
+                self.argv,
+                env=self.env,
+                cwd=self.cwd,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self.starts += 1
+        return self
+
+    @property
+    def pid(self) -> int | None:
+        return self.popen.pid if self.popen else None
+
+    @property
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    @property
+    def returncode(self) -> int | None:
+        return self.popen.poll() if self.popen else None
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Send `sig` to the whole process group and, for SIGKILL, reap it."""
+        if not self.alive:
+            return
+        assert self.popen is not None
+        try:
+            os.killpg(self.popen.pid, sig)
+        except ProcessLookupError:
+            return
+        if sig == signal.SIGKILL:
+            self.popen.wait()
+
+    def stop(self, timeout: float = 15.0) -> int | None:
+        """SIGTERM (a warm shutdown for Celery), then SIGKILL after `timeout` seconds."""
+        if self.popen is None:
+            return None
+        if self.alive:
+            self.kill(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill(signal.SIGKILL)
+        return self.popen.wait()
+
+    def restart(self) -> "ManagedProcess":
+        self.stop()
+        return self.start()
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except FileNotFoundError:
+            return ""
+
+
+def project_env(overrides: Mapping[str, str]) -> dict[str, str]:
+    """The current environment plus `overrides`, with the project importable from anywhere."""
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    env.update(overrides)
+    return env
+
+
+def celery_worker(
+    name: str, *, env: Mapping[str, str], log_dir: Path, concurrency: int = 4, extra: tuple[str, ...] = ()
+) -> ManagedProcess:
+    """`celery -A tasks worker` with a unique node name."""
+    argv = [
+        sys.executable, "-m", "celery", "-A", "tasks", "worker",
+        "--loglevel=INFO", f"--hostname={name}@%h", f"--concurrency={concurrency}",
+        "--without-mingle", "--without-gossip", *extra,
+    ]  # fmt: skip
+    return ManagedProcess(name, argv, project_env(env), log_dir / f"{name}.log")
+
+
+def celery_beat(*, env: Mapping[str, str], log_dir: Path, name: str = "beat") -> ManagedProcess:
+    """`celery -A tasks beat`, its schedule file kept in `log_dir`."""
+    argv = [
+        sys.executable, "-m", "celery", "-A", "tasks", "beat", "--loglevel=INFO",
+        f"--schedule={log_dir / (name + '-schedule')}",
+    ]  # fmt: skip
+    return ManagedProcess(name, argv, project_env(env), log_dir / f"{name}.log")
+
+
+def celery_flower(
+    *, env: Mapping[str, str], log_dir: Path, port: int, address: str = "127.0.0.1", extra: tuple[str, ...] = (),
+    name: str = "flower",
+) -> ManagedProcess:
+    """`celery -A tasks flower` on `address:port`; its state (--persistent off) stays in memory."""
+    argv = [
+        sys.executable, "-m", "celery", "-A", "tasks", "flower", f"--port={port}", f"--address={address}", *extra,
+    ]  # fmt: skip
+    return ManagedProcess(name, argv, project_env(env), log_dir / f"{name}.log")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free right now: for a server that must come back on the same port after a restart."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def localcluster_server(
+    *,
+    log_dir: Path,
+    kubeconfig: Path,
+    mode: str = "simulate",
+    state: Path | None = None,
+    port: int = 0,
+    tls_port: int = 0,
+    fault_rate: float = 0.0,
+    latency_ms: int = 0,
+    env: Mapping[str, str] | None = None,
+    name: str = "localcluster",
+) -> ManagedProcess:
+    """`python -m localcluster serve`; wait for `LISTENING` in its log. With `state` and fixed
+    ports (`port`: http, `tls_port`: the https one the kubeconfig names), a restart comes back
+    with the same objects at the same URLs (and the same token and certificate, read back from
+    next to `kubeconfig`)."""
+    argv = [
+        sys.executable, "-m", "localcluster", "serve", "--port", str(port), "--tls-port", str(tls_port), "--mode", mode,
+        "--kubeconfig", str(kubeconfig), "--fault-rate", str(fault_rate), "--latency-ms", str(latency_ms),
+        *(["--state", str(state)] if state is not None else []),
+    ]  # fmt: skip
+    return ManagedProcess(name, argv, project_env(env or {}), log_dir / f"{name}.log")
+
+
+LISTENING = "listening on "  # what `localcluster serve` prints once it serves
+
+
+def wait_for_log(process: ManagedProcess, text: str, *, timeout: float) -> str:
+    """Wait until `text` appears in the process's log since its latest start; return that line."""
+    marker = f"--- start #{process.starts}:"
+
+    def found() -> str | None:
+        if not process.alive:
+            raise RuntimeError(f"{process.name} exited ({process.returncode}):\n{process.log_tail()}")
+        log = process.log_path.read_text(errors="replace")
+        for line in log[log.rfind(marker) :].splitlines():
+            if text in line:
+                return line
+        return None
+
+    return wait_until(found, timeout=timeout, what=f"{text!r} in {process.name}'s log")

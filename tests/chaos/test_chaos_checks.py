@@ -1,0 +1,155 @@
+"""The chaos run's verdict and its work mix (pure): each kind of damage is counted, and nothing
+else is."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.models import EventType
+from tasks.chaos_checks import RowSnapshot, TerminalEvent, judge, mismatch
+from tasks.chaos_workload import Expected, Kind, capabilities_config, expected, kind_of, workload
+from workers.labels import MANAGED_BY, MANAGED_BY_LABEL
+from workers.manifest import FINALIZER
+from workers.resolver import CapabilityResolver
+
+DONE = Expected(EventType.WORKER_COMPLETED, output={"simulated": True, "input": {"n": 1}})
+FAILS = Expected(EventType.WORKER_FAILED, reason="DeadlineExceeded")
+
+
+def completed(output):
+    return TerminalEvent("WORKER_COMPLETED", {"output": output})
+
+
+def failed(reason):
+    return TerminalEvent("WORKER_FAILED", {"reason": reason})
+
+
+GOOD_EVENT = completed(DONE.output)
+GOOD_ROW = RowSnapshot("COMPLETED", output=DONE.output)
+FAIL_EVENT = failed("DeadlineExceeded")
+FAIL_ROW = RowSnapshot("FAILED", reason="DeadlineExceeded")
+
+
+def verdict(expected=None, rows=None, events=None, jobs=(), claims=()):
+    return judge(
+        expected if expected is not None else {"a": DONE, "b": FAILS},
+        rows=rows if rows is not None else {"a": GOOD_ROW, "b": FAIL_ROW},
+        events=events if events is not None else {"a": [GOOD_EVENT], "b": [FAIL_EVENT]},
+        jobs=jobs,
+        claims=claims,
+    )
+
+
+def test_a_clean_run_passes_and_counts_its_outcomes():
+    v = verdict()
+    assert v.ok
+    assert (v.dispatched, v.terminal, v.lost, v.duplicates, v.wrong_output, v.leftover_jobs, v.held_claims) == (
+        2, 2, 0, 0, 0, 0, 0,
+    )  # fmt: skip
+    assert v.outcomes == {"WORKER_COMPLETED": 1, "WORKER_FAILED:DeadlineExceeded": 1}
+    assert v.problems == []
+
+
+@pytest.mark.parametrize(
+    "damage, field, count",
+    [
+        ({"events": {"b": [FAIL_EVENT]}}, "lost", 1),  # a: no terminal event
+        ({"rows": {"b": FAIL_ROW}, "events": {"b": [FAIL_EVENT]}}, "lost", 1),  # a: not even a row
+        ({"events": {"a": [GOOD_EVENT, failed("JobLost")], "b": [FAIL_EVENT]}}, "duplicates", 1),
+        ({"events": {"a": [completed({"simulated": True, "input": {"n": 2}})], "b": [FAIL_EVENT]}}, "wrong_output", 1),
+        ({"events": {"a": [GOOD_EVENT], "b": [failed("BackoffLimitExceeded")]}}, "wrong_output", 1),
+        ({"events": {"a": [failed("JobLost")], "b": [FAIL_EVENT]}}, "wrong_output", 1),
+        ({"events": {"a": [GOOD_EVENT], "b": [TerminalEvent("WORKER_CANCELLED", {"reason": "Cancelled"})]}}, "wrong_output", 1),
+        ({"rows": {"a": RowSnapshot("COMPLETED", output=None), "b": FAIL_ROW}}, "wrong_output", 1),
+        ({"rows": {"a": RowSnapshot("FAILED", output=DONE.output), "b": FAIL_ROW}}, "wrong_output", 1),
+        ({"jobs": [{"metadata": {"name": "kd-1", "namespace": "chaos", "labels": {MANAGED_BY_LABEL: MANAGED_BY}}}]}, "leftover_jobs", 1),
+        ({"jobs": [{"metadata": {"name": "x", "namespace": "chaos", "finalizers": [FINALIZER]}}]}, "leftover_jobs", 1),
+        ({"claims": [("p:claim:a", 1200)]}, "held_claims", 1),
+        ({"claims": [("p:claim:a", -1), ("p:claim:b", 10)]}, "held_claims", 2),
+        ({"rows": {"a": GOOD_ROW, "b": RowSnapshot("FAILED", reason="DeadlineExceeded", notified=False)}}, "unnotified", 1),
+    ],
+)
+def test_each_kind_of_damage_fails_the_run_and_is_counted_once(damage, field, count):
+    v = verdict(**damage)
+    assert not v.ok
+    assert getattr(v, field) == count
+    others = {"lost", "duplicates", "wrong_output", "leftover_jobs", "held_claims", "unnotified"} - {field}
+    assert all(getattr(v, other) == 0 for other in others), v
+    assert v.problems, "a failure names its dispatch, Job or key"
+
+
+def test_a_foreign_job_without_our_label_or_finalizer_is_not_ours_to_judge():
+    v = verdict(jobs=[{"metadata": {"name": "someone-elses", "namespace": "chaos", "labels": {"app": "x"}}}])
+    assert v.ok and v.leftover_jobs == 0
+
+
+def test_a_claim_without_expiry_is_called_out():
+    v = verdict(claims=[("p:claim:a", -1)])
+    assert v.claims_without_expiry == 1
+    assert "no expiry" in v.problems[0]
+
+
+def test_examples_are_capped_but_every_problem_is_counted():
+    expected_many = {f"d{i}": DONE for i in range(20)}
+    v = judge(expected_many, rows={}, events={}, jobs=[], claims=[])
+    assert v.lost == 20
+    assert len(v.problems) == 5
+
+
+@pytest.mark.parametrize(
+    "want, event, row, fine",
+    [
+        (DONE, GOOD_EVENT, GOOD_ROW, True),
+        (FAILS, FAIL_EVENT, FAIL_ROW, True),
+        (DONE, GOOD_EVENT, None, False),
+        (FAILS, failed("DeadlineExceeded"), RowSnapshot("FAILED", reason="Other"), False),
+    ],
+)
+def test_mismatch(want, event, row, fine):
+    assert (mismatch(want, event, row) is None) is fine
+
+
+# --- the work mix ------------------------------------------------------------------------------
+
+
+def test_the_workload_is_reproducible_from_its_seed_and_unique_per_run():
+    assert workload(5, 50, tag="t") == workload(5, 50, tag="t")
+    assert [p.kind for p in workload(5, 50, tag="t")] != [p.kind for p in workload(6, 50, tag="t")]
+    keys = {p.idempotency_key for p in workload(5, 50, tag="t")} | {p.idempotency_key for p in workload(5, 50, tag="u")}
+    assert len(keys) == 100
+
+
+def test_the_workload_mixes_every_kind_and_both_ways_of_scheduling():
+    planned = workload(1, 400, tag="t")
+    assert {p.kind for p in planned} == set(Kind)
+    assert sum(p.via_task for p in planned) == 100  # every 4th through the Celery task
+    assert len({p.case_id for p in planned}) == 10
+
+
+@pytest.mark.parametrize("mode", ["simulate", "exec"])
+def test_the_capability_file_is_valid_and_names_every_kind(mode):
+    resolver = CapabilityResolver.from_mapping(capabilities_config(mode), source="<chaos>")
+    assert {kind_of(name) for name in resolver.capabilities()} == set(Kind)
+    assert resolver.spec("chaos.timeout").active_deadline_seconds == 2
+    assert all(resolver.spec(f"chaos.{k.value}").backoff_limit == 0 for k in Kind)
+
+
+@pytest.mark.parametrize(
+    "kind, mode, want",
+    [
+        (Kind.QUICK, "simulate", Expected(EventType.WORKER_COMPLETED, output={"simulated": True, "input": {"n": 1, "seconds": 1.5}})),
+        (Kind.SLOW, "simulate", Expected(EventType.WORKER_COMPLETED, output={"simulated": True, "input": {"n": 1, "seconds": 1.5}})),
+        (Kind.QUICK, "exec", Expected(EventType.WORKER_COMPLETED, output={"n": 1, "seconds": 1.5})),
+        (Kind.SLOW, "exec", Expected(EventType.WORKER_COMPLETED, output={"slept": 1.5})),
+        (Kind.FAIL, "simulate", Expected(EventType.WORKER_FAILED, reason="BackoffLimitExceeded")),
+        (Kind.TIMEOUT, "exec", Expected(EventType.WORKER_FAILED, reason="DeadlineExceeded")),
+    ],
+)
+def test_the_expected_end_follows_from_kind_input_and_mode(kind, mode, want):
+    assert expected(kind, {"n": 1, "seconds": 1.5}, mode=mode) == want
+
+
+def test_kind_of_reads_back_only_our_capabilities():
+    assert kind_of("chaos.slow") is Kind.SLOW
+    assert kind_of("chaos.nope") is None
+    assert kind_of("demo.primes") is None

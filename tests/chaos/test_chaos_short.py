@@ -1,0 +1,139 @@
+"""The chaos run, short (CI): `k8s-dispatch chaos` as a user runs it, a few hundred dispatches under
+SIGKILLs of workers and beat, one broker flush, 5% API errors, an API server restart and a
+database connection kill. Nothing may be lost, doubled, wrong or left over; and the run must
+leave no process, database or Redis key behind, also when it is interrupted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psycopg
+import pytest
+import redis
+
+REPO = Path(__file__).resolve().parents[2]
+CLI = [sys.executable, "-c", "import sys; from tasks.cli import main; sys.exit(main())"]
+FINAL_LINE = re.compile(
+    r"^chaos: dispatched=(?P<dispatched>\d+) terminal=(?P<terminal>\d+) lost=(?P<lost>\d+) "
+    r"duplicates=(?P<duplicates>\d+) wrong_output=(?P<wrong_output>\d+) leftover_jobs=(?P<leftover_jobs>\d+) "
+    r"kills=(?P<kills>\d+) broker_flushes=(?P<broker_flushes>\d+) api_faults=(?P<api_faults>\d+) "
+    r"converged_s=(?P<converged_s>[\d.]+) seed=(?P<seed>\d+)$"
+)
+ADMIN_URL = os.environ.get("K8S_DISPATCH_TEST_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+
+
+def chaos_env(redis_url: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("K8S_DISPATCH_")}
+    env["K8S_DISPATCH_REDIS_URL"] = redis_url
+    env["K8S_DISPATCH_CHAOS_ADMIN_URL"] = ADMIN_URL
+    env["PYTHONPATH"] = str(REPO)
+    return env
+
+
+def database_exists(name: str) -> bool:
+    with psycopg.connect(ADMIN_URL, autocommit=True, connect_timeout=5) as admin:
+        return admin.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone() is not None
+
+
+def keys_under(redis_url: str, prefix: str) -> list[bytes]:
+    client = redis.Redis.from_url(redis_url)
+    try:
+        return list(client.scan_iter(match=f"{prefix}*", count=1000))
+    finally:
+        client.close()
+
+
+def processes_mentioning(text: str, *, besides: int | None = None) -> list[str]:
+    """Live processes whose command line or environment names `text`: the run's work dir is in
+    every child's (the kubeconfig and capability file paths), not in the harness's own."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) in (os.getpid(), besides):
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            environ = (entry / "environ").read_bytes().decode(errors="replace")
+            state = next((line for line in (entry / "status").read_text().splitlines() if line.startswith("State:")), "")
+        except OSError:
+            continue
+        if (text in cmdline or text in environ) and "zombie" not in state:
+            found.append(f"{entry.name}: {cmdline}")
+    return found
+
+
+@pytest.mark.timeout(900)
+def test_a_short_chaos_run_loses_nothing_doubles_nothing_and_leaves_nothing(redis_url, tmp_path):
+    work_dir = tmp_path / "run"
+    json_out = tmp_path / "chaos.json"
+    args = [
+        "chaos", "--dispatches", "300", "--workers", "3", "--rate", "15", "--kills", "8", "--seed", "11",
+        "--deadline", "240", "--json-out", str(json_out), "--work-dir", str(work_dir),
+    ]  # fmt: skip
+    started = time.monotonic()
+    done = subprocess.run(CLI + args, cwd=REPO, env=chaos_env(redis_url), capture_output=True, text=True, timeout=850)
+    elapsed = time.monotonic() - started
+    output = done.stdout + done.stderr
+
+    lines = done.stdout.strip().splitlines()
+    assert lines, output
+    match = FINAL_LINE.match(lines[-1])
+    assert match, f"the last line is not the chaos line:\n{output}"
+    numbers = {k: float(v) if k == "converged_s" else int(v) for k, v in match.groupdict().items()}
+    assert numbers["dispatched"] == 300 and numbers["terminal"] == 300, output
+    assert (numbers["lost"], numbers["duplicates"], numbers["wrong_output"], numbers["leftover_jobs"]) == (0, 0, 0, 0), output
+    assert numbers["kills"] == 8 and numbers["broker_flushes"] == 1 and numbers["seed"] == 11, output
+    assert numbers["api_faults"] > 0, "the API server injected no error at all"
+    assert done.returncode == 0, output
+
+    result = json.loads(json_out.read_text())
+    assert {k: result[k] for k in numbers} == numbers
+    assert result["ok"] and result["held_claims"] == 0 and result["api_restarts"] == 1 and result["db_kills"] == 1
+    assert result["db_connections_killed"] > 0, "the database kill found no worker connection"
+    assert result["unexpected_exits"] == [], result["unexpected_exits"]
+    assert sum(result["outcomes"].values()) == 300
+    assert set(result["outcomes"]) == {
+        "WORKER_COMPLETED", "WORKER_FAILED:BackoffLimitExceeded", "WORKER_FAILED:DeadlineExceeded",
+    }  # fmt: skip
+
+    # Nothing of the run is left: processes, database, keys.
+    assert not database_exists(result["database"])
+    assert keys_under(redis_url, result["prefix"]) == []
+    assert processes_mentioning(str(work_dir)) == []
+    print(f"\nshort chaos run: {lines[-1]} in {elapsed:.0f}s")
+
+
+@pytest.mark.timeout(300)
+def test_an_interrupted_run_still_removes_its_processes_database_and_keys(redis_url, tmp_path):
+    work_dir = tmp_path / "run"
+    args = ["chaos", "--dispatches", "2000", "--rate", "5", "--kills", "4", "--seed", "5", "--work-dir", str(work_dir)]
+    stderr_path = tmp_path / "stderr.txt"
+    with stderr_path.open("w") as stderr:
+        proc = subprocess.Popen(CLI + args, cwd=REPO, env=chaos_env(redis_url), stdout=subprocess.DEVNULL, stderr=stderr)
+        try:
+            deadline = time.monotonic() + 180
+            while "fed " not in stderr_path.read_text():  # set up, and feeding
+                assert proc.poll() is None, stderr_path.read_text()
+                assert time.monotonic() < deadline, stderr_path.read_text()
+                time.sleep(0.2)
+            assert processes_mentioning(str(work_dir), besides=proc.pid), "the run's processes should be up by now"
+            proc.send_signal(signal.SIGINT)
+            code = proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    text = " ".join(stderr_path.read_text().split())
+    found = re.search(r"database (k8s_dispatch_chaos_[0-9a-f]+), prefix (k8s-dispatch-chaos-[0-9a-f]+)", text)
+    assert found, text
+    assert code != 0
+    assert not database_exists(found.group(1))
+    assert keys_under(redis_url, found.group(2)) == []
+    assert processes_mentioning(str(work_dir)) == []

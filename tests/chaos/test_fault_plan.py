@@ -1,0 +1,130 @@
+"""The chaos run's fault schedule: reproducible from its seed, with the faults the issue asks for."""
+
+from __future__ import annotations
+
+import pytest
+
+from tasks.fault_plan import BEAT, FaultKind, make_plan, worker_names
+
+TARGETS = [*worker_names(3), BEAT]
+
+
+def plan(seed: int = 7, **overrides):
+    options = dict(window_s=100.0, kills=20, targets=TARGETS)
+    options.update(overrides)
+    return make_plan(seed, **options)
+
+
+def test_the_same_seed_gives_the_same_plan_and_another_seed_another():
+    assert plan(42) == plan(42)
+    assert plan(42).faults != plan(43).faults
+
+
+@pytest.mark.parametrize(
+    "options, expected",
+    [
+        (
+            {},
+            {
+                FaultKind.KILL: 20,
+                FaultKind.BROKER_FLUSH: 1,
+                FaultKind.API_RESTART: 1,
+                FaultKind.DB_KILL: 1,
+                FaultKind.API_FAULTS_ON: 1,
+                FaultKind.API_FAULTS_OFF: 1,
+            },
+        ),
+        (
+            {"kills": 3, "broker_flushes": 2, "api_restarts": 0, "db_kills": 0, "api_fault_rate": 0.0},
+            {
+                FaultKind.KILL: 3,
+                FaultKind.BROKER_FLUSH: 2,
+                FaultKind.API_RESTART: 0,
+                FaultKind.DB_KILL: 0,
+                FaultKind.API_FAULTS_ON: 0,
+                FaultKind.API_FAULTS_OFF: 0,
+            },
+        ),
+        (
+            {"kills": 0},
+            {FaultKind.KILL: 0, FaultKind.BROKER_FLUSH: 1, FaultKind.API_RESTART: 1, FaultKind.DB_KILL: 1},
+        ),
+    ],
+)
+def test_each_kind_of_fault_is_planned_as_often_as_asked(options, expected):
+    result = plan(**options)
+    for kind, count in expected.items():
+        assert result.count(kind) == count, kind
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_faults_are_sorted_and_inside_their_part_of_the_window(seed):
+    result = plan(seed, window_s=60.0)
+    offsets = [f.at_s for f in result.faults]
+    assert offsets == sorted(offsets)
+    for fault in result.faults:
+        assert 0.0 <= fault.at_s <= 60.0
+        if fault.kind in (FaultKind.BROKER_FLUSH, FaultKind.API_RESTART, FaultKind.DB_KILL):
+            assert 12.0 <= fault.at_s <= 48.0, fault  # the middle: while work is in flight
+        if fault.kind is FaultKind.API_FAULTS_ON:
+            assert fault.at_s <= 6.0
+        if fault.kind is FaultKind.API_FAULTS_OFF:
+            assert fault.at_s == 60.0
+        assert (fault.target is not None) == (fault.kind is FaultKind.KILL)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_with_enough_kills_every_process_is_killed_at_least_once(seed):
+    kills = plan(seed, kills=20).kills_by_target()
+    assert set(kills) == set(TARGETS)
+    assert sum(kills.values()) == 20
+
+
+def test_with_fewer_kills_than_processes_the_victims_are_drawn_from_the_targets():
+    kills = plan(3, kills=2).kills_by_target()
+    assert sum(kills.values()) == 2
+    assert set(kills) <= set(TARGETS)
+
+
+def test_the_api_fault_settings_travel_with_the_plan():
+    result = plan(api_fault_rate=0.05, api_latency_ms=30)
+    assert (result.api_fault_rate, result.api_latency_ms) == (0.05, 30)
+
+
+def test_describe_lists_one_line_per_fault():
+    result = plan(kills=2)
+    lines = result.describe().splitlines()
+    assert len(lines) == len(result.faults)
+    assert any("kill" in line and ("worker-" in line or BEAT in line) for line in lines)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"window_s": 0.0},
+        {"kills": -1},
+        {"kills": 1, "targets": []},
+        {"api_fault_rate": 1.5},
+        {"api_latency_ms": -5},
+    ],
+)
+def test_impossible_options_are_refused(options):
+    with pytest.raises(ValueError):
+        plan(**options)
+
+
+def test_worker_names_are_numbered_from_one():
+    assert worker_names(3) == ["worker-1", "worker-2", "worker-3"]
+
+
+def test_the_cli_shows_a_seeds_plan_without_running_anything(capsys):
+    from tasks.cli import main
+
+    assert main(["chaos", "--seed", "3", "--dispatches", "1000", "--rate", "10", "--kills", "20", "--show-plan"]) == 0
+    first = capsys.readouterr().out
+    assert main(["chaos", "--seed", "3", "--show-plan"]) == 0  # the same, from the defaults
+    assert capsys.readouterr().out == first
+    lines = first.splitlines()
+    assert lines[0] == "seed 3: faults over 100s"
+    assert sum(" kill " in line for line in lines) == 20
+    assert sum("broker_flush" in line for line in lines) == 1

@@ -1,0 +1,483 @@
+"""The single delivery path, in process, against real PostgreSQL, Redis and localcluster.
+
+Create, complete, cancel and clean up, each with the outcomes and reasons the engine sees, and
+the refusals that keep a Job from being delivered. The Celery layer on top is tested with real
+worker processes in tests/tasks.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import kubernetes
+import pytest
+
+from engine import store
+from engine.db import transaction
+from engine.errors import BrokerUnavailable, InvalidId, UnknownDispatch
+from engine.models import DispatchState, EventType
+from engine.settings import load_settings
+from localcluster import LocalCluster
+from recovery import stats
+from recovery.delivery import (
+    CompleteOutcome,
+    CreateOutcome,
+    cancel_dispatch,
+    cleanup_job,
+    complete_job,
+    create_job_for,
+    load_record,
+    notify_engine,
+)
+from recovery.runtime import Runtime
+from workers import labels as job_labels
+from workers.job_status import job_state
+from workers.manifest import FINALIZER, job_name
+from workers.resolver import CapabilityResolver
+from workers.types import DispatchRef
+
+SIM = "localcluster.k8s-dispatch.io/"
+
+
+def capability(**fields: Any) -> dict[str, Any]:
+    annotations = {SIM + "duration-ms": "20", **fields.pop("sim", {})}
+    return {"worker": "sim", "image": "sim:1", "annotations": annotations, **fields}
+
+
+CAPABILITIES = {
+    "capabilities": {
+        "sim.ok": capability(),
+        "sim.fail": capability(sim={SIM + "outcome": "fail", SIM + "exit-code": "3"}),
+        "sim.slow": capability(sim={SIM + "outcome": "hang"}, activeDeadlineSeconds=1),
+        "sim.hang": capability(sim={SIM + "outcome": "hang"}, activeDeadlineSeconds=None),
+        "sim.notjson": capability(sim={SIM + "result": "this is not JSON"}),
+    }
+}
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalCluster]:
+    with LocalCluster(mode="simulate") as c:
+        yield c
+
+
+class Notified:
+    """A notifier that records the dispatch ids it was called with (thread-safe)."""
+
+    def __init__(self) -> None:
+        self.ids: list[str] = []
+        self._lock = threading.Lock()
+        self.fail = False
+
+    def __call__(self, dispatch_id: str) -> None:
+        if self.fail:
+            raise BrokerUnavailable("the test's broker is down")
+        with self._lock:
+            self.ids.append(dispatch_id)
+
+
+@pytest.fixture
+def notified() -> Notified:
+    return Notified()
+
+
+@pytest.fixture
+def make_runtime(cluster, pg_url, redis_url, key_prefix, request) -> Iterator[Callable[..., Runtime]]:
+    runtimes: list[Runtime] = []
+    namespace = f"dl-{uuid.uuid4().hex[:8]}"
+
+    def make(*, notifier: Callable[[str], None] | None = None, capabilities: dict[str, Any] = CAPABILITIES) -> Runtime:
+        settings = load_settings(
+            {
+                "K8S_DISPATCH_DATABASE_URL": pg_url,
+                "K8S_DISPATCH_REDIS_URL": redis_url,
+                "K8S_DISPATCH_KEY_PREFIX": f"{key_prefix}-{request.node.name[:30]}",
+                "K8S_DISPATCH_NAMESPACE": namespace,
+                "K8S_DISPATCH_KUBECONFIG": str(cluster.kubeconfig),
+                "K8S_DISPATCH_GUARD_LEASE_MS": "10000",
+            }
+        )
+        rt = Runtime.from_settings(
+            settings, notifier=notifier, resolver=CapabilityResolver.from_mapping(capabilities, source="<test>")
+        )
+        runtimes.append(rt)
+        return rt
+
+    yield make
+    for rt in runtimes:
+        rt.close()
+
+
+@pytest.fixture
+def rt(make_runtime, notified) -> Runtime:
+    return make_runtime(notifier=notified)
+
+
+def schedule(rt: Runtime, capability: str, input: Any = None, *, tenancy: str = "tenant-a") -> str:  # noqa: A002
+    case_id = f"case-{uuid.uuid4().hex[:8]}"
+    with transaction(rt.sessions) as session:
+        store.create_case(session, case_id=case_id, tenancy_id=tenancy)
+        result = store.schedule(
+            session,
+            case_id=case_id,
+            tenancy_id=tenancy,
+            capability=capability,
+            input={"n": 1} if input is None else input,
+            idempotency_key=f"key-{uuid.uuid4()}",
+            router=rt.resolver,
+            max_input_bytes=rt.settings.max_input_bytes,
+        )
+    return result.dispatch_id
+
+
+def wait_until(predicate: Callable[[], Any], *, timeout_s: float = 10.0, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"{what} not reached in {timeout_s} s"
+        time.sleep(0.02)
+
+
+def job_finished(rt: Runtime, dispatch_id: str) -> dict[str, Any]:
+    namespace = rt.settings.namespace
+    return wait_until(
+        lambda: (lambda j: j if job_state(j).terminal else None)(rt.kube.get_job(namespace, job_name(dispatch_id))),
+        what=f"job of {dispatch_id} finished",
+    )
+
+
+def events(rt: Runtime, dispatch_id: str) -> list[tuple[str, Any]]:
+    with transaction(rt.sessions) as session:
+        return [(e.type, e.payload) for e in store.events_for(session, dispatch_id)]
+
+
+def job_exists(rt: Runtime, dispatch_id: str) -> bool:
+    pages = rt.kube.iter_jobs(rt.settings.namespace, label_selector=f"{job_labels.DISPATCH_ID_KEY}={dispatch_id}")
+    return any(page for page in pages)
+
+
+def notified_at(rt: Runtime, dispatch_id: str):
+    with transaction(rt.sessions) as session:
+        return store.get_dispatch(session, dispatch_id).notified_at
+
+
+# --- the happy path ------------------------------------------------------------------------
+
+
+def test_create_then_complete_delivers_the_output_once_and_leaves_nothing(rt, notified):
+    dispatch_id = schedule(rt, "sim.ok", {"text": "hello"})
+    assert create_job_for(rt, dispatch_id) is CreateOutcome.CREATED
+    record = load_record(rt, dispatch_id)
+    assert record.state is DispatchState.CREATED
+    assert (record.job_namespace, record.job_name) == (rt.settings.namespace, job_name(dispatch_id))
+    job = rt.kube.get_job(rt.settings.namespace, job_name(dispatch_id))
+    assert FINALIZER in job["metadata"]["finalizers"]
+
+    job_finished(rt, dispatch_id)
+    assert complete_job(rt, rt.settings.namespace, job_name(dispatch_id)) is CompleteOutcome.COMPLETED
+
+    assert events(rt, dispatch_id)[1:] == [
+        (EventType.WORKER_COMPLETED, {"output": {"simulated": True, "input": {"text": "hello"}}})
+    ]
+    assert load_record(rt, dispatch_id).state is DispatchState.COMPLETED
+    assert notified.ids == [dispatch_id]
+    assert notified_at(rt, dispatch_id) is not None
+    wait_until(lambda: not job_exists(rt, dispatch_id), what="job deleted")
+    # Again, as a redelivered message would: nothing more happens.
+    assert complete_job(rt, rt.settings.namespace, job_name(dispatch_id)) is CompleteOutcome.GONE
+    assert create_job_for(rt, dispatch_id) is CreateOutcome.SKIPPED
+    assert len(events(rt, dispatch_id)) == 2 and notified.ids == [dispatch_id]
+
+
+def test_a_second_create_adopts_the_job_instead_of_doubling_it(rt):
+    dispatch_id = schedule(rt, "sim.hang")
+    assert create_job_for(rt, dispatch_id) is CreateOutcome.CREATED
+    uid = rt.kube.get_job(rt.settings.namespace, job_name(dispatch_id))["metadata"]["uid"]
+    assert create_job_for(rt, dispatch_id) is CreateOutcome.ADOPTED
+    assert rt.kube.get_job(rt.settings.namespace, job_name(dispatch_id))["metadata"]["uid"] == uid
+    assert complete_job(rt, rt.settings.namespace, job_name(dispatch_id)) is CompleteOutcome.RUNNING
+    assert len(events(rt, dispatch_id)) == 1  # WORKER_SCHEDULED only
+    cancel_dispatch(rt, dispatch_id)
+
+
+# --- failures, with the reason the engine sees ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("capability_name", "reason", "message_part"),
+    [
+        ("sim.fail", "BackoffLimitExceeded", None),
+        ("sim.slow", "DeadlineExceeded", None),
+        ("sim.notjson", "ResultNotJson", "this is not JSON"),
+    ],
+)
+def test_a_failed_job_gives_worker_failed_with_its_reason(rt, notified, capability_name, reason, message_part):
+    dispatch_id = schedule(rt, capability_name)
+    assert create_job_for(rt, dispatch_id) is CreateOutcome.CREATED
+    job_finished(rt, dispatch_id)
+    assert complete_job(rt, rt.settings.namespace, job_name(dispatch_id)) is CompleteOutcome.COMPLETED
+    [(event_type, payload)] = events(rt, dispatch_id)[1:]
+    assert event_type == EventType.WORKER_FAILED
+    assert payload["reason"] == reason
+    if message_part:
+        assert message_part in payload["message"]
+    record = load_record(rt, dispatch_id)
+    assert record.state is DispatchState.FAILED
+    assert notified.ids == [dispatch_id]
+    wait_until(lambda: not job_exists(rt, dispatch_id), what="job deleted")
+
+
+def test_a_capability_gone_from_the_config_fails_the_dispatch_at_create(make_runtime, notified):
+    before = make_runtime(notifier=notified)
+    dispatch_id = schedule(before, "sim.ok")
+    after = make_runtime(notifier=notified, capabilities={"capabilities": {"sim.other": capability()}})
+    assert create_job_for(after, dispatch_id) is CreateOutcome.FAILED
+    [(event_type, payload)] = events(after, dispatch_id)[1:]
+    assert (event_type, payload["reason"]) == (EventType.WORKER_FAILED, "UnknownCapability")
+    assert "sim.ok" in payload["message"]
+    assert not job_exists(after, dispatch_id)
+    assert notified.ids == [dispatch_id]
+
+
+def test_a_job_the_api_refuses_fails_the_dispatch_with_the_apis_reason(cluster, make_runtime, notified):
+    """A 4xx from the API is permanent: WORKER_FAILED with its reason and message, no retry."""
+    doomed = f"doomed-{uuid.uuid4().hex[:6]}"
+    rt = make_runtime(notifier=notified, capabilities={"capabilities": {"sim.doomed": capability(namespace=doomed)}})
+    # A namespace being deleted (held by a Job with someone else's finalizer) takes no new Job: 403.
+    rt.kube.create_job(doomed, {
+        "apiVersion": "batch/v1", "kind": "Job",
+        "metadata": {"name": "holder", "finalizers": ["other.example/hold"]},
+        "spec": {"template": {"metadata": {"annotations": {SIM + "outcome": "hang"}},
+                              "spec": {"restartPolicy": "Never", "containers": [{"name": "w", "image": "x"}]}}},
+    })  # fmt: skip
+    api = kubernetes.config.new_client_from_config(config_file=str(cluster.kubeconfig))
+    try:
+        kubernetes.client.CoreV1Api(api).delete_namespace(doomed)
+    finally:
+        api.close()
+
+    dispatch_id = schedule(rt, "sim.doomed")
+    assert create_job_for(rt, dispatch_id) is CreateOutcome.FAILED
+    [(event_type, payload)] = events(rt, dispatch_id)[1:]
+    assert (event_type, payload["reason"]) == (EventType.WORKER_FAILED, "Forbidden")
+    assert "being terminated" in payload["message"]
+    assert notified.ids == [dispatch_id]
+    rt.kube.remove_finalizer(doomed, "holder", "other.example/hold")
+
+
+def test_unknown_and_invalid_dispatch_ids_are_typed_errors(rt):
+    with pytest.raises(UnknownDispatch):
+        create_job_for(rt, str(uuid.uuid4()))
+    with pytest.raises(InvalidId):
+        create_job_for(rt, "not-a-uuid")
+    with pytest.raises(UnknownDispatch):
+        cancel_dispatch(rt, str(uuid.uuid4()))
+    with pytest.raises(InvalidId):
+        cancel_dispatch(rt, "../etc")
+
+
+# --- refusals: a Job is delivered only if it agrees with the DB -------------------------------
+
+
+def forge_job(rt: Runtime, ref: DispatchRef, *, namespace: str | None = None, result: str = '{"forged": true}') -> str:
+    """Create a Job carrying `ref`'s labels, as someone other than us might."""
+    labels, annotations = job_labels.encode(ref)
+    name = job_name(ref.dispatch_id)
+    rt.kube.create_job(
+        namespace or rt.settings.namespace,
+        {
+            "apiVersion": "batch/v1",
+            "kind": "Job",
+            "metadata": {"name": name, "labels": labels, "annotations": annotations, "finalizers": [FINALIZER]},
+            "spec": {
+                "backoffLimit": 0,
+                "template": {
+                    "metadata": {"annotations": {SIM + "duration-ms": "10", SIM + "result": result}},
+                    "spec": {"restartPolicy": "Never", "containers": [{"name": "worker", "image": "sim:1"}]},
+                },
+            },
+        },
+    )
+    return name
+
+
+def test_a_job_whose_tenancy_disagrees_with_the_db_is_never_delivered(rt, notified):
+    dispatch_id = schedule(rt, "sim.ok")
+    record = load_record(rt, dispatch_id)
+    forged = DispatchRef(**{**record.ref.__dict__, "tenancy_id": "tenant-evil"})
+    name = forge_job(rt, forged)
+    job_finished(rt, dispatch_id)
+    refused_before = rt.stats.get(stats.JOBS_REFUSED)
+
+    assert complete_job(rt, rt.settings.namespace, name) is CompleteOutcome.REFUSED
+    assert events(rt, dispatch_id)[1:] == []  # nothing delivered
+    assert load_record(rt, dispatch_id).state is DispatchState.SCHEDULED
+    assert rt.stats.get(stats.JOBS_REFUSED) == refused_before + 1
+    assert notified.ids == []
+    assert job_exists(rt, dispatch_id)  # left for the sweep's orphan policy
+
+    # Our own create meets the forged Job under the dispatch's name and refuses to adopt it.
+    assert create_job_for(rt, dispatch_id) is CreateOutcome.FAILED
+    [(event_type, payload)] = events(rt, dispatch_id)[1:]
+    assert (event_type, payload["reason"]) == (EventType.WORKER_FAILED, "LabelMismatch")
+    assert "tenant-evil" in payload["message"]
+    cleanup_job(rt, rt.settings.namespace, name)
+
+
+def test_a_job_naming_a_dispatch_that_does_not_exist_is_never_delivered(rt):
+    ref = DispatchRef(
+        dispatch_id=str(uuid.uuid4()), case_id="c", tenancy_id="t", capability="sim.ok", worker_name="sim", idempotency_key="k"
+    )
+    name = forge_job(rt, ref)
+    wait_until(lambda: job_state(rt.kube.get_job(rt.settings.namespace, name)).terminal, what="forged job done")
+    assert complete_job(rt, rt.settings.namespace, name) is CompleteOutcome.REFUSED
+    with transaction(rt.sessions) as session:
+        assert store.get_dispatch(session, ref.dispatch_id) is None
+        assert store.events_for(session, ref.dispatch_id) == []
+    cleanup_job(rt, rt.settings.namespace, name)
+
+
+def test_a_copy_of_the_job_in_another_namespace_is_never_delivered(rt):
+    dispatch_id = schedule(rt, "sim.ok")
+    assert create_job_for(rt, dispatch_id) is CreateOutcome.CREATED
+    copy_namespace = rt.settings.namespace + "-copy"
+    name = forge_job(rt, load_record(rt, dispatch_id).ref, namespace=copy_namespace)
+    wait_until(lambda: job_state(rt.kube.get_job(copy_namespace, name)).terminal, what="copy done")
+    assert complete_job(rt, copy_namespace, name) is CompleteOutcome.REFUSED
+    assert events(rt, dispatch_id)[1:] == []
+    cleanup_job(rt, copy_namespace, name)
+    job_finished(rt, dispatch_id)
+    assert complete_job(rt, rt.settings.namespace, job_name(dispatch_id)) is CompleteOutcome.COMPLETED
+
+
+# --- the guard and the unique terminal event ---------------------------------------------------
+
+
+def test_a_completion_claimed_by_another_replica_is_left_to_it(rt):
+    dispatch_id = schedule(rt, "sim.ok")
+    create_job_for(rt, dispatch_id)
+    job_finished(rt, dispatch_id)
+    other = rt.guard.claim(dispatch_id)  # another replica is delivering it
+    assert complete_job(rt, rt.settings.namespace, job_name(dispatch_id)) is CompleteOutcome.CLAIMED_ELSEWHERE
+    assert events(rt, dispatch_id)[1:] == []
+    assert rt.guard.duplicates_prevented() >= 1
+    rt.guard.release(other)
+    assert complete_job(rt, rt.settings.namespace, job_name(dispatch_id)) is CompleteOutcome.COMPLETED
+
+
+def test_concurrent_completions_and_cancels_leave_exactly_one_terminal_event(make_runtime):
+    replicas = [make_runtime(notifier=Notified()) for _ in range(3)]
+    rt = replicas[0]
+    ids = [schedule(rt, "sim.ok", {"i": i}) for i in range(12)]
+    for dispatch_id in ids:
+        create_job_for(rt, dispatch_id)
+    for dispatch_id in ids:
+        job_finished(rt, dispatch_id)
+
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(len(replicas) * 2)
+
+    def run(target: Callable[[], object]) -> None:
+        barrier.wait()
+        try:
+            target()
+        except BaseException as e:  # noqa: BLE001 - reported by the assertion below
+            errors.append(e)
+
+    def complete_all(r: Runtime) -> None:
+        for dispatch_id in ids:
+            complete_job(r, r.settings.namespace, job_name(dispatch_id))
+
+    def cancel_half(r: Runtime) -> None:
+        for dispatch_id in ids[::2]:
+            cancel_dispatch(r, dispatch_id)
+
+    threads = [threading.Thread(target=run, args=(lambda r=r: complete_all(r),)) for r in replicas]
+    threads += [threading.Thread(target=run, args=(lambda r=r: cancel_half(r),)) for r in replicas]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+
+    notified_ids = [i for r in replicas for i in r.notifier.ids]
+    for dispatch_id in ids:
+        terminal = [t for t, _ in events(rt, dispatch_id) if t != EventType.WORKER_SCHEDULED]
+        assert len(terminal) == 1, (dispatch_id, terminal)
+        assert terminal[0] in (EventType.WORKER_COMPLETED, EventType.WORKER_CANCELLED)
+        assert notified_ids.count(dispatch_id) == 1
+        assert not job_exists(rt, dispatch_id)
+    # The odd ones were never cancelled: they completed.
+    assert all(events(rt, d)[-1][0] == EventType.WORKER_COMPLETED for d in ids[1::2])
+
+
+# --- cancel -------------------------------------------------------------------------------------
+
+
+def test_cancel_a_running_dispatch_records_cancelled_and_removes_its_job(rt, notified):
+    dispatch_id = schedule(rt, "sim.hang")
+    create_job_for(rt, dispatch_id)
+    assert cancel_dispatch(rt, dispatch_id, reason="UserCancelled") is True
+    assert events(rt, dispatch_id)[1:] == [(EventType.WORKER_CANCELLED, {"reason": "UserCancelled"})]
+    assert load_record(rt, dispatch_id).state is DispatchState.CANCELLED
+    wait_until(lambda: not job_exists(rt, dispatch_id), what="job deleted")
+    assert notified.ids == [dispatch_id]
+    # A second cancel, and a late completion, change nothing.
+    assert cancel_dispatch(rt, dispatch_id) is False
+    assert complete_job(rt, rt.settings.namespace, job_name(dispatch_id)) is CompleteOutcome.GONE
+    assert len(events(rt, dispatch_id)) == 2 and notified.ids == [dispatch_id]
+
+
+def test_cancel_before_the_job_exists_means_it_is_never_created(rt):
+    dispatch_id = schedule(rt, "sim.ok")
+    assert cancel_dispatch(rt, dispatch_id) is True
+    assert create_job_for(rt, dispatch_id) is CreateOutcome.SKIPPED
+    assert not job_exists(rt, dispatch_id)
+
+
+def test_cancel_of_a_finished_dispatch_is_a_no_op(rt, notified):
+    dispatch_id = schedule(rt, "sim.ok")
+    create_job_for(rt, dispatch_id)
+    job_finished(rt, dispatch_id)
+    complete_job(rt, rt.settings.namespace, job_name(dispatch_id))
+    assert cancel_dispatch(rt, dispatch_id) is False
+    assert [t for t, _ in events(rt, dispatch_id)] == [EventType.WORKER_SCHEDULED, EventType.WORKER_COMPLETED]
+
+
+# --- notification: at least once, even when the broker is down -----------------------------------
+
+
+def test_a_failed_notification_leaves_the_dispatch_for_the_sweep_to_notify(rt, notified):
+    dispatch_id = schedule(rt, "sim.ok")
+    create_job_for(rt, dispatch_id)
+    job_finished(rt, dispatch_id)
+    notified.fail = True
+    assert complete_job(rt, rt.settings.namespace, job_name(dispatch_id)) is CompleteOutcome.COMPLETED
+    assert notified_at(rt, dispatch_id) is None
+    wait_until(lambda: not job_exists(rt, dispatch_id), what="job deleted")  # clean-up went on
+    with transaction(rt.sessions) as session:
+        assert dispatch_id in {d.dispatch_id for d in store.iter_unnotified_terminal(session)}
+
+    notified.fail = False
+    assert notify_engine(rt, dispatch_id) is True
+    assert notified.ids == [dispatch_id]
+    assert notified_at(rt, dispatch_id) is not None
+    with transaction(rt.sessions) as session:
+        assert dispatch_id not in {d.dispatch_id for d in store.iter_unnotified_terminal(session)}
+        assert store.mark_notified(session, dispatch_id) is False  # once only
+
+
+def test_without_a_notifier_the_dispatch_stays_unnotified(make_runtime):
+    rt = make_runtime(notifier=None)
+    dispatch_id = schedule(rt, "sim.ok")
+    create_job_for(rt, dispatch_id)
+    job_finished(rt, dispatch_id)
+    assert complete_job(rt, rt.settings.namespace, job_name(dispatch_id)) is CompleteOutcome.COMPLETED
+    assert notify_engine(rt, dispatch_id) is False
+    assert notified_at(rt, dispatch_id) is None

@@ -1,0 +1,252 @@
+"""Real Celery processes for the task tests: `deploy(cluster, ...)` builds a `Deployment` per call
+with its own Redis key prefix (its queues meet no other test's), its own namespace, the session's
+PostgreSQL database and a localcluster. Workers and beat are `celery -A tasks worker|beat`
+subprocesses (started with `tasks.processes`) configured only through K8S_DISPATCH_* variables,
+as in production, and stopped with SIGTERM at the end; one that needs SIGKILL fails the test.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import subprocess
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+import sqlalchemy as sa
+import yaml
+from celery import Celery
+
+import celeryconfig
+from engine import store
+from engine.db import make_engine, make_sessionmaker, transaction
+from engine.models import Dispatch, EventType
+from engine.settings import Settings, load_settings
+from localcluster import LocalCluster
+from tasks import processes
+from workers import labels as job_labels
+from workers.kube import KubeClient
+
+
+def wait_until(predicate: Callable[[], Any], *, timeout_s: float = 30.0, what: str = "condition", on_fail: Callable[[], str] = lambda: "") -> Any:
+    """Poll `predicate` until it returns something truthy; fail the test after `timeout_s`."""
+    try:
+        return processes.wait_until(predicate, timeout=timeout_s, what=what)
+    except processes.WaitTimeout as e:
+        pytest.fail(f"{e}\n{on_fail()}")
+
+
+class Proc:
+    """A `tasks.processes.ManagedProcess` (celery worker or beat), started, with log helpers."""
+
+    def __init__(self, managed: processes.ManagedProcess) -> None:
+        self.managed = managed.start()
+        self.name = managed.name
+        self.log_path = managed.log_path
+
+    @property
+    def popen(self) -> subprocess.Popen[bytes]:
+        assert self.managed.popen is not None
+        return self.managed.popen
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def tail(self, lines: int = 60) -> str:
+        return f"--- {self.log_path.name} ---\n{self.managed.log_tail(lines)}"
+
+    def wait_for_log(self, text: str, *, timeout_s: float = 30.0) -> None:
+        def seen() -> bool:
+            if not self.managed.alive:
+                pytest.fail(f"{self.name} exited with {self.managed.returncode} before logging {text!r}\n{self.tail()}")
+            return text in self.log()
+
+        wait_until(seen, timeout_s=timeout_s, what=f"{text!r} in {self.log_path.name}", on_fail=self.tail)
+
+    def stop(self, *, timeout_s: float = 30.0) -> int | None:
+        """SIGTERM (Celery's warm shutdown); a process that needs SIGKILL returns -9 (a failure)."""
+        return self.managed.stop(timeout=timeout_s)
+
+
+@dataclass
+class Deployment:
+    """One test's k8s-dispatch: settings, producer app, DB and cluster access, its processes."""
+
+    settings: Settings
+    env: dict[str, str]
+    cluster: LocalCluster
+    tmp: Path
+    producer: Celery
+    sessions: Any
+    kube: KubeClient
+    redis: redis.Redis
+    procs: list[Proc] = field(default_factory=list)
+
+    @property
+    def namespace(self) -> str:
+        return self.settings.namespace
+
+    @property
+    def prefix(self) -> str:
+        return self.settings.key_prefix
+
+    def start_worker(self, name: str, *, env: dict[str, str] | None = None, wait: bool = True) -> Proc:
+        proc = Proc(
+            processes.celery_worker(
+                name, env={**self.env, **(env or {})}, log_dir=self.tmp, concurrency=self.settings.worker_concurrency
+            )
+        )
+        self.procs.append(proc)
+        if wait:
+            proc.wait_for_log(" ready.")
+        return proc
+
+    def start_beat(self, name: str = "beat") -> Proc:
+        proc = Proc(processes.celery_beat(env=self.env, log_dir=self.tmp, name=name))
+        self.procs.append(proc)
+        proc.wait_for_log("beat: Starting")
+        return proc
+
+    def wait(self, predicate: Callable[[], Any], *, timeout_s: float = 30.0, what: str = "condition") -> Any:
+        """Poll `predicate` with a deadline; on failure show the processes' logs."""
+        return wait_until(predicate, timeout_s=timeout_s, what=what, on_fail=self.logs)
+
+    def logs(self) -> str:
+        return "\n".join(p.tail() for p in self.procs)
+
+    # --- the engine's side ---------------------------------------------------------------
+
+    def new_case(self, tenancy: str = "tenant-a") -> str:
+        case_id = f"case-{uuid.uuid4().hex[:10]}"
+        with transaction(self.sessions) as session:
+            store.create_case(session, case_id=case_id, tenancy_id=tenancy)
+        return case_id
+
+    def terminal_events(self, dispatch_ids: list[str]) -> dict[str, list[tuple[str, Any]]]:
+        """dispatch id -> its terminal events (type, payload): exactly one each when done."""
+        wanted = {t.value for t in (EventType.WORKER_COMPLETED, EventType.WORKER_FAILED, EventType.WORKER_CANCELLED)}
+        with transaction(self.sessions) as session:
+            return {
+                d: [(e.type, e.payload) for e in store.events_for(session, d) if e.type in wanted] for d in dispatch_ids
+            }
+
+    def all_terminal(self, dispatch_ids: list[str]) -> bool:
+        with transaction(self.sessions) as session:
+            rows = store.get_dispatches(session, dispatch_ids)
+        return len(rows) == len(dispatch_ids) and all(r.terminal for r in rows.values())
+
+    def wait_terminal(self, dispatch_ids: list[str], *, timeout_s: float = 60.0) -> dict[str, list[tuple[str, Any]]]:
+        wait_until(
+            lambda: self.all_terminal(dispatch_ids),
+            timeout_s=timeout_s,
+            what=f"{len(dispatch_ids)} dispatches terminal",
+            on_fail=self.logs,
+        )
+        return self.terminal_events(dispatch_ids)
+
+    def jobs(self, namespace: str | None = None) -> list[dict[str, Any]]:
+        return [
+            j
+            for page in self.kube.iter_jobs(namespace or self.namespace, label_selector=job_labels.selector())
+            for j in page
+        ]
+
+    def wait_no_jobs(self, *, timeout_s: float = 20.0) -> None:
+        wait_until(lambda: not self.jobs(), timeout_s=timeout_s, what="no Job left", on_fail=self.logs)
+
+    def notifications(self) -> list[str]:
+        """Dispatch ids of the engine notifications queued so far, in order (messages kept)."""
+        raw = self.redis.lrange(f"{self.prefix}:{self.settings.notify_queue}", 0, -1)
+        ids = []
+        for message in reversed(raw):  # kombu LPUSHes: oldest last
+            envelope = json.loads(message)
+            assert envelope["headers"]["task"] == self.settings.notify_task
+            args, _kwargs, _embed = json.loads(base64.b64decode(envelope["body"]))
+            ids.append(args[0])
+        return ids
+
+    def dispatch_by_key(self, tenancy_id: str, idempotency_key: str) -> Any:
+        with transaction(self.sessions) as session:
+            return session.scalars(
+                sa.select(Dispatch).where(Dispatch.tenancy_id == tenancy_id, Dispatch.idempotency_key == idempotency_key)
+            ).one_or_none()
+
+    def send(self, task: str, *args: Any, **kwargs: Any) -> None:
+        self.producer.send_task(task, args=list(args), kwargs=kwargs)
+
+    def stop(self) -> None:
+        problems = []
+        for proc in reversed(self.procs):
+            code = proc.stop()
+            if code not in (0, None):
+                problems.append(f"{proc.name} exited with {code}\n{proc.tail()}")
+        self.procs.clear()
+        assert not problems, "\n".join(problems)
+
+
+def capabilities_file(path: Path, capabilities: dict[str, Any]) -> Path:
+    path.write_text(yaml.safe_dump({"capabilities": capabilities}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def sim_cluster() -> Iterator[LocalCluster]:
+    with LocalCluster(mode="simulate") as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def deploy(pg_url, redis_url, key_prefix, tmp_path) -> Iterator[Callable[..., Deployment]]:
+    """`deploy(cluster, capabilities=None, **settings)`: a Deployment; stopped cleanly at the end."""
+    made: list[tuple[Deployment, Any]] = []
+
+    def make(cluster: LocalCluster, *, capabilities: dict[str, Any] | None = None, **overrides: str) -> Deployment:
+        values = {
+            "K8S_DISPATCH_DATABASE_URL": pg_url,
+            "K8S_DISPATCH_REDIS_URL": redis_url,
+            "K8S_DISPATCH_KEY_PREFIX": f"{key_prefix}-{uuid.uuid4().hex[:6]}",
+            "K8S_DISPATCH_NAMESPACE": f"t-{uuid.uuid4().hex[:8]}",
+            "K8S_DISPATCH_KUBECONFIG": str(cluster.kubeconfig),
+            "K8S_DISPATCH_POLL_INTERVAL_S": "0.2",
+            "K8S_DISPATCH_WORKER_CONCURRENCY": "8",
+            "K8S_DISPATCH_GUARD_LEASE_MS": "15000",
+        }
+        if capabilities is not None:
+            values["K8S_DISPATCH_CAPABILITIES"] = str(capabilities_file(tmp_path / f"caps-{len(made)}.yaml", capabilities))
+        values.update({f"K8S_DISPATCH_{k.upper()}": v for k, v in overrides.items()})
+        settings = load_settings(values)
+        env = processes.project_env(values)
+        producer = Celery("test-producer", set_as_current=False)
+        producer.conf.update(celeryconfig.config(settings))
+        engine = make_engine(pg_url)
+        deployment = Deployment(
+            settings=settings,
+            env=env,
+            cluster=cluster,
+            tmp=tmp_path,
+            producer=producer,
+            sessions=make_sessionmaker(engine),
+            kube=KubeClient(cluster.kubeconfig),
+            redis=redis.Redis.from_url(redis_url),
+        )
+        made.append((deployment, engine))
+        return deployment
+
+    yield make
+    failures = []
+    for deployment, engine in made:
+        try:
+            deployment.stop()
+        except AssertionError as e:
+            failures.append(str(e))
+        finally:
+            deployment.producer.close()
+            deployment.kube.close()
+            deployment.redis.close()
+            engine.dispose()
+    assert not failures, "\n".join(failures)

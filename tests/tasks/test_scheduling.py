@@ -1,0 +1,118 @@
+"""`schedule_in_session`: the dispatch is written in the caller's transaction and `create_job` is
+sent only after that transaction commits: never for a rollback, never before the row is visible."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import pytest
+import redis
+from celery import Celery
+
+import celeryconfig
+from engine import store
+from engine.db import make_engine, make_sessionmaker, transaction
+from engine.errors import UnknownCapability
+from engine.settings import load_settings
+from tasks.scheduling import schedule_in_session
+from workers.resolver import demo_resolver
+
+
+@pytest.fixture
+def world(pg_url, redis_url, key_prefix):
+    prefix = f"{key_prefix}-sched-{uuid.uuid4().hex[:6]}"
+    settings = load_settings({"K8S_DISPATCH_KEY_PREFIX": prefix, "K8S_DISPATCH_REDIS_URL": redis_url})
+    producer = Celery("sched-producer", set_as_current=False)
+    producer.conf.update(celeryconfig.config(settings))
+    engine = make_engine(pg_url)
+    client = redis.Redis.from_url(redis_url)
+    yield producer, make_sessionmaker(engine), client, f"{prefix}:{celeryconfig.JOBS_QUEUE}"
+    producer.close()
+    client.close()
+    engine.dispose()
+
+
+def sent(client: redis.Redis, queue: str) -> list[str]:
+    """The dispatch ids of the create_job messages in the queue."""
+    messages = [json.loads(raw) for raw in client.lrange(queue, 0, -1)]
+    assert all(m["headers"]["task"] == celeryconfig.CREATE_JOB_TASK for m in messages)
+    return [m["headers"]["argsrepr"].strip("[]'") for m in messages]
+
+
+def request(case_id: str, **overrides):
+    return {
+        "case_id": case_id,
+        "tenancy_id": "tenant-a",
+        "capability": "demo.wordcount",
+        "input": {"text": "a b"},
+        "idempotency_key": f"key-{uuid.uuid4()}",
+        "router": demo_resolver(),
+        "max_input_bytes": 1024,
+        **overrides,
+    }
+
+
+def new_case(sessions) -> str:
+    case_id = f"case-{uuid.uuid4().hex[:8]}"
+    with transaction(sessions) as session:
+        store.create_case(session, case_id=case_id, tenancy_id="tenant-a")
+    return case_id
+
+
+def test_create_job_is_sent_once_the_transaction_commits(world):
+    producer, sessions, client, queue = world
+    case_id = new_case(sessions)
+    with transaction(sessions) as session:
+        first = schedule_in_session(session, via=producer, **request(case_id))
+        second = schedule_in_session(session, via=producer, **request(case_id))
+        assert sent(client, queue) == []  # nothing before the commit
+    assert sorted(sent(client, queue)) == sorted([first.dispatch_id, second.dispatch_id])
+
+
+def test_nothing_is_sent_when_the_transaction_rolls_back(world):
+    producer, sessions, client, queue = world
+    case_id = new_case(sessions)
+    with pytest.raises(RuntimeError):
+        with transaction(sessions) as session:
+            result = schedule_in_session(session, via=producer, **request(case_id))
+            raise RuntimeError("the engine's own step failed")
+    assert sent(client, queue) == []
+    with transaction(sessions) as session:
+        assert store.get_dispatch(session, result.dispatch_id) is None
+    # The same session factory, a later transaction: only its own dispatch is sent.
+    with transaction(sessions) as session:
+        later = schedule_in_session(session, via=producer, **request(case_id))
+    assert sent(client, queue) == [later.dispatch_id]
+
+
+def test_a_rolled_back_savepoint_takes_only_its_own_dispatches(world):
+    producer, sessions, client, queue = world
+    case_id = new_case(sessions)
+    with transaction(sessions) as session:
+        kept = schedule_in_session(session, via=producer, **request(case_id))
+        savepoint = session.begin_nested()
+        dropped = schedule_in_session(session, via=producer, **request(case_id))
+        savepoint.rollback()
+        with session.begin_nested():  # released: its dispatch belongs to the transaction
+            also_kept = schedule_in_session(session, via=producer, **request(case_id))
+        assert sent(client, queue) == []
+    assert sorted(sent(client, queue)) == sorted([kept.dispatch_id, also_kept.dispatch_id])
+    with transaction(sessions) as session:
+        assert store.get_dispatch(session, dropped.dispatch_id) is None
+
+
+def test_a_repeated_request_is_one_dispatch_and_a_bad_one_writes_nothing(world):
+    producer, sessions, client, queue = world
+    case_id = new_case(sessions)
+    same = request(case_id)
+    with transaction(sessions) as session:
+        first = schedule_in_session(session, via=producer, **same)
+    with transaction(sessions) as session:
+        again = schedule_in_session(session, via=producer, **same)
+    assert (again.dispatch_id, again.created) == (first.dispatch_id, False)
+    with pytest.raises(UnknownCapability):
+        with transaction(sessions) as session:
+            schedule_in_session(session, via=producer, **request(case_id, capability="no.such"))
+    # Sent again for the repeat (create_job is idempotent; a lost first message is covered).
+    assert sent(client, queue) == [first.dispatch_id, first.dispatch_id]

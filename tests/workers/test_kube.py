@@ -1,0 +1,298 @@
+"""The Kubernetes adapter against localcluster over HTTP: every call, and every error mapping."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine.errors import (
+    AlreadyExists,
+    ApiRejected,
+    ApiUnavailable,
+    ConfigError,
+    InvalidManifest,
+    NotFound,
+)
+from localcluster import LocalCluster
+from workers.job_status import job_state
+from workers.kube import KubeClient
+
+OURS = "k8s-dispatch.io/result-protection"
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with LocalCluster(mode="simulate") as c:
+        yield c
+
+
+@pytest.fixture
+def kube(cluster):
+    with KubeClient(cluster.kubeconfig, timeout_s=5) as client:
+        yield client
+
+
+@pytest.fixture
+def ns():
+    return f"kube-{uuid.uuid4().hex[:8]}"
+
+
+def job(name: str, *, labels: dict[str, str] | None = None, finalizers: list[str] | None = None, **annotations: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": name, "labels": labels or {"suite": "kube"}, "finalizers": finalizers or []},
+        "spec": {
+            "backoffLimit": 0,
+            "template": {
+                "metadata": {"annotations": {"localcluster.k8s-dispatch.io/duration-ms": "10", **annotations}},
+                "spec": {
+                    "restartPolicy": "Never",
+                    "containers": [{"name": "worker", "image": "busybox", "terminationMessagePolicy": "FallbackToLogsOnError"}],
+                },
+            },
+        },
+    }
+
+
+def wait_until(predicate, *, timeout_s: float = 10.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"{what} not reached in {timeout_s} s"
+        time.sleep(0.02)
+
+
+# --- config ------------------------------------------------------------------------------
+
+
+def test_a_missing_kubeconfig_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="nope.yaml"):
+        KubeClient(tmp_path / "nope.yaml")
+
+
+def test_a_garbled_kubeconfig_is_a_config_error(tmp_path):
+    path = tmp_path / "kubeconfig"
+    path.write_text("clusters: [this is: not, a kubeconfig\n")
+    with pytest.raises(ConfigError, match=str(path)):
+        KubeClient(path)
+
+
+# --- jobs --------------------------------------------------------------------------------
+
+
+def test_create_get_and_already_exists(kube, ns):
+    created = kube.create_job(ns, job("one", finalizers=[OURS]))
+    assert created["metadata"]["name"] == "one"
+    assert created["metadata"]["namespace"] == ns
+    assert created["metadata"]["uid"]
+    assert created["metadata"]["finalizers"] == [OURS]
+    got = kube.get_job(ns, "one")
+    assert got["metadata"]["uid"] == created["metadata"]["uid"]
+    assert got["spec"]["template"]["spec"]["containers"][0]["terminationMessagePolicy"] == "FallbackToLogsOnError"
+    with pytest.raises(AlreadyExists) as raised:
+        kube.create_job(ns, job("one"))
+    assert "already exists" in str(raised.value)
+
+
+def test_get_missing_job_is_not_found(kube, ns):
+    with pytest.raises(NotFound, match="not found"):
+        kube.get_job(ns, "missing")
+
+
+def test_an_invalid_job_is_rejected_with_the_apis_reason_and_message(kube, ns):
+    with pytest.raises(ApiRejected) as raised:
+        kube.create_job(ns, job("Not_A_Valid_Name"))
+    assert raised.value.reason == "Invalid"
+    assert "Not_A_Valid_Name" in str(raised.value)
+    assert "422" in str(raised.value)
+
+
+def test_a_body_the_client_schema_refuses_never_reaches_the_server(kube, ns):
+    body = job("schema")
+    body["spec"]["template"]["spec"]["containers"][0]["resources"] = {"limits": {"memory": 64}}  # not a string
+    with pytest.raises(InvalidManifest, match="schema"):
+        kube.create_job(ns, body)
+    with pytest.raises(NotFound):
+        kube.get_job(ns, "schema")
+
+
+def test_iter_jobs_pages_through_everything_with_the_selector(kube, ns):
+    for i in range(7):
+        kube.create_job(ns, job(f"page-{i}", labels={"suite": "paging"}))
+    kube.create_job(ns, job("other", labels={"suite": "elsewhere"}))
+    pages = list(kube.iter_jobs(ns, label_selector="suite=paging", page_size=3))
+    assert [len(p) for p in pages] == [3, 3, 1]
+    assert sorted(j["metadata"]["name"] for p in pages for j in p) == [f"page-{i}" for i in range(7)]
+    first = kube.list_jobs_page(ns, label_selector="suite=paging", limit=5)
+    assert len(first["items"]) == 5 and first["metadata"]["continue"]
+    rest = kube.list_jobs_page(ns, label_selector="suite=paging", limit=5, continue_token=first["metadata"]["continue"])
+    assert len(rest["items"]) == 2 and not rest["metadata"].get("continue")
+
+
+def test_an_expired_continue_token_restarts_the_listing_from_scratch(kube, ns):
+    for i in range(5):
+        kube.create_job(ns, job(f"exp-{i}", labels={"suite": "expiry"}))
+    pages = kube.iter_jobs(ns, label_selector="suite=expiry", page_size=2)
+    first = next(pages)
+    assert len(first) == 2
+    # The server keeps a bounded number of list snapshots: enough other paginated lists
+    # evict ours, and its continue token then answers 410 Expired.
+    stale = kube.list_jobs_page(ns, label_selector="suite=expiry", limit=1)["metadata"]["continue"]
+    for _ in range(200):
+        kube.list_jobs_page(ns, label_selector="suite=expiry", limit=1)
+    with pytest.raises(ApiUnavailable) as raised:
+        kube.list_jobs_page(ns, label_selector="suite=expiry", limit=1, continue_token=stale)
+    assert raised.value.reason == "Expired"
+    rest = [j["metadata"]["name"] for page in pages for j in page]
+    # Listed again from the start: every Job is there (the first page's twice, as documented).
+    assert sorted(rest) == [f"exp-{i}" for i in range(5)]
+
+
+def test_iter_jobs_of_an_empty_namespace_yields_one_empty_page(kube, ns):
+    assert list(kube.iter_jobs(ns, label_selector="suite=none")) == [[]]
+
+
+def test_list_pods_of_a_finished_job_carries_its_termination_message(kube, ns):
+    kube.create_job(ns, job("done", **{"localcluster.k8s-dispatch.io/result": '{"answer": 42}'}))
+    wait_until(lambda: job_state(kube.get_job(ns, "done")).terminal, what="job done")
+    pods = kube.list_pods(ns, label_selector="batch.kubernetes.io/job-name=done")
+    assert len(pods) == 1
+    terminated = pods[0]["status"]["containerStatuses"][0]["state"]["terminated"]
+    assert terminated["exitCode"] == 0
+    assert terminated["message"] == '{"answer": 42}'
+    assert kube.list_pods(ns, label_selector="batch.kubernetes.io/job-name=other") == []
+
+
+# --- finalizers and deletion ----------------------------------------------------------------
+
+
+def test_remove_finalizer_takes_out_exactly_ours(kube, ns):
+    kube.create_job(ns, job("fin", finalizers=["a.example/one", OURS, "b.example/two"]))
+    assert kube.remove_finalizer(ns, "fin", OURS) is True
+    assert kube.get_job(ns, "fin")["metadata"]["finalizers"] == ["a.example/one", "b.example/two"]
+    assert kube.remove_finalizer(ns, "fin", OURS) is False  # absent: nothing to do
+    assert kube.remove_finalizer(ns, "gone", OURS) is False  # no such Job: nothing to do
+
+
+def test_concurrent_finalizer_removals_never_remove_the_wrong_entry(kube, ns):
+    names = [f"x.example/f{i}" for i in range(6)]
+    kube.create_job(ns, job("race", finalizers=names))
+    results: dict[str, bool] = {}
+
+    def remove(finalizer: str) -> None:
+        barrier.wait()
+        results[finalizer] = kube.remove_finalizer(ns, "race", finalizer)
+
+    threads = [threading.Thread(target=remove, args=(n,)) for n in names[1:]]  # keep f0
+    barrier = threading.Barrier(len(threads))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == {n: True for n in names[1:]}
+    assert kube.get_job(ns, "race")["metadata"]["finalizers"] == [names[0]]
+
+
+def test_delete_waits_for_our_finalizer_then_the_job_is_gone(kube, ns):
+    kube.create_job(ns, job("del", finalizers=[OURS]))
+    assert kube.delete_job(ns, "del") is True
+    held = kube.get_job(ns, "del")
+    assert held["metadata"].get("deletionTimestamp")
+    assert kube.remove_finalizer(ns, "del", OURS) is True
+    wait_until(lambda: not _exists(kube, ns, "del"), what="job deleted")
+    assert kube.delete_job(ns, "del") is False  # already gone: no error
+
+
+def _exists(kube: KubeClient, ns: str, name: str) -> bool:
+    try:
+        kube.get_job(ns, name)
+    except NotFound:
+        return False
+    return True
+
+
+# --- unavailability ----------------------------------------------------------------------
+
+
+@pytest.fixture
+def faulty_cluster():
+    with LocalCluster(mode="simulate") as c:
+        yield c
+
+
+def test_server_errors_are_api_unavailable(faulty_cluster, ns):
+    with KubeClient(faulty_cluster.kubeconfig, timeout_s=5) as kube:
+        kube.create_job(ns, job("f"))
+        faulty_cluster.set_faults(1.0, 0)
+        for call in (
+            lambda: kube.get_job(ns, "f"),
+            lambda: kube.create_job(ns, job("g")),
+            lambda: kube.list_jobs_page(ns, label_selector="suite=kube"),
+            lambda: list(kube.iter_jobs(ns, label_selector="suite=kube")),
+            lambda: kube.list_pods(ns, label_selector="a=b"),
+            lambda: kube.delete_job(ns, "f"),
+            lambda: kube.remove_finalizer(ns, "f", OURS),
+        ):
+            with pytest.raises(ApiUnavailable):
+                call()
+        faulty_cluster.set_faults(0.0, 0)
+        assert kube.get_job(ns, "f")["metadata"]["name"] == "f"
+
+
+def test_a_slow_api_times_out_as_api_unavailable(faulty_cluster, ns):
+    with KubeClient(faulty_cluster.kubeconfig, timeout_s=0.3) as kube:
+        faulty_cluster.set_faults(0.0, latency_ms=2000)
+        try:
+            started = time.monotonic()
+            with pytest.raises(ApiUnavailable):
+                kube.get_job(ns, "anything")
+            assert time.monotonic() - started < 1.9
+        finally:
+            faulty_cluster.set_faults(0.0, latency_ms=0)
+
+
+def test_an_unreachable_api_is_api_unavailable(tmp_path, ns):
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(_kubeconfig("http://127.0.0.1:1", token="x"))
+    with KubeClient(kubeconfig, timeout_s=1) as kube:
+        with pytest.raises(ApiUnavailable):
+            kube.get_job(ns, "x")
+
+
+def test_a_wrong_token_is_rejected_as_unauthorized(cluster, tmp_path, ns):
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(_kubeconfig(cluster.url, token="wrong-token"))
+    with KubeClient(kubeconfig, timeout_s=5) as kube:
+        with pytest.raises(ApiRejected) as raised:
+            kube.get_job(ns, "x")
+    assert raised.value.reason == "Unauthorized"
+
+
+def _kubeconfig(server: str, *, token: str) -> str:
+    return f"""apiVersion: v1
+kind: Config
+clusters:
+- name: c
+  cluster: {{server: "{server}"}}
+users:
+- name: u
+  user: {{token: "{token}"}}
+contexts:
+- name: x
+  context: {{cluster: c, user: u}}
+current-context: x
+"""
+
+
+def test_kubeconfig_path_may_be_a_string(cluster):
+    with KubeClient(str(cluster.kubeconfig)) as kube:
+        assert kube.host.startswith("http")
+    assert isinstance(cluster.kubeconfig, Path)

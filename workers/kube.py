@@ -1,0 +1,325 @@
+"""The Kubernetes adapter: the one module that imports `kubernetes` and talks to the API.
+
+Calls return plain dicts in the API's own camelCase JSON shape: responses are read raw
+(`_preload_content=False`) and json-decoded, far cheaper than the client's model
+deserialisation on big lists. Every call has a timeout, and every failure is mapped onto
+`engine.errors` (raised `from` the client's exception), so no caller sees a `kubernetes` type.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pydantic
+import urllib3
+import yaml
+from kubernetes import client as k8s
+from kubernetes import config as k8s_config
+from kubernetes.client.exceptions import ApiException
+
+from engine.errors import (
+    AlreadyExists,
+    ApiRejected,
+    ApiUnavailable,
+    ConfigError,
+    Conflict,
+    DispatchError,
+    InvalidManifest,
+    NotFound,
+)
+
+if TYPE_CHECKING:
+    from engine.settings import Settings
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 10.0  # one request, connect + read; lists of a page of Jobs fit well inside
+DEFAULT_PAGE_SIZE = 500
+PATCH_ATTEMPTS = 5  # re-reads of a Job whose finalizers moved under a test-guarded patch
+LIST_RESTARTS = 3  # re-listings from scratch after a 410 Expired continue token
+# urllib3 retries a refused or reset connection twice, quickly; it does NOT retry on HTTP status
+# or sleep for Retry-After (its default would, up to three times, inside a worker's thread):
+# a 429/5xx becomes ApiUnavailable at once and the task retries with backoff and jitter.
+CONNECTION_RETRIES = urllib3.Retry(
+    total=2, connect=2, read=0, redirect=0, status=0, respect_retry_after_header=False, backoff_factor=0.1
+)
+
+JsonDict = dict[str, Any]
+
+
+class _Expired(Exception):
+    """A paginated list's continue token expired (410): private, `iter_jobs` restarts on it."""
+
+
+class KubeClient:
+    """Jobs and Pods over one connection pool; safe to share between threads."""
+
+    def __init__(self, kubeconfig: Path | str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        """Load the cluster config: `kubeconfig` if given, else in-cluster, else ~/.kube/config.
+
+        Raises:
+            ConfigError: the config cannot be read or names no usable cluster.
+        """
+        self._timeout = timeout_s
+        configuration = _load_configuration(kubeconfig)
+        configuration.retries = CONNECTION_RETRIES
+        self._api_client = k8s.ApiClient(configuration)
+        self._batch = k8s.BatchV1Api(self._api_client)
+        self._core = k8s.CoreV1Api(self._api_client)
+        self.host: str = configuration.host
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> KubeClient:
+        return cls(settings.kubeconfig, timeout_s=settings.kube_timeout_s)
+
+    def close(self) -> None:
+        self._api_client.close()
+
+    def __enter__(self) -> KubeClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- Jobs -------------------------------------------------------------------------------
+
+    def create_job(self, namespace: str, body: JsonDict) -> JsonDict:
+        """Create a Job. Raises AlreadyExists (409) when a Job of that name exists."""
+        return self._call(f"create job in {namespace}", self._batch.create_namespaced_job, namespace, body)
+
+    def get_job(self, namespace: str, name: str) -> JsonDict:
+        """Read one Job. Raises NotFound."""
+        return self._call(f"get job {namespace}/{name}", self._batch.read_namespaced_job, name, namespace)
+
+    def list_jobs_page(
+        self,
+        namespace: str,
+        *,
+        label_selector: str,
+        limit: int = DEFAULT_PAGE_SIZE,
+        continue_token: str | None = None,
+    ) -> JsonDict:
+        """One page of a Job LIST: the JobList dict (`items`, `metadata.continue`).
+
+        Raises:
+            ApiUnavailable: reason "Expired" when the continue token is too old (410): list
+                again from the start.
+        """
+        try:
+            return self._list_jobs_raw(namespace, label_selector=label_selector, limit=limit, continue_token=continue_token)
+        except _Expired as e:
+            raise ApiUnavailable(f"list jobs in {namespace}: continue token expired", reason="Expired") from e
+
+    def iter_jobs(
+        self,
+        namespace: str,
+        *,
+        label_selector: str,
+        page_size: int = DEFAULT_PAGE_SIZE,
+    ) -> Iterator[list[JsonDict]]:
+        """Yield the matching Jobs page by page (one LIST per page, memory bounded by a page).
+
+        A 410 Expired continue token restarts the listing from scratch, so after a restart a
+        Job may be yielded twice: consumers must be idempotent (ours are).
+        """
+        restarts = 0
+        token: str | None = None
+        while True:
+            try:
+                page = self._list_jobs_raw(namespace, label_selector=label_selector, limit=page_size, continue_token=token)
+            except _Expired as e:
+                restarts += 1
+                if restarts > LIST_RESTARTS:
+                    raise ApiUnavailable(
+                        f"list jobs in {namespace}: continue token expired {restarts} times", reason="Expired"
+                    ) from e
+                log.info("list of jobs in %s expired mid-way; listing again from the start", namespace)
+                token = None
+                continue
+            yield page.get("items") or []
+            token = (page.get("metadata") or {}).get("continue") or None
+            if token is None:
+                return
+
+    def remove_finalizer(self, namespace: str, name: str, finalizer: str) -> bool:
+        """Remove one finalizer from a Job; True if this call removed it.
+
+        A JSON patch `test`s the entry at the index it removes, so a list changed by someone
+        else in between is never cut at the wrong place: the patch fails (409/422), the Job is
+        read again and the patch retried. Absent finalizer or absent Job: False, no error.
+        """
+        what = f"remove finalizer {finalizer} from job {namespace}/{name}"
+        for _ in range(PATCH_ATTEMPTS):
+            try:
+                job = self.get_job(namespace, name)
+            except NotFound:
+                return False
+            finalizers = job.get("metadata", {}).get("finalizers") or []
+            if finalizer not in finalizers:
+                return False
+            index = finalizers.index(finalizer)
+            patch = [
+                {"op": "test", "path": f"/metadata/finalizers/{index}", "value": finalizer},
+                {"op": "remove", "path": f"/metadata/finalizers/{index}"},
+            ]
+            try:
+                self._call(
+                    what,
+                    self._batch.patch_namespaced_job,
+                    name,
+                    namespace,
+                    patch,
+                    _content_type="application/json-patch+json",
+                )
+                return True
+            except NotFound:
+                return False
+            except (Conflict, ApiRejected) as e:
+                # A failed `test` op is 422 Invalid (or 409 on some servers): the list moved.
+                if isinstance(e, ApiRejected) and e.reason != "Invalid":
+                    raise
+                log.info("%s: finalizers changed under the patch (%s); reading again", what, e.reason)
+        raise Conflict(f"{what}: finalizers kept changing over {PATCH_ATTEMPTS} attempts")
+
+    def delete_job(self, namespace: str, name: str, *, propagation: str = "Background") -> bool:
+        """Delete a Job (its Pods by `propagation`); False if it was already gone.
+
+        With finalizers left on it the Job is only marked for deletion.
+        """
+        try:
+            self._call(
+                f"delete job {namespace}/{name}",
+                self._batch.delete_namespaced_job,
+                name,
+                namespace,
+                propagation_policy=propagation,
+            )
+        except NotFound:
+            return False
+        return True
+
+    # --- Pods -------------------------------------------------------------------------------
+
+    def list_pods(self, namespace: str, *, label_selector: str) -> list[JsonDict]:
+        """All Pods matching the selector (a Job's Pods: `batch.kubernetes.io/job-name=NAME`)."""
+        pods: list[JsonDict] = []
+        token: str | None = None
+        while True:
+            page = self._call(
+                f"list pods in {namespace}",
+                self._core.list_namespaced_pod,
+                namespace,
+                label_selector=label_selector,
+                limit=DEFAULT_PAGE_SIZE,
+                _continue=token,
+            )
+            pods.extend(page.get("items") or [])
+            token = (page.get("metadata") or {}).get("continue") or None
+            if token is None:
+                return pods
+
+    # --- the one seam every call goes through ----------------------------------------------
+
+    def _list_jobs_raw(
+        self, namespace: str, *, label_selector: str, limit: int, continue_token: str | None
+    ) -> JsonDict:
+        what = f"list jobs in {namespace}"
+        try:
+            return self._call(
+                what,
+                self._batch.list_namespaced_job,
+                namespace,
+                label_selector=label_selector,
+                limit=limit,
+                _continue=continue_token,
+                _raw_errors=True,
+            )
+        except ApiException as e:
+            if e.status == 410 and continue_token is not None:
+                raise _Expired(what) from e
+            raise _mapped(e, what) from e
+
+    def _call(self, what: str, method: Callable[..., Any], *args: Any, _raw_errors: bool = False, **kwargs: Any) -> JsonDict:
+        """Call one API method raw and decode its JSON body, mapping every failure."""
+        try:
+            response = method(*args, _preload_content=False, _request_timeout=self._timeout, **kwargs)
+        except ApiException as e:
+            # The client's frames in its traceback hold the raw HTTP response, and with it the
+            # connection's socket, for as long as the error lives (a chained error can live
+            # long): keep status, reason and body, drop those frames.
+            e.with_traceback(None)
+            if _raw_errors:
+                raise
+            raise _mapped(e, what) from e
+        except (urllib3.exceptions.HTTPError, OSError) as e:  # refused, reset, timed out
+            raise ApiUnavailable(f"{what}: {type(e).__name__}: {e}") from e
+        except pydantic.ValidationError as e:
+            # The client checks bodies against its models before sending (unknown fields,
+            # a number where a quantity string belongs): nothing reached the server.
+            raise InvalidManifest(f"{what}: refused by the client's schema check: {e}") from e
+        try:
+            raw = response.data
+        except (urllib3.exceptions.HTTPError, OSError) as e:
+            raise ApiUnavailable(f"{what}: reading the response: {type(e).__name__}: {e}") from e
+        finally:
+            response.release_conn()
+        try:
+            decoded = json.loads(raw)
+        except ValueError as e:
+            raise ApiUnavailable(f"{what}: the API answered with something that is not JSON") from e
+        if not isinstance(decoded, dict):
+            raise ApiUnavailable(f"{what}: the API answered with JSON that is not an object")
+        return decoded
+
+
+def _load_configuration(kubeconfig: Path | str | None) -> k8s.Configuration:
+    configuration = k8s.Configuration()
+    try:
+        if kubeconfig is not None:
+            k8s_config.load_kube_config(config_file=str(kubeconfig), client_configuration=configuration, persist_config=False)
+            return configuration
+        try:
+            k8s_config.load_incluster_config(client_configuration=configuration)
+        except k8s_config.ConfigException:
+            k8s_config.load_kube_config(client_configuration=configuration, persist_config=False)
+    except (k8s_config.ConfigException, yaml.YAMLError, OSError, ValueError, TypeError, KeyError) as e:
+        # The loader raises its own ConfigException, but also raw file and YAML errors.
+        source = str(kubeconfig) if kubeconfig is not None else "in-cluster config or ~/.kube/config"
+        raise ConfigError(f"cannot load the Kubernetes config from {source}: {type(e).__name__}: {e}") from e
+    return configuration
+
+
+def _mapped(e: ApiException, what: str) -> DispatchError:
+    """The engine error for one API error response, keeping the API's message and reason."""
+    status = e.status or 0
+    api_reason, api_message = _status_of(e)
+    message = f"{what}: {status} {api_reason or e.reason}: {api_message or e.reason}"
+    if status == 404:
+        return NotFound(message)
+    if status == 409:
+        return AlreadyExists(message) if api_reason == "AlreadyExists" else Conflict(message)
+    if status == 429 or status >= 500 or status == 0:
+        return ApiUnavailable(message)
+    if status == 410:  # Expired outside a paginated list: a stale read, list again
+        return ApiUnavailable(message, reason="Expired")
+    # 400 BadRequest, 401 Unauthorized, 403 Forbidden, 422 Invalid and the rest of 4xx.
+    return ApiRejected(message, reason=api_reason or _REASON_BY_STATUS.get(status, "ApiRejected"))
+
+
+_REASON_BY_STATUS = {400: "BadRequest", 401: "Unauthorized", 403: "Forbidden", 422: "Invalid"}
+
+
+def _status_of(e: ApiException) -> tuple[str | None, str | None]:
+    """(reason, message) from the API's Status body, when the body is one."""
+    try:
+        body = json.loads(e.body) if e.body else None
+    except ValueError:
+        return None, None
+    if not isinstance(body, dict):
+        return None, None
+    reason, message = body.get("reason"), body.get("message")
+    return (reason if isinstance(reason, str) and reason else None, message if isinstance(message, str) else None)
