@@ -58,8 +58,13 @@ class _Expired(Exception):
 class KubeClient:
     """Jobs and Pods over one connection pool; safe to share between threads."""
 
-    def __init__(self, kubeconfig: Path | str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(
+        self, kubeconfig: Path | str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S, pool_size: int = 16
+    ) -> None:
         """Load the cluster config: `kubeconfig` if given, else in-cluster, else ~/.kube/config.
+
+        `pool_size` should cover every thread that shares the client (task threads, poll,
+        sweep): a smaller urllib3 pool drops and re-opens connections under load.
 
         Raises:
             ConfigError: the config cannot be read or names no usable cluster.
@@ -67,6 +72,7 @@ class KubeClient:
         self._timeout = timeout_s
         configuration = _load_configuration(kubeconfig)
         configuration.retries = CONNECTION_RETRIES
+        configuration.connection_pool_maxsize = pool_size
         self._api_client = k8s.ApiClient(configuration)
         self._batch = k8s.BatchV1Api(self._api_client)
         self._core = k8s.CoreV1Api(self._api_client)
@@ -74,7 +80,8 @@ class KubeClient:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> KubeClient:
-        return cls(settings.kubeconfig, timeout_s=settings.kube_timeout_s)
+        # Task threads plus the poll and sweep that may run beside them.
+        return cls(settings.kubeconfig, timeout_s=settings.kube_timeout_s, pool_size=settings.worker_concurrency + 4)
 
     def close(self) -> None:
         self._api_client.close()

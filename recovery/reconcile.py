@@ -1,0 +1,416 @@
+"""The recovery sweep's executor: walks the cluster and the database page by page, acts on the plan.
+
+(A) pages of our Jobs, each matched with its dispatches: categories 2, 3, 4, 6; (B) pages of
+pending dispatches, checked with one `dispatch-id in (...)` LIST per chunk: 1 and 5; (C) terminal
+dispatches the engine was not told about. Actions run inline through `recovery.delivery`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
+from enum import Enum
+from typing import Any, TypeVar
+
+import sqlalchemy as sa
+
+from engine import store
+from engine.db import transaction
+from engine.errors import DispatchError, NotFound
+from engine.models import TERMINAL_STATES, Dispatch, DispatchState, EventType, utcnow
+from recovery import delivery, statelog
+from recovery.crashpoints import Point, crashpoint
+from recovery.metrics import METRICS
+from recovery.reconstruct import DispatchRecord
+from recovery.report import Counts, SweepReport
+from recovery.runtime import Runtime
+from recovery.sweep import (
+    Action,
+    CleanUpJob,
+    CompleteJob,
+    CreateJob,
+    DispatchView,
+    FailJobLost,
+    Policy,
+    RecreateJob,
+    ReportOrphan,
+    ReportRunning,
+    plan_dispatches,
+    plan_jobs,
+    present_jobs,
+    refusal,
+)
+from workers import labels as job_labels
+
+log = logging.getLogger(__name__)
+
+# Dispatch ids per `dispatch-id in (...)` selector: 100 UUIDs make a query string of ~4 KB,
+# well inside what API servers and proxies accept.
+SELECTOR_CHUNK = 100
+ORPHANS_REPORTED = "orphans_reported"  # a Redis stats counter, cluster-wide (see recovery.stats)
+SWEEPS_RUN = "sweeps_run"
+
+T = TypeVar("T")
+
+
+class _Outcome(Enum):
+    ACTED = "acted"
+    SKIPPED = "skipped"  # a fresh read showed it was no longer needed
+    NOTHING = "nothing"  # a finding that asks for no side effect (a running Job)
+    FAILED = "failed"  # could not be done now (counted as an error); the next sweep retries
+
+
+def run_sweep(rt: Runtime, *, dry_run: bool = False, now: datetime | None = None) -> SweepReport:
+    """One full sweep of every namespace and every pending dispatch; never raises for one failure.
+
+    Memory is bounded by a page (`poll_page_size` Jobs or rows), not by their number. Each
+    action re-reads the state it depends on before its side effect, so a sweep racing normal
+    work or another sweep changes nothing twice; the broker is never needed (it may have lost
+    every message). `dry_run` plans and counts but changes nothing. `now` is the sweep's
+    clock for grace periods (default: the current time). Failures of single actions or
+    listings are logged and counted in the report's errors; the next sweep tries again.
+    """
+    now = now or utcnow()
+    policy = Policy.from_settings(rt.settings)
+    report = SweepReport(dry_run=dry_run, started_at=now)
+    report.namespaces = _namespaces(rt, report)
+    with Executor(rt, report, dry_run=dry_run, concurrency=rt.settings.sweep_concurrency) as act:
+        for namespace in report.namespaces:
+            _sweep_jobs(rt, namespace, act, now=now, policy=policy)
+        _sweep_dispatches(rt, act, now=now, policy=policy)
+        _sweep_unnotified(rt, act, now=now, policy=policy)
+    report.finished_at = utcnow()
+    METRICS.sweep_done(report)
+    if not dry_run:
+        rt.stats.incr(SWEEPS_RUN)
+    log.info("%s in %.2fs", report.summary(), report.duration_s or 0.0)
+    return report
+
+
+def _namespaces(rt: Runtime, report: SweepReport) -> list[str]:
+    """Where our Jobs may be: the config's namespaces, and any a pending dispatch recorded
+    (its capability may have moved since, and its Job must still be found)."""
+    configured = set(rt.namespaces())
+    try:
+        with transaction(rt.sessions) as session:
+            recorded = session.scalars(
+                sa.select(Dispatch.job_namespace)
+                .where(Dispatch.state.in_([DispatchState.SCHEDULED, DispatchState.CREATED]))
+                .where(Dispatch.job_namespace.is_not(None))
+                .distinct()
+            ).all()
+    except DispatchError as e:
+        log.warning("sweep: reading recorded namespaces failed: %s: %s", e.reason, e)
+        report.add_problem(f"reading recorded namespaces: {e.reason}: {e}")
+        recorded = []
+    return sorted(configured | {ns for ns in recorded if ns})
+
+
+# --- (A) the Jobs: categories 2, 3, 4, 6 ------------------------------------------------------
+
+
+def _sweep_jobs(rt: Runtime, namespace: str, act: Executor, *, now: datetime, policy: Policy) -> None:
+    report = act.report
+    try:
+        for page in rt.kube.iter_jobs(
+            namespace, label_selector=job_labels.selector(), page_size=rt.settings.poll_page_size
+        ):
+            report.jobs_listed += len(page)
+            views = _views_for_jobs(rt, page)
+            act.all(plan_jobs(page, views, now=now, policy=policy))
+    except DispatchError as e:  # the LIST, or the page's dispatches: the next sweep starts over
+        log.warning("sweep: going through the jobs in %s stopped: %s: %s", namespace, e.reason, e)
+        report.add_problem(f"jobs in {namespace}: {e.reason}: {e}")
+
+
+def _views_for_jobs(rt: Runtime, jobs: Sequence[dict[str, Any]]) -> dict[str, DispatchView]:
+    """The dispatches the Jobs' labels name, read with one query per page of Jobs."""
+    ids = set()
+    for job in jobs:
+        metadata = job.get("metadata") or {}
+        try:
+            ids.add(job_labels.decode(metadata.get("labels"), metadata.get("annotations")).dispatch_id)
+        except DispatchError:
+            continue  # unreadable labels: the plan reports the Job
+    with transaction(rt.sessions) as session:
+        rows = store.get_dispatches(session, ids)
+        return {dispatch_id: _view(rt, row) for dispatch_id, row in rows.items()}
+
+
+def _view(rt: Runtime, row: Dispatch) -> DispatchView:
+    record = DispatchRecord.from_row(row)
+    namespace, _ = delivery.job_location(rt, record)
+    return DispatchView(record=record, namespace=namespace, created_at=row.created_at, updated_at=row.updated_at)
+
+
+# --- (B) the dispatches without a Job: categories 1 and 5 -----------------------------------
+
+
+def _sweep_dispatches(rt: Runtime, act: Executor, *, now: datetime, policy: Policy) -> None:
+    report = act.report
+    query = sa.select(Dispatch).where(
+        Dispatch.state.in_([DispatchState.SCHEDULED, DispatchState.CREATED]),
+        Dispatch.updated_at <= now - policy.grace,
+    )
+    try:
+        for views in _pages(rt, query, lambda row: _view(rt, row)):
+            report.dispatches_checked += len(views)
+            try:
+                present = _present_jobs(rt, views)
+            except DispatchError as e:
+                log.warning("sweep: looking up jobs for %d dispatches failed: %s: %s", len(views), e.reason, e)
+                report.add_problem(f"looking up jobs for {len(views)} dispatches: {e.reason}: {e}")
+                continue
+            act.all(plan_dispatches(views, present, now=now, policy=policy))
+    except DispatchError as e:  # the database: the next sweep starts over
+        log.warning("sweep: reading dispatches stopped: %s: %s", e.reason, e)
+        report.add_problem(f"reading dispatches: {e.reason}: {e}")
+
+
+def _present_jobs(rt: Runtime, views: Sequence[DispatchView]) -> set[tuple[str, str]]:
+    """(namespace, name) of the Jobs that exist for these dispatches: one LIST per namespace and chunk."""
+    by_namespace: dict[str, list[str]] = {}
+    for view in views:
+        by_namespace.setdefault(view.namespace, []).append(view.dispatch_id)
+    present: set[tuple[str, str]] = set()
+    for namespace, ids in sorted(by_namespace.items()):
+        for start in range(0, len(ids), SELECTOR_CHUNK):
+            chunk = ids[start : start + SELECTOR_CHUNK]
+            selector = f"{job_labels.selector()},{job_labels.DISPATCH_ID_KEY} in ({','.join(chunk)})"
+            for page in rt.kube.iter_jobs(namespace, label_selector=selector, page_size=rt.settings.poll_page_size):
+                present |= present_jobs(page)
+    return present
+
+
+def _pages(rt: Runtime, query: sa.Select[tuple[Dispatch]], convert: Callable[[Dispatch], T]) -> Iterator[list[T]]:
+    """Keyset pages of `query` by dispatch_id, each read in its own short transaction.
+
+    No transaction stays open while the caller acts on a page: on SQLite every transaction
+    takes the write lock, and the actions write.
+    """
+    size = rt.settings.poll_page_size
+    after: str | None = None
+    while True:
+        page_query = query.order_by(Dispatch.dispatch_id).limit(size)
+        if after is not None:
+            page_query = page_query.where(Dispatch.dispatch_id > after)
+        with transaction(rt.sessions) as session:
+            rows = session.scalars(page_query).all()
+            converted = [convert(row) for row in rows]
+        if converted:
+            yield converted
+        if len(rows) < size:
+            return
+        after = rows[-1].dispatch_id
+
+
+# --- (C) terminal dispatches the engine was not told about -----------------------------------
+
+
+def _sweep_unnotified(rt: Runtime, act: Executor, *, now: datetime, policy: Policy) -> None:
+    report = act.report
+    if rt.notifier is None:
+        return  # this process cannot reach the engine; one that can will notify
+    query = sa.select(Dispatch).where(
+        Dispatch.notified_at.is_(None),
+        Dispatch.state.in_(sorted(TERMINAL_STATES)),
+        Dispatch.finished_at <= now - policy.grace,
+    )
+    try:
+        for ids in _pages(rt, query, lambda row: row.dispatch_id):
+            act.renotify_all(ids)
+    except DispatchError as e:
+        log.warning("sweep: reading unnotified dispatches stopped: %s: %s", e.reason, e)
+        report.add_problem(f"reading unnotified dispatches: {e.reason}: {e}")
+
+
+# --- carrying actions out ------------------------------------------------------------------
+
+
+class Executor:
+    """Carries out planned actions through `recovery.delivery`, counting each in the report.
+
+    An action may be stale by the time it runs (planned from a page read a moment ago):
+    each one re-reads what it depends on and is counted `skipped` when there is nothing
+    left to do. Errors are counted, logged and never raised.
+    """
+
+    def __init__(self, rt: Runtime, report: SweepReport, *, dry_run: bool, concurrency: int = 1) -> None:
+        self.rt = rt
+        self.report = report
+        self.dry_run = dry_run
+        # The actions of one page run on these threads; the next page waits for them, so
+        # memory stays bounded by a page.
+        self._pool = ThreadPoolExecutor(concurrency, thread_name_prefix="sweep") if concurrency > 1 else None
+        self._lock = threading.Lock()  # the report's counts
+
+    def __enter__(self) -> Executor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+    def all(self, actions: Sequence[Action]) -> None:
+        """Carry out a page of actions (at once, on the pool) and return when all are done."""
+        self._run([lambda action=action: self.one(action) for action in actions])
+
+    def one(self, action: Action) -> None:
+        counts = self.report.categories[action.category]
+        with self._lock:
+            counts.found += 1
+        if isinstance(action, ReportOrphan):
+            self._report_orphan(action)
+        if self.dry_run:
+            return
+        self._count(counts, action, lambda: self._carry_out(action))
+
+    def renotify_all(self, dispatch_ids: Sequence[str]) -> None:
+        self._run([lambda dispatch_id=dispatch_id: self.renotify(dispatch_id) for dispatch_id in dispatch_ids])
+
+    def renotify(self, dispatch_id: str) -> None:
+        counts = self.report.unnotified
+        with self._lock:
+            counts.found += 1
+        if not self.dry_run:
+            self._count(counts, dispatch_id, lambda: self._renotify(dispatch_id))
+
+    def _run(self, calls: Sequence[Callable[[], None]]) -> None:
+        if self._pool is None or len(calls) < 2:
+            for call in calls:
+                call()
+            return
+        for future in [self._pool.submit(call) for call in calls]:
+            future.result()  # a bug (not a DispatchError) surfaces here, as it would inline
+
+    def _count(self, counts: Counts, what: object, carry_out: Callable[[], _Outcome]) -> None:
+        try:
+            outcome = carry_out()
+        except DispatchError as e:
+            log.warning("sweep: %r failed: %s: %s", what, e.reason, e)
+            outcome = _Outcome.FAILED
+        with self._lock:
+            if outcome is _Outcome.ACTED:
+                counts.acted += 1
+            elif outcome is _Outcome.SKIPPED:
+                counts.skipped += 1
+            elif outcome is _Outcome.FAILED:
+                counts.errors += 1
+        if outcome is _Outcome.ACTED:
+            crashpoint(Point.MID_SWEEP)
+
+    def _carry_out(self, action: Action) -> _Outcome:
+        rt = self.rt
+        if isinstance(action, CreateJob):
+            created = delivery.create_job_for(rt, action.dispatch_id)
+            return _Outcome.SKIPPED if created is delivery.CreateOutcome.SKIPPED else _Outcome.ACTED
+        if isinstance(action, CompleteJob):
+            completed = delivery.complete_job(rt, action.namespace, action.job_name)
+            return _Outcome.ACTED if completed is delivery.CompleteOutcome.COMPLETED else _Outcome.SKIPPED
+        if isinstance(action, ReportRunning):
+            if not action.adopt:
+                return _Outcome.NOTHING
+            # The Job exists but the row was never marked created: adopt it (409 path).
+            adopted = delivery.create_job_for(rt, action.dispatch_id)
+            return _Outcome.ACTED if adopted is delivery.CreateOutcome.ADOPTED else _Outcome.SKIPPED
+        if isinstance(action, CleanUpJob):
+            # A terminal state is final: nothing to re-read; the clean-up itself is idempotent.
+            delivery.cleanup_job(rt, action.namespace, action.job_name)
+            return _Outcome.ACTED
+        if isinstance(action, (RecreateJob, FailJobLost)):
+            return self._job_lost(action)
+        if isinstance(action, ReportOrphan):
+            return self._delete_orphan(action) if action.delete else _Outcome.NOTHING
+        raise AssertionError(f"unknown action {action!r}")
+
+    def _job_lost(self, action: RecreateJob | FailJobLost) -> _Outcome:
+        """Re-create the lost Job, or fail the dispatch as JobLost: once, however many sweeps run.
+
+        Under the dispatch's guard claim (the completion path takes the same one), the row
+        must still be CREATED with the attempts counted when planned, and the Job still absent.
+        """
+        rt = self.rt
+        claim = rt.guard.claim(action.dispatch_id)
+        if claim is None:
+            return _Outcome.SKIPPED  # another replica is delivering or re-creating it
+        try:
+            record = delivery.load_record(rt, action.dispatch_id)
+            if (
+                record is None
+                or record.state is not DispatchState.CREATED
+                or record.attempts != action.attempts
+                or _job_exists(rt, action.namespace, action.job_name)
+            ):
+                return _Outcome.SKIPPED
+            if isinstance(action, RecreateJob):
+                with transaction(rt.sessions) as session:
+                    attempt = store.record_attempt(session, action.dispatch_id)
+                log.warning(
+                    "dispatch %s: job %s/%s vanished without a result; creating it again (attempt %d)",
+                    action.dispatch_id, action.namespace, action.job_name, attempt,
+                )  # fmt: skip
+                delivery.create_job_for(rt, action.dispatch_id)
+                return _Outcome.ACTED
+            payload = {
+                "reason": action.reason,
+                "message": f"job {action.namespace}/{action.job_name} vanished without a result "
+                f"after {action.attempts + 1} attempt(s)",
+            }
+            with transaction(rt.sessions) as session:
+                won = store.record_terminal(session, action.dispatch_id, EventType.WORKER_FAILED, payload)
+            if not won:
+                return _Outcome.SKIPPED
+            log.warning("dispatch %s: %s", action.dispatch_id, payload["message"])
+            statelog.dispatch_changed(record, DispatchState.FAILED, reason=action.reason)
+            delivery.notify_engine(rt, action.dispatch_id)
+            return _Outcome.ACTED
+        finally:
+            rt.guard.release(claim)
+
+    def _report_orphan(self, action: ReportOrphan) -> None:
+        log.warning(
+            "sweep: never delivering job %s/%s (dispatch %s): %s: %s%s",
+            action.namespace, action.job_name, action.dispatch_id or "unknown", action.reason, action.detail,
+            "; deleting it (orphan policy)" if action.delete and not self.dry_run else "",
+        )  # fmt: skip
+        if not self.dry_run:
+            self.rt.stats.incr(ORPHANS_REPORTED)
+
+    def _delete_orphan(self, action: ReportOrphan) -> _Outcome:
+        """Delete an orphan, if a fresh read of the Job and its dispatch still refuses it."""
+        rt = self.rt
+        try:
+            job = rt.kube.get_job(action.namespace, action.job_name)
+        except NotFound:
+            return _Outcome.SKIPPED
+        views = _views_for_jobs(rt, [job])
+        view = views.get(action.dispatch_id) if action.dispatch_id is not None else None
+        if refusal(job, view) is None:
+            return _Outcome.SKIPPED  # it is a dispatch's own Job after all
+        delivery.cleanup_job(rt, action.namespace, action.job_name)
+        return _Outcome.ACTED
+
+    def _renotify(self, dispatch_id: str) -> _Outcome:
+        rt = self.rt
+        claim = rt.guard.claim(dispatch_id)
+        if claim is None:
+            return _Outcome.SKIPPED
+        try:
+            record = delivery.load_record(rt, dispatch_id)
+            if record is None or record.notified:
+                return _Outcome.SKIPPED
+            return _Outcome.ACTED if delivery.notify_engine(rt, dispatch_id) else _Outcome.FAILED
+        finally:
+            rt.guard.release(claim)
+
+
+def _job_exists(rt: Runtime, namespace: str, name: str) -> bool:
+    try:
+        rt.kube.get_job(namespace, name)
+    except NotFound:
+        return False
+    return True
+

@@ -1,0 +1,326 @@
+"""The recovery sweep's decisions (pure): what to do about each dispatch and each Job of ours.
+
+`plan(...)` maps Jobs (API dicts), dispatch snapshots and "now" to actions tagged with the six
+categories. A Job is matched to its dispatch by the rule delivery uses (`recovery.reconstruct`),
+so the sweep never plans to deliver what the completion path would refuse.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from enum import IntEnum
+from typing import Any, ClassVar, Union
+
+from engine.errors import LabelMismatch, TenancyMismatch, UnknownDispatch
+from engine.models import DispatchState
+from engine.settings import OrphanPolicy, Settings
+from recovery.reconstruct import DispatchRecord, context_from_job
+from workers import labels as job_labels
+from workers.job_status import job_state
+from workers.manifest import FINALIZER, job_name
+
+JOB_LOST_REASON = "JobLost"
+
+JobDict = Mapping[str, Any]
+
+
+class Category(IntEnum):
+    """The six findings of a sweep, numbered as in the design (issue 5)."""
+
+    SCHEDULED_WITHOUT_JOB = 1  # dispatch scheduled, no Job, older than the grace period
+    FINISHED_UNRECORDED = 2  # Job finished, no terminal event yet
+    RUNNING = 3  # Job running: the poller will pick it up
+    CLEANUP = 4  # terminal event recorded, Job or our finalizer still there
+    JOB_LOST = 5  # dispatch marked created, its Job gone without a result
+    ORPHAN = 6  # Job of ours with no dispatch, or labels disagreeing with the DB
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+# --- inputs ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DispatchView:
+    """A dispatch as the sweep sees it: the row's snapshot, where its Job belongs, its times.
+
+    The grace period counts from `updated_at`, the row's last change (for a scheduled row,
+    its creation), as the database query that pages through them does.
+
+    `namespace` is the recorded Job namespace, or else the capability's (where the Job would
+    be created); a Job carrying this dispatch's labels anywhere else is a copy.
+    """
+
+    record: DispatchRecord
+    namespace: str
+    created_at: datetime
+    updated_at: datetime
+
+    @property
+    def dispatch_id(self) -> str:
+        return self.record.dispatch_id
+
+    @property
+    def job_name(self) -> str:
+        return self.record.job_name or job_name(self.record.dispatch_id)
+
+    @property
+    def state(self) -> DispatchState:
+        return self.record.state
+
+    @property
+    def terminal(self) -> bool:
+        return self.record.terminal
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The settings that shape decisions."""
+
+    grace: timedelta
+    max_job_attempts: int  # Jobs per dispatch, the first included
+    orphan_policy: OrphanPolicy
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Policy:
+        return cls(
+            grace=timedelta(seconds=settings.sweep_grace_s),
+            max_job_attempts=settings.max_job_attempts,
+            orphan_policy=settings.orphan_policy,
+        )
+
+
+# --- actions ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CreateJob:
+    """Category 1: create the dispatch's Job (the deterministic name adopts one that exists)."""
+
+    dispatch_id: str
+    namespace: str
+    job_name: str
+    category: ClassVar[Category] = Category.SCHEDULED_WITHOUT_JOB
+
+
+@dataclass(frozen=True)
+class CompleteJob:
+    """Category 2: deliver the finished Job through the single completion path."""
+
+    dispatch_id: str
+    namespace: str
+    job_name: str
+    category: ClassVar[Category] = Category.FINISHED_UNRECORDED
+
+
+@dataclass(frozen=True)
+class ReportRunning:
+    """Category 3: the Job runs; `adopt` when the dispatch was never marked created."""
+
+    dispatch_id: str
+    namespace: str
+    job_name: str
+    adopt: bool = False
+    category: ClassVar[Category] = Category.RUNNING
+
+
+@dataclass(frozen=True)
+class CleanUpJob:
+    """Category 4: the terminal event is recorded: remove our finalizer, delete the Job."""
+
+    dispatch_id: str
+    namespace: str
+    job_name: str
+    category: ClassVar[Category] = Category.CLEANUP
+
+
+@dataclass(frozen=True)
+class RecreateJob:
+    """Category 5: the Job vanished without a result; create it again.
+
+    `attempts` is the row's count when planned (re-creations so far): the executor acts only
+    if it is unchanged, so two sweeps never count the same loss twice.
+    """
+
+    dispatch_id: str
+    namespace: str
+    job_name: str
+    attempts: int
+    category: ClassVar[Category] = Category.JOB_LOST
+
+
+@dataclass(frozen=True)
+class FailJobLost:
+    """Category 5: the Job vanished and the attempts are used up: WORKER_FAILED `JobLost`."""
+
+    dispatch_id: str
+    namespace: str
+    job_name: str
+    attempts: int
+    reason: str = JOB_LOST_REASON
+    category: ClassVar[Category] = Category.JOB_LOST
+
+
+@dataclass(frozen=True)
+class ReportOrphan:
+    """Category 6: never delivered; reported, and deleted when the policy says so.
+
+    `reason` is the refusal's (LabelMismatch, TenancyMismatch, UnknownDispatch); `detail`
+    says what disagreed.
+    """
+
+    namespace: str
+    job_name: str
+    dispatch_id: str | None
+    reason: str
+    delete: bool
+    detail: str = field(default="", compare=False)
+    category: ClassVar[Category] = Category.ORPHAN
+
+
+Action = Union[CreateJob, CompleteJob, ReportRunning, CleanUpJob, RecreateJob, FailJobLost, ReportOrphan]
+
+
+# --- decisions -------------------------------------------------------------------------
+
+
+def plan(
+    dispatches: Iterable[DispatchView],
+    jobs: Iterable[JobDict],
+    *,
+    now: datetime,
+    policy: Policy,
+) -> list[Action]:
+    """Everything to do, given every relevant dispatch and every Job of ours.
+
+    The executor pages through both sides and calls the two halves below; this whole-world
+    form is the specification they partition.
+    """
+    dispatches = list(dispatches)
+    jobs = list(jobs)
+    by_id = {d.dispatch_id: d for d in dispatches}
+    return plan_jobs(jobs, by_id, now=now, policy=policy) + plan_dispatches(
+        dispatches, present_jobs(jobs), now=now, policy=policy
+    )
+
+
+def present_jobs(jobs: Iterable[JobDict]) -> set[tuple[str, str]]:
+    """(namespace, name) of each Job, the form `plan_dispatches` takes."""
+    return {(_metadata(j).get("namespace", ""), _metadata(j).get("name", "")) for j in jobs}
+
+
+def plan_jobs(
+    jobs: Iterable[JobDict],
+    dispatches: Mapping[str, DispatchView],
+    *,
+    now: datetime,
+    policy: Policy,
+) -> list[Action]:
+    """Categories 2, 3, 4 and 6: one decision per Job.
+
+    `dispatches` holds the rows for the dispatch ids the Jobs' labels name (missing = none).
+    """
+    return [_decide_job(job, dispatches, policy=policy) for job in jobs]
+
+
+def plan_dispatches(
+    dispatches: Iterable[DispatchView],
+    present: Iterable[tuple[str, str]],
+    *,
+    now: datetime,
+    policy: Policy,
+) -> list[Action]:
+    """Categories 1 and 5: non-terminal dispatches whose Job is not in `present`.
+
+    `present` holds (namespace, name) of the Jobs that exist, at least among these dispatches'.
+    """
+    present = present if isinstance(present, (set, frozenset)) else set(present)
+    actions: list[Action] = []
+    for dispatch in dispatches:
+        if dispatch.terminal or (dispatch.namespace, dispatch.job_name) in present:
+            continue
+        action = _decide_missing_job(dispatch, now=now, policy=policy)
+        if action is not None:
+            actions.append(action)
+    return actions
+
+
+def refusal(job: JobDict, dispatch: DispatchView | None) -> LabelMismatch | TenancyMismatch | UnknownDispatch | None:
+    """Why this Job must never be delivered for `dispatch`, or None when it may be.
+
+    `dispatch` is the row of the dispatch id the Job's labels name (None: no such row).
+    """
+    try:
+        context_from_job(
+            job,
+            dispatch.record if dispatch is not None else None,
+            expected_namespace=dispatch.namespace if dispatch is not None else None,
+        )
+    except (LabelMismatch, TenancyMismatch, UnknownDispatch) as e:
+        return e
+    return None
+
+
+def _decide_job(job: JobDict, dispatches: Mapping[str, DispatchView], *, policy: Policy) -> Action:
+    metadata = _metadata(job)
+    namespace, name = metadata.get("namespace", ""), metadata.get("name", "")
+    has_finalizer = FINALIZER in (metadata.get("finalizers") or [])
+    deleting = bool(metadata.get("deletionTimestamp"))
+    try:
+        dispatch_id: str | None = job_labels.decode(metadata.get("labels"), metadata.get("annotations")).dispatch_id
+    except LabelMismatch:
+        dispatch_id = None
+    dispatch = dispatches.get(dispatch_id) if dispatch_id is not None else None
+    refused = refusal(job, dispatch)
+    if refused is not None:
+        # Deleting needs our finalizer gone; a Job already going away without it is only reported.
+        return ReportOrphan(
+            namespace=namespace,
+            job_name=name,
+            dispatch_id=dispatch_id,
+            reason=refused.reason,
+            delete=policy.orphan_policy is OrphanPolicy.DELETE and (has_finalizer or not deleting),
+            detail=str(refused),
+        )
+    assert dispatch is not None  # `refusal` refuses a Job without a dispatch
+    where = dict(dispatch_id=dispatch.dispatch_id, namespace=namespace, job_name=name)
+    if dispatch.terminal:
+        # Recorded already (completed, failed, or cancelled while the Job ran): never delivered
+        # again, only cleaned up, even when the Job finished afterwards.
+        return CleanUpJob(**where)
+    if job_state(job).terminal:
+        # Finished, or deleted before it finished (job_status reads that as failed, JobDeleted):
+        # our finalizer kept the Job and its result, the completion path delivers it.
+        return CompleteJob(**where)
+    return ReportRunning(**where, adopt=dispatch.state is DispatchState.SCHEDULED)
+
+
+def _decide_missing_job(dispatch: DispatchView, *, now: datetime, policy: Policy) -> Action | None:
+    # Changed within the grace period: the normal path is probably creating its Job right now.
+    if now - dispatch.updated_at < policy.grace:
+        return None
+    where = dict(dispatch_id=dispatch.dispatch_id, namespace=dispatch.namespace, job_name=dispatch.job_name)
+    if dispatch.state is DispatchState.SCHEDULED:
+        return CreateJob(**where)
+    # CREATED: the Job existed (it is created before the row is marked), so it was lost.
+    attempts = dispatch.record.attempts  # re-creations so far: attempts + 1 Jobs were made
+    if attempts + 1 >= policy.max_job_attempts:
+        return FailJobLost(**where, attempts=attempts)
+    return RecreateJob(**where, attempts=attempts)
+
+
+def by_category(actions: Sequence[Action]) -> dict[Category, list[Action]]:
+    """Actions grouped by category, every category present (possibly empty)."""
+    grouped: dict[Category, list[Action]] = {c: [] for c in Category}
+    for action in actions:
+        grouped[action.category].append(action)
+    return grouped
+
+
+def _metadata(job: JobDict) -> Mapping[str, Any]:
+    metadata = job.get("metadata")
+    return metadata if isinstance(metadata, Mapping) else {}

@@ -1,0 +1,38 @@
+"""The recovery sweep under Celery: a beat task, and a sweep when a worker starts.
+
+The start-up sweep runs in `worker_ready`, which Celery sends after subscribing to the queues
+and before its event loop handles the first message (`celery.worker.loops`: `consume()`, then
+`on_ready()`, then the loop), with the Runtime built at `worker_init` (`tasks.app`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery import signals
+
+import celeryconfig as names
+from engine.errors import DispatchError
+from recovery.reconcile import run_sweep
+from tasks.app import app, get_runtime
+
+log = logging.getLogger(__name__)
+
+STARTUP_SWEEP_DONE = "start-up sweep done"  # the log line the start-up tests wait for
+
+
+@app.task(name=names.SWEEP_TASK)
+def sweep() -> dict[str, Any]:
+    """One recovery sweep (beat sends this every `sweep_interval_s`)."""
+    return run_sweep(get_runtime()).to_dict()
+
+
+@signals.worker_ready.connect
+def _sweep_at_start(**_: Any) -> None:
+    try:
+        report = run_sweep(get_runtime())
+    except DispatchError as e:  # e.g. the database is down: beat's sweep tries again
+        log.error("start-up sweep failed: %s: %s", e.reason, e)
+        return
+    log.info("%s: %s", STARTUP_SWEEP_DONE, report.summary())

@@ -1,0 +1,262 @@
+"""Worker metrics and the state-change log line: counters per state and reason, recovery findings
+per category, poll lag, the /metrics endpoint over HTTP, and one logfmt line per change that
+carries dispatch id, case id and tenancy (logged on commit only, for changes in a caller's
+transaction).
+"""
+
+from __future__ import annotations
+
+import logging
+import urllib.request
+import uuid
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import pytest
+from prometheus_client import REGISTRY, CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine import store
+from engine.db import transaction
+from recovery import metrics, statelog
+from recovery.metrics import Metrics, job_finished_at, poll_lag_s
+from recovery.report import SweepReport
+from recovery.sweep import Category
+
+NOW = datetime(2025, 3, 1, 12, 0, 0, tzinfo=timezone.utc)
+
+
+def value(registry: CollectorRegistry, name: str, **labels: str) -> float:
+    return registry.get_sample_value(name, labels) or 0.0
+
+
+# --- counters ------------------------------------------------------------------------------
+
+
+def test_state_changes_are_counted_per_state_and_failures_per_reason() -> None:
+    registry = CollectorRegistry()
+    m = Metrics(registry)
+    for state in ("SCHEDULED", "SCHEDULED", "CREATED", "COMPLETED"):
+        m.state_changed(state)
+    m.state_changed("FAILED", reason="DeadlineExceeded")
+    m.state_changed("FAILED", reason="DeadlineExceeded")
+    m.state_changed("FAILED")
+    m.state_changed("CANCELLED", reason="UserCancelled")  # a reason on another state is not a failure
+
+    changes = "k8s_dispatch_dispatch_state_changes_total"
+    assert value(registry, changes, state="SCHEDULED") == 2
+    assert value(registry, changes, state="CREATED") == 1
+    assert value(registry, changes, state="COMPLETED") == 1
+    assert value(registry, changes, state="FAILED") == 3
+    assert value(registry, changes, state="CANCELLED") == 1
+    failures = "k8s_dispatch_dispatch_failures_total"
+    assert value(registry, failures, reason="DeadlineExceeded") == 2
+    assert value(registry, failures, reason="Unknown") == 1
+    assert value(registry, failures, reason="UserCancelled") == 0
+
+
+def test_duplicates_prevented_are_counted_by_what_stopped_them() -> None:
+    registry = CollectorRegistry()
+    m = Metrics(registry)
+    m.duplicate_prevented(by="guard")
+    m.duplicate_prevented(by="guard")
+    m.duplicate_prevented(by="database")
+    assert value(registry, "k8s_dispatch_duplicates_prevented_total", by="guard") == 2
+    assert value(registry, "k8s_dispatch_duplicates_prevented_total", by="database") == 1
+
+
+def sweep_report(*, dry_run: bool = False) -> SweepReport:
+    report = SweepReport(dry_run=dry_run, started_at=NOW)
+    report.categories[Category.SCHEDULED_WITHOUT_JOB].found = 3
+    report.categories[Category.SCHEDULED_WITHOUT_JOB].acted = 3
+    report.categories[Category.FINISHED_UNRECORDED].found = 5
+    report.categories[Category.FINISHED_UNRECORDED].acted = 4
+    report.categories[Category.FINISHED_UNRECORDED].errors = 1
+    report.unnotified.found = 2
+    report.finished_at = NOW + timedelta(seconds=2)
+    return report
+
+
+def test_a_sweep_adds_its_findings_actions_and_errors_per_category() -> None:
+    registry = CollectorRegistry()
+    m = Metrics(registry)
+    m.sweep_done(sweep_report())
+    m.sweep_done(sweep_report())
+    found, acted, errors = (f"k8s_dispatch_recovery_{kind}_total" for kind in ("findings", "actions", "errors"))
+    assert value(registry, found, category="scheduled_without_job") == 6
+    assert value(registry, acted, category="scheduled_without_job") == 6
+    assert value(registry, found, category="finished_unrecorded") == 10
+    assert value(registry, acted, category="finished_unrecorded") == 8
+    assert value(registry, errors, category="finished_unrecorded") == 2
+    assert value(registry, found, category="unnotified") == 4
+    # Every category is present, zero when nothing was found: dashboards need no special case.
+    assert registry.get_sample_value(found, {"category": "orphan"}) == 0
+    assert value(registry, "k8s_dispatch_recovery_sweeps_total") == 2
+    assert value(registry, "k8s_dispatch_recovery_last_sweep_timestamp_seconds") == (NOW + timedelta(seconds=2)).timestamp()
+
+
+def test_a_dry_run_sweep_counts_nothing() -> None:
+    registry = CollectorRegistry()
+    Metrics(registry).sweep_done(sweep_report(dry_run=True))
+    assert value(registry, "k8s_dispatch_recovery_sweeps_total") == 0
+    assert value(registry, "k8s_dispatch_recovery_findings_total", category="finished_unrecorded") == 0
+
+
+# --- poll lag (pure) ------------------------------------------------------------------------
+
+
+def job(*, conditions: list[dict[str, Any]] | None = None, completion: str | None = None) -> dict[str, Any]:
+    status: dict[str, Any] = {"conditions": conditions or []}
+    if completion is not None:
+        status["completionTime"] = completion
+    return {"metadata": {"name": "j"}, "status": status}
+
+
+def stamp(seconds_ago: float) -> str:
+    return (NOW - timedelta(seconds=seconds_ago)).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@pytest.mark.parametrize(
+    ("the_job", "expected_age_s"),
+    [
+        (job(conditions=[{"type": "Complete", "status": "True", "lastTransitionTime": stamp(30)}]), 30),
+        (job(conditions=[{"type": "Failed", "status": "True", "lastTransitionTime": stamp(7)}]), 7),
+        # The interim condition (1.31+) counts as the finish too.
+        (job(conditions=[{"type": "SuccessCriteriaMet", "status": "True", "lastTransitionTime": stamp(4)}]), 4),
+        # A condition that is not True says nothing; completionTime is the fallback.
+        (job(conditions=[{"type": "Complete", "status": "False", "lastTransitionTime": stamp(99)}], completion=stamp(12)), 12),
+        (job(conditions=[{"type": "Suspended", "status": "True", "lastTransitionTime": stamp(99)}]), None),
+        (job(), None),
+        (job(completion="not a time"), None),
+        ({"metadata": {}}, None),
+    ],
+)
+def test_job_finished_at_reads_the_terminal_condition_or_the_completion_time(the_job, expected_age_s) -> None:
+    finished = job_finished_at(the_job)
+    if expected_age_s is None:
+        assert finished is None
+    else:
+        assert finished is not None and (NOW - finished).total_seconds() == expected_age_s
+
+
+def test_poll_lag_is_the_oldest_finished_jobs_wait_or_zero() -> None:
+    done = lambda s: job(conditions=[{"type": "Complete", "status": "True", "lastTransitionTime": stamp(s)}])  # noqa: E731
+    assert poll_lag_s([done(3), done(41), done(9), job()], now=NOW) == 41
+    assert poll_lag_s([], now=NOW) == 0
+    assert poll_lag_s([job()], now=NOW) == 0
+    assert poll_lag_s([done(-5)], now=NOW) == 0  # a clock ahead of ours is no negative lag
+
+
+def test_poll_done_sets_the_gauges() -> None:
+    registry = CollectorRegistry()
+    m = Metrics(registry)
+    m.poll_done(finished=4, lag_s=12.5)
+    assert value(registry, "k8s_dispatch_poll_lag_seconds") == 12.5
+    assert value(registry, "k8s_dispatch_poll_finished_jobs") == 4
+    assert value(registry, "k8s_dispatch_poll_last_timestamp_seconds") > NOW.timestamp()
+    m.poll_done(finished=0, lag_s=0.0)
+    assert value(registry, "k8s_dispatch_poll_lag_seconds") == 0
+
+
+# --- the endpoint --------------------------------------------------------------------------
+
+
+def test_the_endpoint_serves_the_process_metrics_over_http() -> None:
+    port = metrics.serve(0, addr="127.0.0.1")
+    try:
+        assert metrics.serve(0, addr="127.0.0.1") == port  # once per process
+        metrics.METRICS.state_changed("COMPLETED")
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+            assert response.status == 200
+            text = response.read().decode()
+    finally:
+        metrics.stop_serving()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    completed = [s for s in families["k8s_dispatch_dispatch_state_changes"].samples if s.labels == {"state": "COMPLETED"}]
+    assert completed and completed[0].value >= 1
+    for name in ("k8s_dispatch_recovery_findings", "k8s_dispatch_duplicates_prevented", "k8s_dispatch_poll_lag_seconds"):
+        assert name in families
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
+
+
+# --- the state-change line -------------------------------------------------------------------
+
+
+def state_lines(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.name == "k8s_dispatch.state"]
+
+
+def test_a_state_change_is_one_logfmt_line_with_dispatch_case_and_tenancy(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="k8s_dispatch.state")
+    before = REGISTRY.get_sample_value("k8s_dispatch_dispatch_state_changes_total", {"state": "FAILED"}) or 0
+    statelog.state_changed(
+        "FAILED", dispatch_id="d-1", case_id="case 7", tenancy_id="acme", capability="demo.x", reason="JobLost", attempt=None
+    )
+    [record] = state_lines(caplog)
+    assert record.levelno == logging.WARNING
+    assert record.getMessage() == (
+        'state-change state=FAILED dispatch_id=d-1 case_id="case 7" tenancy_id=acme capability=demo.x reason=JobLost'
+    )
+    assert record.k8s_dispatch == {  # type: ignore[attr-defined]
+        "state": "FAILED", "dispatch_id": "d-1", "case_id": "case 7", "tenancy_id": "acme",
+        "capability": "demo.x", "reason": "JobLost",
+    }  # fmt: skip
+    assert REGISTRY.get_sample_value("k8s_dispatch_dispatch_state_changes_total", {"state": "FAILED"}) == before + 1
+
+
+@pytest.mark.parametrize(
+    ("raw", "shown"),
+    [
+        ("plain", "plain"),
+        ("two words", '"two words"'),
+        ('say "hi"', '"say \\"hi\\""'),
+        ("a=b", '"a=b"'),
+        ("", '""'),
+        ("line\nbreak", '"line\\nbreak"'),
+        (3, "3"),
+    ],
+)
+def test_logfmt_quotes_what_would_break_a_line(raw: object, shown: str) -> None:
+    assert statelog.logfmt({"k": raw}) == f"k={shown}"
+
+
+class Router:
+    def worker_for(self, capability: str) -> str:
+        return "w"
+
+
+def schedule_one(session: Any, case_id: str) -> str:
+    result = store.schedule(
+        session,
+        case_id=case_id,
+        tenancy_id="acme",
+        capability="demo.x",
+        input={},
+        idempotency_key=f"k-{uuid.uuid4()}",
+        router=Router(),
+        max_input_bytes=1024,
+    )
+    statelog.on_commit(session, "SCHEDULED", dispatch_id=result.dispatch_id, case_id=case_id, tenancy_id="acme")
+    return result.dispatch_id
+
+
+def test_a_change_in_a_callers_transaction_is_logged_when_it_commits_and_never_if_it_rolls_back(
+    db_sessionmaker, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="k8s_dispatch.state")
+    case_id = f"case-{uuid.uuid4().hex[:8]}"
+    with transaction(db_sessionmaker) as session:
+        store.create_case(session, case_id=case_id, tenancy_id="acme")
+
+    with pytest.raises(RuntimeError), transaction(db_sessionmaker) as session:
+        schedule_one(session, case_id)
+        assert state_lines(caplog) == []  # not before the commit
+        raise RuntimeError("the caller's transaction fails")
+    assert state_lines(caplog) == []
+
+    with transaction(db_sessionmaker) as session:
+        dispatch_id = schedule_one(session, case_id)
+        assert state_lines(caplog) == []
+    [record] = state_lines(caplog)
+    assert f"dispatch_id={dispatch_id} case_id={case_id} tenancy_id=acme" in record.getMessage()

@@ -1,0 +1,569 @@
+"""The sweep's executor against real PostgreSQL, Redis and localcluster over HTTP: the six
+categories, grace, attempts, orphan policies, dry runs, stale actions, racing sweeps,
+re-notification and the `k8s-dispatch recover` command. Each test has its own database.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from engine import migrate, store
+from engine.db import transaction
+from engine.errors import BrokerUnavailable
+from engine.models import DispatchState, EventType
+from engine.settings import load_settings
+from localcluster import LocalCluster
+from recovery import delivery
+from recovery.reconcile import ORPHANS_REPORTED, Executor, run_sweep
+from recovery.report import SweepReport
+from recovery.runtime import Runtime
+from recovery.sweep import Category, CompleteJob, CreateJob, RecreateJob
+from workers import labels as job_labels
+from workers.job_status import job_state
+from workers.manifest import FINALIZER, job_name
+from workers.resolver import CapabilityResolver
+from workers.types import DispatchRef
+
+REPO = Path(__file__).resolve().parents[2]
+SIM = "localcluster.k8s-dispatch.io/"
+SCHEDULED, CREATED = DispatchState.SCHEDULED, DispatchState.CREATED
+C1, C2, C3, C4, C5, C6 = (
+    Category.SCHEDULED_WITHOUT_JOB, Category.FINISHED_UNRECORDED, Category.RUNNING,
+    Category.CLEANUP, Category.JOB_LOST, Category.ORPHAN,
+)  # fmt: skip
+
+
+def capability(**sim: str) -> dict[str, Any]:
+    return {
+        "worker": "sim",
+        "image": "sim:1",
+        "activeDeadlineSeconds": None,
+        "annotations": {SIM + "duration-ms": "20", **{SIM + k.replace("_", "-"): v for k, v in sim.items()}},
+    }
+
+
+CAPABILITIES = {"capabilities": {"sim.ok": capability(), "sim.hang": capability(outcome="hang")}}
+
+
+def expected_output(value: Any) -> dict[str, Any]:
+    return {"simulated": True, "input": value}
+
+
+class Notified:
+    """A notifier recording the dispatch ids it is called with; `fail` makes it raise."""
+
+    def __init__(self) -> None:
+        self.ids: list[str] = []
+        self.fail = False
+        self._lock = threading.Lock()
+
+    def __call__(self, dispatch_id: str) -> None:
+        if self.fail:
+            raise BrokerUnavailable("the test's broker is down")
+        with self._lock:
+            self.ids.append(dispatch_id)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalCluster]:
+    with LocalCluster(mode="simulate") as c:
+        yield c
+
+
+@pytest.fixture
+def env(cluster, new_pg_database, redis_url, key_prefix, tmp_path) -> dict[str, str]:
+    """K8S_DISPATCH_* of this test: its own database, namespace and Redis prefix."""
+    database_url = new_pg_database()
+    migrate.upgrade(database_url)
+    caps = tmp_path / "capabilities.yaml"
+    caps.write_text(yaml.safe_dump(CAPABILITIES))
+    return {
+        "K8S_DISPATCH_DATABASE_URL": database_url,
+        "K8S_DISPATCH_REDIS_URL": redis_url,
+        "K8S_DISPATCH_KEY_PREFIX": f"{key_prefix}-{uuid.uuid4().hex[:8]}",
+        "K8S_DISPATCH_NAMESPACE": f"rc-{uuid.uuid4().hex[:8]}",
+        "K8S_DISPATCH_KUBECONFIG": str(cluster.kubeconfig),
+        "K8S_DISPATCH_CAPABILITIES": str(caps),
+        "K8S_DISPATCH_SWEEP_GRACE_S": "0",
+        "K8S_DISPATCH_POLL_PAGE_SIZE": "7",  # several pages with a few dozen Jobs
+        "K8S_DISPATCH_GUARD_LEASE_MS": "10000",
+    }
+
+
+@pytest.fixture
+def make_runtime(env) -> Iterator[Callable[..., Runtime]]:
+    made: list[Runtime] = []
+
+    def make(
+        *, notifier: Callable[[str], None] | None = None, resolver: CapabilityResolver | None = None, **overrides: str
+    ) -> Runtime:
+        values = {**env, **{f"K8S_DISPATCH_{k.upper()}": v for k, v in overrides.items()}}
+        rt = Runtime.from_settings(load_settings(values), notifier=notifier, resolver=resolver)
+        made.append(rt)
+        return rt
+
+    yield make
+    for rt in made:
+        rt.close()
+
+
+@pytest.fixture
+def notified() -> Notified:
+    return Notified()
+
+
+@pytest.fixture
+def rt(make_runtime, notified) -> Runtime:
+    return make_runtime(notifier=notified)
+
+
+# --- helpers -------------------------------------------------------------------------------
+
+
+def schedule(rt: Runtime, capability_name: str = "sim.ok", value: Any = None, *, tenancy: str = "tenant-a") -> str:
+    case_id = f"case-{uuid.uuid4().hex[:8]}"
+    with transaction(rt.sessions) as session:
+        store.create_case(session, case_id=case_id, tenancy_id=tenancy)
+        return store.schedule(
+            session,
+            case_id=case_id,
+            tenancy_id=tenancy,
+            capability=capability_name,
+            input={"n": 1} if value is None else value,
+            idempotency_key=f"key-{uuid.uuid4()}",
+            router=rt.resolver,
+            max_input_bytes=rt.settings.max_input_bytes,
+        ).dispatch_id
+
+
+def wait_until(predicate: Callable[[], Any], *, timeout_s: float = 15.0, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"{what} not reached in {timeout_s} s"
+        time.sleep(0.02)
+
+
+def jobs(rt: Runtime, namespace: str | None = None) -> dict[str, dict[str, Any]]:
+    """Our Jobs in the namespace, by name."""
+    ns = namespace or rt.settings.namespace
+    return {j["metadata"]["name"]: j for page in rt.kube.iter_jobs(ns, label_selector=job_labels.selector()) for j in page}
+
+
+def wait_finished(rt: Runtime, names: list[str], namespace: str | None = None) -> None:
+    def done() -> bool:
+        current = jobs(rt, namespace)
+        return all(n in current and job_state(current[n]).terminal for n in names)
+
+    wait_until(done, what=f"{len(names)} jobs finished")
+
+
+def terminal_events(rt: Runtime, dispatch_id: str) -> list[tuple[str, Any]]:
+    with transaction(rt.sessions) as session:
+        return [(e.type, e.payload) for e in store.events_for(session, dispatch_id) if e.type != EventType.WORKER_SCHEDULED]
+
+
+def record(rt: Runtime, dispatch_id: str) -> Any:
+    return delivery.load_record(rt, dispatch_id)
+
+
+def counts(report: SweepReport, category: Category) -> tuple[int, int, int, int]:
+    c = report.categories[category]
+    return c.found, c.acted, c.skipped, c.errors
+
+
+def found(report: SweepReport) -> dict[int, int]:
+    """Category number -> found, leaving out the zeros."""
+    return {c.value: n.found for c, n in report.categories.items() if n.found}
+
+
+def forge_job(rt: Runtime, ref: DispatchRef, *, namespace: str | None = None) -> str:
+    """A finished-soon Job carrying `ref`'s labels and our finalizer, made by someone else."""
+    labels, annotations = job_labels.encode(ref)
+    name = job_name(ref.dispatch_id)
+    rt.kube.create_job(
+        namespace or rt.settings.namespace,
+        {
+            "apiVersion": "batch/v1",
+            "kind": "Job",
+            "metadata": {"name": name, "labels": labels, "annotations": annotations, "finalizers": [FINALIZER]},
+            "spec": {
+                "backoffLimit": 0,
+                "template": {
+                    "metadata": {"annotations": {SIM + "duration-ms": "10", SIM + "result": '{"forged": true}'}},
+                    "spec": {"restartPolicy": "Never", "containers": [{"name": "worker", "image": "sim:1"}]},
+                },
+            },
+        },
+    )
+    return name
+
+
+def lose_job(rt: Runtime, dispatch_id: str) -> None:
+    """Strip our finalizer and delete the Job, as an operator might: its result is gone."""
+    namespace, name = rt.settings.namespace, job_name(dispatch_id)
+    rt.kube.remove_finalizer(namespace, name, FINALIZER)
+    rt.kube.delete_job(namespace, name)
+    wait_until(lambda: name not in jobs(rt), what=f"job {name} gone")
+
+
+# --- 1 and 2: created, then completed -------------------------------------------------------
+
+
+def test_scheduled_dispatches_without_a_job_are_created_then_completed_once(rt, notified):
+    values = [{"i": i} for i in range(10)]
+    ids = [schedule(rt, "sim.ok", v) for v in values]
+
+    first = run_sweep(rt)
+    assert counts(first, C1) == (10, 10, 0, 0)
+    assert first.dispatches_checked == 10 and first.errors == 0
+    assert set(jobs(rt)) == {job_name(d) for d in ids}
+    assert all(record(rt, d).state is CREATED for d in ids)
+
+    wait_finished(rt, [job_name(d) for d in ids])
+    second = run_sweep(rt)
+    assert found(second) == {2: 10} and counts(second, C2) == (10, 10, 0, 0)
+    assert second.jobs_listed == 10
+    for dispatch_id, value in zip(ids, values):
+        assert terminal_events(rt, dispatch_id) == [(EventType.WORKER_COMPLETED, {"output": expected_output(value)})]
+    assert sorted(notified.ids) == sorted(ids)
+    wait_until(lambda: not jobs(rt), what="no job left")
+
+    third = run_sweep(rt)
+    assert found(third) == {} and third.errors == 0 and third.unnotified.found == 0
+
+
+def test_a_dispatch_inside_the_grace_period_is_left_to_the_normal_path(make_runtime):
+    rt = make_runtime(sweep_grace_s="60")
+    dispatch_id = schedule(rt)
+    report = run_sweep(rt)
+    assert found(report) == {} and report.dispatches_checked == 0
+    assert jobs(rt) == {} and record(rt, dispatch_id).state is SCHEDULED
+
+
+def test_a_job_in_a_namespace_the_config_no_longer_names_is_still_found_and_completed(make_runtime, env, notified):
+    old_namespace = env["K8S_DISPATCH_NAMESPACE"] + "-old"
+    moved = {"capabilities": {"sim.ok": {**capability(), "namespace": old_namespace}}}
+    before = make_runtime(notifier=notified, resolver=CapabilityResolver.from_mapping(moved, source="<before>"))
+    dispatch_id = schedule(before, "sim.ok", {"moved": True})
+    delivery.create_job_for(before, dispatch_id)
+    wait_finished(before, [job_name(dispatch_id)], namespace=old_namespace)
+
+    after = make_runtime(notifier=notified)  # the capability's Jobs now go to the settings' namespace
+    assert old_namespace not in after.namespaces()
+    report = run_sweep(after)
+    assert old_namespace in report.namespaces
+    assert counts(report, C2) == (1, 1, 0, 0)
+    assert terminal_events(after, dispatch_id) == [(EventType.WORKER_COMPLETED, {"output": expected_output({"moved": True})})]
+    wait_until(lambda: not jobs(after, old_namespace), what="the job cleaned up where it was")
+
+
+# --- 3: running ---------------------------------------------------------------------------
+
+
+def test_running_jobs_are_reported_and_a_job_never_marked_created_is_adopted(rt):
+    marked = schedule(rt, "sim.hang")
+    delivery.create_job_for(rt, marked)
+    unmarked = schedule(rt, "sim.hang")
+    # The crash after the Job's creation, before the row was marked: the Job exists, the row says SCHEDULED.
+    rec = record(rt, unmarked)
+    from workers.manifest import build_job
+
+    body = build_job(rec.ref, input=rec.input, spec=rt.resolver.spec(rec.capability), namespace=rt.settings.namespace)
+    rt.kube.create_job(rt.settings.namespace, body)
+    assert record(rt, unmarked).state is SCHEDULED
+
+    report = run_sweep(rt)
+    assert found(report) == {3: 2}
+    assert counts(report, C3) == (2, 1, 0, 0)  # only the adoption is an act
+    assert record(rt, unmarked).state is CREATED and record(rt, unmarked).job_name == job_name(unmarked)
+    assert terminal_events(rt, marked) == terminal_events(rt, unmarked) == []
+    assert len(jobs(rt)) == 2  # adopted, never doubled
+
+
+# --- 4: recorded, Job still there ------------------------------------------------------------
+
+
+def test_jobs_whose_end_is_recorded_are_cleaned_up_including_a_cancelled_running_one(rt, notified):
+    done = schedule(rt, "sim.ok")
+    delivery.create_job_for(rt, done)
+    wait_finished(rt, [job_name(done)])
+    running = schedule(rt, "sim.hang")
+    delivery.create_job_for(rt, running)
+    with transaction(rt.sessions) as session:  # the crash after the write, before the clean-up
+        store.record_terminal(session, done, EventType.WORKER_COMPLETED, {"output": {"by": "test"}})
+        store.record_terminal(session, running, EventType.WORKER_CANCELLED, {"reason": "Cancelled"})
+
+    report = run_sweep(rt)
+    assert counts(report, C4) == (2, 2, 0, 0) and found(report) == {4: 2}
+    wait_until(lambda: not jobs(rt), what="both jobs deleted")
+    assert terminal_events(rt, done) == [(EventType.WORKER_COMPLETED, {"output": {"by": "test"}})]
+    assert terminal_events(rt, running) == [(EventType.WORKER_CANCELLED, {"reason": "Cancelled"})]
+    # Their notifications were never sent (the crash): the sweep sent them.
+    assert report.unnotified.acted == 2 and sorted(notified.ids) == sorted([done, running])
+
+
+# --- 5: lost Jobs ----------------------------------------------------------------------------
+
+
+def test_a_lost_job_is_recreated_up_to_the_attempts_limit_then_fails_as_job_lost(rt, notified):
+    assert rt.settings.max_job_attempts == 3
+    dispatch_id = schedule(rt, "sim.hang")
+    delivery.create_job_for(rt, dispatch_id)
+    for attempt in (1, 2):
+        lose_job(rt, dispatch_id)
+        report = run_sweep(rt)
+        assert counts(report, C5) == (1, 1, 0, 0), report.to_dict()
+        job = jobs(rt)[job_name(dispatch_id)]
+        assert job["metadata"]["annotations"][job_labels.ATTEMPT_KEY] == str(attempt)
+        assert record(rt, dispatch_id).attempts == attempt and record(rt, dispatch_id).state is CREATED
+        # Sweeping again with the Job back changes nothing: it runs.
+        assert found(run_sweep(rt)) == {3: 1}
+
+    lose_job(rt, dispatch_id)
+    report = run_sweep(rt)
+    assert counts(report, C5) == (1, 1, 0, 0)
+    [(event_type, payload)] = terminal_events(rt, dispatch_id)
+    assert (event_type, payload["reason"]) == (EventType.WORKER_FAILED, "JobLost")
+    assert "3 attempt(s)" in payload["message"]
+    assert jobs(rt) == {} and notified.ids == [dispatch_id]
+    assert found(run_sweep(rt)) == {}
+
+
+def test_a_lost_job_inside_the_grace_period_is_not_recreated_yet(make_runtime):
+    rt = make_runtime(sweep_grace_s="60")
+    dispatch_id = schedule(rt, "sim.hang")
+    with transaction(rt.sessions) as session:  # an old row, so category 1 does not wait for it
+        store.mark_created(session, dispatch_id, job_name=job_name(dispatch_id), namespace=rt.settings.namespace, attempt=0)
+    assert found(run_sweep(rt)) == {}
+    assert record(rt, dispatch_id).attempts == 0 and jobs(rt) == {}
+
+
+# --- 6: never delivered -------------------------------------------------------------------------
+
+
+def mismatched(rt: Runtime) -> tuple[str, str, str]:
+    """A forged Job (no dispatch) and a dispatch whose Job carries another tenancy; both finished."""
+    forged_ref = DispatchRef(
+        dispatch_id=str(uuid.uuid4()), case_id="c", tenancy_id="tenant-a", capability="sim.ok",  # type: ignore[arg-type]
+        worker_name="sim", idempotency_key="k",  # type: ignore[arg-type]
+    )  # fmt: skip
+    forged = forge_job(rt, forged_ref)
+    victim = schedule(rt, "sim.ok", tenancy="tenant-a")
+    wrong = DispatchRef(**{**record(rt, victim).ref.__dict__, "tenancy_id": "Tenant-A"})
+    forge_job(rt, wrong)
+    wait_finished(rt, [forged, job_name(victim)])
+    return forged_ref.dispatch_id, forged, victim
+
+
+def test_forged_and_tenancy_mismatched_jobs_are_reported_and_never_delivered(rt, notified):
+    forged_id, forged, victim = mismatched(rt)
+    before = rt.stats.get(ORPHANS_REPORTED)
+    for sweep in (1, 2):
+        report = run_sweep(rt)
+        assert found(report) == {6: 2}, report.to_dict()
+        assert counts(report, C6) == (2, 0, 0, 0)
+        assert rt.stats.get(ORPHANS_REPORTED) == before + 2 * sweep
+    assert terminal_events(rt, victim) == [] and record(rt, victim).state is SCHEDULED
+    with transaction(rt.sessions) as session:
+        assert store.events_for(session, forged_id) == []
+    assert set(jobs(rt)) == {forged, job_name(victim)}  # left alone (policy: report)
+    assert notified.ids == []
+
+
+def test_with_the_delete_policy_orphans_are_deleted_and_the_victim_then_gets_its_own_job(make_runtime, notified):
+    rt = make_runtime(notifier=notified, orphan_policy="delete")
+    forged_id, forged, victim = mismatched(rt)
+    report = run_sweep(rt)
+    assert counts(report, C6) == (2, 2, 0, 0)
+    # With the mismatched Job gone, the same sweep found the victim without one and created its own.
+    assert counts(report, C1) == (1, 1, 0, 0)
+    assert terminal_events(rt, victim) == []
+    wait_until(lambda: forged not in jobs(rt), what="forged job deleted")
+    job = jobs(rt)[job_name(victim)]
+    assert job_labels.decode(job["metadata"]["labels"], job["metadata"]["annotations"]).tenancy_id == "tenant-a"
+    wait_finished(rt, [job_name(victim)])
+    assert counts(run_sweep(rt), C2) == (1, 1, 0, 0)
+    assert terminal_events(rt, victim) == [(EventType.WORKER_COMPLETED, {"output": expected_output({"n": 1})})]
+    with transaction(rt.sessions) as session:
+        assert store.events_for(session, forged_id) == []
+
+
+# --- dry run, stale actions, races ------------------------------------------------------------
+
+
+def test_a_dry_run_counts_everything_and_changes_nothing(make_runtime, notified):
+    rt = make_runtime(notifier=notified, orphan_policy="delete")
+    scheduled = schedule(rt, "sim.ok")
+    finished = schedule(rt, "sim.ok")
+    delivery.create_job_for(rt, finished)
+    _, forged, _victim = mismatched(rt)
+    wait_finished(rt, [job_name(finished)])
+    before = jobs(rt)
+
+    report = run_sweep(rt, dry_run=True)
+    assert report.dry_run
+    # The victim has a (mismatched) Job under its name, so only `scheduled` lacks one.
+    assert found(report) == {1: 1, 2: 1, 6: 2}
+    assert all(c.acted == c.skipped == c.errors == 0 for c in report.categories.values())
+    assert jobs(rt).keys() == before.keys()
+    assert record(rt, scheduled).state is SCHEDULED and terminal_events(rt, finished) == []
+    assert rt.stats.get(ORPHANS_REPORTED) == 0 and notified.ids == []
+
+
+def test_stale_actions_find_nothing_left_to_do(rt):
+    done = schedule(rt, "sim.ok")
+    delivery.create_job_for(rt, done)
+    wait_finished(rt, [job_name(done)])
+    assert delivery.complete_job(rt, rt.settings.namespace, job_name(done)) is delivery.CompleteOutcome.COMPLETED
+    wait_until(lambda: not jobs(rt), what="job cleaned up")
+    lost = schedule(rt, "sim.hang")
+    delivery.create_job_for(rt, lost)
+    lose_job(rt, lost)
+    where = dict(namespace=rt.settings.namespace)
+
+    # Planned from a page read before normal work finished `done`, and before another sweep
+    # re-created `lost` (its attempts moved on).
+    with transaction(rt.sessions) as session:
+        store.record_attempt(session, lost)
+    report = SweepReport(dry_run=False, started_at=store.utcnow())
+    with Executor(rt, report, dry_run=False) as executor:
+        executor.all(
+            [
+                CreateJob(dispatch_id=done, job_name=job_name(done), **where),
+                CompleteJob(dispatch_id=done, job_name=job_name(done), **where),
+                RecreateJob(dispatch_id=lost, job_name=job_name(lost), attempts=0, **where),
+            ]
+        )
+    assert counts(report, C1) == (1, 0, 1, 0)
+    assert counts(report, C2) == (1, 0, 1, 0)
+    assert counts(report, C5) == (1, 0, 1, 0)
+    assert jobs(rt) == {}  # the finished dispatch's Job was not re-created, the lost one not twice
+    assert len(terminal_events(rt, done)) == 1 and record(rt, lost).attempts == 1
+
+
+def test_sweeps_racing_each_other_deliver_each_result_once(make_runtime):
+    replicas = [make_runtime(notifier=Notified()) for _ in range(3)]
+    rt = replicas[0]
+    values = [{"i": i} for i in range(30)]
+    ids = [schedule(rt, "sim.ok", v) for v in values]
+    for dispatch_id in ids:
+        delivery.create_job_for(rt, dispatch_id)
+    lost = [schedule(rt, "sim.hang") for _ in range(3)]
+    for dispatch_id in lost:
+        delivery.create_job_for(rt, dispatch_id)
+        lose_job(rt, dispatch_id)
+    wait_finished(rt, [job_name(d) for d in ids])
+
+    barrier = threading.Barrier(len(replicas))
+    reports: list[SweepReport] = []
+
+    def sweep(replica: Runtime) -> None:
+        barrier.wait()
+        reports.append(run_sweep(replica))
+
+    threads = [threading.Thread(target=sweep, args=(r,)) for r in replicas]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+    assert len(reports) == 3 and all(r.errors == 0 for r in reports), [r.to_dict() for r in reports]
+    assert sum(r.categories[C2].acted for r in reports) == 30
+    assert sum(r.categories[C5].acted for r in reports) == 3  # each lost Job re-created once
+    for dispatch_id, value in zip(ids, values):
+        assert terminal_events(rt, dispatch_id) == [(EventType.WORKER_COMPLETED, {"output": expected_output(value)})]
+    for dispatch_id in lost:
+        assert record(rt, dispatch_id).attempts == 1
+    notified_ids = [i for r in replicas for i in r.notifier.ids]
+    assert sorted(notified_ids) == sorted(ids)
+
+
+def test_a_notification_that_failed_is_sent_by_the_sweep(rt, notified):
+    dispatch_id = schedule(rt, "sim.ok")
+    delivery.create_job_for(rt, dispatch_id)
+    wait_finished(rt, [job_name(dispatch_id)])
+    notified.fail = True
+    assert delivery.complete_job(rt, rt.settings.namespace, job_name(dispatch_id)) is delivery.CompleteOutcome.COMPLETED
+    assert notified.ids == [] and not record(rt, dispatch_id).notified
+
+    failing = run_sweep(rt)
+    assert (failing.unnotified.found, failing.unnotified.errors) == (1, 1)
+    notified.fail = False
+    report = run_sweep(rt)
+    assert (report.unnotified.found, report.unnotified.acted) == (1, 1)
+    assert notified.ids == [dispatch_id] and record(rt, dispatch_id).notified
+    assert run_sweep(rt).unnotified.found == 0
+
+
+def test_an_unreachable_api_is_an_error_not_a_crash(rt, cluster):
+    dispatch_id = schedule(rt, "sim.ok")
+    cluster.set_faults(1.0, 0)
+    try:
+        report = run_sweep(rt)
+    finally:
+        cluster.set_faults(0.0, 0)
+    assert report.errors >= 1 and report.problems
+    assert "ApiUnavailable" in report.problems[0]
+    assert record(rt, dispatch_id).state is SCHEDULED
+    assert counts(run_sweep(rt), C1) == (1, 1, 0, 0)  # the next sweep does it
+
+
+# --- the command -----------------------------------------------------------------------------
+
+
+def recover(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "tasks.cli", "recover", *args],
+        env={**env_without_ours(), **env},
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def env_without_ours() -> dict[str, str]:
+    import os
+
+    return {k: v for k, v in os.environ.items() if not k.startswith("K8S_DISPATCH_")}
+
+
+def test_the_recover_command_prints_counts_and_exits_non_zero_on_errors(rt, env, cluster):
+    dispatch_id = schedule(rt, "sim.ok")
+
+    dry = recover(env, "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    lines = dry.stdout.splitlines()
+    assert lines[0].split() == ["category", "found", "acted", "skipped", "errors"]
+    assert lines[1].split() == ["1", "scheduled_without_job", "1", "0", "0", "0"]
+    assert "dry run: nothing was changed" in dry.stdout
+    assert record(rt, dispatch_id).state is SCHEDULED
+
+    real = recover(env, "--json")
+    assert real.returncode == 0, real.stderr
+    data = json.loads(real.stdout)
+    assert data["categories"]["scheduled_without_job"] == {"found": 1, "acted": 1, "skipped": 0, "errors": 0}
+    assert data["errors"] == 0 and data["dry_run"] is False
+    assert record(rt, dispatch_id).state is CREATED
+
+    cluster.set_faults(1.0, 0)
+    try:
+        broken = recover(env, "--json")
+    finally:
+        cluster.set_faults(0.0, 0)
+    assert broken.returncode == 1, broken.stdout + broken.stderr
+    assert json.loads(broken.stdout)["errors"] >= 1
