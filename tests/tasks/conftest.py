@@ -1,6 +1,7 @@
 """Real Celery processes for the task tests: `deploy(cluster, ...)` builds a `Deployment` per call
-with its own Redis key prefix (its queues meet no other test's), its own namespace, the session's
-PostgreSQL database and a localcluster. Workers and beat are `celery -A tasks worker|beat`
+with its own Redis key prefix (its queues meet no other test's), its own namespace, its own
+PostgreSQL database (a sweep acts on the whole database, so no test may see another's rows)
+and a localcluster. Workers and beat are `celery -A tasks worker|beat`
 subprocesses (started with `tasks.processes`) configured only through K8S_DISPATCH_* variables,
 as in production, and stopped with SIGTERM at the end; one that needs SIGKILL fails the test.
 """
@@ -23,7 +24,7 @@ import yaml
 from celery import Celery
 
 import celeryconfig
-from engine import store
+from engine import migrate, store
 from engine.db import make_engine, make_sessionmaker, transaction
 from engine.models import Dispatch, EventType
 from engine.settings import Settings, load_settings
@@ -201,11 +202,13 @@ def sim_cluster() -> Iterator[LocalCluster]:
 
 
 @pytest.fixture
-def deploy(pg_url, redis_url, key_prefix, tmp_path) -> Iterator[Callable[..., Deployment]]:
+def deploy(new_pg_database, redis_url, key_prefix, tmp_path) -> Iterator[Callable[..., Deployment]]:
     """`deploy(cluster, capabilities=None, **settings)`: a Deployment; stopped cleanly at the end."""
     made: list[tuple[Deployment, Any]] = []
 
     def make(cluster: LocalCluster, *, capabilities: dict[str, Any] | None = None, **overrides: str) -> Deployment:
+        pg_url = new_pg_database()
+        migrate.upgrade(pg_url)
         values = {
             "K8S_DISPATCH_DATABASE_URL": pg_url,
             "K8S_DISPATCH_REDIS_URL": redis_url,

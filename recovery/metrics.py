@@ -1,0 +1,198 @@
+"""Prometheus metrics of one worker process: dispatch state changes, recovery findings,
+duplicates prevented and poll lag, served on `K8S_DISPATCH_METRICS_PORT` when it is set.
+
+Counters are per process, as Prometheus expects (sum them across workers in the query).
+The functions below are what the delivery path, the poll task and the sweep call; each is
+cheap and never raises, so a metric can never fail a delivery.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable, Mapping
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, start_http_server
+
+if TYPE_CHECKING:
+    from wsgiref.simple_server import WSGIServer
+
+    from recovery.report import SweepReport
+
+log = logging.getLogger(__name__)
+
+NAMESPACE = "k8s_dispatch"
+
+
+class Metrics:
+    """The metric families, registered in one registry (the default one, or a test's own)."""
+
+    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
+        self.registry = registry
+        self.state_changes = Counter(
+            "dispatch_state_changes",
+            "Dispatches this process moved into a state (SCHEDULED, CREATED, COMPLETED, FAILED, CANCELLED).",
+            ["state"],
+            namespace=NAMESPACE,
+            registry=registry,
+        )
+        self.failures = Counter(
+            "dispatch_failures",
+            "Dispatches this process recorded as FAILED, by reason (BackoffLimitExceeded, JobLost, ...).",
+            ["reason"],
+            namespace=NAMESPACE,
+            registry=registry,
+        )
+        self.duplicates_prevented = Counter(
+            "duplicates_prevented",
+            "Second deliveries stopped: by the Redis guard (another replica held the claim) or by "
+            "the database (the terminal event was recorded already).",
+            ["by"],
+            namespace=NAMESPACE,
+            registry=registry,
+        )
+        self.recovery_findings = Counter(
+            "recovery_findings",
+            "What recovery sweeps found, by category.",
+            ["category"],
+            namespace=NAMESPACE,
+            registry=registry,
+        )
+        self.recovery_actions = Counter(
+            "recovery_actions",
+            "What recovery sweeps did about their findings, by category.",
+            ["category"],
+            namespace=NAMESPACE,
+            registry=registry,
+        )
+        self.recovery_errors = Counter(
+            "recovery_errors",
+            "Sweep actions or listings that failed (the next sweep retries them), by category.",
+            ["category"],
+            namespace=NAMESPACE,
+            registry=registry,
+        )
+        self.sweeps = Counter("recovery_sweeps", "Recovery sweeps run.", namespace=NAMESPACE, registry=registry)
+        self.last_sweep = Gauge(
+            "recovery_last_sweep_timestamp_seconds",
+            "When the latest recovery sweep of this process finished (Unix time).",
+            namespace=NAMESPACE,
+            registry=registry,
+        )
+        self.poll_lag = Gauge(
+            "poll_lag_seconds",
+            "At the latest poll, how long the oldest finished Job had been waiting for its result to be "
+            "recorded (0: none waiting). Grows when completions fall behind.",
+            namespace=NAMESPACE,
+            registry=registry,
+        )
+        self.finished_jobs_waiting = Gauge(
+            "poll_finished_jobs",
+            "Finished Jobs seen by the latest poll (their results not yet recorded and cleaned up).",
+            namespace=NAMESPACE,
+            registry=registry,
+        )
+        self.last_poll = Gauge(
+            "poll_last_timestamp_seconds",
+            "When the latest poll of this process finished (Unix time).",
+            namespace=NAMESPACE,
+            registry=registry,
+        )
+
+    # --- what the call sites use ------------------------------------------------------------
+
+    def state_changed(self, state: str, *, reason: str | None = None) -> None:
+        self.state_changes.labels(state=state).inc()
+        if state == "FAILED":
+            self.failures.labels(reason=reason or "Unknown").inc()
+
+    def duplicate_prevented(self, *, by: str) -> None:
+        self.duplicates_prevented.labels(by=by).inc()
+
+    def sweep_done(self, report: SweepReport) -> None:
+        """Count one finished sweep's findings (a dry run counts nothing)."""
+        if report.dry_run:
+            return
+        for name, counts in report.rows():
+            category = name.split(" ")[-1]  # "1 scheduled_without_job" -> "scheduled_without_job"
+            self.recovery_findings.labels(category=category).inc(counts.found)
+            self.recovery_actions.labels(category=category).inc(counts.acted)
+            self.recovery_errors.labels(category=category).inc(counts.errors)
+        self.sweeps.inc()
+        finished = report.finished_at or datetime.now(timezone.utc)
+        self.last_sweep.set(finished.timestamp())
+
+    def poll_done(self, *, finished: int, lag_s: float) -> None:
+        """Record a whole poll: the finished Jobs it saw and the oldest one's wait (`poll_lag_s`)."""
+        self.finished_jobs_waiting.set(finished)
+        self.poll_lag.set(lag_s)
+        self.last_poll.set(datetime.now(timezone.utc).timestamp())
+
+
+# --- pure -------------------------------------------------------------------------------
+
+
+def job_finished_at(job: Mapping[str, Any]) -> datetime | None:
+    """When a Job finished: its Complete/Failed condition's transition time, else completionTime."""
+    status = job.get("status") or {}
+    for condition in status.get("conditions") or []:
+        if (
+            isinstance(condition, Mapping)
+            and condition.get("type") in ("Complete", "Failed", "SuccessCriteriaMet", "FailureTarget")
+            and condition.get("status") == "True"
+        ):
+            stamp = _timestamp(condition.get("lastTransitionTime"))
+            if stamp is not None:
+                return stamp
+    return _timestamp(status.get("completionTime"))
+
+
+def poll_lag_s(finished_jobs: Iterable[Mapping[str, Any]], *, now: datetime) -> float:
+    """Seconds the oldest of `finished_jobs` has waited since it finished (0 if none or unknown)."""
+    ages = [(now - at).total_seconds() for at in map(job_finished_at, finished_jobs) if at is not None]
+    return max([0.0, *ages])
+
+
+def _timestamp(value: object) -> datetime | None:
+    if not isinstance(value, str):
+        return None
+    try:
+        parsed = datetime.fromisoformat(value)
+    except ValueError:
+        return None
+    return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=timezone.utc)
+
+
+# --- the process's metrics and their endpoint --------------------------------------------
+
+METRICS = Metrics()
+
+_server: WSGIServer | None = None
+_server_lock = threading.Lock()
+
+
+def serve(port: int, *, addr: str = "0.0.0.0") -> int:
+    """Serve this process's metrics on `port` (0: any free port) at /metrics; returns the port.
+
+    Once per process: a second call returns the port already served.
+
+    Raises:
+        OSError: the port cannot be bound.
+    """
+    global _server
+    with _server_lock:
+        if _server is None:
+            _server, _thread = start_http_server(port, addr=addr, registry=METRICS.registry)
+        return int(_server.server_address[1])
+
+
+def stop_serving() -> None:
+    """Stop the endpoint (at worker shutdown, and in tests)."""
+    global _server
+    with _server_lock:
+        if _server is not None:
+            _server.shutdown()
+            _server.server_close()
+            _server = None

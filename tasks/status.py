@@ -1,0 +1,227 @@
+"""The `status` command's report: dispatches by state, the oldest one still pending and the
+latest failures with their reasons, read from the database in one short transaction.
+
+`read_status` does the reading; `StatusReport.to_dict` (for `--json`) and `render` (rich
+tables for the terminal) are pure, so what an operator sees is tested without a database.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import sqlalchemy as sa
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+from sqlalchemy.orm import Session
+
+from engine import store
+from engine.models import TERMINAL_EVENT_TYPES, TERMINAL_STATES, CaseEvent, Dispatch, DispatchState, EventType
+
+DEFAULT_FAILURES = 10
+MAX_MESSAGE_CHARS = 200  # of a failure's message, in the report
+
+
+@dataclass(frozen=True)
+class Pending:
+    """The oldest dispatch not yet ended: how long the system has owed a result."""
+
+    dispatch_id: str
+    state: str
+    capability: str
+    case_id: str
+    tenancy_id: str
+    created_at: datetime
+    age_s: float
+
+
+@dataclass(frozen=True)
+class Failure:
+    dispatch_id: str
+    capability: str
+    case_id: str
+    tenancy_id: str
+    reason: str
+    message: str | None
+    finished_at: datetime | None
+
+
+@dataclass(frozen=True)
+class StatusReport:
+    generated_at: datetime
+    counts: dict[str, int]  # every DispatchState, zero if none
+    oldest_pending: Pending | None
+    recent_failures: list[Failure]  # newest first
+    unnotified: int  # ended, the engine not told yet (the sweep retries)
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    @property
+    def pending(self) -> int:
+        return sum(n for state, n in self.counts.items() if DispatchState(state) not in TERMINAL_STATES)
+
+    def to_dict(self) -> dict[str, Any]:
+        oldest = self.oldest_pending
+        return {
+            "generated_at": self.generated_at.isoformat(),
+            "total": self.total,
+            "pending": self.pending,
+            "counts": dict(self.counts),
+            "unnotified": self.unnotified,
+            "oldest_pending": None
+            if oldest is None
+            else {
+                "dispatch_id": oldest.dispatch_id,
+                "state": oldest.state,
+                "capability": oldest.capability,
+                "case_id": oldest.case_id,
+                "tenancy_id": oldest.tenancy_id,
+                "created_at": oldest.created_at.isoformat(),
+                "age_s": round(oldest.age_s, 3),
+            },
+            "recent_failures": [
+                {
+                    "dispatch_id": f.dispatch_id,
+                    "capability": f.capability,
+                    "case_id": f.case_id,
+                    "tenancy_id": f.tenancy_id,
+                    "reason": f.reason,
+                    "message": f.message,
+                    "finished_at": f.finished_at.isoformat() if f.finished_at else None,
+                }
+                for f in self.recent_failures
+            ],
+        }
+
+
+# --- reading -------------------------------------------------------------------------------
+
+
+def read_status(session: Session, *, now: datetime, failures: int = DEFAULT_FAILURES) -> StatusReport:
+    """The report as of `now`, from the caller's session (read only)."""
+    pending_states = sorted(s for s in DispatchState if s not in TERMINAL_STATES)
+    terminal_states = sorted(TERMINAL_STATES)
+    oldest_row = session.scalars(
+        sa.select(Dispatch)
+        .where(Dispatch.state.in_(pending_states))
+        .order_by(Dispatch.created_at, Dispatch.dispatch_id)
+        .limit(1)
+    ).one_or_none()
+    failed_rows = session.scalars(
+        sa.select(Dispatch)
+        .where(Dispatch.state == DispatchState.FAILED)
+        .order_by(Dispatch.finished_at.desc(), Dispatch.dispatch_id)
+        .limit(failures)
+    ).all()
+    messages = _failure_messages(session, [row.dispatch_id for row in failed_rows])
+    unnotified = session.scalar(
+        sa.select(sa.func.count())
+        .select_from(Dispatch)
+        .where(Dispatch.notified_at.is_(None), Dispatch.state.in_(terminal_states))
+    )
+    return StatusReport(
+        generated_at=now,
+        counts=store.counts_by_state(session),
+        oldest_pending=None
+        if oldest_row is None
+        else Pending(
+            dispatch_id=oldest_row.dispatch_id,
+            state=DispatchState(oldest_row.state).value,
+            capability=oldest_row.capability,
+            case_id=oldest_row.case_id,
+            tenancy_id=oldest_row.tenancy_id,
+            created_at=oldest_row.created_at,
+            age_s=max(0.0, (now - oldest_row.created_at).total_seconds()),
+        ),
+        recent_failures=[
+            Failure(
+                dispatch_id=row.dispatch_id,
+                capability=row.capability,
+                case_id=row.case_id,
+                tenancy_id=row.tenancy_id,
+                reason=row.reason or "Unknown",
+                message=messages.get(row.dispatch_id),
+                finished_at=row.finished_at,
+            )
+            for row in failed_rows
+        ],
+        unnotified=int(unnotified or 0),
+    )
+
+
+def _failure_messages(session: Session, dispatch_ids: list[str]) -> dict[str, str]:
+    """The `message` of each dispatch's terminal event (the reason's detail), where it has one."""
+    if not dispatch_ids:
+        return {}
+    events = session.scalars(
+        sa.select(CaseEvent).where(
+            CaseEvent.dispatch_id.in_(dispatch_ids),
+            CaseEvent.type.in_(sorted(t.value for t in TERMINAL_EVENT_TYPES)),
+        )
+    )
+    found = {}
+    for event in events:
+        message = event.payload.get("message") if isinstance(event.payload, dict) else None
+        if event.type == EventType.WORKER_FAILED and isinstance(message, str) and message.strip():
+            found[event.dispatch_id] = _trim(message.strip())
+    return found
+
+
+def _trim(text: str) -> str:
+    one_line = " ".join(text.split())
+    return one_line if len(one_line) <= MAX_MESSAGE_CHARS else one_line[: MAX_MESSAGE_CHARS - 3] + "..."
+
+
+# --- rendering (pure) ----------------------------------------------------------------------
+
+
+def render(report: StatusReport) -> Group:
+    """Tables for the terminal: states, the oldest pending dispatch, the latest failures."""
+    states = Table(title="dispatches by state", title_justify="left")
+    states.add_column("state")
+    states.add_column("count", justify="right")
+    for state in DispatchState:
+        states.add_row(state.value, str(report.counts.get(state.value, 0)))
+    states.add_row("total", str(report.total), style="bold")
+
+    lines: list[Any] = [states]
+    oldest = report.oldest_pending
+    if oldest is None:
+        lines.append("oldest pending: none")
+    else:
+        lines.append(
+            f"oldest pending: {oldest.dispatch_id} {oldest.state} {oldest.capability} "
+            f"case={oldest.case_id} tenancy={oldest.tenancy_id}, waiting {format_age(oldest.age_s)}"
+        )
+    if report.unnotified:
+        lines.append(f"ended but the engine not told yet: {report.unnotified} (the sweep retries)")
+    if report.recent_failures:
+        # Lines, not a table: a UUID and a reason side by side leave no room in 80 columns.
+        lines.append(Text(f"latest {len(report.recent_failures)} failures", style="italic"))
+        for f in report.recent_failures:
+            when = f.finished_at.strftime("%Y-%m-%d %H:%M:%S") if f.finished_at else "-"
+            line = Text(f"  {when}  ")
+            line.append(f.reason, style="bold red")
+            line.append(f"  {f.capability}  tenancy={f.tenancy_id}  case={f.case_id}  {f.dispatch_id}")
+            lines.append(line)
+            if f.message:
+                lines.append(Text(f"      {f.message}", style="dim"))
+    else:
+        lines.append("no failures")
+    return Group(*lines)
+
+
+def format_age(seconds: float) -> str:
+    """`42s`, `3m05s`, `2h07m`, `3d04h`."""
+    s = int(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
