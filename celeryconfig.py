@@ -9,9 +9,7 @@ process, the tests).
 
 from __future__ import annotations
 
-import tempfile
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 from kombu import Queue
@@ -29,11 +27,6 @@ CANCEL_TASK = "k8s-dispatch.cancel"
 POLL_TASK = "k8s-dispatch.poll"
 COMPLETE_TASK = "k8s-dispatch.complete"
 SWEEP_TASK = "k8s-dispatch.sweep"  # the recovery sweep (tasks/recovery_tasks.py)
-
-
-def state_dir(settings: Settings) -> Path:
-    """Beat's bookkeeping (last run times), out of the source tree; one per key prefix."""
-    return Path(tempfile.gettempdir()) / f"k8s-dispatch-{settings.key_prefix}"
 
 
 def config(settings: Settings) -> dict[str, Any]:
@@ -93,7 +86,10 @@ def config(settings: Settings) -> dict[str, Any]:
             SWEEP_TASK: {"queue": SWEEP_QUEUE},
         },
         # --- beat ----------------------------------------------------------------------
-        "beat_schedule_filename": str(state_dir(settings) / "celerybeat-schedule"),
+        # Every entry is a plain interval, so beat needs no memory of last run times: the
+        # in-memory scheduler writes no shelve file (nothing to leave behind, nothing for a
+        # SIGTERM to find half-closed).
+        "beat_scheduler": "celery.beat:Scheduler",
         "beat_schedule": {
             "poll": {
                 "task": POLL_TASK,
@@ -115,5 +111,4 @@ def config(settings: Settings) -> dict[str, Any]:
 
 # The module's own settings, for `config_from_object("celeryconfig")`.
 _settings = get_settings()
-state_dir(_settings).mkdir(parents=True, exist_ok=True)
 globals().update(config(_settings))

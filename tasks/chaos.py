@@ -339,7 +339,6 @@ class _Run:
         }
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("K8S_DISPATCH_")} | values
         self.settings = load_settings(values)
-        self.stack.callback(self._remove_beat_state_dir)
 
         cluster = localcluster_server(
             log_dir=self.dir, kubeconfig=self.kubeconfig, mode=options.mode,
@@ -404,11 +403,6 @@ class _Run:
             _delete_prefix(self.redis, self.prefix)
         except redis.RedisError as e:
             log.warning("could not delete the run's keys under %s: %s", self.prefix, e)
-
-    def _remove_beat_state_dir(self) -> None:
-        import celeryconfig
-
-        shutil.rmtree(celeryconfig.state_dir(self.settings), ignore_errors=True)
 
     # --- the run -------------------------------------------------------------------------
 

@@ -144,11 +144,8 @@ def celery_worker(
 
 
 def celery_beat(*, env: Mapping[str, str], log_dir: Path, name: str = "beat") -> ManagedProcess:
-    """`celery -A tasks beat`, its schedule file kept in `log_dir`."""
-    argv = [
-        sys.executable, "-m", "celery", "-A", "tasks", "beat", "--loglevel=INFO",
-        f"--schedule={log_dir / (name + '-schedule')}",
-    ]  # fmt: skip
+    """`celery -A tasks beat` (its scheduler keeps nothing on disk: see celeryconfig)."""
+    argv = [sys.executable, "-m", "celery", "-A", "tasks", "beat", "--loglevel=INFO"]
     return ManagedProcess(name, argv, project_env(env), log_dir / f"{name}.log")
 
 

@@ -1,0 +1,150 @@
+"""What the benchmarks create: the bench capabilities (simulated Jobs of 0-50 ms), their Job
+manifests as the project builds them, and backlogs of dispatches in the database.
+
+Every Job here is `workers.manifest.build_job`'s output, so the API server stores and lists the
+same labels, annotations and env a real deployment's Jobs carry.
+"""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+from typing import Any
+
+import yaml
+from sqlalchemy.orm import Session, sessionmaker
+
+from engine import store
+from engine.db import transaction
+from tasks.processes import wait_until
+from workers import labels as job_labels
+from workers.job_status import job_state
+from workers.kube import KubeClient
+from workers.manifest import build_job
+from workers.resolver import CapabilityResolver
+from workers.types import CapabilityName, CaseId, DispatchId, DispatchRef, IdempotencyKey, TenancyId, WorkerName
+
+SIM = "localcluster.k8s-dispatch.io/"
+WORKER = "bench"
+TENANCY = "bench-tenant"
+DURATIONS_MS = (0, 10, 20, 30, 40, 50)  # one capability each: dispatch i runs DURATIONS_MS[i % 6]
+INSTANT = "bench.d0"
+MAX_INPUT_BYTES = 32 * 1024  # the settings' default
+
+
+def capability(duration_ms: int) -> str:
+    return f"bench.d{duration_ms}"
+
+
+def capability_config() -> dict[str, Any]:
+    """The bench capabilities: simulated Jobs that succeed after their duration."""
+    return {
+        "capabilities": {
+            capability(ms): {
+                "worker": WORKER,
+                "image": "k8s-dispatch-bench:simulated",
+                "annotations": {f"{SIM}duration-ms": str(ms)},
+                "activeDeadlineSeconds": 300,
+                "backoffLimit": 0,
+            }
+            for ms in DURATIONS_MS
+        }
+    }
+
+
+def write_capabilities(path: Path) -> Path:
+    path.write_text(yaml.safe_dump(capability_config()))
+    return path
+
+
+def resolver() -> CapabilityResolver:
+    return CapabilityResolver.from_mapping(capability_config(), source="<bench>")
+
+
+def capability_for(i: int) -> str:
+    return capability(DURATIONS_MS[i % len(DURATIONS_MS)])
+
+
+def input_for(i: int) -> dict[str, Any]:
+    return {"n": i, "text": f"bench dispatch {i}"}
+
+
+def job_bodies(count: int, *, namespace: str, caps: CapabilityResolver, suspend: bool = False) -> list[dict[str, Any]]:
+    """`count` Job manifests of fresh dispatches (not in any database), 0-50 ms each."""
+    bodies = []
+    for i in range(count):
+        cap = capability_for(i)
+        dispatch_id = str(uuid.uuid4())
+        ref = DispatchRef(
+            dispatch_id=DispatchId(dispatch_id),
+            case_id=CaseId(f"case-{dispatch_id[:8]}"),
+            tenancy_id=TenancyId(TENANCY),
+            capability=CapabilityName(cap),
+            worker_name=WorkerName(WORKER),
+            idempotency_key=IdempotencyKey(f"key-{dispatch_id}"),
+        )
+        body = build_job(ref, input=input_for(i), spec=caps.spec(cap), namespace=namespace)
+        if suspend:
+            body["spec"]["suspend"] = True
+        bodies.append(body)
+    return bodies
+
+
+def new_case(sessions: sessionmaker[Session]) -> str:
+    case_id = f"case-{uuid.uuid4().hex[:12]}"
+    with transaction(sessions) as session:
+        store.create_case(session, case_id=case_id, tenancy_id=TENANCY)
+    return case_id
+
+
+def created_dispatches(
+    sessions: sessionmaker[Session],
+    caps: CapabilityResolver,
+    *,
+    count: int,
+    namespace: str,
+    max_input_bytes: int = MAX_INPUT_BYTES,
+) -> list[tuple[DispatchRef, dict[str, Any]]]:
+    """`count` dispatches written as an engine would (SCHEDULED), then marked created, in one
+    transaction: each one's ref and Job manifest (not created in the cluster). Instant Jobs."""
+    case_id = new_case(sessions)
+    made = []
+    with transaction(sessions) as session:
+        for i in range(count):
+            key = f"key-{uuid.uuid4()}"
+            result = store.schedule(
+                session,
+                case_id=case_id,
+                tenancy_id=TENANCY,
+                capability=INSTANT,
+                input=input_for(i),
+                idempotency_key=key,
+                router=caps,
+                max_input_bytes=max_input_bytes,
+            )
+            ref = DispatchRef(
+                dispatch_id=DispatchId(result.dispatch_id),
+                case_id=CaseId(case_id),
+                tenancy_id=TenancyId(TENANCY),
+                capability=CapabilityName(INSTANT),
+                worker_name=WorkerName(WORKER),
+                idempotency_key=IdempotencyKey(key),
+            )
+            body = build_job(ref, input=input_for(i), spec=caps.spec(INSTANT), namespace=namespace)
+            name = body["metadata"]["name"]
+            store.mark_created(session, result.dispatch_id, job_name=name, namespace=namespace, attempt=0)
+            made.append((ref, body))
+    return made
+
+
+def wait_jobs_terminal(kube: KubeClient, namespace: str, count: int, *, timeout: float = 300.0) -> None:
+    """Wait until the namespace holds `count` managed Jobs, all finished."""
+
+    def all_done() -> bool:
+        finished = total = 0
+        for page in kube.iter_jobs(namespace, label_selector=job_labels.selector()):
+            total += len(page)
+            finished += sum(1 for job in page if job_state(job).terminal)
+        return total == count and finished == count
+
+    wait_until(all_done, timeout=timeout, interval=0.2, what=f"{count} finished Jobs in {namespace}")
