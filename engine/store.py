@@ -499,17 +499,10 @@ def iter_dispatches(
     wanted = sorted({DispatchState(s) for s in states})
     if not wanted:
         return
-    query = sa.select(Dispatch).where(Dispatch.state.in_(wanted)).order_by(Dispatch.dispatch_id).limit(batch)
+    query = sa.select(Dispatch).where(Dispatch.state.in_(wanted))
     if older_than is not None:
         query = query.where(Dispatch.updated_at < older_than)
-    after: str | None = None
-    while True:
-        page = query if after is None else query.where(Dispatch.dispatch_id > after)
-        rows = session.scalars(page).all()
-        yield from rows
-        if len(rows) < batch:
-            return
-        after = rows[-1].dispatch_id
+    yield from _keyset_pages(session, query, batch=batch)
 
 
 def terminal_event(session: Session, dispatch_id: str) -> CaseEvent | None:
@@ -568,14 +561,16 @@ def iter_unnotified_terminal(
     """
     if batch < 1:
         raise ValueError(f"batch must be positive, got {batch}")
-    query = (
-        sa.select(Dispatch)
-        .where(Dispatch.notified_at.is_(None), Dispatch.state.in_(sorted(TERMINAL_STATES)))
-        .order_by(Dispatch.dispatch_id)
-        .limit(batch)
-    )
+    query = sa.select(Dispatch).where(Dispatch.notified_at.is_(None), Dispatch.state.in_(sorted(TERMINAL_STATES)))
     if finished_before is not None:
         query = query.where(Dispatch.finished_at < finished_before)
+    yield from _keyset_pages(session, query, batch=batch)
+
+
+def _keyset_pages(session: Session, query: sa.Select, *, batch: int) -> Iterator[Dispatch]:
+    """The rows of `query` by dispatch_id, `batch` at a time: memory bounded by the page, and
+    no OFFSET that rows written meanwhile could shift."""
+    query = query.order_by(Dispatch.dispatch_id).limit(batch)
     after: str | None = None
     while True:
         page = query if after is None else query.where(Dispatch.dispatch_id > after)

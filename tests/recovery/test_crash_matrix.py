@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 import yaml
 from celery import Celery
+from forged_jobs import SIM, forge_job
 
 import celeryconfig as names
 from engine import migrate, store
@@ -48,7 +49,6 @@ from workers.job_status import job_state
 from workers.manifest import FINALIZER, job_name
 from workers.types import DispatchRef
 
-SIM = "localcluster.k8s-dispatch.io/"
 CAPABILITIES = {
     "capabilities": {
         "sim.ok": {"worker": "sim", "image": "sim:1", "annotations": {SIM + "duration-ms": "30"}},
@@ -503,38 +503,16 @@ def test_an_api_server_with_5_percent_errors_that_restarts_during_recovery_still
 # --- Jobs that are never delivered ----------------------------------------------------------------
 
 
-def forge_job(site: Site, ref: DispatchRef) -> str:
-    """A Job carrying `ref`'s labels and our finalizer, created by someone other than us."""
-    labels, annotations = job_labels.encode(ref)
-    name = job_name(ref.dispatch_id)
-    site.rt.kube.create_job(
-        site.namespace,
-        {
-            "apiVersion": "batch/v1",
-            "kind": "Job",
-            "metadata": {"name": name, "labels": labels, "annotations": annotations, "finalizers": [FINALIZER]},
-            "spec": {
-                "backoffLimit": 0,
-                "template": {
-                    "metadata": {"annotations": {SIM + "duration-ms": "10", SIM + "result": '{"forged": true}'}},
-                    "spec": {"restartPolicy": "Never", "containers": [{"name": "worker", "image": "sim:1"}]},
-                },
-            },
-        },
-    )
-    return name
-
-
 def test_a_forged_job_and_a_tenancy_mismatched_job_are_never_delivered(cluster, make_site):
     site = make_site(cluster.kubeconfig)
     forged_ref = DispatchRef(
         dispatch_id=str(uuid.uuid4()), case_id="case-x", tenancy_id="tenant-a", capability="sim.ok",  # type: ignore[arg-type]
         worker_name="sim", idempotency_key="forged",  # type: ignore[arg-type]
     )  # fmt: skip
-    forged = forge_job(site, forged_ref)
+    forged = forge_job(site.rt.kube, site.namespace, forged_ref)
     [victim] = site.schedule([{"victim": 1}], send=False)
     victim_ref = delivery.load_record(site.rt, victim).ref
-    forge_job(site, DispatchRef(**{**victim_ref.__dict__, "tenancy_id": "tenant-b"}))
+    forge_job(site.rt.kube, site.namespace, DispatchRef(**{**victim_ref.__dict__, "tenancy_id": "tenant-b"}))
     values = [{"honest": i} for i in range(4)]
     honest = site.schedule(values)
 

@@ -8,13 +8,13 @@ worker processes in tests/tasks.
 from __future__ import annotations
 
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import kubernetes
 import pytest
+from forged_jobs import SIM, forge_job
 
 from engine import store
 from engine.db import transaction
@@ -34,13 +34,12 @@ from recovery.delivery import (
     notify_engine,
 )
 from recovery.runtime import Runtime
+from tasks.processes import wait_until
 from workers import labels as job_labels
 from workers.job_status import job_state
 from workers.manifest import FINALIZER, job_name
 from workers.resolver import CapabilityResolver
 from workers.types import DispatchRef
-
-SIM = "localcluster.k8s-dispatch.io/"
 
 
 def capability(**fields: Any) -> dict[str, Any]:
@@ -134,22 +133,11 @@ def schedule(rt: Runtime, capability: str, input: Any = None, *, tenancy: str = 
     return result.dispatch_id
 
 
-def wait_until(predicate: Callable[[], Any], *, timeout_s: float = 10.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"{what} not reached in {timeout_s} s"
-        time.sleep(0.02)
-
-
 def job_finished(rt: Runtime, dispatch_id: str) -> dict[str, Any]:
     namespace = rt.settings.namespace
     return wait_until(
         lambda: (lambda j: j if job_state(j).terminal else None)(rt.kube.get_job(namespace, job_name(dispatch_id))),
-        what=f"job of {dispatch_id} finished",
-    )
+        what=f"job of {dispatch_id} finished", timeout=10.0)
 
 
 def events(rt: Runtime, dispatch_id: str) -> list[tuple[str, Any]]:
@@ -188,7 +176,7 @@ def test_create_then_complete_delivers_the_output_once_and_leaves_nothing(rt, no
     assert load_record(rt, dispatch_id).state is DispatchState.COMPLETED
     assert notified.ids == [dispatch_id]
     assert notified_at(rt, dispatch_id) is not None
-    wait_until(lambda: not job_exists(rt, dispatch_id), what="job deleted")
+    wait_until(lambda: not job_exists(rt, dispatch_id), what="job deleted", timeout=10.0)
     # Again, as a redelivered message would: nothing more happens.
     assert complete_job(rt, rt.settings.namespace, job_name(dispatch_id)) is CompleteOutcome.GONE
     assert create_job_for(rt, dispatch_id) is CreateOutcome.SKIPPED
@@ -230,7 +218,7 @@ def test_a_failed_job_gives_worker_failed_with_its_reason(rt, notified, capabili
     record = load_record(rt, dispatch_id)
     assert record.state is DispatchState.FAILED
     assert notified.ids == [dispatch_id]
-    wait_until(lambda: not job_exists(rt, dispatch_id), what="job deleted")
+    wait_until(lambda: not job_exists(rt, dispatch_id), what="job deleted", timeout=10.0)
 
 
 def test_a_capability_gone_from_the_config_fails_the_dispatch_at_create(make_runtime, notified):
@@ -285,33 +273,11 @@ def test_unknown_and_invalid_dispatch_ids_are_typed_errors(rt):
 # --- refusals: a Job is delivered only if it agrees with the DB -------------------------------
 
 
-def forge_job(rt: Runtime, ref: DispatchRef, *, namespace: str | None = None, result: str = '{"forged": true}') -> str:
-    """Create a Job carrying `ref`'s labels, as someone other than us might."""
-    labels, annotations = job_labels.encode(ref)
-    name = job_name(ref.dispatch_id)
-    rt.kube.create_job(
-        namespace or rt.settings.namespace,
-        {
-            "apiVersion": "batch/v1",
-            "kind": "Job",
-            "metadata": {"name": name, "labels": labels, "annotations": annotations, "finalizers": [FINALIZER]},
-            "spec": {
-                "backoffLimit": 0,
-                "template": {
-                    "metadata": {"annotations": {SIM + "duration-ms": "10", SIM + "result": result}},
-                    "spec": {"restartPolicy": "Never", "containers": [{"name": "worker", "image": "sim:1"}]},
-                },
-            },
-        },
-    )
-    return name
-
-
 def test_a_job_whose_tenancy_disagrees_with_the_db_is_never_delivered(rt, notified):
     dispatch_id = schedule(rt, "sim.ok")
     record = load_record(rt, dispatch_id)
     forged = DispatchRef(**{**record.ref.__dict__, "tenancy_id": "tenant-evil"})
-    name = forge_job(rt, forged)
+    name = forge_job(rt.kube, rt.settings.namespace, forged)
     job_finished(rt, dispatch_id)
     refused_before = rt.stats.get(stats.JOBS_REFUSED)
 
@@ -334,8 +300,8 @@ def test_a_job_naming_a_dispatch_that_does_not_exist_is_never_delivered(rt):
     ref = DispatchRef(
         dispatch_id=str(uuid.uuid4()), case_id="c", tenancy_id="t", capability="sim.ok", worker_name="sim", idempotency_key="k"
     )
-    name = forge_job(rt, ref)
-    wait_until(lambda: job_state(rt.kube.get_job(rt.settings.namespace, name)).terminal, what="forged job done")
+    name = forge_job(rt.kube, rt.settings.namespace, ref)
+    wait_until(lambda: job_state(rt.kube.get_job(rt.settings.namespace, name)).terminal, what="forged job done", timeout=10.0)
     assert complete_job(rt, rt.settings.namespace, name) is CompleteOutcome.REFUSED
     with transaction(rt.sessions) as session:
         assert store.get_dispatch(session, ref.dispatch_id) is None
@@ -347,8 +313,8 @@ def test_a_copy_of_the_job_in_another_namespace_is_never_delivered(rt):
     dispatch_id = schedule(rt, "sim.ok")
     assert create_job_for(rt, dispatch_id) is CreateOutcome.CREATED
     copy_namespace = rt.settings.namespace + "-copy"
-    name = forge_job(rt, load_record(rt, dispatch_id).ref, namespace=copy_namespace)
-    wait_until(lambda: job_state(rt.kube.get_job(copy_namespace, name)).terminal, what="copy done")
+    name = forge_job(rt.kube, copy_namespace, load_record(rt, dispatch_id).ref)
+    wait_until(lambda: job_state(rt.kube.get_job(copy_namespace, name)).terminal, what="copy done", timeout=10.0)
     assert complete_job(rt, copy_namespace, name) is CompleteOutcome.REFUSED
     assert events(rt, dispatch_id)[1:] == []
     cleanup_job(rt, copy_namespace, name)
@@ -426,7 +392,7 @@ def test_cancel_a_running_dispatch_records_cancelled_and_removes_its_job(rt, not
     assert cancel_dispatch(rt, dispatch_id, reason="UserCancelled") is True
     assert events(rt, dispatch_id)[1:] == [(EventType.WORKER_CANCELLED, {"reason": "UserCancelled"})]
     assert load_record(rt, dispatch_id).state is DispatchState.CANCELLED
-    wait_until(lambda: not job_exists(rt, dispatch_id), what="job deleted")
+    wait_until(lambda: not job_exists(rt, dispatch_id), what="job deleted", timeout=10.0)
     assert notified.ids == [dispatch_id]
     # A second cancel, and a late completion, change nothing.
     assert cancel_dispatch(rt, dispatch_id) is False
@@ -460,7 +426,7 @@ def test_a_failed_notification_leaves_the_dispatch_for_the_sweep_to_notify(rt, n
     notified.fail = True
     assert complete_job(rt, rt.settings.namespace, job_name(dispatch_id)) is CompleteOutcome.COMPLETED
     assert notified_at(rt, dispatch_id) is None
-    wait_until(lambda: not job_exists(rt, dispatch_id), what="job deleted")  # clean-up went on
+    wait_until(lambda: not job_exists(rt, dispatch_id), what="job deleted", timeout=10.0)  # clean-up went on
     with transaction(rt.sessions) as session:
         assert dispatch_id in {d.dispatch_id for d in store.iter_unnotified_terminal(session)}
 

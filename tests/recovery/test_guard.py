@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import redis
@@ -12,6 +11,7 @@ from redis.retry import Retry
 
 from engine.errors import GuardUnavailable
 from recovery.guard import Claim, Guard
+from tasks.processes import wait_until
 
 
 @pytest.fixture
@@ -24,13 +24,6 @@ def client(redis_url):
 @pytest.fixture
 def prefix(key_prefix, request):
     return f"{key_prefix}:guard:{request.node.name}"
-
-
-def wait_until(predicate, *, timeout_s=5.0):
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met before the deadline"
-        time.sleep(0.01)
 
 
 def test_claim_is_exclusive_and_counts_the_refused(client, prefix):
@@ -59,14 +52,14 @@ def test_claim_expires_when_its_holder_never_releases(client, prefix):
     assert dead.claim("d-1") is not None  # the holder "dies" here
     alive = Guard(client, prefix=prefix, lease_ms=10_000)
     assert alive.claim("d-1") is None
-    wait_until(lambda: alive.holder("d-1") is None)
+    wait_until(lambda: alive.holder("d-1") is None, timeout=5.0)
     assert alive.claim("d-1") is not None
 
 
 def test_a_late_holder_cannot_release_a_claim_taken_over_after_expiry(client, prefix):
     slow = Guard(client, prefix=prefix, lease_ms=100)
     stale = slow.claim("d-1")
-    wait_until(lambda: slow.holder("d-1") is None)
+    wait_until(lambda: slow.holder("d-1") is None, timeout=5.0)
     fresh = Guard(client, prefix=prefix, lease_ms=10_000).claim("d-1")
     assert fresh is not None
     assert slow.release(stale) is False  # compare-and-delete: not our token any more

@@ -9,7 +9,6 @@ import json
 import subprocess
 import sys
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,6 +16,7 @@ from typing import Any
 
 import pytest
 import yaml
+from forged_jobs import SIM, forge_job
 
 from engine import migrate, store
 from engine.db import transaction
@@ -29,6 +29,7 @@ from recovery.reconcile import ORPHANS_REPORTED, Executor, run_sweep
 from recovery.report import SweepReport
 from recovery.runtime import Runtime
 from recovery.sweep import Category, CompleteJob, CreateJob, RecreateJob
+from tasks.processes import wait_until
 from workers import labels as job_labels
 from workers.job_status import job_state
 from workers.manifest import FINALIZER, job_name
@@ -36,7 +37,6 @@ from workers.resolver import CapabilityResolver
 from workers.types import DispatchRef
 
 REPO = Path(__file__).resolve().parents[2]
-SIM = "localcluster.k8s-dispatch.io/"
 SCHEDULED, CREATED = DispatchState.SCHEDULED, DispatchState.CREATED
 C1, C2, C3, C4, C5, C6 = (
     Category.SCHEDULED_WITHOUT_JOB, Category.FINISHED_UNRECORDED, Category.RUNNING,
@@ -147,16 +147,6 @@ def schedule(rt: Runtime, capability_name: str = "sim.ok", value: Any = None, *,
         ).dispatch_id
 
 
-def wait_until(predicate: Callable[[], Any], *, timeout_s: float = 15.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"{what} not reached in {timeout_s} s"
-        time.sleep(0.02)
-
-
 def jobs(rt: Runtime, namespace: str | None = None) -> dict[str, dict[str, Any]]:
     """Our Jobs in the namespace, by name."""
     ns = namespace or rt.settings.namespace
@@ -168,7 +158,7 @@ def wait_finished(rt: Runtime, names: list[str], namespace: str | None = None) -
         current = jobs(rt, namespace)
         return all(n in current and job_state(current[n]).terminal for n in names)
 
-    wait_until(done, what=f"{len(names)} jobs finished")
+    wait_until(done, what=f"{len(names)} jobs finished", timeout=15.0)
 
 
 def terminal_events(rt: Runtime, dispatch_id: str) -> list[tuple[str, Any]]:
@@ -190,34 +180,12 @@ def found(report: SweepReport) -> dict[int, int]:
     return {c.value: n.found for c, n in report.categories.items() if n.found}
 
 
-def forge_job(rt: Runtime, ref: DispatchRef, *, namespace: str | None = None) -> str:
-    """A finished-soon Job carrying `ref`'s labels and our finalizer, made by someone else."""
-    labels, annotations = job_labels.encode(ref)
-    name = job_name(ref.dispatch_id)
-    rt.kube.create_job(
-        namespace or rt.settings.namespace,
-        {
-            "apiVersion": "batch/v1",
-            "kind": "Job",
-            "metadata": {"name": name, "labels": labels, "annotations": annotations, "finalizers": [FINALIZER]},
-            "spec": {
-                "backoffLimit": 0,
-                "template": {
-                    "metadata": {"annotations": {SIM + "duration-ms": "10", SIM + "result": '{"forged": true}'}},
-                    "spec": {"restartPolicy": "Never", "containers": [{"name": "worker", "image": "sim:1"}]},
-                },
-            },
-        },
-    )
-    return name
-
-
 def lose_job(rt: Runtime, dispatch_id: str) -> None:
     """Strip our finalizer and delete the Job, as an operator might: its result is gone."""
     namespace, name = rt.settings.namespace, job_name(dispatch_id)
     rt.kube.remove_finalizer(namespace, name, FINALIZER)
     rt.kube.delete_job(namespace, name)
-    wait_until(lambda: name not in jobs(rt), what=f"job {name} gone")
+    wait_until(lambda: name not in jobs(rt), what=f"job {name} gone", timeout=15.0)
 
 
 # --- 1 and 2: created, then completed -------------------------------------------------------
@@ -240,7 +208,7 @@ def test_scheduled_dispatches_without_a_job_are_created_then_completed_once(rt, 
     for dispatch_id, value in zip(ids, values):
         assert terminal_events(rt, dispatch_id) == [(EventType.WORKER_COMPLETED, {"output": expected_output(value)})]
     assert sorted(notified.ids) == sorted(ids)
-    wait_until(lambda: not jobs(rt), what="no job left")
+    wait_until(lambda: not jobs(rt), what="no job left", timeout=15.0)
 
     third = run_sweep(rt)
     assert found(third) == {} and third.errors == 0 and third.unnotified.found == 0
@@ -268,7 +236,7 @@ def test_a_job_in_a_namespace_the_config_no_longer_names_is_still_found_and_comp
     assert old_namespace in report.namespaces
     assert counts(report, C2) == (1, 1, 0, 0)
     assert terminal_events(after, dispatch_id) == [(EventType.WORKER_COMPLETED, {"output": expected_output({"moved": True})})]
-    wait_until(lambda: not jobs(after, old_namespace), what="the job cleaned up where it was")
+    wait_until(lambda: not jobs(after, old_namespace), what="the job cleaned up where it was", timeout=15.0)
 
 
 # --- 3: running ---------------------------------------------------------------------------
@@ -309,7 +277,7 @@ def test_jobs_whose_end_is_recorded_are_cleaned_up_including_a_cancelled_running
 
     report = run_sweep(rt)
     assert counts(report, C4) == (2, 2, 0, 0) and found(report) == {4: 2}
-    wait_until(lambda: not jobs(rt), what="both jobs deleted")
+    wait_until(lambda: not jobs(rt), what="both jobs deleted", timeout=15.0)
     assert terminal_events(rt, done) == [(EventType.WORKER_COMPLETED, {"output": {"by": "test"}})]
     assert terminal_events(rt, running) == [(EventType.WORKER_CANCELLED, {"reason": "Cancelled"})]
     # Their notifications were never sent (the crash): the sweep sent them.
@@ -361,10 +329,10 @@ def mismatched(rt: Runtime) -> tuple[str, str, str]:
         dispatch_id=str(uuid.uuid4()), case_id="c", tenancy_id="tenant-a", capability="sim.ok",  # type: ignore[arg-type]
         worker_name="sim", idempotency_key="k",  # type: ignore[arg-type]
     )  # fmt: skip
-    forged = forge_job(rt, forged_ref)
+    forged = forge_job(rt.kube, rt.settings.namespace, forged_ref)
     victim = schedule(rt, "sim.ok", tenancy="tenant-a")
     wrong = DispatchRef(**{**record(rt, victim).ref.__dict__, "tenancy_id": "Tenant-A"})
-    forge_job(rt, wrong)
+    forge_job(rt.kube, rt.settings.namespace, wrong)
     wait_finished(rt, [forged, job_name(victim)])
     return forged_ref.dispatch_id, forged, victim
 
@@ -392,7 +360,7 @@ def test_with_the_delete_policy_orphans_are_deleted_and_the_victim_then_gets_its
     # With the mismatched Job gone, the same sweep found the victim without one and created its own.
     assert counts(report, C1) == (1, 1, 0, 0)
     assert terminal_events(rt, victim) == []
-    wait_until(lambda: forged not in jobs(rt), what="forged job deleted")
+    wait_until(lambda: forged not in jobs(rt), what="forged job deleted", timeout=15.0)
     job = jobs(rt)[job_name(victim)]
     assert job_labels.decode(job["metadata"]["labels"], job["metadata"]["annotations"]).tenancy_id == "tenant-a"
     wait_finished(rt, [job_name(victim)])
@@ -429,7 +397,7 @@ def test_stale_actions_find_nothing_left_to_do(rt):
     delivery.create_job_for(rt, done)
     wait_finished(rt, [job_name(done)])
     assert delivery.complete_job(rt, rt.settings.namespace, job_name(done)) is delivery.CompleteOutcome.COMPLETED
-    wait_until(lambda: not jobs(rt), what="job cleaned up")
+    wait_until(lambda: not jobs(rt), what="job cleaned up", timeout=15.0)
     lost = schedule(rt, "sim.hang")
     delivery.create_job_for(rt, lost)
     lose_job(rt, lost)

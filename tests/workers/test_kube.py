@@ -19,6 +19,7 @@ from engine.errors import (
     NotFound,
 )
 from localcluster import LocalCluster
+from tasks.processes import wait_until
 from workers.job_status import job_state
 from workers.kube import KubeClient
 
@@ -58,16 +59,6 @@ def job(name: str, *, labels: dict[str, str] | None = None, finalizers: list[str
             },
         },
     }
-
-
-def wait_until(predicate, *, timeout_s: float = 10.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"{what} not reached in {timeout_s} s"
-        time.sleep(0.02)
 
 
 # --- config ------------------------------------------------------------------------------
@@ -162,7 +153,7 @@ def test_iter_jobs_of_an_empty_namespace_yields_one_empty_page(kube, ns):
 
 def test_list_pods_of_a_finished_job_carries_its_termination_message(kube, ns):
     kube.create_job(ns, job("done", **{"localcluster.k8s-dispatch.io/result": '{"answer": 42}'}))
-    wait_until(lambda: job_state(kube.get_job(ns, "done")).terminal, what="job done")
+    wait_until(lambda: job_state(kube.get_job(ns, "done")).terminal, what="job done", timeout=10.0)
     pods = kube.list_pods(ns, label_selector="batch.kubernetes.io/job-name=done")
     assert len(pods) == 1
     terminated = pods[0]["status"]["containerStatuses"][0]["state"]["terminated"]
@@ -207,7 +198,7 @@ def test_delete_waits_for_our_finalizer_then_the_job_is_gone(kube, ns):
     held = kube.get_job(ns, "del")
     assert held["metadata"].get("deletionTimestamp")
     assert kube.remove_finalizer(ns, "del", OURS) is True
-    wait_until(lambda: not _exists(kube, ns, "del"), what="job deleted")
+    wait_until(lambda: not _exists(kube, ns, "del"), what="job deleted", timeout=10.0)
     assert kube.delete_job(ns, "del") is False  # already gone: no error
 
 
