@@ -16,8 +16,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-MAX_ID_LENGTH = 128
-MAX_IDEMPOTENCY_KEY_LENGTH = 256
+from engine.ids import MAX_ID_LENGTH, MAX_IDEMPOTENCY_KEY_LENGTH
 
 
 class EventType(StrEnum):

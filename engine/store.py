@@ -25,18 +25,15 @@ from engine.errors import (
     ConfigError,
     IdempotencyConflict,
     InputNotSerialisable,
-    InputTooLarge,
     InvalidId,
-    InvalidIdempotencyKey,
     InvalidInput,
     TenancyMismatch,
     UnknownCapability,
     UnknownCase,
     UnknownDispatch,
 )
+from engine.ids import check_dispatch_id, check_id, check_idempotency_key, show_value
 from engine.models import (
-    MAX_ID_LENGTH,
-    MAX_IDEMPOTENCY_KEY_LENGTH,
     STATE_FOR_TERMINAL_EVENT,
     TERMINAL_EVENT_PREDICATE,
     TERMINAL_EVENT_TYPES,
@@ -48,6 +45,7 @@ from engine.models import (
     EventType,
     utcnow,
 )
+from engine.payloads import canonical_json, encode_input
 
 QUERY_BATCH = 500  # ids per IN (...) and rows per page: bounded memory, few round trips
 
@@ -65,103 +63,6 @@ class ScheduleResult:
     dispatch_id: str
     created: bool  # False: the (tenancy, idempotency key) was scheduled before; nothing written
     state: DispatchState
-
-
-# --- validation (pure) ---------------------------------------------------------------------
-
-
-def check_id(name: str, value: object) -> str:
-    """`value` if it is a valid case or tenancy id: 1..128 printable characters, no whitespace.
-
-    Raises:
-        InvalidId: naming `name` and what is wrong.
-    """
-    if not isinstance(value, str) or not 1 <= len(value) <= MAX_ID_LENGTH:
-        raise InvalidId(f"{name} must be a string of 1 to {MAX_ID_LENGTH} characters, got {_show(value)}")
-    if not all(c.isprintable() and not c.isspace() for c in value):
-        raise InvalidId(f"{name} {_show(value)} contains whitespace or a non-printable character")
-    return value
-
-
-def check_dispatch_id(value: object) -> str:
-    """`value` if it is a UUID in canonical text form (lower case, hyphenated, 36 characters).
-
-    Raises:
-        InvalidId
-    """
-    try:
-        canonical = str(uuid.UUID(value)) if isinstance(value, str) else None
-    except ValueError:
-        canonical = None
-    if canonical is None or canonical != value:
-        raise InvalidId(f"dispatch_id must be a UUID in canonical form, got {_show(value)}")
-    return value
-
-
-def check_idempotency_key(value: object) -> str:
-    """`value` if it is a valid idempotency key: 1..256 printable characters.
-
-    Raises:
-        InvalidIdempotencyKey
-    """
-    if (
-        not isinstance(value, str)
-        or not 1 <= len(value) <= MAX_IDEMPOTENCY_KEY_LENGTH
-        or not value.isprintable()
-    ):
-        raise InvalidIdempotencyKey(
-            f"idempotency_key must be 1 to {MAX_IDEMPOTENCY_KEY_LENGTH} printable characters, got {_show(value)}"
-        )
-    return value
-
-
-def canonical_json(value: Any, *, what: str = "input") -> str:
-    """The canonical JSON text of `value`: compact, keys sorted, no NaN or Infinity.
-
-    Strict where `json.dumps` is lenient: object keys must be strings (not coerced), and the
-    text must be valid UTF-8 (no lone surrogates).
-
-    Raises:
-        InputNotSerialisable: naming `what` and the cause.
-    """
-    try:
-        text = json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-        text.encode("utf-8")
-    except (TypeError, ValueError, RecursionError) as e:  # UnicodeEncodeError is a ValueError
-        raise InputNotSerialisable(f"{what} is not JSON-serialisable: {e}") from e
-    _check_keys_are_strings(value, what=what)  # after dumps, which has ruled out cycles
-    return text
-
-
-def encode_input(value: Any, *, max_bytes: int) -> str:
-    """`canonical_json(value)`, if its UTF-8 encoding is at most `max_bytes` long.
-
-    Raises:
-        InputNotSerialisable, InputTooLarge
-    """
-    text = canonical_json(value)
-    size = len(text.encode("utf-8"))
-    if size > max_bytes:
-        raise InputTooLarge(f"input is {size} bytes as JSON, over the limit of {max_bytes}")
-    return text
-
-
-def _check_keys_are_strings(value: Any, *, what: str) -> None:
-    stack = [value]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, dict):
-            for key, child in item.items():
-                if not isinstance(key, str):
-                    raise InputNotSerialisable(f"{what} has a non-string object key {key!r}")
-                stack.append(child)
-        elif isinstance(item, (list, tuple)):
-            stack.extend(item)
-
-
-def _show(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
 
 
 # --- cases -----------------------------------------------------------------------------
@@ -232,7 +133,7 @@ def schedule(
     check_idempotency_key(idempotency_key)
     encoded = encode_input(input, max_bytes=max_input_bytes)
     if not isinstance(capability, str) or not capability:
-        raise UnknownCapability(f"capability must be a non-empty string, got {_show(capability)}")
+        raise UnknownCapability(f"capability must be a non-empty string, got {show_value(capability)}")
     worker_name = router.worker_for(capability)
 
     existing = _dispatch_by_key(session, tenancy_id, idempotency_key)
@@ -408,11 +309,11 @@ def record_terminal(
     if event_type not in TERMINAL_EVENT_TYPES:
         raise InvalidInput(f"{event_type} is not a terminal event type")
     if not isinstance(payload, Mapping):
-        raise InputNotSerialisable(f"payload must be a JSON object, got {_show(payload)}")
+        raise InputNotSerialisable(f"payload must be a JSON object, got {show_value(payload)}")
     stored_payload = json.loads(canonical_json(dict(payload), what="payload"))
     reason = stored_payload.get("reason")
     if reason is not None and not isinstance(reason, str):
-        raise InvalidInput(f"payload reason must be a string, got {_show(reason)}")
+        raise InvalidInput(f"payload reason must be a string, got {show_value(reason)}")
     dispatch = session.get(Dispatch, dispatch_id)
     if dispatch is None:
         raise UnknownDispatch(f"dispatch {dispatch_id!r} does not exist")

@@ -8,16 +8,26 @@ before any request. The input reaches the container as compact JSON in `K8S_DISP
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
-from engine.errors import InputNotSerialisable, InputTooLarge, InvalidId, InvalidManifest
+from engine.errors import (
+    InvalidId,
+    InvalidManifest,
+)
 from engine.names import is_dns1123_label, is_label_value, is_qualified_name
+from engine.payloads import canonical_json
 from workers import labels as job_labels
-from workers.types import DispatchId, DispatchRef, check_ref, is_capability_name, is_dispatch_id, is_worker_name
+from workers.types import (
+    DispatchId,
+    DispatchRef,
+    check_ref,
+    is_capability_name,
+    is_dispatch_id,
+    is_worker_name,
+)
 
 if TYPE_CHECKING:
     from workers.resolver import CapabilitySpec
@@ -51,35 +61,16 @@ _SUFFIX_FACTORS = {
 
 
 def encode_input(value: object) -> str:
-    """The one serialisation of inputs and results: compact JSON, keys sorted, UTF-8.
-
-    `$` is written as `\\u0024`, so the text never holds the `$(VAR)` syntax that Kubernetes
-    expands in env values (any JSON parser reads it back as `$`).
+    """The input or result as the container sees it: the engine's canonical JSON
+    (`engine.payloads.canonical_json`), with `$` written as `\\u0024`, so the text never holds
+    the `$(VAR)` syntax that Kubernetes expands in env values (any JSON parser reads it back
+    as `$`).
 
     Raises:
-        InputNotSerialisable: not JSON (sets, bytes, NaN, cycles, mixed-type keys...) or
+        InputNotSerialisable: not JSON (sets, bytes, NaN, cycles, non-string keys...) or
             holding strings that are not valid Unicode (lone surrogates).
     """
-    try:
-        text = json.dumps(value, ensure_ascii=False, allow_nan=False, sort_keys=True, separators=(",", ":"))
-        text.encode("utf-8")
-    except (TypeError, ValueError, RecursionError) as e:  # UnicodeEncodeError is a ValueError
-        raise InputNotSerialisable(f"value is not JSON-serialisable: {type(e).__name__}: {e}") from e
-    return text.replace("$", "\\u0024")
-
-
-def check_input_size(value: object, max_bytes: int) -> str:
-    """Serialise `value` and return the text if it fits in `max_bytes` (UTF-8).
-
-    Raises:
-        InputNotSerialisable: see `encode_input`.
-        InputTooLarge: the compact JSON is longer than `max_bytes`.
-    """
-    text = encode_input(value)
-    size = len(text.encode("utf-8"))
-    if size > max_bytes:
-        raise InputTooLarge(f"input is {size} bytes of JSON, more than the limit of {max_bytes}")
-    return text
+    return canonical_json(value, what="value").replace("$", "\\u0024")
 
 
 def job_name(dispatch_id: DispatchId | str) -> str:

@@ -13,6 +13,13 @@ from dataclasses import dataclass
 from typing import NewType
 
 from engine.errors import InvalidId, InvalidIdempotencyKey
+from engine.ids import (
+    MAX_ID_LENGTH,
+    MAX_IDEMPOTENCY_KEY_LENGTH,
+    is_dispatch_id,
+    is_engine_id,
+    is_idempotency_key,
+)
 from engine.names import is_dns1123_label
 
 DispatchId = NewType("DispatchId", str)
@@ -22,11 +29,12 @@ CapabilityName = NewType("CapabilityName", str)
 WorkerName = NewType("WorkerName", str)
 IdempotencyKey = NewType("IdempotencyKey", str)
 
-ENGINE_ID_MAX = 128  # case, tenancy, capability and worker strings carried in a ref
-IDEMPOTENCY_KEY_MAX = 256
+# The syntax of the engine's ids is the engine's (engine/ids.py): one definition for the
+# store, which checks them at schedule time, and the label codec, which reads them back.
+ENGINE_ID_MAX = MAX_ID_LENGTH
+IDEMPOTENCY_KEY_MAX = MAX_IDEMPOTENCY_KEY_LENGTH
 CAPABILITY_NAME_MAX = 128
 
-_DISPATCH_ID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
 # A capability name in config: letters, digits and `-_.:/`, starting and ending with a letter
 # or digit. No comma (a worker lists its capabilities comma-separated) and no whitespace.
 _CAPABILITY_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.:/]*[A-Za-z0-9])?$")
@@ -46,25 +54,6 @@ class DispatchRef:
 
 def new_dispatch_id() -> DispatchId:
     return DispatchId(str(uuid.uuid4()))
-
-
-def is_dispatch_id(value: object) -> bool:
-    """A UUID in canonical form: lowercase hex, 36 characters with dashes."""
-    return isinstance(value, str) and bool(_DISPATCH_ID.match(value))
-
-
-def _is_printable(value: object, max_len: int) -> bool:
-    return isinstance(value, str) and 1 <= len(value) <= max_len and value.isprintable()
-
-
-def is_engine_id(value: object) -> bool:
-    """A case, tenancy, capability or worker string as a ref carries it: 1..128 printable chars."""
-    return _is_printable(value, ENGINE_ID_MAX)
-
-
-def is_idempotency_key(value: object) -> bool:
-    """1..256 printable characters (`str.isprintable`: any script, no control characters)."""
-    return _is_printable(value, IDEMPOTENCY_KEY_MAX)
 
 
 def is_capability_name(value: object) -> bool:

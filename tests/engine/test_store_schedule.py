@@ -157,7 +157,7 @@ def _deep(levels: int) -> list[Any]:
 
 BAD_REQUESTS: list[tuple[str, dict[str, Any], type[DispatchError]]] = [
     ("case-id-empty", {"case_id": ""}, InvalidId),
-    ("case-id-space", {"case_id": "a b"}, InvalidId),
+    ("case-id-format-char", {"case_id": "a\u200bb"}, InvalidId),  # zero-width space: not printable
     ("case-id-tab", {"case_id": "a\tb"}, InvalidId),
     ("case-id-control", {"case_id": "a\x07b"}, InvalidId),
     ("case-id-nbsp", {"case_id": "a\u00a0b"}, InvalidId),

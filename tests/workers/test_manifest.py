@@ -14,7 +14,6 @@ from hypothesis import strategies as st
 
 from engine.errors import (
     InputNotSerialisable,
-    InputTooLarge,
     InvalidId,
     InvalidIdempotencyKey,
     InvalidManifest,
@@ -22,7 +21,7 @@ from engine.errors import (
 from engine.names import is_dns1123_label, is_label_value, is_qualified_name
 from tests.workers import strategies as S
 from workers import labels, manifest
-from workers.manifest import build_job, check_input_size, encode_input, job_name, parse_quantity
+from workers.manifest import build_job, encode_input, job_name, parse_quantity
 from workers.resolver import demo_resolver
 from workers.types import DispatchRef
 
@@ -255,25 +254,6 @@ def test_encode_input_refuses_cycles() -> None:
     loop.append(loop)
     with pytest.raises(InputNotSerialisable):
         encode_input(loop)
-
-
-@pytest.mark.parametrize(
-    ("value", "limit", "fits"),
-    [
-        ("x" * 8, 10, True),  # '"xxxxxxxx"' is 10 bytes
-        ("x" * 9, 10, False),
-        ("é" * 4, 10, True),  # 2 bytes each in UTF-8: 8 + 2 quotes
-        ("é" * 5, 10, False),
-        ({"k": "$"}, 14, True),  # {"k":"\u0024"} is 14 bytes: the escaped form is what counts
-        ({"k": "$"}, 13, False),
-    ],
-)
-def test_check_input_size_counts_utf8_bytes_of_compact_json(value: object, limit: int, fits: bool) -> None:
-    if fits:
-        assert check_input_size(value, limit) == encode_input(value)
-    else:
-        with pytest.raises(InputTooLarge, match=f"limit of {limit}"):
-            check_input_size(value, limit)
 
 
 @pytest.mark.parametrize(

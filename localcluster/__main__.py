@@ -1,0 +1,5 @@
+"""`python -m localcluster serve ...`"""
+
+from localcluster.cli import localcluster
+
+localcluster()

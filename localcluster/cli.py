@@ -1,0 +1,67 @@
+"""`localcluster serve`: the cluster as a process (also `k8s-dispatch localcluster serve` and
+`python -m localcluster serve`). Prints `listening on http://HOST:PORT`, writes the kubeconfig,
+runs until SIGTERM/SIGINT and saves --state on the way out."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+from pathlib import Path
+
+import click
+
+from localcluster.cluster import Server, token_from_kubeconfig
+from localcluster.core import MODES
+from localcluster.persist import StateError
+
+
+@click.group(name="localcluster")
+def localcluster() -> None:
+    """A local Kubernetes API server for Jobs and Pods."""
+
+
+@localcluster.command()
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=0, show_default=True, type=int, help="0 picks a free port.")
+@click.option("--kubeconfig", "kubeconfig_path", default="localcluster.kubeconfig", show_default=True,
+              type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--state", "state_path", default=None, type=click.Path(dir_okay=False, path_type=Path),
+              help="Persist objects here and load them at start.")
+@click.option("--mode", type=click.Choice(MODES), default="exec", show_default=True)
+@click.option("--fault-rate", default=0.0, show_default=True, type=click.FloatRange(0.0, 1.0))
+@click.option("--latency-ms", default=0, show_default=True, type=click.IntRange(min=0))
+@click.option("--max-running", default=None, type=click.IntRange(min=1), help="Exec mode: processes at once.")
+@click.option("--token", default=None, help="Bearer token (default: the kubeconfig's if it exists, else random).")
+@click.option("--tls-port", default=0, show_default=True, type=int,
+              help="The https listener the kubeconfig names (kubectl sends credentials only over TLS).")
+@click.option("--tls/--no-tls", default=True, show_default=True,
+              help="Also serve https with a self-signed certificate kept in KUBECONFIG.tls/.")
+def serve(host: str, port: int, kubeconfig_path: Path, state_path: Path | None, mode: str, fault_rate: float,
+          latency_ms: int, max_running: int | None, token: str | None, tls_port: int, tls: bool) -> None:
+    """Serve the cluster until SIGTERM or SIGINT."""
+    token = token or token_from_kubeconfig(kubeconfig_path)
+    try:
+        asyncio.run(_serve(Server(
+            host=host, port=port, token=token, kubeconfig_path=kubeconfig_path, tls=tls, tls_port=tls_port,
+            mode=mode, state_path=state_path, fault_rate=fault_rate, latency_ms=latency_ms, max_running=max_running,
+        )))
+    except StateError as e:
+        raise click.ClickException(str(e)) from e
+
+
+async def _serve(server: Server) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await server.start()
+    click.echo(f"listening on {server.url}")
+    sys.stdout.flush()
+    if server.tls_error:
+        click.echo(f"localcluster: no https listener ({server.tls_error}); kubectl cannot authenticate over http",
+                   err=True)
+    try:
+        await stop.wait()
+    finally:
+        await server.close()

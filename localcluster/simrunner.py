@@ -1,0 +1,132 @@
+"""The simulate runner: containers without processes. Each one "runs" for the duration and ends
+with the outcome its pod's annotations ask for; one timer per running pod (loop.call_later),
+so tens of thousands of pods cost a dict entry and a timer handle each.
+
+Annotations (on the Job's pod template): localcluster.k8s-dispatch.io/duration-ms (default 50),
+/outcome succeed|fail|hang, /exit-code (default 1 on fail), /result (the termination message;
+default {"simulated":true,"input":<parsed K8S_DISPATCH_INPUT or null>}).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from localcluster.podstatus import ContainerResult
+from localcluster.timestamps import now
+
+PREFIX = "localcluster.k8s-dispatch.io/"
+DURATION = PREFIX + "duration-ms"
+OUTCOME = PREFIX + "outcome"
+EXIT_CODE = PREFIX + "exit-code"
+RESULT = PREFIX + "result"
+INPUT_ENV = "K8S_DISPATCH_INPUT"
+MAX_MESSAGE = 4096
+
+
+class Callbacks(Protocol):
+    def started(self, uid: str, started_at: float, container_id: str) -> None: ...
+    def finished(self, uid: str, result: ContainerResult) -> None: ...
+
+
+@dataclass(frozen=True)
+class Plan:
+    duration: float
+    outcome: str
+    exit_code: int
+    message: str
+
+
+def plan(pod: dict[str, Any]) -> Plan:
+    """What a simulated container does, from its pod's annotations (pure)."""
+    ann = (pod.get("metadata") or {}).get("annotations") or {}
+    try:
+        duration = max(0.0, float(ann.get(DURATION, "50")) / 1000.0)
+    except ValueError:
+        duration = 0.05
+    outcome = ann.get(OUTCOME, "succeed")
+    if outcome not in ("succeed", "fail", "hang"):
+        outcome = "succeed"
+    try:
+        exit_code = int(ann.get(EXIT_CODE, "1"))
+    except ValueError:
+        exit_code = 1
+    if outcome == "succeed":
+        exit_code = 0
+    elif exit_code == 0:
+        exit_code = 1
+    if RESULT in ann:
+        message = ann[RESULT]
+    else:
+        raw = None
+        for c in (pod.get("spec") or {}).get("containers") or []:
+            for var in c.get("env") or []:
+                if var.get("name") == INPUT_ENV and "value" in var:
+                    raw = var["value"]
+        try:
+            parsed = json.loads(raw) if raw is not None else None
+        except ValueError:
+            parsed = raw
+        message = json.dumps({"simulated": True, "input": parsed}, separators=(",", ":"))
+    return Plan(duration, outcome, exit_code, message.encode()[:MAX_MESSAGE].decode(errors="ignore"))
+
+
+class SimRunner:
+    immediate = True
+
+    def __init__(self, callbacks: Callbacks, *, loop: asyncio.AbstractEventLoop) -> None:
+        self._callbacks = callbacks
+        self._loop = loop
+        self._timers: dict[str, asyncio.TimerHandle | None] = {}
+        self._started: dict[str, float] = {}
+        self._logs: dict[str, bytes] = {}
+
+    def start(self, uid: str, pod: dict[str, Any], *, started_at: float | None = None) -> float:
+        """Start (or, after a restart, resume) a container; returns its start time."""
+        p = plan(pod)
+        t0 = started_at if started_at is not None else now()
+        self._started[uid] = t0
+        if p.outcome == "hang":
+            self._timers[uid] = None
+        else:
+            delay = max(0.0, t0 + p.duration - now())
+            self._timers[uid] = self._loop.call_later(delay, self._finish, uid, p)
+        return t0
+
+    def container_id(self, uid: str) -> str:
+        return f"localcluster://sim-{uid[:12]}"
+
+    def _finish(self, uid: str, p: Plan) -> None:
+        if uid not in self._timers:
+            return
+        del self._timers[uid]
+        started = self._started.pop(uid, None)
+        self._logs[uid] = (p.message + "\n").encode() if p.message else b""
+        reason = "Completed" if p.exit_code == 0 else "Error"
+        self._callbacks.finished(uid, ContainerResult(p.exit_code, reason, p.message, started, now()))
+
+    def stop(self, uid: str, grace: float) -> None:
+        if uid not in self._timers:
+            return
+        handle = self._timers.pop(uid)
+        if handle is not None:
+            handle.cancel()
+        started = self._started.pop(uid, None)
+        self._callbacks.finished(uid, ContainerResult(143, "Error", "", started, now()))
+
+    def logs(self, uid: str) -> bytes:
+        return self._logs.get(uid, b"")
+
+    def running(self, uid: str) -> bool:
+        return uid in self._timers
+
+    def forget(self, uid: str) -> None:
+        self._logs.pop(uid, None)
+
+    async def close(self) -> None:
+        for handle in self._timers.values():
+            if handle is not None:
+                handle.cancel()
+        self._timers.clear()

@@ -1,0 +1,291 @@
+"""The object store, as etcd plus the watch cache are to the API server: every object version is
+an immutable `Entry` with a cluster-wide increasing resourceVersion, serialised to bytes at most
+once; every write appends an event to a bounded log that watches replay from; a watch from a
+resourceVersion older than the log answers 410 Gone.
+
+Writes are synchronous (one event loop owns the store); listeners are told of each event and must
+not write back synchronously (they schedule their work).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from localcluster.resources import Resource
+
+Key = tuple[str, str]  # (namespace, name); namespace "" for cluster-scoped objects
+ADDED, MODIFIED, DELETED = "ADDED", "MODIFIED", "DELETED"
+
+
+def dumps(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+@dataclass(eq=False, slots=True)
+class Entry:
+    """One version of one object. `obj` is never mutated once stored."""
+
+    resource: Resource
+    namespace: str
+    name: str
+    obj: dict[str, Any]
+    rv: int
+    _raw: bytes | None = None
+
+    @property
+    def raw(self) -> bytes:
+        if self._raw is None:
+            self._raw = dumps(self.obj)
+        return self._raw
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        return self.obj["metadata"]
+
+    @property
+    def uid(self) -> str:
+        return self.obj["metadata"].get("uid", "")
+
+    def thaw(self) -> dict[str, Any]:
+        """A deep, mutable copy of the object."""
+        return json.loads(self.raw)
+
+
+@dataclass(eq=False, slots=True)
+class Event:
+    type: str
+    entry: Entry
+    old: Entry | None = None
+
+    @property
+    def rv(self) -> int:
+        return self.entry.rv
+
+
+class Gone(Exception):
+    """The requested resourceVersion is older than the oldest event kept."""
+
+
+class Watcher:
+    """One watch stream's queue of events for one resource, filtered by namespace and a predicate."""
+
+    def __init__(self, resource: Resource, namespace: str | None, predicate: Callable[[Entry], bool], *, max_queue: int) -> None:
+        self.resource = resource
+        self.namespace = namespace
+        self.predicate = predicate
+        self.max_queue = max_queue
+        self.queue: deque[tuple[str, Entry]] = deque()
+        self.closed = False
+        self.overflowed = False
+        self._wakeup = asyncio.Event()
+
+    def offer(self, event: Event) -> None:
+        if self.closed:
+            return
+        entry = event.entry
+        if self.namespace is not None and entry.namespace != self.namespace:
+            return
+        now = self.predicate(entry)
+        if event.type == MODIFIED and event.old is not None:
+            before = self.predicate(event.old)
+            kind = MODIFIED if before and now else ADDED if now else DELETED if before else None
+        elif event.type == DELETED:
+            kind = DELETED if now or (event.old is not None and self.predicate(event.old)) else None
+        else:
+            kind = event.type if now else None
+        if kind is None:
+            return
+        if len(self.queue) >= self.max_queue:
+            self.overflowed = True
+            self.close()
+            return
+        self.queue.append((kind, entry))
+        self._wakeup.set()
+
+    def close(self) -> None:
+        self.closed = True
+        self._wakeup.set()
+
+    async def wait(self, timeout: float) -> None:
+        """Wait until there is something in the queue, the watcher closes or the timeout passes."""
+        if self.queue or self.closed:
+            return
+        self._wakeup.clear()
+        try:
+            await asyncio.wait_for(self._wakeup.wait(), timeout)
+        except TimeoutError:
+            pass
+
+
+@dataclass
+class _Table:
+    objects: dict[Key, Entry] = field(default_factory=dict)
+    sorted_keys: list[Key] | None = None
+
+
+class Store:
+    def __init__(self, *, event_log_size: int = 200_000, watch_queue_max: int = 500_000) -> None:
+        self.rv = 0
+        self.compacted_rv = 0
+        self._tables: dict[str, _Table] = {}
+        self._owned: dict[str, set[tuple[str, str, str]]] = {}
+        self._log: deque[Event] = deque()
+        self._log_size = event_log_size
+        self._watchers: dict[str, set[Watcher]] = {}
+        self._listeners: list[Callable[[Event], None]] = []
+        self._watch_queue_max = watch_queue_max
+
+    # --- reads -----------------------------------------------------------------------
+
+    def _table(self, resource: Resource) -> _Table:
+        table = self._tables.get(resource.plural)
+        if table is None:
+            table = self._tables[resource.plural] = _Table()
+        return table
+
+    def get(self, resource: Resource, namespace: str, name: str) -> Entry | None:
+        return self._table(resource).objects.get((namespace, name))
+
+    def list(self, resource: Resource, namespace: str | None = None) -> list[Entry]:
+        """Entries sorted by (namespace, name), as etcd's key order lists them."""
+        table = self._table(resource)
+        if table.sorted_keys is None:
+            table.sorted_keys = sorted(table.objects)
+        objects = table.objects
+        if namespace is None:
+            return [objects[k] for k in table.sorted_keys]
+        return [objects[k] for k in table.sorted_keys if k[0] == namespace]
+
+    def count(self, resource: Resource) -> int:
+        return len(self._table(resource).objects)
+
+    def owned_by(self, uid: str) -> list[tuple[str, str, str]]:
+        """(plural, namespace, name) of objects whose ownerReferences name `uid`."""
+        return sorted(self._owned.get(uid, ()))
+
+    def all_entries(self) -> Iterable[Entry]:
+        for table in self._tables.values():
+            yield from table.objects.values()
+
+    # --- writes ----------------------------------------------------------------------
+
+    def _stamp(self, resource: Resource, obj: dict[str, Any]) -> Entry:
+        self.rv += 1
+        meta = {**obj["metadata"], "resourceVersion": str(self.rv)}
+        obj = {**obj, "metadata": meta}
+        return Entry(resource, meta.get("namespace", "") if resource.namespaced else "", meta["name"], obj, self.rv)
+
+    def insert(self, resource: Resource, obj: dict[str, Any]) -> Entry:
+        """Store a new object; the caller has checked that its key is free."""
+        entry = self._stamp(resource, obj)
+        table = self._table(resource)
+        key = (entry.namespace, entry.name)
+        assert key not in table.objects, key
+        table.objects[key] = entry
+        table.sorted_keys = None
+        self._index(entry, None)
+        self._emit(Event(ADDED, entry))
+        return entry
+
+    def replace(self, old: Entry, obj: dict[str, Any]) -> Entry:
+        entry = self._stamp(old.resource, obj)
+        self._table(old.resource).objects[(old.namespace, old.name)] = entry
+        self._index(entry, old)
+        self._emit(Event(MODIFIED, entry, old))
+        return entry
+
+    def remove(self, old: Entry, final: dict[str, Any] | None = None) -> Entry:
+        """Delete an object; the DELETED event carries `final` (default: the last version)."""
+        entry = self._stamp(old.resource, final if final is not None else old.obj)
+        table = self._table(old.resource)
+        del table.objects[(old.namespace, old.name)]
+        table.sorted_keys = None
+        self._index(None, old)
+        self._emit(Event(DELETED, entry, old))
+        return entry
+
+    def _index(self, new: Entry | None, old: Entry | None) -> None:
+        if new is not None and old is not None and new.meta.get("ownerReferences") is old.meta.get("ownerReferences"):
+            return  # unchanged (versions share what they did not change)
+
+        def refs(e: Entry | None) -> set[str]:
+            return {r.get("uid", "") for r in (e.meta.get("ownerReferences") or [])} if e else set()
+
+        before, after = refs(old), refs(new)
+        if before == after:
+            return
+        item = (new or old).resource.plural, (new or old).namespace, (new or old).name  # type: ignore[union-attr]
+        for uid in before - after:
+            owned = self._owned.get(uid)
+            if owned is not None:
+                owned.discard(item)
+                if not owned:
+                    del self._owned[uid]
+        for uid in after - before:
+            self._owned.setdefault(uid, set()).add(item)
+
+    def _emit(self, event: Event) -> None:
+        if len(self._log) >= self._log_size:
+            self.compacted_rv = self._log.popleft().rv
+        self._log.append(event)
+        for watcher in list(self._watchers.get(event.entry.resource.plural, ())):
+            watcher.offer(event)
+        for listener in self._listeners:
+            listener(event)
+
+    # --- watch -----------------------------------------------------------------------
+
+    def subscribe(self, listener: Callable[[Event], None]) -> None:
+        self._listeners.append(listener)
+
+    def events_since(self, rv: int) -> list[Event]:
+        """Events with resourceVersion > rv, oldest first; raises Gone when rv predates the log."""
+        if rv < self.compacted_rv:
+            raise Gone(rv)
+        out = []
+        for event in reversed(self._log):
+            if event.rv <= rv:
+                break
+            out.append(event)
+        out.reverse()
+        return out
+
+    def watch(self, resource: Resource, namespace: str | None, predicate: Callable[[Entry], bool], *,
+              since: int | None = None) -> Watcher:
+        """A watcher of future events, first fed the logged events after `since` (raises Gone)."""
+        watcher = Watcher(resource, namespace, predicate, max_queue=self._watch_queue_max)
+        if since is not None:
+            for event in self.events_since(since):
+                if event.entry.resource is resource:
+                    watcher.offer(event)
+        self._watchers.setdefault(resource.plural, set()).add(watcher)
+        return watcher
+
+    def unwatch(self, watcher: Watcher) -> None:
+        watcher.close()
+        self._watchers.get(watcher.resource.plural, set()).discard(watcher)
+
+    def close_watchers(self) -> None:
+        for watchers in self._watchers.values():
+            for watcher in list(watchers):
+                watcher.close()
+
+    # --- restore ---------------------------------------------------------------------
+
+    def restore(self, rv: int, objects: Iterable[tuple[Resource, dict[str, Any]]]) -> None:
+        """Load a snapshot into an empty store; the event log starts empty at `rv`."""
+        for resource, obj in objects:
+            meta = obj["metadata"]
+            entry = Entry(resource, meta.get("namespace", "") if resource.namespaced else "", meta["name"], obj,
+                          int(meta.get("resourceVersion") or 0))
+            table = self._table(resource)
+            table.objects[(entry.namespace, entry.name)] = entry
+            table.sorted_keys = None
+            self._index(entry, None)
+        self.rv = rv
+        self.compacted_rv = rv

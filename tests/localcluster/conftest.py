@@ -1,0 +1,142 @@
+"""Fixtures for the localcluster tests: one simulate-mode and one exec-mode cluster per session,
+official-client API objects bound to them, a fresh namespace per test, and polling helpers."""
+
+from __future__ import annotations
+
+import http.client
+import itertools
+import json
+import time
+import urllib.parse
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import pytest
+from kubernetes import client, config
+
+from localcluster import LocalCluster
+
+T = TypeVar("T")
+_ns_counter = itertools.count(1)
+
+
+def wait_for(fn: Callable[[], T], *, timeout: float = 10.0, interval: float = 0.02, what: str = "condition") -> T:
+    """Poll `fn` until it returns something truthy; fail the test at the deadline."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = fn()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+def job_manifest(name: str, *, annotations: dict[str, str] | None = None, labels: dict[str, str] | None = None,
+                 command: list[str] | None = None, env: list[dict[str, Any]] | None = None,
+                 container: dict[str, Any] | None = None, **spec: Any) -> dict[str, Any]:
+    c: dict[str, Any] = {"name": "main", "image": "python:3.11"}
+    if command is not None:
+        c["command"] = command
+    if env is not None:
+        c["env"] = env
+    c.update(container or {})
+    template: dict[str, Any] = {"spec": {"restartPolicy": "Never", "containers": [c]}}
+    if annotations:
+        template["metadata"] = {"annotations": annotations}
+    meta: dict[str, Any] = {"name": name}
+    if labels:
+        meta["labels"] = labels
+    return {"apiVersion": "batch/v1", "kind": "Job", "metadata": meta, "spec": {"template": template, **spec}}
+
+
+def raw_request(cluster: LocalCluster, method: str, path: str, body: Any = None, *,
+                content_type: str = "application/json", token: str | None = None,
+                headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+    """One plain-HTTP request to the cluster's http listener (for what the typed client cannot send)."""
+    url = urllib.parse.urlsplit(cluster.url)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=10)
+    try:
+        hdrs = {"Content-Type": content_type, **(headers or {})}
+        if token is None:
+            token = cluster.token
+        if token:
+            hdrs["Authorization"] = f"Bearer {token}"
+        data = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
+        conn.request(method, path, body=data, headers=hdrs)
+        resp = conn.getresponse()
+        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
+    finally:
+        conn.close()
+
+
+def condition_types(job: Any) -> list[str]:
+    return [c.type for c in (job.status.conditions or []) if c.status == "True"]
+
+
+@dataclass
+class Api:
+    cluster: LocalCluster
+    client: client.ApiClient
+    batch: client.BatchV1Api
+    core: client.CoreV1Api
+    namespace: str
+
+    def job(self, name: str) -> Any:
+        return self.batch.read_namespaced_job(name, self.namespace)
+
+    def create_job(self, manifest: dict[str, Any]) -> Any:
+        return self.batch.create_namespaced_job(self.namespace, manifest)
+
+    def wait_job(self, name: str, *types: str, timeout: float = 10.0) -> Any:
+        wanted = set(types or ("Complete", "Failed"))
+        return wait_for(lambda: (lambda j: j if wanted & set(condition_types(j)) else None)(self.job(name)),
+                        timeout=timeout, what=f"job {name} to reach {sorted(wanted)}")
+
+    def pods_of(self, name: str) -> list[Any]:
+        return self.core.list_namespaced_pod(self.namespace, label_selector=f"batch.kubernetes.io/job-name={name}").items
+
+    def gone(self, read: Callable[[], Any]) -> bool:
+        try:
+            read()
+        except client.ApiException as e:
+            if e.status == 404:
+                return True
+            raise
+        return False
+
+
+def _api(cluster: LocalCluster, namespace: str) -> Iterator[Api]:
+    api_client = config.new_client_from_config(config_file=str(cluster.kubeconfig))
+    try:
+        yield Api(cluster, api_client, client.BatchV1Api(api_client), client.CoreV1Api(api_client), namespace)
+    finally:
+        api_client.close()
+
+
+@pytest.fixture(scope="session")
+def sim_cluster() -> Iterator[LocalCluster]:
+    with LocalCluster(mode="simulate") as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="session")
+def exec_cluster() -> Iterator[LocalCluster]:
+    with LocalCluster(mode="exec", max_running=4) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def namespace() -> str:
+    return f"t{next(_ns_counter)}-{int(time.time() * 1000) % 100000}"
+
+
+@pytest.fixture
+def sim(sim_cluster: LocalCluster, namespace: str) -> Iterator[Api]:
+    yield from _api(sim_cluster, namespace)
+
+
+@pytest.fixture
+def ex(exec_cluster: LocalCluster, namespace: str) -> Iterator[Api]:
+    yield from _api(exec_cluster, namespace)
