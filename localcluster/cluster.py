@@ -221,6 +221,17 @@ class LocalCluster:
 
         return asyncio.run_coroutine_threadsafe(run(), self._loop).result(timeout)
 
+    def audit(self, *, clear: bool = False) -> set[tuple[str, str, str]]:
+        """(group, resource, verb) of every API request made so far (see localcluster/audit.py)."""
+
+        def read(core: Any) -> set[tuple[str, str, str]]:
+            seen = set(core.audit.seen())
+            if clear:
+                core.audit.clear()
+            return seen
+
+        return self.call(read)
+
     def set_faults(self, rate: float, latency_ms: int) -> None:
         """Change fault injection at runtime (raises ValueError for out-of-range values)."""
         if not 0.0 <= rate <= 1.0 or latency_ms < 0:

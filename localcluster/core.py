@@ -12,6 +12,7 @@ from pathlib import Path
 from localcluster import persist
 from localcluster.controller import JobController
 from localcluster.execrunner import ExecRunner
+from localcluster.audit import Audit
 from localcluster.faults import Faults
 from localcluster.garbage import GarbageCollector
 from localcluster.kubelet import Kubelet
@@ -37,6 +38,7 @@ class ClusterCore:
         self.mode = mode
         self.store = Store(event_log_size=event_log_size)
         self.faults = Faults()
+        self.audit = Audit()
         self.faults.set(fault_rate, latency_ms)
         self.pager = Pager()
         self.state_path = Path(state_path) if state_path else None

@@ -15,7 +15,7 @@ import yaml
 from aiohttp import web
 from multidict import CIMultiDict
 
-from localcluster import apierrors, discovery, openapi, paths, tables
+from localcluster import apierrors, audit, discovery, openapi, paths, tables
 from localcluster.apierrors import ApiError
 from localcluster.core import ClusterCore
 from localcluster.paging import Page
@@ -31,6 +31,7 @@ JSON = "application/json"
 DEFAULT_WATCH_TIMEOUT = 1800
 BOOKMARK_INTERVAL = 5.0
 FAULTS_PATH = "/localcluster/faults"
+AUDIT_PATH = "/localcluster/audit"
 
 CORE_KEY = web.AppKey("core", ClusterCore)
 TOKEN_KEY = web.AppKey("token", str)
@@ -130,6 +131,14 @@ async def faults_endpoint(request: web.Request) -> web.Response:
     return _response(dumps({"rate": core.faults.rate, "latency_ms": core.faults.latency_ms, "injected": core.faults.injected}))
 
 
+async def audit_endpoint(request: web.Request) -> web.Response:
+    """GET: the (group, resource, verb) triples requested so far; DELETE: start afresh."""
+    core = request.app[CORE_KEY]
+    if request.method == "DELETE":
+        core.audit.clear()
+    return _response(dumps({"permissions": [list(p) for p in core.audit.seen()]}))
+
+
 # --- resources --------------------------------------------------------------------------
 
 
@@ -200,7 +209,9 @@ async def resource_handler(request: web.Request) -> web.StreamResponse:
     core = request.app[CORE_KEY]
     method = request.method
     query = request.query
-    if target.watch_path or (method == "GET" and _truthy(query.get("watch")) and target.subresource is None):
+    watching = target.watch_path or (method == "GET" and _truthy(query.get("watch")) and target.subresource is None)
+    core.audit.record(audit.permission(method, target, watch=watching))
+    if watching:
         if method != "GET":
             raise apierrors.method_not_allowed()
         return await _watch(request, core, target)
@@ -513,6 +524,7 @@ def build_app(core: ClusterCore, token: str) -> web.Application:
     app.router.add_get("/openapi/v3/", openapi_index)
     app.router.add_get("/openapi/v3/{path:.+}", openapi_document)
     app.router.add_route("*", FAULTS_PATH, faults_endpoint)
+    app.router.add_route("*", AUDIT_PATH, audit_endpoint)
 
     async def on_shutdown(app: web.Application) -> None:
         app[CORE_KEY].store.close_watchers()

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Make sure the PostgreSQL and Redis that the tests need are reachable: start them when they
+# Make sure the PostgreSQL, Redis and tools that the tests need are there: start them when they
 # are installed but stopped, install them from Debian's packages when missing (root only).
 # Idempotent: on a machine where both already run it only checks them.
 set -euo pipefail
@@ -60,5 +60,13 @@ ensure_redis() {
     log "redis ok"
 }
 
+ensure_tools() {
+    # localcluster makes its TLS certificate with openssl (kubectl sends bearer tokens only
+    # over https); kubectl itself is needed by the kubectl tests.
+    command -v openssl >/dev/null || { log "installing openssl"; apt_install openssl; }
+    command -v kubectl >/dev/null || log "WARNING: kubectl is not installed: the kubectl tests will fail"
+}
+
+ensure_tools
 ensure_postgres
 ensure_redis
