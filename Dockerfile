@@ -36,8 +36,8 @@ RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('/tmp/pyproject
 COPY --from=wheel /wheels /tmp/wheels
 RUN pip install /tmp/wheels/*.whl && rm -rf /tmp/wheels
 
-# A working directory of the app's own. Runtime state (beat's schedule file) goes under the
-# temp dir (celeryconfig.py); in Kubernetes the root filesystem is read-only and /tmp an emptyDir.
+# A working directory of the app's own. Nothing is written at runtime but temp files; in
+# Kubernetes the root filesystem is read-only and /tmp an emptyDir.
 WORKDIR /app
 RUN chown k8s-dispatch:k8s-dispatch /app
 USER 10001:10001
