@@ -176,7 +176,7 @@ def test_bad_requests_to_the_schedule_task_write_nothing(deploy, sim_cluster):
     }
     for reason, (capability, data) in bad.items():
         d.send(names.SCHEDULE_TASK, case_id, "tenant-a", capability, data, f"bad-{reason}")
-    d.send(names.SCHEDULE_TASK, "has space", "tenant-a", "demo.wordcount", {}, "bad-InvalidId")
+    d.send(names.SCHEDULE_TASK, "has\ttab", "tenant-a", "demo.wordcount", {}, "bad-InvalidId")
     d.send(names.SCHEDULE_TASK, case_id, "tenant-b", "demo.wordcount", {}, "bad-TenancyMismatch")
     for reason in [*bad, "InvalidId", "TenancyMismatch"]:
         d.wait(lambda: reason in worker.log(), what=f"{reason} logged")
