@@ -27,12 +27,18 @@ class WaitTimeout(TimeoutError):
 
 
 def wait_until(
-    condition: Callable[[], T], *, timeout: float, interval: float = 0.05, what: str = "condition"
+    condition: Callable[[], T],
+    *,
+    timeout: float,
+    interval: float = 0.05,
+    what: str = "condition",
+    details: Callable[[], str] | None = None,
 ) -> T:
     """Poll `condition` until it returns something truthy; return that value.
 
     Raises:
-        WaitTimeout: after `timeout` seconds, naming `what`.
+        WaitTimeout: after `timeout` seconds, naming `what`, followed by `details()` (say,
+            the processes' logs) when given.
     """
     deadline = time.monotonic() + timeout
     while True:
@@ -40,7 +46,8 @@ def wait_until(
         if value:
             return value
         if time.monotonic() >= deadline:
-            raise WaitTimeout(f"timed out after {timeout:.0f}s waiting for {what}")
+            message = f"timed out after {timeout:.0f}s waiting for {what}"
+            raise WaitTimeout(f"{message}\n{details()}" if details else message)
         time.sleep(interval)
 
 

@@ -41,7 +41,7 @@ from recovery.crashpoints import ENV_VAR as CRASH_AT
 from recovery.crashpoints import Point
 from recovery.reconcile import ORPHANS_REPORTED
 from recovery.runtime import Runtime
-from tasks.processes import ManagedProcess, celery_beat, celery_worker
+from tasks.processes import ManagedProcess, celery_beat, celery_worker, wait_until
 from tasks.recovery_tasks import STARTUP_SWEEP_DONE
 from tasks.scheduling import schedule_in_session
 from workers import labels as job_labels
@@ -60,17 +60,6 @@ CONVERGE_S = 90.0
 
 def expected_output(value: Any) -> dict[str, Any]:
     return {"simulated": True, "input": value}
-
-
-def wait_until(predicate: Callable[[], Any], *, timeout_s: float, what: str, logs: Callable[[], str] = lambda: "") -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what}: not reached in {timeout_s:.0f} s\n{logs()}")
-        time.sleep(0.05)
 
 
 # --- one deployment of k8s-dispatch per test ---------------------------------------------------
@@ -116,7 +105,7 @@ class Site:
         return "\n".join(f"--- {p.name} ---\n{p.log_tail(60)}" for p in self.procs)
 
     def wait(self, predicate: Callable[[], Any], *, timeout_s: float = CONVERGE_S, what: str) -> Any:
-        return wait_until(predicate, timeout_s=timeout_s, what=what, logs=self.logs)
+        return wait_until(predicate, timeout=timeout_s, what=what, details=self.logs)
 
     def wait_killed(self, proc: ManagedProcess, *, timeout_s: float = 60.0) -> None:
         """Wait for the worker to kill itself at its crash point, and check it died by SIGKILL."""

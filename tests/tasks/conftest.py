@@ -35,11 +35,8 @@ from workers.kube import KubeClient
 
 
 def wait_until(predicate: Callable[[], Any], *, timeout_s: float = 30.0, what: str = "condition", on_fail: Callable[[], str] = lambda: "") -> Any:
-    """Poll `predicate` until it returns something truthy; fail the test after `timeout_s`."""
-    try:
-        return processes.wait_until(predicate, timeout=timeout_s, what=what)
-    except processes.WaitTimeout as e:
-        pytest.fail(f"{e}\n{on_fail()}")
+    """Poll `predicate` until it returns something truthy; after `timeout_s`, fail with `on_fail()`."""
+    return processes.wait_until(predicate, timeout=timeout_s, what=what, details=on_fail)
 
 
 class Proc:
