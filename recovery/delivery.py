@@ -186,7 +186,8 @@ def complete_job(rt: Runtime, namespace: str, name: str) -> CompleteOutcome:
     try:
         pods = rt.kube.list_pods(namespace, label_selector=f"{JOB_NAME_LABEL}={name}")
         done = completion(job, pods)
-        assert done is not None, "a terminal Job always has a completion"
+        if done is None:  # not terminal after all (the same rule as job_state): poll again later
+            return CompleteOutcome.RUNNING
         event, payload = terminal_event(done)
         crashpoint(Point.BEFORE_COMPLETE_WRITE)
         with transaction(rt.sessions) as session:
