@@ -469,14 +469,23 @@ def iter_unnotified_terminal(
 
 
 def _keyset_pages(session: Session, query: sa.Select, *, batch: int) -> Iterator[Dispatch]:
-    """The rows of `query` by dispatch_id, `batch` at a time: memory bounded by the page, and
-    no OFFSET that rows written meanwhile could shift."""
-    query = query.order_by(Dispatch.dispatch_id).limit(batch)
+    """The rows of `query` by dispatch_id, `batch` at a time (see `dispatch_page`)."""
     after: str | None = None
     while True:
-        page = query if after is None else query.where(Dispatch.dispatch_id > after)
-        rows = session.scalars(page).all()
+        rows = dispatch_page(session, query, after=after, batch=batch)
         yield from rows
         if len(rows) < batch:
             return
         after = rows[-1].dispatch_id
+
+
+def dispatch_page(session: Session, query: sa.Select, *, after: str | None, batch: int) -> list[Dispatch]:
+    """One keyset page of `query`: up to `batch` rows with dispatch_id > `after`, in order.
+
+    Keyset, not OFFSET: memory is bounded by the page, and rows written meanwhile cannot
+    shift the pages; a caller may read each page in its own transaction.
+    """
+    query = query.order_by(Dispatch.dispatch_id).limit(batch)
+    if after is not None:
+        query = query.where(Dispatch.dispatch_id > after)
+    return list(session.scalars(query).all())

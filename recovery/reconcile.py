@@ -194,11 +194,8 @@ def _pages(rt: Runtime, query: sa.Select[tuple[Dispatch]], convert: Callable[[Di
     size = rt.settings.poll_page_size
     after: str | None = None
     while True:
-        page_query = query.order_by(Dispatch.dispatch_id).limit(size)
-        if after is not None:
-            page_query = page_query.where(Dispatch.dispatch_id > after)
         with transaction(rt.sessions) as session:
-            rows = session.scalars(page_query).all()
+            rows = store.dispatch_page(session, query, after=after, batch=size)
             converted = [convert(row) for row in rows]
         if converted:
             yield converted
