@@ -27,9 +27,10 @@ test: $(STAMP)
 	bash tests/services.sh
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
+# Quick (under 2 minutes); FULL=1 for the issues' sizes. Writes bench/results.json.
 bench: $(STAMP)
 	bash tests/services.sh
-	$(BIN)/python -m bench
+	$(BIN)/python -m bench $(if $(FULL),--full) $(BENCH_ARGS)
 
 chaos: $(STAMP)
 	bash tests/services.sh

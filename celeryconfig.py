@@ -17,15 +17,17 @@ from kombu import Queue
 from engine.settings import Settings, get_settings
 
 # --- queues and task names ---------------------------------------------------------------
-JOBS_QUEUE = "k8s-dispatch.jobs"  # schedule, create_job, cancel
-COMPLETE_QUEUE = "k8s-dispatch.complete"  # complete: apart, so a burst of creates cannot delay results
+JOBS_QUEUE = "k8s-dispatch.jobs"  # schedule, create_job(s), cancel
+COMPLETE_QUEUE = "k8s-dispatch.complete"  # complete(_batch): apart, so a burst of creates cannot delay results
 SWEEP_QUEUE = "k8s-dispatch.sweep"  # poll and the recovery sweep
 
 SCHEDULE_TASK = "k8s-dispatch.schedule"
 CREATE_JOB_TASK = "k8s-dispatch.create_job"
+CREATE_JOBS_TASK = "k8s-dispatch.create_jobs"  # a batch of dispatch ids: what schedule_in_session sends
 CANCEL_TASK = "k8s-dispatch.cancel"
 POLL_TASK = "k8s-dispatch.poll"
-COMPLETE_TASK = "k8s-dispatch.complete"
+COMPLETE_TASK = "k8s-dispatch.complete"  # one Job, read fresh
+COMPLETE_BATCH_TASK = "k8s-dispatch.complete_batch"  # poll's hand-off: finished Jobs as listed
 SWEEP_TASK = "k8s-dispatch.sweep"  # the recovery sweep (tasks/recovery_tasks.py)
 
 
@@ -69,7 +71,9 @@ def config(settings: Settings) -> dict[str, Any]:
         # is what bounds a task. Declared for anyone running `--pool prefork`.
         "task_time_limit": 300,
         "task_soft_time_limit": 240,
-        # Events for Flower: task-sent from producers, the rest from workers.
+        # Events for Flower: task-sent from producers, the rest from workers. Each is a Redis
+        # publish, about four per task: affordable because creates and completions travel in
+        # batches (create_jobs, complete_batch), not a task per Job.
         "worker_send_task_events": True,
         "task_send_sent_event": True,
         # --- queues and routes ---------------------------------------------------------
@@ -80,8 +84,10 @@ def config(settings: Settings) -> dict[str, Any]:
         "task_routes": {
             SCHEDULE_TASK: {"queue": JOBS_QUEUE},
             CREATE_JOB_TASK: {"queue": JOBS_QUEUE},
+            CREATE_JOBS_TASK: {"queue": JOBS_QUEUE},
             CANCEL_TASK: {"queue": JOBS_QUEUE},
             COMPLETE_TASK: {"queue": COMPLETE_QUEUE},
+            COMPLETE_BATCH_TASK: {"queue": COMPLETE_QUEUE},
             POLL_TASK: {"queue": SWEEP_QUEUE},
             SWEEP_TASK: {"queue": SWEEP_QUEUE},
         },

@@ -1,5 +1,5 @@
-"""The benchmarks of k8s-dispatch: `python -m bench` (`make bench`). One module per benchmark
-family (cluster_speed, polling, adapter, delivery_speed, recovery_speed), sharing the timing
-helpers (timing), the result model (results), the services they run against (services) and
-what they create (workload). See bench/README.md.
+"""The benchmarks of k8s-dispatch: `python -m bench` (`make bench`), issue 8's figures. One module
+per benchmark (dispatch_throughput, api_load, sweep_scale, cluster_speed, adapter), sharing the
+timing helpers (timing), the result model (results), the sizes (sizes), the services they run
+against (services) and what they create (workload). See README.md, "Benchmarks".
 """

@@ -1,15 +1,18 @@
-"""`python -m bench` (`make bench`): every benchmark, a table of figures and ratios, and JSON.
+"""`python -m bench` (`make bench`): every benchmark, a table of figures and targets, and JSON.
 
-    python -m bench [--quick] [--only NAME ...] [--json-out PATH] [--results-dir DIR]
+    python -m bench [--smoke | --full] [--only NAME ...] [--results PATH] [--json-out PATH]
 
-Results go to DIR/latest.json (DIR defaults to bench/results, git-ignored; a --quick run writes
-DIR/latest-quick.json instead) and to --json-out PATH if given. Needs PostgreSQL and Redis
-(`bash tests/services.sh`); starts its own localcluster and Celery processes.
+Sizes (bench/sizes.py): quick by default (`make bench`, under 2 minutes on 2 cores), `--full`
+(`make bench FULL=1`), `--smoke` (seconds, for the test suite; targets not judged). Results go
+to bench/results.json (git-ignored) or --results PATH, and also to --json-out PATH if given.
+Needs PostgreSQL and Redis (`bash tests/services.sh`); starts its own localcluster and Celery
+processes.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import tempfile
 import time
@@ -18,29 +21,37 @@ from pathlib import Path
 
 from rich.console import Console
 
-from bench import adapter, cluster_speed, delivery_speed, polling, recovery_speed, report, services
+from bench import adapter, api_load, cluster_speed, dispatch_throughput, report, services, sweep_scale
 from bench.results import BenchResult, BenchRun
-from bench.sizes import FULL, QUICK, Size
+from bench.sizes import SIZES, Size
 
 Benchmark = Callable[[services.BenchContext, Size], BenchResult]
 
+# In the order of issue 8's figures; each name is a module's `run(ctx, size)`.
 BENCHMARKS: dict[str, Benchmark] = {
-    "localcluster": cluster_speed.run,
-    "polling": polling.run,
+    "dispatch": dispatch_throughput.run,  # figure 1
+    "api_load": api_load.run,  # figures 2 and 3
+    "sweep": sweep_scale.run,  # figures 4 and 5
+    "localcluster": cluster_speed.run,  # figure 6
     "adapter": adapter.run,
-    "delivery": delivery_speed.run,
-    "recovery": recovery_speed.run,
 }
-DEFAULT_RESULTS_DIR = Path(__file__).resolve().parent / "results"
+# Not an issue-8 figure, so not in the quick run (under 2 minutes); `--only adapter` runs it there.
+SKIPPED_AT = {"adapter": {"quick"}}
+DEFAULT_RESULTS = Path(__file__).resolve().parent / "results.json"
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny sizes (the smoke test's): seconds, not minutes")
+    sizes = parser.add_mutually_exclusive_group()
+    sizes.add_argument("--full", dest="size", action="store_const", const="full",
+                       help="the issues' sizes (make bench FULL=1): several minutes")  # fmt: skip
+    sizes.add_argument("--smoke", dest="size", action="store_const", const="smoke",
+                       help="tiny sizes (the test suite's): seconds; targets not judged")  # fmt: skip
+    parser.set_defaults(size="quick")
     parser.add_argument("--only", nargs="+", choices=sorted(BENCHMARKS), metavar="NAME",
                         help=f"run only these ({', '.join(BENCHMARKS)})")  # fmt: skip
+    parser.add_argument("--results", type=Path, default=DEFAULT_RESULTS, help="where the JSON results go")
     parser.add_argument("--json-out", type=Path, help="also write the JSON results here")
-    parser.add_argument("--results-dir", type=Path, default=DEFAULT_RESULTS_DIR, help="where latest.json goes")
     parser.add_argument("--pg-admin-url", default=services.PG_ADMIN_URL, help="creates and drops the run's database")
     parser.add_argument("--redis-url", default=services.REDIS_URL)
     return parser.parse_args(argv)
@@ -48,7 +59,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def run(names: Sequence[str], size: Size, *, pg_admin_url: str, redis_url: str, console: Console) -> BenchRun:
     """Run the named benchmarks at `size`, with the run's own databases and Redis prefix."""
-    bench_run = BenchRun(size=size.name)
+    bench_run = BenchRun(
+        size=size.name,
+        judged=size.check_targets,
+        settings={"benchmarks": list(names), "size": dataclasses.asdict(size)},
+    )
     started = time.perf_counter()
     services.check_postgres(pg_admin_url)
     with (
@@ -69,21 +84,27 @@ def run(names: Sequence[str], size: Size, *, pg_admin_url: str, redis_url: str, 
     return bench_run
 
 
+def default_names(size: Size) -> list[str]:
+    """The benchmarks a run of this size makes unless told which (`--only`)."""
+    return [name for name in BENCHMARKS if size.name not in SKIPPED_AT.get(name, set())]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    size = QUICK if args.quick else FULL
-    names = [name for name in BENCHMARKS if not args.only or name in args.only]
+    size = SIZES[args.size]
+    names = [name for name in BENCHMARKS if name in args.only] if args.only else default_names(size)
     console = Console()
     if not console.is_terminal:  # a log or a pipe: wide enough for the tables
         console = Console(width=160)
+    for name in sorted(set(BENCHMARKS) - set(names) - set(args.only or ())):
+        console.print(f"[dim]{name}: not run at {size.name} size (--only {name} runs it)[/]")
     try:
         bench_run = run(names, size, pg_admin_url=args.pg_admin_url, redis_url=args.redis_url, console=console)
     except services.ServiceUnavailable as e:
         console.print(f"[red]bench cannot run:[/] {e}")
         return 2
     report.show(bench_run, console)
-    latest = args.results_dir / ("latest-quick.json" if args.quick else "latest.json")
-    for path in [latest, *([args.json_out] if args.json_out else [])]:
+    for path in [args.results, *([args.json_out] if args.json_out else [])]:
         bench_run.write(path)
         console.print(f"results written to {path}")
     console.print(f"bench took {bench_run.seconds:.0f}s")

@@ -1,4 +1,5 @@
-"""The bench's table for the terminal: every figure (median, range, target, met) and every ratio."""
+"""The bench's tables for the terminal: first every figure with a target (issue 8's, in figure
+order: median, range, target, met), then the other figures, then the other ratios."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import os
 from rich.console import Console
 from rich.table import Table
 
-from bench.results import BenchRun
+from bench.results import RATIO_UNIT, BenchRun, Figure, Ratio
 
 
 def _number(value: float) -> str:
@@ -18,46 +19,78 @@ def _number(value: float) -> str:
     return f"{value:.3g}"
 
 
-def figures_table(run: BenchRun) -> Table:
-    table = Table(title=f"k8s-dispatch bench ({run.size}): medians of interleaved rounds")
-    for column, justify in (("benchmark", "left"), ("figure", "left"), ("median", "right"), ("range", "right"),
-                            ("unit", "left"), ("target", "left"), ("met", "center")):  # fmt: skip
+def _value(m: Figure | Ratio, value: float) -> str:
+    return f"{value:.2f}" if m.unit == RATIO_UNIT else _number(value)
+
+
+def _range(m: Figure | Ratio) -> str:
+    return f"{_value(m, min(m.samples))}-{_value(m, max(m.samples))}"
+
+
+def _met(m: Figure | Ratio, *, judged: bool) -> str:
+    if m.met is None:
+        return ""
+    if not judged:
+        return "[dim]not judged[/]"
+    return "[green]yes[/]" if m.met else "[red]NO[/]"
+
+
+def _table(title: str, columns: tuple[tuple[str, str], ...]) -> Table:
+    table = Table(title=title)
+    for column, justify in columns:
         table.add_column(column, justify=justify)  # type: ignore[arg-type]
+    return table
+
+
+def targets_table(run: BenchRun) -> Table:
+    judged = "" if run.judged else "; targets are not judged at this size"
+    table = _table(
+        f"targets ({run.size} size{judged}): medians of interleaved rounds",
+        (("#", "left"), ("benchmark", "left"), ("figure", "left"), ("median", "right"), ("range", "right"),
+         ("target", "left"), ("met", "center")),
+    )  # fmt: skip
+    for result, m in run.targets():
+        assert m.target is not None
+        table.add_row(
+            m.ref or "", result.name, m.label, f"{_value(m, m.median)} {m.unit}", _range(m),
+            m.target.text(m.unit), _met(m, judged=run.judged),
+        )  # fmt: skip
+    return table
+
+
+def figures_table(run: BenchRun) -> Table:
+    table = _table(
+        "other figures: medians of interleaved rounds",
+        (("benchmark", "left"), ("figure", "left"), ("median", "right"), ("range", "right"), ("unit", "left")),
+    )
     for result in run.results:
-        for i, figure in enumerate(result.figures):
-            met = "" if figure.met is None else ("[green]yes[/]" if figure.met else "[red]no[/]")
-            table.add_row(
-                result.name if i == 0 else "",
-                figure.label,
-                _number(figure.median),
-                f"{_number(min(figure.samples))}-{_number(max(figure.samples))}",
-                figure.unit,
-                figure.target.text(figure.unit) if figure.target else "",
-                met,
-            )
-        table.add_section()
+        rows = [f for f in result.figures if f.target is None]
+        for i, figure in enumerate(rows):
+            table.add_row(result.name if i == 0 else "", figure.label, _number(figure.median), _range(figure), figure.unit)
+        if rows:
+            table.add_section()
     return table
 
 
 def ratios_table(run: BenchRun) -> Table:
-    table = Table(title="ratios, measured side by side (median of per-round ratios)")
-    for column, justify in (("benchmark", "left"), ("ratio", "left"), ("median", "right"), ("range", "right")):
-        table.add_column(column, justify=justify)  # type: ignore[arg-type]
+    table = _table(
+        "other ratios, measured side by side (median of per-round ratios)",
+        (("benchmark", "left"), ("ratio", "left"), ("median", "right"), ("range", "right")),
+    )
     for result in run.results:
-        for i, ratio in enumerate(result.ratios):
-            table.add_row(
-                result.name if i == 0 else "",
-                ratio.label,
-                f"{ratio.median:.2f}x",
-                f"{min(ratio.samples):.2f}-{max(ratio.samples):.2f}",
-            )
+        rows = [r for r in result.ratios if r.target is None]
+        for i, ratio in enumerate(rows):
+            table.add_row(result.name if i == 0 else "", ratio.label, f"{_value(ratio, ratio.median)}x", _range(ratio))
     return table
 
 
 def show(run: BenchRun, console: Console | None = None) -> None:
     console = console or Console()
-    console.print(figures_table(run))
-    console.print(ratios_table(run))
+    if run.targets():
+        console.print(targets_table(run))
+    for table in (figures_table(run), ratios_table(run)):
+        if table.row_count:
+            console.print(table)
     for result in run.results:
         for note in result.notes:
             console.print(f"[dim]{result.name}: {note}[/]")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -144,16 +144,35 @@ def _clean(process: ManagedProcess, env: Mapping[str, str]) -> ManagedProcess:
 
 
 @contextmanager
-def worker_and_beat(work_dir: Path, env: Mapping[str, str], *, concurrency: int) -> Iterator[None]:
-    """One `celery -A tasks worker` and one `celery -A tasks beat`, ready; SIGTERM on exit."""
-    worker = _clean(celery_worker("bench-worker", env=env, log_dir=work_dir, concurrency=concurrency), env)
-    beat = _clean(celery_beat(env=env, log_dir=work_dir, name="bench-beat"), env)
+def worker(
+    work_dir: Path, env: Mapping[str, str], *, concurrency: int, name: str = "bench-worker"
+) -> Iterator[ManagedProcess]:
+    """One `celery -A tasks worker` process, ready (its start-up sweep running); SIGTERM on exit."""
+    process = _clean(celery_worker(name, env=env, log_dir=work_dir, concurrency=concurrency), env)
     try:
-        worker.start()
-        wait_for_log(worker, " ready.", timeout=START_TIMEOUT_S)
-        beat.start()
+        process.start()
+        wait_for_log(process, " ready.", timeout=START_TIMEOUT_S)
+        yield process
+    finally:
+        process.stop()
+
+
+@contextmanager
+def worker_and_beat(work_dir: Path, env: Mapping[str, str], *, concurrency: int) -> Iterator[Callable[[], None]]:
+    """One `celery -A tasks worker` and one `celery -A tasks beat`, started together; yields
+    `ready()`, which returns once both are ready (untimed setup can run while they start).
+    SIGTERM on exit."""
+    worker_process = _clean(celery_worker("bench-worker", env=env, log_dir=work_dir, concurrency=concurrency), env)
+    beat = _clean(celery_beat(env=env, log_dir=work_dir, name="bench-beat"), env)
+
+    def ready() -> None:
+        wait_for_log(worker_process, " ready.", timeout=START_TIMEOUT_S)
         wait_for_log(beat, "beat: Starting", timeout=START_TIMEOUT_S)
-        yield
+
+    try:
+        worker_process.start()
+        beat.start()
+        yield ready
     finally:
         beat.stop()
-        worker.stop()
+        worker_process.stop()

@@ -8,6 +8,7 @@ same labels, annotations and env a real deployment's Jobs carry.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -104,36 +105,34 @@ def created_dispatches(
     count: int,
     namespace: str,
     max_input_bytes: int = MAX_INPUT_BYTES,
+    capability_of: Callable[[int], str] = lambda i: INSTANT,
 ) -> list[tuple[DispatchRef, dict[str, Any]]]:
     """`count` dispatches written as an engine would (SCHEDULED), then marked created, in one
-    transaction: each one's ref and Job manifest (not created in the cluster). Instant Jobs."""
+    transaction and a few statements (`store.schedule_many`, `store.mark_created_many`): each
+    one's ref and Job manifest (not created in the cluster). Instant Jobs unless
+    `capability_of(i)` names another capability for dispatch i."""
     case_id = new_case(sessions)
+    requests = [
+        store.ScheduleRequest(case_id, TENANCY, capability_of(i), input_for(i), f"key-{uuid.uuid4()}")
+        for i in range(count)
+    ]
     made = []
     with transaction(sessions) as session:
-        for i in range(count):
-            key = f"key-{uuid.uuid4()}"
-            result = store.schedule(
-                session,
-                case_id=case_id,
-                tenancy_id=TENANCY,
-                capability=INSTANT,
-                input=input_for(i),
-                idempotency_key=key,
-                router=caps,
-                max_input_bytes=max_input_bytes,
-            )
+        results = store.schedule_many(session, requests, router=caps, max_input_bytes=max_input_bytes)
+        for i, (request, result) in enumerate(zip(requests, results)):
             ref = DispatchRef(
                 dispatch_id=DispatchId(result.dispatch_id),
                 case_id=CaseId(case_id),
                 tenancy_id=TenancyId(TENANCY),
-                capability=CapabilityName(INSTANT),
+                capability=CapabilityName(request.capability),
                 worker_name=WorkerName(WORKER),
-                idempotency_key=IdempotencyKey(key),
+                idempotency_key=IdempotencyKey(request.idempotency_key),
             )
-            body = build_job(ref, input=input_for(i), spec=caps.spec(INSTANT), namespace=namespace)
-            name = body["metadata"]["name"]
-            store.mark_created(session, result.dispatch_id, job_name=name, namespace=namespace, attempt=0)
-            made.append((ref, body))
+            made.append((ref, build_job(ref, input=request.input, spec=caps.spec(request.capability), namespace=namespace)))
+        store.mark_created_many(
+            session,
+            [store.CreatedJob(ref.dispatch_id, body["metadata"]["name"], namespace, attempt=0) for ref, body in made],
+        )
     return made
 
 

@@ -7,6 +7,7 @@ session is committed or rolled back, and the one place a lost connection becomes
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -20,6 +21,8 @@ from engine.errors import DatabaseUnavailable
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 PG_CONNECT_TIMEOUT_S = 10
+PING_IDLE_S = 1.0  # a pooled connection idle for longer is pinged before use
+_IDLE_SINCE = "k8s_dispatch_idle_since"
 
 
 def normalise_url(url: str | URL) -> URL:
@@ -30,11 +33,14 @@ def normalise_url(url: str | URL) -> URL:
     return parsed
 
 
-def make_engine(url: str | URL, *, pool_size: int = 5, max_overflow: int = 10, echo: bool = False) -> Engine:
+def make_engine(
+    url: str | URL, *, pool_size: int = 5, max_overflow: int = 10, echo: bool = False, ping_idle_s: float = PING_IDLE_S
+) -> Engine:
     """An engine for `url`. Dispose of it when done.
 
-    PostgreSQL: a pool checked before use (`pool_pre_ping`) and recycled every 30 minutes, so
-    a restarted server costs one failed ping, not a failed task. SQLite: see `_sqlite_setup`.
+    PostgreSQL: a pool whose connections are pinged before use when they sat idle (see
+    `_ping_when_idle`) and recycled every 30 minutes, so a restarted server costs one failed
+    ping, not a failed task. SQLite: see `_sqlite_setup`.
     """
     parsed = normalise_url(url)
     if parsed.get_backend_name() == "sqlite":
@@ -51,16 +57,42 @@ def make_engine(url: str | URL, *, pool_size: int = 5, max_overflow: int = 10, e
     connect_args: dict[str, Any] = {}
     if parsed.get_backend_name() == "postgresql":
         connect_args["connect_timeout"] = PG_CONNECT_TIMEOUT_S
-    return sa.create_engine(
+    engine = sa.create_engine(
         parsed,
         echo=echo,
         pool_size=pool_size,
         max_overflow=max_overflow,
         pool_timeout=30,
-        pool_pre_ping=True,
         pool_recycle=1800,
         connect_args=connect_args,
     )
+    _ping_when_idle(engine, idle_s=ping_idle_s)
+    return engine
+
+
+def _ping_when_idle(engine: Engine, *, idle_s: float) -> None:
+    """Ping a pooled connection before handing it out only if it was idle for `idle_s`.
+
+    SQLAlchemy's `pool_pre_ping` pings at every checkout: one more round trip per transaction,
+    a quarter of a short one's (the create path runs two: bench/dispatch_throughput.py). A
+    connection back from use a moment ago was alive then; one that sat idle (a restarted
+    server, a killed backend) is pinged, and a dead one is replaced before anyone sees it
+    (`DisconnectionError` makes the pool invalidate it and check out another).
+    """
+
+    @event.listens_for(engine, "checkin")
+    def _on_checkin(_dbapi_connection: Any, record: Any) -> None:
+        record.info[_IDLE_SINCE] = time.monotonic()
+
+    @event.listens_for(engine, "checkout")
+    def _on_checkout(dbapi_connection: Any, record: Any, _proxy: Any) -> None:
+        idle_since = record.info.pop(_IDLE_SINCE, None)  # None: connected just now
+        if idle_since is None or time.monotonic() - idle_since < idle_s:
+            return
+        try:
+            engine.dialect.do_ping(dbapi_connection)
+        except engine.dialect.loaded_dbapi.Error as e:
+            raise exc.DisconnectionError(f"a pooled connection failed its ping: {e}") from e
 
 
 def _sqlite_setup(engine: Engine) -> None:

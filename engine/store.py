@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Collection, Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Protocol
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from engine.errors import (
@@ -99,6 +98,18 @@ def create_case(
 # --- schedule --------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class ScheduleRequest:
+    """One dispatch to schedule: `schedule`'s keyword arguments, less the router and the limit."""
+
+    case_id: str
+    tenancy_id: str
+    capability: str
+    input: Any  # noqa: A002 - the engine's word
+    idempotency_key: str
+    dispatch_id: str | None = None  # else a fresh uuid4
+
+
 def schedule(
     session: Session,
     *,
@@ -112,99 +123,210 @@ def schedule(
     dispatch_id: str | None = None,
     now: datetime | None = None,
 ) -> ScheduleResult:
-    """Write a dispatch (SCHEDULED) and its WORKER_SCHEDULED event in the caller's transaction.
+    """Write a dispatch (SCHEDULED) and its WORKER_SCHEDULED event in the caller's transaction:
+    `schedule_many` for one request (its rules, errors and idempotency)."""
+    request = ScheduleRequest(case_id, tenancy_id, capability, input, idempotency_key, dispatch_id)
+    return schedule_many(session, [request], router=router, max_input_bytes=max_input_bytes, now=now)[0]
 
-    Idempotent on (tenancy_id, idempotency_key): a repeat of the same request returns the
-    existing dispatch with `created=False` and writes nothing, also when the first request
-    commits concurrently (its insert is tried in a SAVEPOINT and the winner re-read; this
-    relies on READ COMMITTED, PostgreSQL's default). The event's payload holds capability,
-    worker_name, idempotency_key and input.
 
-    Raises (all before anything is written):
+def schedule_many(
+    session: Session,
+    requests: Sequence[ScheduleRequest],
+    *,
+    router: CapabilityRouter,
+    max_input_bytes: int,
+    now: datetime | None = None,
+) -> list[ScheduleResult]:
+    """Write dispatches (SCHEDULED) and their WORKER_SCHEDULED events in the caller's
+    transaction, with a few statements whatever their number: one read of the idempotency
+    keys, one of the cases, one multi-row INSERT per table. A result per request, in order.
+
+    Idempotent on (tenancy_id, idempotency_key): a repeat of a request (an earlier one, or one
+    earlier in `requests`) returns the existing dispatch with `created=False` and writes
+    nothing for it, also when the first request commits concurrently (the insert skips rows
+    whose key exists, in a SAVEPOINT, and the winners are re-read; this relies on READ
+    COMMITTED, PostgreSQL's default). The event's payload holds capability, worker_name,
+    idempotency_key and input.
+
+    Raises (all before anything of the batch is written; the first bad request's error):
         InvalidId: case_id or tenancy_id invalid; dispatch_id not a UUID or already in use.
         InvalidIdempotencyKey, InputNotSerialisable, InputTooLarge
         UnknownCapability: from `router`.
         UnknownCase, TenancyMismatch: the case is missing or belongs to another tenancy.
         IdempotencyConflict: the key was used for a different case, capability or input.
     """
-    check_id("case_id", case_id)
-    check_id("tenancy_id", tenancy_id)
-    dispatch_id = str(uuid.uuid4()) if dispatch_id is None else check_dispatch_id(dispatch_id)
-    check_idempotency_key(idempotency_key)
-    encoded = encode_input(input, max_bytes=max_input_bytes)
+    prepared = [_prepare(request, router=router, max_input_bytes=max_input_bytes) for request in requests]
+    if not prepared:
+        return []
+    existing = _dispatches_by_key(session, {(p.tenancy_id, p.idempotency_key) for p in prepared})
+    new = _new_dispatches(session, prepared, existing)
+    if new:
+        existing.update(_insert(session, new, now=now or utcnow()))
+    written = {(p.tenancy_id, p.idempotency_key): p for p in new}
+    results = []
+    for p in prepared:
+        key = (p.tenancy_id, p.idempotency_key)
+        if key in existing:
+            results.append(_repeat(existing[key], p))
+        elif p.repeat:
+            results.append(_repeat(written[key], p))
+        else:
+            results.append(ScheduleResult(dispatch_id=p.dispatch_id, created=True, state=DispatchState.SCHEDULED))
+    return results
+
+
+@dataclass
+class _Prepared:
+    """A checked request: what its rows hold."""
+
+    dispatch_id: str
+    chosen_by_caller: bool
+    case_id: str
+    tenancy_id: str
+    capability: str
+    worker_name: str
+    idempotency_key: str
+    encoded_input: str
+    input: Any  # plain JSON types, as stored
+    state: DispatchState = DispatchState.SCHEDULED
+    repeat: bool = False  # its key is an earlier request's of the same batch
+
+
+def _prepare(request: ScheduleRequest, *, router: CapabilityRouter, max_input_bytes: int) -> _Prepared:
+    """The checks that need no database, in `schedule`'s documented order."""
+    check_id("case_id", request.case_id)
+    check_id("tenancy_id", request.tenancy_id)
+    chosen_by_caller = request.dispatch_id is not None
+    dispatch_id = check_dispatch_id(request.dispatch_id) if chosen_by_caller else str(uuid.uuid4())
+    check_idempotency_key(request.idempotency_key)
+    encoded = encode_input(request.input, max_bytes=max_input_bytes)
+    capability = request.capability
     if not isinstance(capability, str) or not capability:
         raise UnknownCapability(f"capability must be a non-empty string, got {show_value(capability)}")
-    worker_name = router.worker_for(capability)
-
-    existing = _dispatch_by_key(session, tenancy_id, idempotency_key)
-    if existing is not None:
-        return _repeat(existing, case_id=case_id, capability=capability, encoded_input=encoded)
-    case = session.get(CaseInstance, case_id)
-    if case is None:
-        raise UnknownCase(f"case {case_id!r} does not exist")
-    if case.tenancy_id != tenancy_id:
-        raise TenancyMismatch(f"case {case_id!r} does not belong to tenancy {tenancy_id!r}")
-    if session.get(Dispatch, dispatch_id) is not None:
-        raise InvalidId(f"dispatch_id {dispatch_id} is already used by another request")
-
-    now = now or utcnow()
-    stored_input = json.loads(encoded)  # plain JSON types: tuples become lists, as on reading
-    try:
-        with session.begin_nested():
-            session.add(
-                Dispatch(
-                    dispatch_id=dispatch_id,
-                    case_id=case_id,
-                    tenancy_id=tenancy_id,
-                    capability=capability,
-                    worker_name=worker_name,
-                    idempotency_key=idempotency_key,
-                    input=stored_input,
-                    state=DispatchState.SCHEDULED,
-                    attempts=0,
-                    created_at=now,
-                    updated_at=now,
-                )
-            )
-            session.add(
-                CaseEvent(
-                    case_id=case_id,
-                    dispatch_id=dispatch_id,
-                    type=EventType.WORKER_SCHEDULED.value,
-                    payload={
-                        "capability": capability,
-                        "worker_name": worker_name,
-                        "idempotency_key": idempotency_key,
-                        "input": stored_input,
-                    },
-                    created_at=now,
-                )
-            )
-    except IntegrityError as e:
-        # Another transaction committed the same request between our read and our insert.
-        existing = _dispatch_by_key(session, tenancy_id, idempotency_key)
-        if existing is not None:
-            return _repeat(existing, case_id=case_id, capability=capability, encoded_input=encoded)
-        if session.get(Dispatch, dispatch_id) is not None:
-            raise InvalidId(f"dispatch_id {dispatch_id} is already used by another request") from e
-        raise
-    return ScheduleResult(dispatch_id=dispatch_id, created=True, state=DispatchState.SCHEDULED)
+    return _Prepared(
+        dispatch_id=dispatch_id,
+        chosen_by_caller=chosen_by_caller,
+        case_id=request.case_id,
+        tenancy_id=request.tenancy_id,
+        capability=capability,
+        worker_name=router.worker_for(capability),
+        idempotency_key=request.idempotency_key,
+        encoded_input=encoded,
+        input=json.loads(encoded),  # tuples become lists, as on reading
+    )
 
 
-def _dispatch_by_key(session: Session, tenancy_id: str, idempotency_key: str) -> Dispatch | None:
-    return session.scalars(
-        sa.select(Dispatch).where(Dispatch.tenancy_id == tenancy_id, Dispatch.idempotency_key == idempotency_key)
-    ).one_or_none()
+def _new_dispatches(session: Session, prepared: list[_Prepared], existing: dict[tuple[str, str], Any]) -> list[_Prepared]:
+    """The requests to insert (a key's first request, if the key is not in `existing`), once
+    every request was found consistent with the database and with the rest of the batch."""
+    new: dict[tuple[str, str], _Prepared] = {}
+    for p in prepared:
+        key = (p.tenancy_id, p.idempotency_key)
+        if key in existing:
+            _repeat(existing[key], p)
+        elif key in new:
+            _repeat(new[key], p)
+            p.repeat = True
+        else:
+            new[key] = p
+    case_ids = sorted({p.case_id for p in new.values()})
+    query = sa.select(CaseInstance.id, CaseInstance.tenancy_id).where(CaseInstance.id.in_(case_ids))
+    cases = {case_id: tenancy_id for case_id, tenancy_id in session.execute(query)} if new else {}
+    chosen = [p.dispatch_id for p in new.values() if p.chosen_by_caller]
+    # A fresh uuid4 cannot be in use: only a caller's ids are looked up.
+    in_use = set(_ids_in_use(session, chosen)) if chosen else set()
+    seen_ids: set[str] = set()
+    for p in new.values():
+        if p.case_id not in cases:
+            raise UnknownCase(f"case {p.case_id!r} does not exist")
+        if cases[p.case_id] != p.tenancy_id:
+            raise TenancyMismatch(f"case {p.case_id!r} does not belong to tenancy {p.tenancy_id!r}")
+        if p.dispatch_id in in_use or p.dispatch_id in seen_ids:
+            raise InvalidId(f"dispatch_id {p.dispatch_id} is already used by another request")
+        seen_ids.add(p.dispatch_id)
+    return list(new.values())
 
 
-def _repeat(existing: Dispatch, *, case_id: str, capability: str, encoded_input: str) -> ScheduleResult:
-    """The result of a repeated request, if it is the same request as `existing`'s."""
+def _insert(session: Session, new: list[_Prepared], *, now: datetime) -> dict[tuple[str, str], Any]:
+    """Insert `new`'s dispatch rows (skipping any whose key or id got taken meanwhile) and the
+    events of those inserted, in one SAVEPOINT; the winners of the keys that got taken.
+
+    Raises (the SAVEPOINT rolled back): IdempotencyConflict, InvalidId, as `schedule_many`.
+    """
+    # Executemany: SQLAlchemy sends the rows as ONE multi-row INSERT ("insertmanyvalues", up to
+    # 1,000 rows a statement) from a statement compiled once and cached, where `.values(rows)`
+    # would compile a new statement of rows x columns parameters for every batch.
+    table = Dispatch.__table__
+    insert = _insert_for(session)(table).on_conflict_do_nothing().returning(table.c.dispatch_id)
+    with session.begin_nested():
+        inserted = set(session.scalars(insert, [_dispatch_row(p, now) for p in new]))
+        lost = [p for p in new if p.dispatch_id not in inserted]
+        # Another transaction committed the same key (or took a caller's id) since we read.
+        winners = _dispatches_by_key(session, {(p.tenancy_id, p.idempotency_key) for p in lost}) if lost else {}
+        for p in lost:
+            winner = winners.get((p.tenancy_id, p.idempotency_key))
+            if winner is None:
+                raise InvalidId(f"dispatch_id {p.dispatch_id} is already used by another request")
+            _repeat(winner, p)
+        events = [_event_row(p, now) for p in new if p.dispatch_id in inserted]
+        if events:  # RETURNING makes this one multi-row INSERT too, not an executemany
+            session.execute(sa.insert(CaseEvent.__table__).returning(CaseEvent.__table__.c.id), events)
+    return winners
+
+
+def _dispatch_row(p: _Prepared, now: datetime) -> dict[str, Any]:
+    return dict(
+        dispatch_id=p.dispatch_id,
+        case_id=p.case_id,
+        tenancy_id=p.tenancy_id,
+        capability=p.capability,
+        worker_name=p.worker_name,
+        idempotency_key=p.idempotency_key,
+        input=p.input,
+        state=DispatchState.SCHEDULED,
+        attempts=0,
+        created_at=now,
+        updated_at=now,
+    )
+
+
+def _event_row(p: _Prepared, now: datetime) -> dict[str, Any]:
+    payload = {
+        "capability": p.capability,
+        "worker_name": p.worker_name,
+        "idempotency_key": p.idempotency_key,
+        "input": p.input,
+    }
+    return dict(
+        case_id=p.case_id, dispatch_id=p.dispatch_id, type=EventType.WORKER_SCHEDULED.value, payload=payload, created_at=now
+    )
+
+
+def _dispatches_by_key(session: Session, keys: Collection[tuple[str, str]]) -> dict[tuple[str, str], Any]:
+    """The dispatches holding `keys` ((tenancy_id, idempotency_key)), as plain rows, by key."""
+    found: dict[tuple[str, str], Any] = {}
+    wanted = sorted(keys)
+    table = Dispatch.__table__
+    for start in range(0, len(wanted), QUERY_BATCH):
+        chunk = wanted[start : start + QUERY_BATCH]
+        query = sa.select(table).where(sa.tuple_(table.c.tenancy_id, table.c.idempotency_key).in_(chunk))
+        found.update({(row.tenancy_id, row.idempotency_key): row for row in session.execute(query)})
+    return found
+
+
+def _ids_in_use(session: Session, ids: list[str]) -> Iterator[str]:
+    return _by_ids(session, ids, session.scalars, _IDS_IN_USE)
+
+
+def _repeat(existing: Any, request: _Prepared) -> ScheduleResult:
+    """The result of a repeated request, if it is the same request as `existing`'s (a
+    dispatch row, or the batch's earlier request with the same key)."""
     differences = [
         name
         for name, same in (
-            ("case_id", existing.case_id == case_id),
-            ("capability", existing.capability == capability),
-            ("input", canonical_json(existing.input) == encoded_input),
+            ("case_id", existing.case_id == request.case_id),
+            ("capability", existing.capability == request.capability),
+            ("input", canonical_json(existing.input) == request.encoded_input),
         )
         if not same
     ]
@@ -213,10 +335,20 @@ def _repeat(existing: Dispatch, *, case_id: str, capability: str, encoded_input:
             f"idempotency key {existing.idempotency_key!r} was used for dispatch {existing.dispatch_id} "
             f"with a different {', '.join(differences)}"
         )
-    return ScheduleResult(dispatch_id=existing.dispatch_id, created=False, state=existing.state)
+    return ScheduleResult(dispatch_id=existing.dispatch_id, created=False, state=DispatchState(existing.state))
 
 
 # --- the Job's progress ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CreatedJob:
+    """Where a dispatch's Job was created, for `mark_created_many`."""
+
+    dispatch_id: str
+    job_name: str
+    namespace: str
+    attempt: int
 
 
 def mark_created(
@@ -228,37 +360,74 @@ def mark_created(
     attempt: int,
     now: datetime | None = None,
 ) -> bool:
-    """Record that the dispatch's Job exists: state CREATED, where it is, when it was created.
-
-    `attempts` becomes at least `attempt`. Repeating it (a retried create that adopted its
-    Job) is harmless. Returns False, changing nothing, if the dispatch is already terminal.
+    """Record that the dispatch's Job exists: `mark_created_many` for one; False, changing
+    nothing, if the dispatch is already terminal.
 
     Raises:
         UnknownDispatch
     """
+    return bool(mark_created_many(session, [CreatedJob(dispatch_id, job_name, namespace, attempt)], now=now))
+
+
+def mark_created_many(session: Session, jobs: Sequence[CreatedJob], *, now: datetime | None = None) -> set[str]:
+    """Record that the dispatches' Jobs exist: state CREATED, where each Job is, when it was
+    created; `attempts` becomes at least the Job's `attempt`.
+
+    Repeating it (a retried create that adopted its Job) is harmless. Returns the ids marked;
+    a dispatch that is terminal already is left unchanged (and not returned).
+
+    Raises:
+        UnknownDispatch: one of the dispatches does not exist.
+    """
     now = now or utcnow()
+    by_id = {job.dispatch_id: job for job in jobs}
+    if not by_id:
+        return set()
+    # One cached per-row UPDATE, executed many: the statement is compiled once per process,
+    # where a per-batch `case` of every row was compiled on every call.
     updated = session.execute(
-        sa.update(Dispatch)
+        _MARK_CREATED,
+        [
+            {"m_id": d, "m_job_name": job.job_name, "m_namespace": job.namespace, "m_attempt": job.attempt, "m_now": now}
+            for d, job in by_id.items()
+        ],
+    ).rowcount
+    if updated == len(by_id):  # one row per id at most (the primary key): all were marked
+        return set(by_id)
+    # Every CREATED row among the ids is one just updated: the UPDATE matched them all and
+    # holds their locks, and a terminal dispatch never goes back to CREATED.
+    marked = set(_by_ids(session, by_id, session.scalars, _CREATED_AMONG))
+    unmarked = by_id.keys() - marked
+    if unmarked:
+        missing = unmarked - set(_ids_in_use(session, sorted(unmarked)))
+        if missing:
+            raise UnknownDispatch(f"dispatch {sorted(missing)[0]!r} does not exist")
+    return marked
+
+
+def _mark_created_statement() -> sa.Update:
+    table = Dispatch.__table__
+    attempt = sa.bindparam("m_attempt", type_=table.c.attempts.type)
+    now = sa.bindparam("m_now", type_=table.c.updated_at.type)
+    return (
+        sa.update(table)
         .where(
-            Dispatch.dispatch_id == dispatch_id,
-            Dispatch.state.in_([DispatchState.SCHEDULED, DispatchState.CREATED]),
+            table.c.dispatch_id == sa.bindparam("m_id", type_=table.c.dispatch_id.type),
+            # not IN (...): its expanding parameter cannot be executed many
+            sa.or_(table.c.state == DispatchState.SCHEDULED, table.c.state == DispatchState.CREATED),
         )
         .values(
             state=DispatchState.CREATED,
-            job_name=job_name,
-            job_namespace=namespace,
+            job_name=sa.bindparam("m_job_name", type_=table.c.job_name.type),
+            job_namespace=sa.bindparam("m_namespace", type_=table.c.job_namespace.type),
             job_created_at=now,
-            attempts=sa.case((Dispatch.attempts < attempt, attempt), else_=Dispatch.attempts),
+            attempts=sa.case((table.c.attempts < attempt, attempt), else_=table.c.attempts),
             updated_at=now,
         )
-        .returning(Dispatch.dispatch_id)
-        .execution_options(synchronize_session="fetch")
-    ).scalar_one_or_none()
-    if updated is not None:
-        return True
-    if session.get(Dispatch, dispatch_id) is None:
-        raise UnknownDispatch(f"dispatch {dispatch_id!r} does not exist")
-    return False
+    )
+
+
+_MARK_CREATED = _mark_created_statement()
 
 
 def record_attempt(session: Session, dispatch_id: str, *, now: datetime | None = None) -> int:
@@ -374,13 +543,31 @@ def get_dispatch(session: Session, dispatch_id: str) -> Dispatch | None:
 
 def get_dispatches(session: Session, ids: Iterable[str]) -> dict[str, Dispatch]:
     """The dispatches among `ids` that exist, by id, read with a few IN (...) queries."""
+    return {row.dispatch_id: row for row in _by_ids(session, ids, session.scalars, _DISPATCHES)}
+
+
+def dispatch_rows(session: Session, ids: Iterable[str]) -> dict[str, sa.Row[Any]]:
+    """As `get_dispatches`, but plain read-only rows (the columns by name), not ORM objects:
+    several times cheaper to build for a sweep's pages of hundreds."""
+    return {row.dispatch_id: row for row in _by_ids(session, ids, session.execute, _DISPATCH_ROWS)}
+
+
+def _by_ids(session: Session, ids: Iterable[str], run: Any, query: sa.Select[Any]) -> Iterator[Any]:
+    """`query`'s rows among `ids`, QUERY_BATCH ids per IN (...); `query` is one of `_among_ids`'s,
+    built once per process, so SQLAlchemy reuses its cache key and compiled form."""
     wanted = sorted(set(ids))
-    found: dict[str, Dispatch] = {}
     for start in range(0, len(wanted), QUERY_BATCH):
-        chunk = wanted[start : start + QUERY_BATCH]
-        for dispatch in session.scalars(sa.select(Dispatch).where(Dispatch.dispatch_id.in_(chunk))):
-            found[dispatch.dispatch_id] = dispatch
-    return found
+        yield from run(query, {"ids": wanted[start : start + QUERY_BATCH]})
+
+
+def _among_ids(query: sa.Select[Any]) -> sa.Select[Any]:
+    return query.where(Dispatch.dispatch_id.in_(sa.bindparam("ids", expanding=True)))
+
+
+_IDS_IN_USE = _among_ids(sa.select(Dispatch.dispatch_id))
+_CREATED_AMONG = _among_ids(sa.select(Dispatch.dispatch_id).where(Dispatch.state == DispatchState.CREATED))
+_DISPATCHES = _among_ids(sa.select(Dispatch))
+_DISPATCH_ROWS = _among_ids(sa.select(Dispatch.__table__))
 
 
 def iter_dispatches(

@@ -1,16 +1,56 @@
-"""Which API calls clients made, as RBAC sees them: (API group, resource[/subresource], verb).
+"""Which API calls clients made: as RBAC sees them, and counted as a real API server counts them.
 
-Kept as a set, so it is cheap to record on every request; read through the authenticated
-`GET /localcluster/audit` endpoint. The project's test of its Role (deploy/rbac.yaml) compares
-this record against the Role's rules: a verb the code uses must be granted, and a granted
-verb the code never uses should not be.
+Two records, both cheap enough to keep on every request. The set of (API group,
+resource[/subresource], RBAC verb) triples, read through the authenticated
+`GET /localcluster/audit` endpoint: the project's test of its Role (deploy/rbac.yaml) compares it
+against the Role's rules. And `apiserver_request_total`, the kube-apiserver's request counter with
+its labels (verb as the server reports it: GET, LIST, WATCH, POST, PUT, PATCH, DELETE,
+DELETECOLLECTION; group, version, resource, subresource, scope, component, code), served as
+Prometheus text on `GET /metrics`: what the benchmarks read to count requests per Job.
 """
 
 from __future__ import annotations
 
+import functools
+from collections import Counter
+from typing import NamedTuple
+
 from localcluster.paths import Target
+from localcluster.resources import Resource
 
 Permission = tuple[str, str, str]  # (group, resource, verb), "" for the core group
+
+METRIC = "apiserver_request_total"
+COMPONENT = "apiserver"
+# The verb the server's metrics report for each RBAC verb (k8s.io/apiserver endpoints/metrics).
+METRIC_VERBS = {
+    "get": "GET",
+    "list": "LIST",
+    "watch": "WATCH",
+    "create": "POST",
+    "update": "PUT",
+    "patch": "PATCH",
+    "delete": "DELETE",
+    "deletecollection": "DELETECOLLECTION",
+}
+LABEL_NAMES = ("verb", "group", "version", "resource", "subresource", "scope", "component", "code")
+
+
+class RequestLabels(NamedTuple):
+    """The labels of one request in `apiserver_request_total`, but its response code."""
+
+    verb: str
+    group: str
+    version: str
+    resource: str
+    subresource: str
+    scope: str  # resource (one named object, or a create), namespace, cluster
+
+
+class RequestCount(NamedTuple):
+    labels: RequestLabels
+    code: int
+    count: int
 
 
 def verb(method: str, target: Target, *, watch: bool) -> str:
@@ -35,17 +75,73 @@ def permission(method: str, target: Target, *, watch: bool) -> Permission:
     return (target.resource.group, resource, verb(method, target, watch=watch))
 
 
+def scope(method: str, target: Target) -> str:
+    """As the server's route installer sets it: a named object or a create is "resource", a
+    collection in one namespace "namespace", any other collection "cluster"."""
+    if target.name is not None or method == "POST":
+        return "resource"
+    return "namespace" if target.namespace is not None else "cluster"
+
+
+def request_labels(method: str, target: Target, *, watch: bool) -> RequestLabels:
+    rbac_verb = verb(method, target, watch=watch)
+    resource = target.resource
+    return RequestLabels(
+        verb=METRIC_VERBS.get(rbac_verb, method.upper()),
+        group=resource.group,
+        version=resource.version,
+        resource=resource.plural,
+        subresource=target.subresource or "",
+        scope=scope(method, target),
+    )
+
+
+@functools.lru_cache(maxsize=512)
+def _classified(
+    method: str, resource: Resource, in_namespace: bool, named: bool, subresource: str | None, watch: bool
+) -> tuple[Permission, RequestLabels]:
+    """Both records' keys for a kind of request (a few dozen kinds: cached, so the hook stays cheap)."""
+    target = Target(resource, "" if in_namespace else None, "" if named else None, subresource, False)
+    return permission(method, target, watch=watch), request_labels(method, target, watch=watch)
+
+
 class Audit:
-    """The set of permissions exercised so far; `clear()` starts a new record."""
+    """The permissions exercised (`clear()` starts a new record) and the request counters (never
+    reset: Prometheus counters only grow, readers take differences)."""
 
     def __init__(self) -> None:
         self._seen: set[Permission] = set()
+        self._requests: Counter[tuple[RequestLabels, int]] = Counter()
 
-    def record(self, entry: Permission) -> None:
+    def record(self, method: str, target: Target, *, watch: bool) -> RequestLabels:
+        """Note a request's permission as it arrives; its labels, for `count` once it is answered."""
+        entry, labels = _classified(
+            method, target.resource, target.namespace is not None, target.name is not None, target.subresource, watch
+        )
         self._seen.add(entry)
+        return labels
+
+    def count(self, labels: RequestLabels, code: int) -> None:
+        self._requests[(labels, code)] += 1
 
     def seen(self) -> list[Permission]:
         return sorted(self._seen)
 
     def clear(self) -> None:
         self._seen.clear()
+
+    def request_counts(self) -> list[RequestCount]:
+        return [RequestCount(labels, code, n) for (labels, code), n in sorted(self._requests.items())]
+
+    def metrics_text(self) -> str:
+        """The counters in the Prometheus text format (version 0.0.4), as /metrics serves them."""
+        lines = [
+            f"# HELP {METRIC} [STABLE] Counter of apiserver requests broken out for each verb, group, version, "
+            "resource, scope, component, and HTTP response code.",
+            f"# TYPE {METRIC} counter",
+        ]
+        for labels, code, n in self.request_counts():
+            values = (*labels, COMPONENT, str(code))
+            text = ",".join(f'{name}="{value}"' for name, value in zip(LABEL_NAMES, values))
+            lines.append(f"{METRIC}{{{text}}} {n}")
+        return "\n".join(lines) + "\n"

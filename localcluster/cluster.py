@@ -22,6 +22,7 @@ from aiohttp import web
 
 from localcluster import kubeconfig as kubeconfig_file
 from localcluster import tls
+from localcluster.audit import RequestCount
 from localcluster.core import ClusterCore
 from localcluster.server import build_app
 
@@ -231,6 +232,10 @@ class LocalCluster:
             return seen
 
         return self.call(read)
+
+    def request_counts(self) -> list[RequestCount]:
+        """`apiserver_request_total` so far: (labels, response code, count) rows (see localcluster/audit.py)."""
+        return self.call(lambda core: core.audit.request_counts())
 
     def set_faults(self, rate: float, latency_ms: int) -> None:
         """Change fault injection at runtime (raises ValueError for out-of-range values)."""

@@ -10,6 +10,7 @@ It also releases the tracking finalizer of finished Pods whose Job is gone (orph
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from typing import Any
 
 from localcluster.apierrors import ApiError
@@ -54,13 +55,17 @@ def pod_from_template(job: Entry) -> dict[str, Any]:
 
 class JobController:
     def __init__(self, registry: Registry, *, loop: asyncio.AbstractEventLoop, backoff_base: float = 0.1,
-                 backoff_max: float = 10.0, coalesce: float = 0.002) -> None:
+                 backoff_max: float = 10.0, coalesce: float = 0.002, pod_batch: float = 0.05) -> None:
         self.registry = registry
         self.store = registry.store
         self._loop = loop
         self._backoff_base = backoff_base
         self._backoff_max = backoff_max
-        self._dirty: dict[Key, None] = {}
+        self._dirty: dict[Key, None] = {}  # to sync at the next drain
+        self._batched: dict[Key, float] = {}  # to sync at the loop time given (Pod events)
+        self._batch_queue: deque[tuple[float, Key]] = deque()  # the same, in due order
+        self._batch_timer: asyncio.TimerHandle | None = None
+        self._pod_batch = pod_batch
         self._orphans: dict[Key, None] = {}
         self._scheduled = False
         self._timers: dict[Key, tuple[float, asyncio.TimerHandle]] = {}
@@ -96,15 +101,44 @@ class JobController:
         if ref is not None and ref.get("kind") == "Job":
             job = self.store.get(JOBS, pod.namespace, ref.get("name", ""))
             if job is not None and job.uid == ref.get("uid"):
-                self._mark((pod.namespace, job.name))
+                self._mark_batched((pod.namespace, job.name))
                 return
         if TRACKING_FINALIZER in (pod.meta.get("finalizers") or []):
             self._orphans[(pod.namespace, pod.name)] = None
             self._schedule()
 
     def _mark(self, key: Key) -> None:
+        self._batched.pop(key, None)
         self._dirty[key] = None
         self._schedule()
+
+    def _mark_batched(self, key: Key) -> None:
+        """Sync `key` one batch period from now, unless a sync is already due sooner."""
+        if key in self._dirty or key in self._batched:
+            return
+        if self._pod_batch <= 0:
+            self._mark(key)
+            return
+        due = self._loop.time() + self._pod_batch
+        self._batched[key] = due
+        self._batch_queue.append((due, key))
+        if self._batch_timer is None:
+            self._batch_timer = self._loop.call_at(due, self._release)
+
+    def _release(self) -> None:
+        """Move the batched Jobs whose time has come to the next drain."""
+        self._batch_timer = None
+        t = self._loop.time()
+        queue = self._batch_queue
+        while queue and queue[0][0] <= t:
+            due, key = queue.popleft()
+            if self._batched.get(key) == due:
+                del self._batched[key]
+                self._dirty[key] = None
+        if self._dirty:
+            self._schedule()
+        if queue:
+            self._batch_timer = self._loop.call_at(queue[0][0], self._release)
 
     def _schedule(self) -> None:
         if not self._scheduled:
@@ -137,6 +171,7 @@ class JobController:
             self._schedule()
 
     def _forget(self, key: Key, uid: str) -> None:
+        self._batched.pop(key, None)
         for table in (self._start_at, self._finished_at, self._last_failure):
             table.pop(uid, None)
         timer = self._timers.pop(key, None)
@@ -211,8 +246,10 @@ class JobController:
                 self._forget(key, job.uid)
         if plan.requeue_at is not None:
             self._requeue(key, plan.requeue_at)
-        if plan.finished:
-            self._mark(key)  # the finished Job's own sync (TTL) follows; our write's event is not heard
+        elif key in self._timers:
+            self._timers.pop(key)[1].cancel()  # nothing left to look at later (a finished Job without TTL)
+        if plan.finished and (job.obj.get("spec") or {}).get("ttlSecondsAfterFinished") is not None:
+            self._mark(key)  # the finished Job's TTL sync follows; our write's event is not heard
 
     def _delete_pod(self, namespace: str, name: str, uid: str) -> None:
         try:
@@ -239,3 +276,6 @@ class JobController:
         for _, handle in self._timers.values():
             handle.cancel()
         self._timers.clear()
+        if self._batch_timer is not None:
+            self._batch_timer.cancel()
+            self._batch_timer = None

@@ -31,7 +31,8 @@ def default_max_running() -> int:
 class ClusterCore:
     def __init__(self, *, loop: asyncio.AbstractEventLoop, mode: str = "exec", state_path: Path | None = None,
                  fault_rate: float = 0.0, latency_ms: int = 0, max_running: int | None = None,
-                 retry_backoff: float = 0.1, event_log_size: int = 50_000, persist_debounce: float = 0.1) -> None:
+                 retry_backoff: float = 0.1, event_log_size: int = 50_000, persist_debounce: float = 0.1,
+                 pod_batch: float = 0.05) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.loop = loop
@@ -56,7 +57,7 @@ class ClusterCore:
         else:
             runner = SimRunner(self, loop=loop)
         self.kubelet = Kubelet(self.registry, runner, loop=loop)
-        self.controller = JobController(self.registry, loop=loop, backoff_base=retry_backoff)
+        self.controller = JobController(self.registry, loop=loop, backoff_base=retry_backoff, pod_batch=pod_batch)
         self.gc = GarbageCollector(self.registry, loop=loop)
         self.persister = (
             persist.Persister(self.store, self.state_path, loop=loop, debounce=persist_debounce)

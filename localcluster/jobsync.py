@@ -124,8 +124,9 @@ def plan_job(job: dict[str, Any], pods: list[PodView], now: float, *, start_at: 
     active = [p for p in pods if p.active]
     terminating = [p for p in pods if p.terminating]
 
-    def write_counts(active_pods: list[PodView]) -> None:
-        for key, value in (("active", len(active_pods)), ("succeeded", succeeded), ("failed", failed)):
+    def write_counts(active_pods: list[PodView], created: int = 0) -> None:
+        # as manageJob does, Pods this sync creates count as active at once (not yet as ready)
+        for key, value in (("active", len(active_pods) + created), ("succeeded", succeeded), ("failed", failed)):
             if value:
                 status[key] = value
             else:
@@ -223,5 +224,5 @@ def plan_job(job: dict[str, Any], pods: list[PodView], now: float, *, start_at: 
         plan.create = need
     elif need < 0:
         plan.delete = sorted(active, key=lambda p: p.created, reverse=True)[:-need]
-    write_counts(active)
+    write_counts(active, plan.create)
     return plan

@@ -51,6 +51,7 @@ class Kubelet:
         self._by_key: dict[Key, str] = {}
         self._dirty: dict[Key, None] = {}
         self._scheduled = False
+        self._writing = False
         self.store.subscribe(self._on_event)
 
     def start(self) -> None:
@@ -63,11 +64,12 @@ class Kubelet:
     def _on_event(self, event: Event) -> None:
         if event.entry.resource is not PODS:
             return
-        key = (event.entry.namespace, event.entry.name)
         if event.type == DELETED:
             self._loop.call_soon(self._forget, event.entry.uid)
             return
-        self._mark(key)
+        if self._writing:
+            return  # our own status report: what it changed is already in hand
+        self._mark((event.entry.namespace, event.entry.name))
 
     def _mark(self, key: Key) -> None:
         self._dirty[key] = None
@@ -148,7 +150,7 @@ class Kubelet:
             self._arm_deadline(run, bound)
         else:
             status = podstatus.waiting(bound, now())
-        self.registry.write(entry, {**bound, "status": status})
+        self._store(entry, {**bound, "status": status})
 
     def _recover(self, entry: Entry) -> None:
         """A pod bound to this node before a restart: resume a simulated container; a process is gone."""
@@ -166,7 +168,7 @@ class Kubelet:
                     started_at = None
             run.started_at = self.runner.start(entry.uid, obj, started_at=started_at)
             if "running" not in state:
-                self.registry.write(entry, {**obj, "status": podstatus.running(obj, run.started_at, container_id=self.runner.container_id(entry.uid))})
+                self._write(entry, podstatus.running(obj, run.started_at, container_id=self.runner.container_id(entry.uid)))
             self._arm_deadline(run, obj)
             return
         result = ContainerResult(137, "ContainerStatusUnknown", LOST_MESSAGE, None, now())
@@ -193,7 +195,14 @@ class Kubelet:
         self.runner.stop(uid, 0)
 
     def _write(self, entry: Entry, status: dict[str, Any]) -> None:
-        self.registry.write(entry, {**entry.obj, "status": status})
+        self._store(entry, {**entry.obj, "status": status})
+
+    def _store(self, entry: Entry, obj: dict[str, Any]) -> None:
+        self._writing = True
+        try:
+            self.registry.write(entry, obj)
+        finally:
+            self._writing = False
 
     def _current(self, run: _PodRun) -> Entry | None:
         entry = self.store.get(PODS, *run.key)

@@ -7,9 +7,8 @@ Both the HTTP handlers and the in-process controllers write through here.
 
 from __future__ import annotations
 
-import json
+import os
 import random
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,6 +70,12 @@ def should_vanish(resource: Resource, obj: dict[str, Any]) -> bool:
     if resource is NAMESPACES:
         return not (obj.get("spec") or {}).get("finalizers")
     return True
+
+
+def new_uid() -> str:
+    """A random (version 4) UUID as text, as str(uuid.uuid4()) without building a UUID object."""
+    h = os.urandom(16).hex()
+    return f"{h[:8]}-{h[8:12]}-4{h[13:16]}-{'89ab'[int(h[16], 16) & 3]}{h[17:20]}-{h[20:]}"
 
 
 def _random_suffix(n: int = 5) -> str:
@@ -157,7 +162,7 @@ class Registry:
                 meta["name"] = meta["generateName"][:MAX_GENERATED_BASE] + _random_suffix()
                 if self.store.get(resource, meta.get("namespace", ""), meta["name"]) is None:
                     break
-        uid = str(uuid.uuid4())
+        uid = new_uid()
         for k in ("deletionTimestamp", "deletionGracePeriodSeconds", "managedFields", "selfLink"):
             meta.pop(k, None)
         meta["uid"] = uid
@@ -260,7 +265,7 @@ class Registry:
                     meta[k] = old.meta[k]
                 else:
                     meta.pop(k, None)
-            if resource is JOBS and json.dumps(old.obj.get("spec"), sort_keys=True) != json.dumps(obj.get("spec"), sort_keys=True):
+            if resource is JOBS and old.obj.get("spec") != obj.get("spec"):
                 meta["generation"] = old.meta.get("generation", 1) + 1
             obj["metadata"] = meta
             if resource is NAMESPACES:

@@ -147,9 +147,13 @@ def _walk(value: Any, t: T, path: list[str], struct_name: str, unknown: list[str
             if ft is None:
                 unknown.append(".".join([*path, k]))
                 continue
-            if ft is S:  # the common case, inline
+            # the common cases inline: strings, untyped values, well-formed string maps
+            if ft is S:
                 if v is not None and type(v) is not str:
                     errors.append(_error(t.struct or "", [*path, k], v, "string"))
+                out[k] = v
+                continue
+            if v is None or ft is ANY or (ft is MAP_S and type(v) is dict and all(type(x) is str for x in v.values())):
                 out[k] = v
                 continue
             path.append(k)

@@ -22,16 +22,19 @@ from localcluster.paging import Page
 from localcluster.registry import PATCH_TYPES, DeleteOptions, DeleteResult, is_terminal_pod
 from localcluster.resources import PODS, Resource
 from localcluster.selectors import SelectorError, fields_match, parse_field_selector, parse_label_selector
-from localcluster.store import ADDED, Entry, Gone, dumps
+from localcluster.store import ADDED, Entry, Gone, dumps, loads
 from localcluster.timestamps import now
 
 PUBLIC_PATHS = frozenset({"/healthz", "/livez", "/readyz", "/version", "/version/"})
-NO_FAULT_PATHS = frozenset({"/healthz", "/livez", "/readyz"})
+NO_FAULT_PATHS = frozenset({"/healthz", "/livez", "/readyz", "/metrics"})
 JSON = "application/json"
 DEFAULT_WATCH_TIMEOUT = 1800
 BOOKMARK_INTERVAL = 5.0
 FAULTS_PATH = "/localcluster/faults"
 AUDIT_PATH = "/localcluster/audit"
+METRICS_PATH = "/metrics"
+# set on each resource request, counted once answered
+REQUEST_LABELS = web.RequestKey("request_labels", audit.RequestLabels)
 
 CORE_KEY = web.AppKey("core", ClusterCore)
 TOKEN_KEY = web.AppKey("token", str)
@@ -92,10 +95,17 @@ async def api_middleware(request: web.Request, handler: Any) -> web.StreamRespon
                 await asyncio.sleep(core.faults.latency_ms / 1000.0)
             fault = core.faults.draw()
             if fault is not None:
+                target = paths.parse(path)
+                if target is not None:  # an injected error is counted as any other answer
+                    request[REQUEST_LABELS] = audit.request_labels(request.method, target, watch=_watching(request, target))
                 raise fault
-        return await handler(request)
+        response = await handler(request)
     except ApiError as e:
-        return error_response(e)
+        response = error_response(e)
+    labels = request.get(REQUEST_LABELS)
+    if labels is not None:
+        core.audit.count(labels, response.status)
+    return response
 
 
 # --- discovery and health ---------------------------------------------------------------
@@ -131,6 +141,12 @@ async def faults_endpoint(request: web.Request) -> web.Response:
     return _response(dumps({"rate": core.faults.rate, "latency_ms": core.faults.latency_ms, "injected": core.faults.injected}))
 
 
+async def metrics_endpoint(request: web.Request) -> web.Response:
+    """`apiserver_request_total` in the Prometheus text format (what `kubectl get --raw /metrics` reads)."""
+    text = request.app[CORE_KEY].audit.metrics_text()
+    return web.Response(text=text, content_type="text/plain", charset="utf-8", headers={"X-Content-Type-Options": "nosniff"})
+
+
 async def audit_endpoint(request: web.Request) -> web.Response:
     """GET: the (group, resource, verb) triples requested so far; DELETE: start afresh."""
     core = request.app[CORE_KEY]
@@ -152,7 +168,7 @@ async def _read_body(request: web.Request) -> Any:
     try:
         if "yaml" in ctype:
             return yaml.safe_load(raw)
-        return json.loads(raw)
+        return loads(raw)
     except (ValueError, yaml.YAMLError) as e:
         raise apierrors.bad_request(f"the body of the request could not be decoded: {e}") from e
 
@@ -209,8 +225,8 @@ async def resource_handler(request: web.Request) -> web.StreamResponse:
     core = request.app[CORE_KEY]
     method = request.method
     query = request.query
-    watching = target.watch_path or (method == "GET" and _truthy(query.get("watch")) and target.subresource is None)
-    core.audit.record(audit.permission(method, target, watch=watching))
+    watching = _watching(request, target)
+    request[REQUEST_LABELS] = core.audit.record(method, target, watch=watching)
     if watching:
         if method != "GET":
             raise apierrors.method_not_allowed()
@@ -252,6 +268,12 @@ async def resource_handler(request: web.Request) -> web.StreamResponse:
         result = core.registry.delete(target.resource, ns, target.name, options)
         return _delete_response(request, core, result)
     raise apierrors.method_not_allowed()
+
+
+def _watching(request: web.Request, target: paths.Target) -> bool:
+    return target.watch_path or (
+        request.method == "GET" and _truthy(request.query.get("watch")) and target.subresource is None
+    )
 
 
 def _object_response(request: web.Request, core: ClusterCore, resource: Resource, entry: Entry, *,
@@ -525,6 +547,7 @@ def build_app(core: ClusterCore, token: str) -> web.Application:
     app.router.add_get("/openapi/v3/{path:.+}", openapi_document)
     app.router.add_route("*", FAULTS_PATH, faults_endpoint)
     app.router.add_route("*", AUDIT_PATH, audit_endpoint)
+    app.router.add_get(METRICS_PATH, metrics_endpoint)
 
     async def on_shutdown(app: web.Application) -> None:
         app[CORE_KEY].store.close_watchers()

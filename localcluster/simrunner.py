@@ -10,11 +10,11 @@ default {"simulated":true,"input":<parsed K8S_DISPATCH_INPUT or null>}).
 from __future__ import annotations
 
 import asyncio
-import json
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from localcluster.podstatus import ContainerResult
+from localcluster.store import dumps, loads
 from localcluster.timestamps import now
 
 PREFIX = "localcluster.k8s-dispatch.io/"
@@ -66,10 +66,10 @@ def plan(pod: dict[str, Any]) -> Plan:
                 if var.get("name") == INPUT_ENV and "value" in var:
                     raw = var["value"]
         try:
-            parsed = json.loads(raw) if raw is not None else None
+            parsed = loads(raw) if raw is not None else None
         except ValueError:
             parsed = raw
-        message = json.dumps({"simulated": True, "input": parsed}, separators=(",", ":"))
+        message = dumps({"simulated": True, "input": parsed}).decode()
     return Plan(duration, outcome, exit_code, message.encode()[:MAX_MESSAGE].decode(errors="ignore"))
 
 

@@ -10,7 +10,8 @@ import json
 import re
 from typing import Any
 
-from engine.names import is_dns1123_label, is_dns1123_subdomain, is_label_value
+from engine.names import is_dns1123_label, is_dns1123_subdomain
+from engine.names import is_label_value as _is_label_value
 from engine.names import is_qualified_name as _is_qualified_name
 from localcluster.apierrors import (
     FieldError,
@@ -47,6 +48,7 @@ QUALIFIED_NAME_MSG = (
     "(e.g. 'example.com/MyName')"
 )
 is_qualified_name = functools.lru_cache(maxsize=8192)(_is_qualified_name)  # the same keys come back all the time
+is_label_value = functools.lru_cache(maxsize=8192)(_is_label_value)  # a Job's labels come back on its template
 _ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
 RESTART_POLICIES = ["Always", "OnFailure", "Never"]
 JOB_RESTART_POLICIES = ["OnFailure", "Never"]

@@ -4,12 +4,16 @@ Plain functions of a `Runtime` and ids, called by the Celery tasks and, inline, 
 recovery sweep: a completion after a restart takes exactly the path a normal one does. Each
 step is idempotent (deterministic Job names, a guarded completion, a unique terminal event),
 so any of them may run twice, concurrently, or again after a crash at any line.
+
+Completions come in batches of Jobs as poll's LIST read them: per Job, one patch (our
+finalizer off, the delivered label on); per batch, one Pod LIST and one bulk delete.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
@@ -42,6 +46,8 @@ from workers.manifest import FINALIZER, build_job, job_name
 log = logging.getLogger(__name__)
 
 JOB_NAME_LABEL = "batch.kubernetes.io/job-name"  # set by the Job controller on the Job's Pods
+# Job names per `job-name in (...)` Pod selector: 100 names of 39 characters make ~4 KB.
+SELECTOR_CHUNK = 100
 CANCELLED_REASON = "Cancelled"
 
 
@@ -66,9 +72,14 @@ class CompleteOutcome(StrEnum):
 
 def load_record(rt: Runtime, dispatch_id: str) -> DispatchRecord | None:
     """The dispatch's row as a snapshot, or None if there is no such dispatch."""
+    return load_records(rt, [dispatch_id]).get(dispatch_id)
+
+
+def load_records(rt: Runtime, dispatch_ids: Sequence[str]) -> dict[str, DispatchRecord]:
+    """Snapshots of the dispatches among `dispatch_ids` that exist, by id: one query (per
+    QUERY_BATCH ids) of plain rows, no ORM objects."""
     with transaction(rt.sessions) as session:
-        row = store.get_dispatch(session, dispatch_id)
-        return DispatchRecord.from_row(row) if row is not None else None
+        return {d: DispatchRecord.from_row(row) for d, row in store.dispatch_rows(session, dispatch_ids).items()}
 
 
 def job_location(rt: Runtime, record: DispatchRecord) -> tuple[str, str]:
@@ -86,25 +97,66 @@ def job_location(rt: Runtime, record: DispatchRecord) -> tuple[str, str]:
 
 
 def create_job_for(rt: Runtime, dispatch_id: str) -> CreateOutcome:
-    """Create the dispatch's Job (attempt = the row's `attempts`), or adopt the one there.
+    """Create the dispatch's Job (attempt = the row's `attempts`), or adopt the one there:
+    `create_jobs_for` for one dispatch.
 
     Raises:
         InvalidId: `dispatch_id` is not a UUID.
         UnknownDispatch: no such dispatch.
         Transient: the API, database or broker is unavailable; the same call may be retried.
     """
-    store.check_dispatch_id(dispatch_id)
-    record = load_record(rt, dispatch_id)
-    if record is None:
+    outcome = create_jobs_for(rt, [dispatch_id]).get(dispatch_id)
+    if outcome is None:
         raise UnknownDispatch(f"dispatch {dispatch_id} does not exist")
+    return outcome
+
+
+def create_jobs_for(rt: Runtime, dispatch_ids: Sequence[str]) -> dict[str, CreateOutcome]:
+    """Create the dispatches' Jobs (or adopt those there), one after the other: the rows read
+    with one query, the created Jobs marked with one transaction. An outcome per dispatch, by
+    id; an id with no dispatch is logged and left out.
+
+    Per Job as for one: a terminal dispatch is skipped, a Job that exists is adopted (if its
+    labels say it is this dispatch's), a permanent refusal fails that dispatch only. A
+    Transient error stops the batch, but the Jobs created before it are marked first; the
+    retry runs the whole batch again, and adopts those (AlreadyExists).
+
+    Raises:
+        InvalidId: one of `dispatch_ids` is not a UUID (before anything is done).
+        Transient: the API, database or broker is unavailable; the same call may be retried.
+    """
+    ids = [store.check_dispatch_id(d) for d in dict.fromkeys(dispatch_ids)]
+    records = load_records(rt, ids)
+    outcomes: dict[str, CreateOutcome] = {}
+    made: list[tuple[DispatchRecord, CreateOutcome, str, str]] = []
+    try:
+        for dispatch_id in ids:
+            record = records.get(dispatch_id)
+            if record is None:
+                log.warning("no dispatch %s: no Job to create", dispatch_id)
+                continue
+            outcome, where = _create(rt, record)
+            outcomes[dispatch_id] = outcome
+            if where is not None:
+                made.append((record, outcome, *where))
+    except Transient:
+        _mark_created(rt, made)
+        raise
+    _mark_created(rt, made)
+    return outcomes
+
+
+def _create(rt: Runtime, record: DispatchRecord) -> tuple[CreateOutcome, tuple[str, str] | None]:
+    """Create (or adopt) one dispatch's Job; the outcome, and where the Job is if it is to be
+    marked created."""
     if record.terminal:
-        return CreateOutcome.SKIPPED
+        return CreateOutcome.SKIPPED, None
     try:
         spec = rt.resolver.spec(record.capability)
         body = build_job(record.ref, input=record.input, spec=spec, namespace=rt.settings.namespace, attempt=record.attempts)
     except (UnknownCapability, InvalidManifest, InvalidInput) as e:
         # The config changed since scheduling, or the row holds what no Job can carry.
-        return _fail(rt, record, e)
+        return _fail(rt, record, e), None
     namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
 
     crashpoint(Point.BEFORE_JOB_CREATE)
@@ -114,21 +166,29 @@ def create_job_for(rt: Runtime, dispatch_id: str) -> CreateOutcome:
     except AlreadyExists:
         outcome = _adopt(rt, record, namespace=namespace, name=name)
         if outcome is CreateOutcome.FAILED:
-            return outcome
+            return outcome, None
     except (ApiRejected, InvalidManifest, NotFound) as e:
         # 400/403/422 (and 404: the namespace does not exist): the API's reason and message.
-        return _fail(rt, record, e)
+        return _fail(rt, record, e), None
     crashpoint(Point.AFTER_JOB_CREATE)
+    return outcome, (namespace, name)
 
+
+def _mark_created(rt: Runtime, made: list[tuple[DispatchRecord, CreateOutcome, str, str]]) -> None:
+    """Mark the dispatches whose Jobs exist as CREATED, in one transaction; delete the Jobs of
+    those that ended (were cancelled) meanwhile."""
+    if not made:
+        return
+    jobs = [store.CreatedJob(record.dispatch_id, name, namespace, record.attempts) for record, _, namespace, name in made]
     with transaction(rt.sessions) as session:
-        marked = store.mark_created(session, dispatch_id, job_name=name, namespace=namespace, attempt=record.attempts)
-    if marked and (record.state is DispatchState.SCHEDULED or outcome is CreateOutcome.CREATED):
-        statelog.dispatch_changed(record, DispatchState.CREATED, job=f"{namespace}/{name}", attempt=record.attempts)
-    if not marked:
-        # Ended (cancelled) while we were creating: the Job is not wanted, and nothing else
-        # would delete a Job that is still running.
-        cleanup_job(rt, namespace, name)
-    return outcome
+        marked = store.mark_created_many(session, jobs)
+    for record, outcome, namespace, name in made:
+        if record.dispatch_id not in marked:
+            # Ended (cancelled) while we were creating: the Job is not wanted, and nothing else
+            # would delete a Job that is still running.
+            cleanup_job(rt, namespace, name)
+        elif record.state is DispatchState.SCHEDULED or outcome is CreateOutcome.CREATED:
+            statelog.dispatch_changed(record, DispatchState.CREATED, job=f"{namespace}/{name}", attempt=record.attempts)
 
 
 def _adopt(rt: Runtime, record: DispatchRecord, *, namespace: str, name: str) -> CreateOutcome:
@@ -156,26 +216,79 @@ def _fail(rt: Runtime, record: DispatchRecord, error: Permanent) -> CreateOutcom
 # --- complete ---------------------------------------------------------------------------
 
 
-def complete_job(rt: Runtime, namespace: str, name: str) -> CompleteOutcome:
-    """Deliver a finished Job's result: the one completion path, normal or after a restart.
-
-    Rebuilds the context from the Job's labels and the DB (refusing any disagreement), claims
-    the guard, reads the result from the Job's Pods, writes the terminal event in its own
-    transaction, notifies the engine if this call won, then removes our finalizer and deletes
-    the Job.
+def complete_job(
+    rt: Runtime, namespace: str, name: str, *, snapshot: Mapping[str, Any] | None = None, delete: bool = True
+) -> CompleteOutcome:
+    """Deliver one finished Job's result: `complete_jobs` for the Job as `snapshot` shows it,
+    or else as a GET reads it now. The path of single calls and of the sweep.
 
     Raises:
         Transient: the API, database or Redis is unavailable; the same call may be retried.
     """
-    try:
-        job = rt.kube.get_job(namespace, name)
-    except NotFound:
-        return CompleteOutcome.GONE
+    if snapshot is None:
+        try:
+            snapshot = rt.kube.get_job(namespace, name)
+        except NotFound:
+            return CompleteOutcome.GONE
+    done = complete_jobs(rt, namespace, [snapshot], delete=delete)
+    if done.error is not None:
+        raise done.error
+    return done.outcomes[0]
+
+
+@dataclass(frozen=True)
+class Completed:
+    """What `complete_jobs` did: an outcome per Job dealt with (in order), and the Jobs left
+    because a Transient error stopped the batch (`error`), to be tried again."""
+
+    outcomes: list[CompleteOutcome]
+    unavailable: list[Mapping[str, Any]] = field(default_factory=list)
+    error: Transient | None = None
+
+
+def complete_jobs(
+    rt: Runtime, namespace: str, jobs: Sequence[Mapping[str, Any]], *, delete: bool = True
+) -> Completed:
+    """Deliver finished Jobs of one namespace as a LIST (or a GET) read them: the one completion path.
+
+    A LIST's snapshot is as good as a fresh read here: a finished Job's status is final
+    (Complete and Failed never revert, a deletion is never undone), and the clean-up patch
+    `test`s the snapshot's uid, so a Job re-created under the same name since is never
+    touched. The Pods of all the Jobs are read on first need, with one LIST per chunk of
+    names. Each Job then goes through `_deliver`, in order; the first Transient error stops
+    the batch (the rest are returned as `unavailable`, to be tried again). With `delete`, ONE
+    bulk delete (deletecollection) then removes every delivered Job of the namespace; a
+    caller that makes many calls passes False and calls `delete_delivered` once. A bulk delete
+    that fails is only logged: the next one, or the sweep's, removes those Jobs.
+    """
+    pods = _PodsOf(rt, namespace, [_name(job) for job in jobs if job_state(job).terminal])
+    outcomes: list[CompleteOutcome] = []
+    for index, job in enumerate(jobs):
+        try:
+            outcomes.append(_deliver(rt, job, pods))
+        except Transient as e:
+            log.warning("completing jobs in %s stopped at %s (%s); %d left to retry", namespace, _name(job), e, len(jobs) - index)
+            done = Completed(outcomes, unavailable=list(jobs[index:]), error=e)
+            break
+    else:
+        done = Completed(outcomes)
+    if delete and any(o in (CompleteOutcome.COMPLETED, CompleteOutcome.ALREADY_TERMINAL) for o in outcomes):
+        try:
+            delete_delivered(rt, namespace)
+        except Transient as e:
+            log.warning("bulk delete of delivered jobs in %s failed (%s); the next one removes them", namespace, e)
+    return done
+
+
+def _deliver(rt: Runtime, job: Mapping[str, Any], pods: _PodsOf) -> CompleteOutcome:
+    """Rebuild the context from the Job's labels and the DB (refusing any disagreement), claim
+    the guard, compute the result from the Job's Pods, write the terminal event in its own
+    transaction, notify the engine if this call won, then release the Job (`release_job`)."""
     context = _context(rt, job)
     if context is None:
         return CompleteOutcome.REFUSED
     if context.record.terminal:
-        cleanup_job(rt, namespace, name)
+        release_job(rt, context.namespace, context.job_name, snapshot=job)
         return CompleteOutcome.ALREADY_TERMINAL
     if not job_state(job).terminal:
         return CompleteOutcome.RUNNING
@@ -184,8 +297,7 @@ def complete_job(rt: Runtime, namespace: str, name: str) -> CompleteOutcome:
     if claim is None:
         return CompleteOutcome.CLAIMED_ELSEWHERE
     try:
-        pods = rt.kube.list_pods(namespace, label_selector=f"{JOB_NAME_LABEL}={name}")
-        done = completion(job, pods)
+        done = completion(job, pods.of(context.job_name))
         if done is None:  # not terminal after all (the same rule as job_state): poll again later
             return CompleteOutcome.RUNNING
         event, payload = terminal_event(done)
@@ -199,10 +311,53 @@ def complete_job(rt: Runtime, namespace: str, name: str) -> CompleteOutcome:
             notify_engine(rt, context.dispatch_id)
         else:
             METRICS.duplicate_prevented(by="database")
-        cleanup_job(rt, namespace, name)
+        release_job(rt, context.namespace, context.job_name, snapshot=job)
     finally:
         rt.guard.release(claim)
     return CompleteOutcome.COMPLETED if won else CompleteOutcome.ALREADY_TERMINAL
+
+
+class _PodsOf:
+    """The Pods of some Jobs of one namespace, listed on first need with one
+    `job-name in (...)` LIST per chunk of names, then handed out by Job name."""
+
+    def __init__(self, rt: Runtime, namespace: str, names: Sequence[str]) -> None:
+        self._rt, self._namespace, self._names = rt, namespace, sorted(set(names))
+        self._by_job: dict[str, list[dict[str, Any]]] | None = None
+
+    def of(self, name: str) -> list[dict[str, Any]]:
+        if self._by_job is None:
+            self._by_job = self._list(self._names)
+        return self._by_job.get(name, [])
+
+    def _list(self, names: Sequence[str]) -> dict[str, list[dict[str, Any]]]:
+        by_job: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+        for start in range(0, len(names), SELECTOR_CHUNK):
+            chunk = names[start : start + SELECTOR_CHUNK]
+            selector = f"{JOB_NAME_LABEL} in ({','.join(chunk)})" if len(chunk) > 1 else f"{JOB_NAME_LABEL}={chunk[0]}"
+            for pod in self._rt.kube.list_pods(self._namespace, label_selector=selector):
+                owner = ((pod.get("metadata") or {}).get("labels") or {}).get(JOB_NAME_LABEL)
+                if owner in by_job:
+                    by_job[owner].append(pod)
+        return by_job
+
+
+def _name(job: Mapping[str, Any]) -> str:
+    return str((job.get("metadata") or {}).get("name", ""))
+
+
+def job_snapshot(job: Mapping[str, Any]) -> dict[str, Any]:
+    """What the completion path reads of a Job (pure), small enough to travel in a task message:
+    identity, labels, our own annotations, finalizers, deletion mark, and the whole status."""
+    metadata = job.get("metadata") or {}
+    kept = {key: metadata[key] for key in _SNAPSHOT_METADATA if key in metadata}
+    annotations = {k: v for k, v in (metadata.get("annotations") or {}).items() if k.startswith(job_labels.PREFIX)}
+    if annotations:
+        kept["annotations"] = annotations
+    return {"metadata": kept, "status": job.get("status") or {}}
+
+
+_SNAPSHOT_METADATA = ("name", "namespace", "uid", "resourceVersion", "labels", "finalizers", "deletionTimestamp")
 
 
 def terminal_event(done: Completion) -> tuple[EventType, dict[str, Any]]:
@@ -300,7 +455,33 @@ def cancel_dispatch(rt: Runtime, dispatch_id: str, *, reason: str = CANCELLED_RE
     return won
 
 
-def cleanup_job(rt: Runtime, namespace: str, name: str) -> None:
-    """Remove our finalizer and delete the Job (its Pods in the background); idempotent."""
-    rt.kube.remove_finalizer(namespace, name, FINALIZER)
+def cleanup_job(
+    rt: Runtime, namespace: str, name: str, *, snapshot: Mapping[str, Any] | None = None, delivered: bool = True
+) -> None:
+    """Release a Job that may still run (a cancelled dispatch's, an orphan) and delete it now,
+    which stops it; idempotent. Released first, so that if the DELETE fails, a delivered Job
+    is left to the next bulk delete (an orphan, `delivered=False`, to the next sweep).
+    """
+    release_job(rt, namespace, name, snapshot=snapshot, delivered=delivered)
     rt.kube.delete_job(namespace, name, propagation="Background")
+
+
+def release_job(
+    rt: Runtime, namespace: str, name: str, *, snapshot: Mapping[str, Any] | None = None, delivered: bool = True
+) -> bool:
+    """The clean-up after a recorded end, in ONE patch: our finalizer off, the delivered label on
+    (`KubeClient.release_job`, exact by uid); the bulk delete (`delete_delivered`) then removes it.
+
+    `snapshot` is the Job as last read, so no GET is needed; without it the Job is read first.
+    `delivered=False` (an orphan: no dispatch of its own ended) only takes the finalizer off.
+    """
+    label = (job_labels.DELIVERED_LABEL, job_labels.DELIVERED) if delivered else None
+    return rt.kube.release_job(namespace, name, finalizer=FINALIZER, label=label, snapshot=snapshot)
+
+
+def delete_delivered(rt: Runtime, namespace: str) -> int:
+    """Delete every delivered Job of the namespace, their Pods in the background: ONE request.
+
+    A failure here loses nothing: the next batch's bulk delete, or the sweep's, removes them.
+    """
+    return rt.kube.delete_jobs(namespace, label_selector=job_labels.delivered_selector(), propagation="Background")

@@ -1,8 +1,10 @@
 """The recovery sweep's executor: walks the cluster and the database page by page, acts on the plan.
 
-(A) pages of our Jobs, each matched with its dispatches: categories 2, 3, 4, 6; (B) pages of
-pending dispatches, checked with one `dispatch-id in (...)` LIST per chunk: 1 and 5; (C) terminal
-dispatches the engine was not told about. Actions run inline through `recovery.delivery`.
+(A) pages of our undelivered Jobs, each matched with its dispatches: categories 2, 3, 4, 6, and
+5 for the created dispatches whose ids the page covers (the LIST is in name order); then one bulk
+delete of the delivered ones per namespace; (B) pages of the other pending dispatches, checked
+with one `dispatch-id in (...)` LIST per chunk: 1 and 5; (C) terminal dispatches the engine was
+not told about. Actions run inline through `recovery.delivery`.
 """
 
 from __future__ import annotations
@@ -29,15 +31,18 @@ from recovery.report import Counts, SweepReport
 from recovery.runtime import Runtime
 from recovery.sweep import (
     Action,
+    Category,
     CleanUpJob,
     CompleteJob,
     CreateJob,
     DispatchView,
     FailJobLost,
+    NameOrder,
     Policy,
     RecreateJob,
     ReportOrphan,
     ReportRunning,
+    named_dispatch_ids,
     plan_dispatches,
     plan_jobs,
     present_jobs,
@@ -78,9 +83,8 @@ def run_sweep(rt: Runtime, *, dry_run: bool = False, now: datetime | None = None
     report = SweepReport(dry_run=dry_run, started_at=now)
     report.namespaces = _namespaces(rt, report)
     with Executor(rt, report, dry_run=dry_run, concurrency=rt.settings.sweep_concurrency) as act:
-        for namespace in report.namespaces:
-            _sweep_jobs(rt, namespace, act, now=now, policy=policy)
-        _sweep_dispatches(rt, act, now=now, policy=policy)
+        matched = [ns for ns in report.namespaces if _sweep_jobs(rt, ns, act, now=now, policy=policy)]
+        _sweep_dispatches(rt, act, now=now, policy=policy, matched=matched)
         _sweep_unnotified(rt, act, now=now, policy=policy)
     report.finished_at = utcnow()
     METRICS.sweep_done(report)
@@ -112,35 +116,111 @@ def _namespaces(rt: Runtime, report: SweepReport) -> list[str]:
 # --- (A) the Jobs: categories 2, 3, 4, 6 ------------------------------------------------------
 
 
-def _sweep_jobs(rt: Runtime, namespace: str, act: Executor, *, now: datetime, policy: Policy) -> None:
+def _sweep_jobs(rt: Runtime, namespace: str, act: Executor, *, now: datetime, policy: Policy) -> bool:
+    """Plan and act on the namespace's undelivered Jobs page by page, then remove every
+    delivered one with one bulk delete (those released here and any a completion left).
+
+    The next page is fetched while the current one is matched with the database. Returns True
+    when the listing came whole and in name order: then its pages were also matched with the
+    namespace's CREATED dispatches (category 5, see `_LostJobs`), and (B) skips those.
+    """
     report = act.report
+    lost = _LostJobs(rt, namespace, act, now=now, policy=policy)
     try:
-        for page in rt.kube.iter_jobs(
-            namespace, label_selector=job_labels.selector(), page_size=rt.settings.poll_page_size
+        for page in _prefetched(
+            rt.kube.iter_jobs(
+                namespace, label_selector=job_labels.undelivered_selector(), page_size=rt.settings.poll_page_size
+            )
         ):
             report.jobs_listed += len(page)
             views = _views_for_jobs(rt, page)
             act.all(plan_jobs(page, views, now=now, policy=policy))
+            lost.page(page)
+        lost.end()
     except DispatchError as e:  # the LIST, or the page's dispatches: the next sweep starts over
         log.warning("sweep: going through the jobs in %s stopped: %s: %s", namespace, e.reason, e)
         report.add_problem(f"jobs in {namespace}: {e.reason}: {e}")
+    if not act.dry_run:
+        try:
+            delivery.delete_delivered(rt, namespace)
+        except DispatchError as e:
+            log.warning("sweep: the bulk delete of delivered jobs in %s failed: %s: %s", namespace, e.reason, e)
+            report.add_problem(f"deleting delivered jobs in {namespace}: {e.reason}: {e}")
+    return lost.matched
+
+
+_END = object()
+
+
+def _prefetched(pages: Iterator[T]) -> Iterator[T]:
+    """`pages`, the next one fetched on a thread while the caller works on the current one, so
+    that the LIST's round trips overlap the database's; at most two pages are held."""
+    with ThreadPoolExecutor(1, thread_name_prefix="sweep-list") as pool:
+        ahead = pool.submit(next, pages, _END)
+        while True:
+            page = ahead.result()  # the LIST's errors are raised here, in the caller
+            if page is _END:
+                return
+            ahead = pool.submit(next, pages, _END)
+            yield page  # type: ignore[misc]
+
+
+class _LostJobs:
+    """Category 5 for one namespace, matched while its Jobs stream by (see `NameOrder`): after
+    each page, the CREATED dispatches past the grace period whose ids that page covers, and
+    whose Job it does not hold, with one query. No LIST per dispatch; memory stays a page.
+
+    A listing out of name order (restarted, or a server that does not sort) stops the
+    matching: `matched` stays False and (B) looks those dispatches' Jobs up by label instead.
+    """
+
+    def __init__(self, rt: Runtime, namespace: str, act: Executor, *, now: datetime, policy: Policy) -> None:
+        self.rt, self.namespace, self.act, self.now, self.policy = rt, namespace, act, now, policy
+        self._order: NameOrder | None = NameOrder()
+        self.matched = False
+
+    def page(self, jobs: Sequence[dict[str, Any]]) -> None:
+        if self._order is None:
+            return
+        names = [(job.get("metadata") or {}).get("name", "") for job in jobs]
+        order = self._order.advance(names)
+        if order is None:
+            log.info("sweep: jobs in %s did not list in name order; looking dispatches up by label", self.namespace)
+        elif order.last_id != self._order.last_id:
+            self._act(after=self._order.last_id, upto=order.last_id, names=names)
+        self._order = order
+
+    def end(self) -> None:
+        if self._order is not None:
+            self._act(after=self._order.last_id, upto=None, names=[])
+            self.matched = True
+
+    def _act(self, *, after: str | None, upto: str | None, names: Sequence[str]) -> None:
+        query = sa.select(Dispatch).where(
+            Dispatch.state == DispatchState.CREATED,
+            Dispatch.job_namespace == self.namespace,
+            Dispatch.updated_at <= self.now - self.policy.grace,
+        )
+        if upto is not None:
+            query = query.where(Dispatch.dispatch_id <= upto)
+        if names:
+            query = query.where(Dispatch.job_name.not_in(names))
+        present = {(self.namespace, name) for name in names}
+        for views in _pages(self.rt, query, lambda row: _view(self.rt, row), after=after):
+            self.act.report.dispatches_checked += len(views)
+            self.act.all(plan_dispatches(views, present, now=self.now, policy=self.policy))
 
 
 def _views_for_jobs(rt: Runtime, jobs: Sequence[dict[str, Any]]) -> dict[str, DispatchView]:
-    """The dispatches the Jobs' labels name, read with one query per page of Jobs."""
-    ids = set()
-    for job in jobs:
-        metadata = job.get("metadata") or {}
-        try:
-            ids.add(job_labels.decode(metadata.get("labels"), metadata.get("annotations")).dispatch_id)
-        except DispatchError:
-            continue  # unreadable labels: the plan reports the Job
+    """The dispatches the Jobs' labels name, read with one query per page of Jobs (the labels
+    are checked by the plan, which reports a Job whose labels do not hold up)."""
+    ids = {dispatch_id for job in jobs for dispatch_id in named_dispatch_ids(job)}
     with transaction(rt.sessions) as session:
-        rows = store.get_dispatches(session, ids)
+        rows = store.dispatch_rows(session, ids)
         return {dispatch_id: _view(rt, row) for dispatch_id, row in rows.items()}
 
 
-def _view(rt: Runtime, row: Dispatch) -> DispatchView:
+def _view(rt: Runtime, row: Dispatch | sa.Row[Any]) -> DispatchView:
     record = DispatchRecord.from_row(row)
     namespace, _ = delivery.job_location(rt, record)
     return DispatchView(record=record, namespace=namespace, created_at=row.created_at, updated_at=row.updated_at)
@@ -149,10 +229,20 @@ def _view(rt: Runtime, row: Dispatch) -> DispatchView:
 # --- (B) the dispatches without a Job: categories 1 and 5 -----------------------------------
 
 
-def _sweep_dispatches(rt: Runtime, act: Executor, *, now: datetime, policy: Policy) -> None:
+def _sweep_dispatches(
+    rt: Runtime, act: Executor, *, now: datetime, policy: Policy, matched: Sequence[str] = ()
+) -> None:
+    """Scheduled dispatches, and created ones outside the `matched` namespaces (whose Job
+    listings (A) matched them with already), each page's Jobs looked up by label."""
     report = act.report
     query = sa.select(Dispatch).where(
-        Dispatch.state.in_([DispatchState.SCHEDULED, DispatchState.CREATED]),
+        sa.or_(
+            Dispatch.state == DispatchState.SCHEDULED,
+            sa.and_(
+                Dispatch.state == DispatchState.CREATED,
+                sa.or_(Dispatch.job_namespace.is_(None), Dispatch.job_namespace.not_in(matched)),
+            ),
+        ),
         Dispatch.updated_at <= now - policy.grace,
     )
     try:
@@ -185,14 +275,16 @@ def _present_jobs(rt: Runtime, views: Sequence[DispatchView]) -> set[tuple[str, 
     return present
 
 
-def _pages(rt: Runtime, query: sa.Select[tuple[Dispatch]], convert: Callable[[Dispatch], T]) -> Iterator[list[T]]:
-    """Keyset pages of `query` by dispatch_id, each read in its own short transaction.
+def _pages(
+    rt: Runtime, query: sa.Select[tuple[Dispatch]], convert: Callable[[Dispatch], T], *, after: str | None = None
+) -> Iterator[list[T]]:
+    """Keyset pages of `query` by dispatch_id (those after `after`), each read in its own
+    short transaction.
 
     No transaction stays open while the caller acts on a page: on SQLite every transaction
     takes the write lock, and the actions write.
     """
     size = rt.settings.poll_page_size
-    after: str | None = None
     while True:
         with transaction(rt.sessions) as session:
             rows = store.dispatch_page(session, query, after=after, batch=size)
@@ -252,8 +344,19 @@ class Executor:
             self._pool.shutdown(wait=True)
 
     def all(self, actions: Sequence[Action]) -> None:
-        """Carry out a page of actions (at once, on the pool) and return when all are done."""
-        self._run([lambda action=action: self.one(action) for action in actions])
+        """Carry out a page of actions (at once, on the pool) and return when all are done.
+
+        Running Jobs, most of a sweep's, ask for nothing: they are only counted, here.
+        """
+        running, rest = 0, []
+        for action in actions:
+            if isinstance(action, ReportRunning) and not action.adopt:
+                running += 1
+            else:
+                rest.append(action)
+        with self._lock:
+            self.report.categories[Category.RUNNING].found += running
+        self._run([lambda action=action: self.one(action) for action in rest])
 
     def one(self, action: Action) -> None:
         counts = self.report.categories[action.category]
@@ -305,7 +408,8 @@ class Executor:
             created = delivery.create_job_for(rt, action.dispatch_id)
             return _Outcome.SKIPPED if created is delivery.CreateOutcome.SKIPPED else _Outcome.ACTED
         if isinstance(action, CompleteJob):
-            completed = delivery.complete_job(rt, action.namespace, action.job_name)
+            # The namespace's bulk delete follows its pages: none per Job.
+            completed = delivery.complete_job(rt, action.namespace, action.job_name, snapshot=action.job, delete=False)
             return _Outcome.ACTED if completed is delivery.CompleteOutcome.COMPLETED else _Outcome.SKIPPED
         if isinstance(action, ReportRunning):
             if not action.adopt:
@@ -314,8 +418,9 @@ class Executor:
             adopted = delivery.create_job_for(rt, action.dispatch_id)
             return _Outcome.ACTED if adopted is delivery.CreateOutcome.ADOPTED else _Outcome.SKIPPED
         if isinstance(action, CleanUpJob):
-            # A terminal state is final: nothing to re-read; the clean-up itself is idempotent.
-            delivery.cleanup_job(rt, action.namespace, action.job_name)
+            # A terminal state is final: nothing to re-read; the release itself is idempotent
+            # and exact (by the listed uid). The namespace's bulk delete follows its pages.
+            delivery.release_job(rt, action.namespace, action.job_name, snapshot=action.job)
             return _Outcome.ACTED
         if isinstance(action, (RecreateJob, FailJobLost)):
             return self._job_lost(action)
@@ -387,7 +492,7 @@ class Executor:
         view = views.get(action.dispatch_id) if action.dispatch_id is not None else None
         if refusal(job, view) is None:
             return _Outcome.SKIPPED  # it is a dispatch's own Job after all
-        delivery.cleanup_job(rt, action.namespace, action.job_name)
+        delivery.cleanup_job(rt, action.namespace, action.job_name, snapshot=job, delivered=False)
         return _Outcome.ACTED
 
     def _renotify(self, dispatch_id: str) -> _Outcome:

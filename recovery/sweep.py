@@ -14,12 +14,13 @@ from enum import IntEnum
 from typing import Any, ClassVar, Union
 
 from engine.errors import LabelMismatch, TenancyMismatch, UnknownDispatch
+from engine.ids import is_dispatch_id
 from engine.models import DispatchState
 from engine.settings import OrphanPolicy, Settings
 from recovery.reconstruct import DispatchRecord, context_from_job
 from workers import labels as job_labels
 from workers.job_status import job_state
-from workers.manifest import FINALIZER, job_name
+from workers.manifest import FINALIZER, JOB_NAME_PREFIX, job_name
 
 JOB_LOST_REASON = "JobLost"
 
@@ -109,11 +110,15 @@ class CreateJob:
 
 @dataclass(frozen=True)
 class CompleteJob:
-    """Category 2: deliver the finished Job through the single completion path."""
+    """Category 2: deliver the finished Job through the single completion path.
+
+    `job` is the Job as the sweep's LIST read it (final, being finished): no GET is needed.
+    """
 
     dispatch_id: str
     namespace: str
     job_name: str
+    job: JobDict | None = field(default=None, compare=False, repr=False)
     category: ClassVar[Category] = Category.FINISHED_UNRECORDED
 
 
@@ -130,11 +135,13 @@ class ReportRunning:
 
 @dataclass(frozen=True)
 class CleanUpJob:
-    """Category 4: the terminal event is recorded: remove our finalizer, delete the Job."""
+    """Category 4: the terminal event is recorded: release the Job (our finalizer off, the
+    delivered label on, one patch exact by `job`'s uid); the sweep's bulk delete removes it."""
 
     dispatch_id: str
     namespace: str
     job_name: str
+    job: JobDict | None = field(default=None, compare=False, repr=False)
     category: ClassVar[Category] = Category.CLEANUP
 
 
@@ -208,6 +215,48 @@ def plan(
     )
 
 
+@dataclass(frozen=True)
+class NameOrder:
+    """How far a LIST of Jobs in name order has got: its last name, and the last dispatch id
+    whose Job name (`kd-<dispatch id>`) it passed.
+
+    The API lists a namespace's Jobs by name (etcd's key order), and a dispatch's Job name
+    sorts as its id: so the Jobs of the dispatch ids in (`last_id` before a page, `last_id`
+    after it] are all in that page, and a dispatch of that range whose Job is not in the page
+    has none. That matches dispatches to Jobs as both stream by, a page at a time.
+    """
+
+    last_name: str | None = None
+    last_id: str | None = None
+
+    def advance(self, names: Sequence[str]) -> NameOrder | None:
+        """The order after one more page of names; None if the page breaks it (a listing that
+        restarted after an expired continue token, or a server that does not list by name)."""
+        last = self.last_name
+        last_id = self.last_id
+        for name in names:
+            if last is not None and name <= last:
+                return None
+            last = name
+            dispatch_id = name[len(JOB_NAME_PREFIX) :]
+            if name.startswith(JOB_NAME_PREFIX) and is_dispatch_id(dispatch_id):
+                last_id = dispatch_id
+        return NameOrder(last_name=last, last_id=last_id)
+
+
+def named_dispatch_ids(job: JobDict) -> list[str]:
+    """The dispatch ids a Job's labels may name, unchecked (the label's value, and the
+    annotation's when it holds the full value): what to look its dispatch up by, cheaply.
+    Whether the Job may be delivered for that dispatch is `refusal`'s to say."""
+    metadata = _metadata(job)
+    found = []
+    for source in (metadata.get("labels"), metadata.get("annotations")):
+        value = source.get(job_labels.DISPATCH_ID_KEY) if isinstance(source, Mapping) else None
+        if isinstance(value, str) and value not in found:
+            found.append(value)
+    return found
+
+
 def present_jobs(jobs: Iterable[JobDict]) -> set[tuple[str, str]]:
     """(namespace, name) of each Job, the form `plan_dispatches` takes."""
     return {(_metadata(j).get("namespace", ""), _metadata(j).get("name", "")) for j in jobs}
@@ -270,13 +319,14 @@ def _decide_job(job: JobDict, dispatches: Mapping[str, DispatchView], *, policy:
     namespace, name = metadata.get("namespace", ""), metadata.get("name", "")
     has_finalizer = FINALIZER in (metadata.get("finalizers") or [])
     deleting = bool(metadata.get("deletionTimestamp"))
-    try:
-        dispatch_id: str | None = job_labels.decode(metadata.get("labels"), metadata.get("annotations")).dispatch_id
-    except LabelMismatch:
-        dispatch_id = None
-    dispatch = dispatches.get(dispatch_id) if dispatch_id is not None else None
+    # Looked up by the raw label (or its annotation); `refusal` decodes and checks it all.
+    dispatch = next((dispatches[i] for i in named_dispatch_ids(job) if i in dispatches), None)
     refused = refusal(job, dispatch)
     if refused is not None:
+        try:
+            dispatch_id: str | None = job_labels.decode(metadata.get("labels"), metadata.get("annotations")).dispatch_id
+        except LabelMismatch:
+            dispatch_id = None
         # Deleting needs our finalizer gone; a Job already going away without it is only reported.
         return ReportOrphan(
             namespace=namespace,
@@ -291,11 +341,11 @@ def _decide_job(job: JobDict, dispatches: Mapping[str, DispatchView], *, policy:
     if dispatch.terminal:
         # Recorded already (completed, failed, or cancelled while the Job ran): never delivered
         # again, only cleaned up, even when the Job finished afterwards.
-        return CleanUpJob(**where)
+        return CleanUpJob(**where, job=job)
     if job_state(job).terminal:
         # Finished, or deleted before it finished (job_status reads that as failed, JobDeleted):
         # our finalizer kept the Job and its result, the completion path delivers it.
-        return CompleteJob(**where)
+        return CompleteJob(**where, job=job)
     return ReportRunning(**where, adopt=dispatch.state is DispatchState.SCHEDULED)
 
 

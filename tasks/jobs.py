@@ -1,4 +1,4 @@
-"""The Celery tasks: schedule, create_job, poll, complete, cancel. Thin: ids in, work elsewhere.
+"""The Celery tasks: schedule, create_job(s), poll, complete(_batch), cancel. Thin: ids in, work elsewhere.
 
 Each task hands its ids to `recovery.delivery` (the path the recovery sweep uses too) and
 lets the error tree drive Celery: `Transient` errors are retried with backoff and jitter,
@@ -9,9 +9,12 @@ redelivery after a lost worker safe.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections import Counter
+from typing import Any, TypeVar
 
 import redis
+from celery import Task
+from celery.utils.time import get_exponential_backoff_interval
 
 import celeryconfig as names
 from engine import store
@@ -26,14 +29,23 @@ from workers import labels as job_labels
 from workers.job_status import job_state
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Retried with exponential backoff (1 s, 2 s, 4 s ... at most 60 s, jittered). After the last
 # retry the dispatch is still safe in the database: the recovery sweep picks it up.
 RETRY = dict(autoretry_for=(Transient,), retry_backoff=1, retry_backoff_max=60, retry_jitter=True, max_retries=8)
-# A terminal Job handed to `complete` is not handed again for this long, however often poll
+# A terminal Job handed to `complete_batch` is not handed again for this long, however often poll
 # runs; if that completion got lost, the Job is handed again after it.
 HANDOFF_MIN_TTL_S = 10.0
 HANDOFF_INTERVALS = 5
+# Finished Jobs per `complete_batch` message: at most HANDOFF_BATCH_MAX (one Pod LIST's selector
+# chunk), and no fewer than HANDOFF_BATCH_MIN, so a page's Jobs are shared among the worker's
+# threads (latency) without costing a Pod LIST and a bulk delete for every one or two (API load).
+# Measured (bench api_load, 1,000 Jobs of 60 s, poll every 2 s, one run each on a machine with a
+# load average of 8 on 2 cores): batches of about 5 gave 2.7 requests per Job and a completion
+# p99 of 4.0 s; about 10 gave 2.6 and 4.7 s.
+HANDOFF_BATCH_MAX = delivery.SELECTOR_CHUNK
+HANDOFF_BATCH_MIN = 5
 
 
 # --- schedule -----------------------------------------------------------------------------
@@ -77,12 +89,40 @@ def schedule(
 
 @app.task(name=names.CREATE_JOB_TASK, **RETRY)
 def create_job(dispatch_id: str) -> str:
+    """One dispatch's Job (the `schedule` task's message, and messages queued before `create_jobs`)."""
     return delivery.create_job_for(get_runtime(), dispatch_id).value
+
+
+@app.task(name=names.CREATE_JOBS_TASK, **RETRY)
+def create_jobs(dispatch_ids: list[str]) -> dict[str, int]:
+    """A transaction's dispatches (`schedule_in_session`'s message), their Jobs created one after
+    the other; a Transient error retries the whole batch (the Jobs made before it are marked,
+    and adopted by the retry). How many of each outcome."""
+    return dict(Counter(outcome.value for outcome in delivery.create_jobs_for(get_runtime(), dispatch_ids).values()))
 
 
 @app.task(name=names.COMPLETE_TASK, **RETRY)
 def complete(namespace: str, job_name: str) -> str:
+    """One Job, read fresh (GET): for callers without a snapshot; poll sends `complete_batch`."""
     return delivery.complete_job(get_runtime(), namespace, job_name).value
+
+
+@app.task(bind=True, name=names.COMPLETE_BATCH_TASK, **RETRY)
+def complete_batch(self: Task, namespace: str, jobs: list[dict[str, Any]]) -> dict[str, int]:
+    """Finished Jobs of one namespace as poll's LIST saw them (`delivery.job_snapshot`): one
+    Pod LIST and one bulk delete for them all, no GET per Job. A Transient error stops the
+    batch; the Jobs it left are retried (with backoff, as RETRY's) in a new message of their own.
+    """
+    done = delivery.complete_jobs(get_runtime(), namespace, jobs)
+    if done.error is not None:
+        countdown = get_exponential_backoff_interval(
+            factor=RETRY["retry_backoff"], retries=self.request.retries, maximum=RETRY["retry_backoff_max"], full_jitter=True
+        )
+        raise self.retry(args=(namespace, done.unavailable), exc=done.error, countdown=countdown)
+    counts: dict[str, int] = {}
+    for outcome in done.outcomes:
+        counts[outcome.value] = counts.get(outcome.value, 0) + 1
+    return counts
 
 
 @app.task(name=names.CANCEL_TASK, **RETRY)
@@ -95,7 +135,8 @@ def cancel(dispatch_id: str, reason: str = delivery.CANCELLED_REASON) -> bool:
 
 @app.task(name=names.POLL_TASK)
 def poll() -> dict[str, int]:
-    """List our Jobs page by page (one LIST per page, no GET per Job); hand finished ones to `complete`.
+    """List our undelivered Jobs page by page (one LIST per page, no GET per Job); hand the
+    finished ones to `complete_batch`, a few messages per page carrying the LIST's snapshots.
 
     A poll that meets an unavailable API or Redis gives up: the next interval polls again.
     """
@@ -106,12 +147,14 @@ def poll() -> dict[str, int]:
     try:
         for namespace in rt.namespaces():
             for page in rt.kube.iter_jobs(
-                namespace, label_selector=job_labels.selector(), page_size=rt.settings.poll_page_size
+                namespace, label_selector=job_labels.undelivered_selector(), page_size=rt.settings.poll_page_size
             ):
                 seen += len(page)
                 finished = [job for job in page if job_state(job).terminal]
                 waiting, lag_s = waiting + len(finished), max(lag_s, poll_lag_s(finished, now=utcnow()))
-                handed += _hand_off(rt.redis, rt.settings.key_prefix, namespace, finished, ttl_s=ttl_s)
+                handed += _hand_off(
+                    rt.redis, rt.settings.key_prefix, namespace, finished, ttl_s=ttl_s, workers=rt.settings.worker_concurrency
+                )
     except (Transient, redis.RedisError) as e:
         log.warning("poll stopped early (%s); the next one continues", e)
     else:
@@ -119,8 +162,11 @@ def poll() -> dict[str, int]:
     return {"seen": seen, "handed_off": handed}
 
 
-def _hand_off(client: redis.Redis, prefix: str, namespace: str, jobs: list[dict[str, Any]], *, ttl_s: float) -> int:
-    """Send `complete` for each Job not handed off within `ttl_s` (one Redis round trip per page)."""
+def _hand_off(
+    client: redis.Redis, prefix: str, namespace: str, jobs: list[dict[str, Any]], *, ttl_s: float, workers: int
+) -> int:
+    """Send `complete_batch` for the Jobs not handed off within `ttl_s` (one Redis round trip
+    per page, a marker per Job); the number of Jobs handed off."""
     if not jobs:
         return 0
     keys = []
@@ -131,10 +177,23 @@ def _hand_off(client: redis.Redis, prefix: str, namespace: str, jobs: list[dict[
     pipe = client.pipeline(transaction=False)
     for key in keys:
         pipe.set(key, 1, nx=True, px=int(ttl_s * 1000))
-    fresh = pipe.execute()
-    handed = 0
-    for job, is_new in zip(jobs, fresh):
-        if is_new:
-            complete.delay(namespace, job["metadata"]["name"])
-            handed += 1
-    return handed
+    fresh = [delivery.job_snapshot(job) for job, is_new in zip(jobs, pipe.execute()) if is_new]
+    for batch in batches(fresh, workers=workers):
+        complete_batch.delay(namespace, batch)
+    return len(fresh)
+
+
+def batches(items: list[T], *, workers: int, least: int = HANDOFF_BATCH_MIN, most: int = HANDOFF_BATCH_MAX) -> list[list[T]]:
+    """`items` in order, cut into as many batches as `workers` but none under `least` items
+    (one batch if there are fewer), more only where a batch would pass `most`; their sizes as
+    even as can be (pure)."""
+    if not items:
+        return []
+    count = max(min(workers, len(items) // least), -(-len(items) // most), 1)
+    base, extra = divmod(len(items), count)
+    cut, start = [], 0
+    for i in range(count):
+        end = start + base + (1 if i < extra else 0)
+        cut.append(items[start:end])
+        start = end
+    return cut

@@ -2,18 +2,25 @@
 
 Calls return plain dicts in the API's own camelCase JSON shape: responses are read raw
 (`_preload_content=False`) and json-decoded, far cheaper than the client's model
-deserialisation on big lists. Every call has a timeout, and every failure is mapped onto
-`engine.errors` (raised `from` the client's exception), so no caller sees a `kubernetes` type.
+deserialisation on big lists. The hot single-object writes (create a Job, patch its
+finalizers) skip the generated methods altogether (`_request`): the body is serialised once
+and sent through the ApiClient's own urllib3 pool, with its auth header. Every call has a
+timeout, and every failure is mapped onto `engine.errors` (raised `from` the client's
+exception), so no caller sees a `kubernetes` type.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Iterator
+import math
+import time
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
 
+import orjson
 import pydantic
 import urllib3
 import yaml
@@ -48,6 +55,13 @@ CONNECTION_RETRIES = urllib3.Retry(
     total=2, connect=2, read=0, redirect=0, status=0, respect_retry_after_header=False, backoff_factor=0.1
 )
 
+# `_request` runs the config's token refresh hook at most this often: the hook rebuilds the
+# config each time (a tenth of a create's CPU), and kubeconfig's refreshes a token minutes
+# before it expires, the in-cluster one a minute after the token file is rotated.
+AUTH_REFRESH_S = 1.0
+JOBS_PATH = "/apis/batch/v1/namespaces/{namespace}/jobs"
+JOB_PATH = JOBS_PATH + "/{name}"
+
 JsonDict = dict[str, Any]
 
 
@@ -73,7 +87,12 @@ class KubeClient:
         configuration = _load_configuration(kubeconfig)
         configuration.retries = CONNECTION_RETRIES
         configuration.connection_pool_maxsize = pool_size
+        self._configuration = configuration
         self._api_client = k8s.ApiClient(configuration)
+        # What the client's REST layer builds per request from `_request_timeout`, built once.
+        self._request_timeout = urllib3.Timeout(total=timeout_s)
+        self._auth: tuple[str, str] | None = None
+        self._auth_due = -math.inf
         self._batch = k8s.BatchV1Api(self._api_client)
         self._core = k8s.CoreV1Api(self._api_client)
         self.host: str = configuration.host
@@ -96,7 +115,7 @@ class KubeClient:
 
     def create_job(self, namespace: str, body: JsonDict) -> JsonDict:
         """Create a Job. Raises AlreadyExists (409) when a Job of that name exists."""
-        return self._call(f"create job in {namespace}", self._batch.create_namespaced_job, namespace, body)
+        return self._request(f"create job in {namespace}", "POST", JOBS_PATH, body, schema=k8s.V1Job, namespace=namespace)
 
     def get_job(self, namespace: str, name: str) -> JsonDict:
         """Read one Job. Raises NotFound."""
@@ -153,44 +172,57 @@ class KubeClient:
                 return
 
     def remove_finalizer(self, namespace: str, name: str, finalizer: str) -> bool:
-        """Remove one finalizer from a Job; True if this call removed it.
+        """Remove one finalizer from a Job; True if this call removed it (see `release_job`)."""
+        return self.release_job(namespace, name, finalizer=finalizer)
 
-        A JSON patch `test`s the entry at the index it removes, so a list changed by someone
-        else in between is never cut at the wrong place: the patch fails (409/422), the Job is
-        read again and the patch retried. Absent finalizer or absent Job: False, no error.
+    def release_job(
+        self,
+        namespace: str,
+        name: str,
+        *,
+        finalizer: str,
+        label: tuple[str, str] | None = None,
+        snapshot: Mapping[str, Any] | None = None,
+    ) -> bool:
+        """Remove `finalizer` from a Job and set `label` on it, in one JSON patch; True if this
+        call changed the Job.
+
+        The patch `test`s the Job's uid and the finalizer at the index it removes, so a Job
+        re-created under the same name is never touched, and a finalizer list changed by
+        someone else in between is never cut at the wrong place. `snapshot` is the Job as last
+        read (a LIST's item will do: only uid, finalizers and labels are used); with it the
+        patch needs no GET first. A failed `test` (422 Invalid, or 409) reads the Job again and
+        retries, unless its uid changed. Nothing to do, absent Job or another uid: False.
         """
-        what = f"remove finalizer {finalizer} from job {namespace}/{name}"
+        what = f"release job {namespace}/{name} (finalizer {finalizer}, label {label})"
+        job = snapshot
+        uid = ((snapshot or {}).get("metadata") or {}).get("uid")
         for _ in range(PATCH_ATTEMPTS):
-            try:
-                job = self.get_job(namespace, name)
-            except NotFound:
+            if job is None:
+                try:
+                    job = self.get_job(namespace, name)
+                except NotFound:
+                    return False
+            metadata = job.get("metadata") or {}
+            if uid is not None and metadata.get("uid") != uid:
+                return False  # re-created under the same name: not the Job we were asked about
+            patch = release_patch(metadata, finalizer=finalizer, label=label)
+            if not patch:
                 return False
-            finalizers = job.get("metadata", {}).get("finalizers") or []
-            if finalizer not in finalizers:
-                return False
-            index = finalizers.index(finalizer)
-            patch = [
-                {"op": "test", "path": f"/metadata/finalizers/{index}", "value": finalizer},
-                {"op": "remove", "path": f"/metadata/finalizers/{index}"},
-            ]
             try:
-                self._call(
-                    what,
-                    self._batch.patch_namespaced_job,
-                    name,
-                    namespace,
-                    patch,
-                    _content_type="application/json-patch+json",
+                self._request(
+                    what, "PATCH", JOB_PATH, patch, content_type="application/json-patch+json", namespace=namespace, name=name
                 )
                 return True
             except NotFound:
                 return False
             except (Conflict, ApiRejected) as e:
-                # A failed `test` op is 422 Invalid (or 409 on some servers): the list moved.
+                # A failed `test` op is 422 Invalid (or 409 on some servers): the Job moved.
                 if isinstance(e, ApiRejected) and e.reason != "Invalid":
                     raise
-                log.info("%s: finalizers changed under the patch (%s); reading again", what, e.reason)
-        raise Conflict(f"{what}: finalizers kept changing over {PATCH_ATTEMPTS} attempts")
+                log.info("%s: the job changed under the patch (%s); reading it again", what, e.reason)
+                uid, job = metadata.get("uid"), None
+        raise Conflict(f"{what}: the job kept changing over {PATCH_ATTEMPTS} attempts")
 
     def delete_job(self, namespace: str, name: str, *, propagation: str = "Background") -> bool:
         """Delete a Job (its Pods by `propagation`); False if it was already gone.
@@ -208,6 +240,18 @@ class KubeClient:
         except NotFound:
             return False
         return True
+
+    def delete_jobs(self, namespace: str, *, label_selector: str, propagation: str = "Background") -> int:
+        """Delete every Job the selector matches with ONE request (deletecollection), their Pods
+        by `propagation`; the number of Jobs the API listed as deleted (or marked for deletion)."""
+        deleted = self._call(
+            f"delete jobs in {namespace} matching {label_selector}",
+            self._batch.delete_collection_namespaced_job,
+            namespace,
+            label_selector=label_selector,
+            propagation_policy=propagation,
+        )
+        return len(deleted.get("items") or [])
 
     # --- Pods -------------------------------------------------------------------------------
 
@@ -229,7 +273,7 @@ class KubeClient:
             if token is None:
                 return pods
 
-    # --- the one seam every call goes through ----------------------------------------------
+    # --- the seams every call goes through (`_call`, `_request`) ----------------------------
 
     def _list_jobs_raw(
         self, namespace: str, *, label_selector: str, limit: int, continue_token: str | None
@@ -274,13 +318,65 @@ class KubeClient:
             raise ApiUnavailable(f"{what}: reading the response: {type(e).__name__}: {e}") from e
         finally:
             response.release_conn()
+        return _decoded(raw, what)
+
+    def _request(
+        self,
+        what: str,
+        method: str,
+        path: str,
+        body: Any,
+        *,
+        content_type: str = "application/json",
+        schema: type[pydantic.BaseModel] | None = None,
+        **path_params: str,
+    ) -> JsonDict:
+        """One request with a JSON body, straight through the ApiClient's urllib3 pool (its TLS,
+        client certificate, proxy, retries and size), with its auth header: what the generated
+        method sends, without its per-call argument validation, model round trip and
+        re-serialisation, which cost more CPU than the request itself on the create path.
+
+        `body` is sent as it is, so it must be in the API's own JSON shape (camelCase keys).
+        `schema`, the client's model of the body, keeps the generated method's check before
+        sending (a model validation, cheap: the body is not rebuilt from the model). Errors map
+        as `_call`'s do, an error answer through the same `ApiException`.
+        """
+        configuration = self._configuration
+        url = configuration.host + path.format_map(
+            {k: quote(v, safe=configuration.safe_chars_for_path_param) for k, v in path_params.items()}
+        )
+        headers = {**self._api_client.default_headers, "Accept": "application/json", "Content-Type": content_type}
+        auth = self._auth_header()
+        if auth is not None:
+            headers[auth[0]] = auth[1]
         try:
-            decoded = json.loads(raw)
-        except ValueError as e:
-            raise ApiUnavailable(f"{what}: the API answered with something that is not JSON") from e
-        if not isinstance(decoded, dict):
-            raise ApiUnavailable(f"{what}: the API answered with JSON that is not an object")
-        return decoded
+            if schema is not None:
+                schema.model_validate(body)
+            data = orjson.dumps(body)
+        except pydantic.ValidationError as e:  # as `_call`'s: nothing reached the server
+            raise InvalidManifest(f"{what}: refused by the client's schema check: {e}") from e
+        except TypeError as e:  # orjson.JSONEncodeError: not JSON (sets, bytes, non-string keys...)
+            raise InvalidManifest(f"{what}: the body is not JSON: {e}") from e
+        try:
+            response = self._api_client.rest_client.pool_manager.request(
+                method, url, body=data, headers=headers, timeout=self._request_timeout
+            )
+        except (urllib3.exceptions.HTTPError, OSError) as e:  # refused, reset, timed out, TLS
+            raise ApiUnavailable(f"{what}: {type(e).__name__}: {e}") from e
+        if not 200 <= response.status <= 299:
+            error = ApiException(status=response.status, reason=response.reason, body=response.data.decode("utf-8", "replace"))
+            raise _mapped(error, what) from error
+        return _decoded(response.data, what)
+
+    def _auth_header(self) -> tuple[str, str] | None:
+        """The client's auth header, read again (its `refresh_api_key_hook` run, if the config
+        has one) at most every AUTH_REFRESH_S; a config without a hook is read once."""
+        now = time.monotonic()
+        if now >= self._auth_due:
+            auth = self._configuration.auth_settings().get("BearerToken")  # runs the hook
+            self._auth = (auth["key"], auth["value"]) if auth else None
+            self._auth_due = now + AUTH_REFRESH_S if self._configuration.refresh_api_key_hook else math.inf
+        return self._auth
 
 
 def _load_configuration(kubeconfig: Path | str | None) -> k8s.Configuration:
@@ -298,6 +394,17 @@ def _load_configuration(kubeconfig: Path | str | None) -> k8s.Configuration:
         source = str(kubeconfig) if kubeconfig is not None else "in-cluster config or ~/.kube/config"
         raise ConfigError(f"cannot load the Kubernetes config from {source}: {type(e).__name__}: {e}") from e
     return configuration
+
+
+def _decoded(raw: bytes, what: str) -> JsonDict:
+    """An answer's JSON object; anything else means the API is not answering as one."""
+    try:
+        decoded = json.loads(raw)
+    except ValueError as e:
+        raise ApiUnavailable(f"{what}: the API answered with something that is not JSON") from e
+    if not isinstance(decoded, dict):
+        raise ApiUnavailable(f"{what}: the API answered with JSON that is not an object")
+    return decoded
 
 
 def _mapped(e: ApiException, what: str) -> DispatchError:
@@ -330,3 +437,31 @@ def _status_of(e: ApiException) -> tuple[str | None, str | None]:
         return None, None
     reason, message = body.get("reason"), body.get("message")
     return (reason if isinstance(reason, str) and reason else None, message if isinstance(message, str) else None)
+
+
+def release_patch(metadata: Mapping[str, Any], *, finalizer: str, label: tuple[str, str] | None) -> list[JsonDict]:
+    """The JSON patch that takes `finalizer` off a Job and puts `label` on it, guarded by `test`s
+    of the uid and of the finalizer's index (pure); [] when there is nothing to change."""
+    ops: list[JsonDict] = []
+    finalizers = metadata.get("finalizers") or []
+    if finalizer in finalizers:
+        index = finalizers.index(finalizer)
+        ops += [
+            {"op": "test", "path": f"/metadata/finalizers/{index}", "value": finalizer},
+            {"op": "remove", "path": f"/metadata/finalizers/{index}"},
+        ]
+    labels = metadata.get("labels")
+    if label is not None and (labels or {}).get(label[0]) != label[1]:
+        if labels:
+            ops.append({"op": "add", "path": f"/metadata/labels/{_pointer(label[0])}", "value": label[1]})
+        else:
+            ops.append({"op": "add", "path": "/metadata/labels", "value": {label[0]: label[1]}})
+    if not ops:
+        return []
+    uid = metadata.get("uid")
+    return ([{"op": "test", "path": "/metadata/uid", "value": uid}] if uid else []) + ops
+
+
+def _pointer(key: str) -> str:
+    """A map key as one JSON pointer token (RFC 6901): `~` is `~0`, `/` is `~1`."""
+    return key.replace("~", "~0").replace("/", "~1")

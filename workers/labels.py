@@ -38,6 +38,10 @@ CAPABILITY_KEY = PREFIX + "capability"
 WORKER_KEY = PREFIX + "worker"
 IDEMPOTENCY_KEY_KEY = PREFIX + "idempotency-key"
 ATTEMPT_KEY = PREFIX + "attempt"  # annotation: which re-creation of the Job this is
+# Set (with our finalizer removed, in the same patch) once the Job's dispatch has its terminal
+# event: nothing is left to do but delete it, which one bulk delete does for every such Job.
+DELIVERED_LABEL = PREFIX + "delivered"
+DELIVERED = "true"
 
 # DispatchRef field -> label key, in a fixed order.
 FIELD_KEYS: dict[str, str] = {
@@ -143,6 +147,20 @@ def _decode_one(key: str, labels: Mapping[str, object], annotations: Mapping[str
 def selector() -> str:
     """The label selector of every Job this project manages."""
     return f"{MANAGED_BY_LABEL}={MANAGED_BY}"
+
+
+def undelivered_selector() -> str:
+    """Our Jobs still to be delivered or cleaned up: what poll and the sweep list."""
+    return f"{selector()},!{DELIVERED_LABEL}"
+
+
+def delivered_selector() -> str:
+    """Our Jobs whose dispatch is recorded as ended: what the bulk delete removes."""
+    return f"{selector()},{DELIVERED_LABEL}={DELIVERED}"
+
+
+def is_delivered(labels: Mapping[str, object] | None) -> bool:
+    return (labels or {}).get(DELIVERED_LABEL) == DELIVERED
 
 
 def decode_attempt(annotations: Mapping[str, object] | None) -> int:

@@ -1,7 +1,8 @@
-"""The bench at its "quick" size, end to end: every benchmark runs against the real services and
+"""The bench at its "smoke" size, end to end: every benchmark runs against the real services and
 the JSON it writes has the documented shape, with every figure and ratio a positive number.
 
-Not a timed assertion: the machine is shared, and the quick sizes say nothing about speed.
+Not a timed assertion: the machine is shared, and the smoke sizes say nothing about speed
+(targets are carried but not judged at this size).
 """
 
 from __future__ import annotations
@@ -24,26 +25,31 @@ def positive(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
-def check_samples(entry: dict[str, Any], *, where: str) -> None:
+def check_entry(entry: dict[str, Any], *, where: str) -> None:
     samples = entry["samples"]
+    assert entry["label"] and entry["unit"], where
     assert samples and all(positive(s) for s in samples), f"{where}: samples {samples}"
-    for key in ("median", "min", "max"):
+    for key in ("value", "median", "min", "max"):
         assert positive(entry[key]), f"{where}: {key} = {entry[key]!r}"
+    assert entry["value"] == entry["median"], where
     assert entry["min"] <= entry["median"] <= entry["max"], where
     assert entry["min"] == min(samples) and entry["max"] == max(samples), where
+    # Targets are stated at every size, judged at quick and full only.
+    assert entry["target"] is None or isinstance(entry["target"], str), where
+    assert entry["met"] is None, where
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_quick_bench_writes_every_figure_as_a_positive_number(tmp_path: Path, redis_url: str) -> None:
+def test_smoke_bench_writes_every_figure_as_a_positive_number(tmp_path: Path, redis_url: str) -> None:
+    results = tmp_path / "results.json"
     json_out = tmp_path / "out" / "bench.json"
-    results_dir = tmp_path / "results"
 
     code = main(
         [
-            "--quick",
+            "--smoke",
+            "--results", str(results),
             "--json-out", str(json_out),
-            "--results-dir", str(results_dir),
             "--pg-admin-url", PG_ADMIN_URL,
             "--redis-url", redis_url,
         ]  # fmt: skip
@@ -51,28 +57,24 @@ def test_quick_bench_writes_every_figure_as_a_positive_number(tmp_path: Path, re
 
     assert code == 0
     data = json.loads(json_out.read_text())
-    assert json.loads((results_dir / "latest-quick.json").read_text()) == data
-    assert not (results_dir / "latest.json").exists(), "a quick run must not replace the full results"
-    assert data["version"] == 1
-    assert data["size"] == "quick"
+    assert json.loads(results.read_text()) == data
+    assert data["version"] == 2
+    assert data["size"] == "smoke" and data["targets_judged"] is False
     assert positive(data["seconds"])
-    assert data["machine"]["cpus"] >= 1
+    assert data["machine"]["cpus"] >= 1 and data["machine"]["python"]
+    assert data["settings"]["size"]["name"] == "smoke"
     assert [b["name"] for b in data["benchmarks"]] == list(BENCHMARKS)
+    assert set(data["settings"]["params"]) == set(BENCHMARKS)
     for bench in data["benchmarks"]:
         name = bench["name"]
         assert bench["title"] and positive(bench["seconds"]), name
         assert bench["figures"], f"{name} reports no figure"
-        assert bench["ratios"], f"{name} reports no ratio"
-        for figure in bench["figures"]:
-            where = f"{name}/{figure['name']}"
-            assert figure["label"] and figure["unit"], where
-            check_samples(figure, where=where)
-            # Targets are judged at the full size only.
-            assert figure["target"] is None and figure["met"] is None, where
-        for ratio in bench["ratios"]:
-            where = f"{name}/{ratio['name']}"
-            assert ratio["label"], where
-            check_samples(ratio, where=where)
-        names = [f["name"] for f in bench["figures"]] + [r["name"] for r in bench["ratios"]]
+        entries = bench["figures"] + bench["ratios"]
+        for entry in entries:
+            check_entry(entry, where=f"{name}/{entry['name']}")
+        names = [e["name"] for e in entries]
         assert len(names) == len(set(names)), f"{name}: duplicate figure names {names}"
-
+    targeted = {(t["benchmark"], t["name"]) for t in data["targets"]}
+    assert ("dispatch", "dispatch_throughput_ratio") in targeted
+    for target in data["targets"]:
+        assert target["target"] and target["met"] is None, target

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.results import Figure, Target
+from bench.results import BenchResult, BenchRun, Figure, Ratio, Target
 from bench.timing import alternating, interleaved, paired_ratios, per_op_ms, rates
 
 
@@ -67,3 +67,33 @@ def test_alternating_feeds_items_to_each_operation_in_turn() -> None:
 
     assert seen == {"a": [0, 2, 4], "b": [1, 3]}
     assert set(seconds) == {"a", "b"} and all(s >= 0 for s in seconds.values())
+
+
+@pytest.mark.parametrize(
+    ("target", "value", "met", "text"),
+    [
+        (Target(3.0, at_least=False, inclusive=True), 3.0, True, "<= 3 requests/Job"),
+        (Target(3.0, at_least=False), 3.0, False, "< 3 requests/Job"),
+        (Target(0.8), 0.8, True, ">= 0.8 requests/Job"),
+    ],
+)
+def test_a_target_states_its_comparison(target: Target, value: float, met: bool, text: str) -> None:
+    assert target.met(value) is met
+    assert target.text("requests/Job") == text
+
+
+def test_a_ratio_reports_like_a_figure_and_targets_are_judged_only_when_the_run_says() -> None:
+    ratio = Ratio("r", "ours / raw", [0.7, 0.9, 0.85], Target(0.8), ref="8.1")
+    other = Figure("f", "other", "s", [1.0])
+    result = BenchResult("b", "b", rounds=3, figures=[other], ratios=[ratio])
+
+    judged = BenchRun(size="quick", judged=True, results=[result]).to_dict()
+    smoke = BenchRun(size="smoke", judged=False, results=[result]).to_dict()
+
+    assert judged["targets"] == [{"benchmark": "b", **ratio.to_dict()}]
+    entry = judged["targets"][0]
+    assert (entry["name"], entry["value"], entry["unit"], entry["target"], entry["met"]) == (
+        "r", 0.85, "x", ">= 0.8x", True,
+    )  # fmt: skip
+    assert smoke["targets"][0]["met"] is None and smoke["targets"][0]["target"] == ">= 0.8x"
+    assert judged["benchmarks"][0]["figures"][0]["target"] is None

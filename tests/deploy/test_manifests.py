@@ -21,6 +21,7 @@ from kubernetes.client import ApiClient
 
 from deploy_files import DEPLOY, REPO, Doc, load_docs, role_permissions, settings_env_names
 from engine.settings import ENV_PREFIX, Settings, load_settings
+from workers import kube
 
 NAMESPACE = "k8s-dispatch"
 WORKER = "k8s-dispatch-worker"
@@ -47,7 +48,8 @@ MODELS = {
 KEDA = {("keda.sh/v1alpha1", "ScaledObject"), ("keda.sh/v1alpha1", "TriggerAuthentication")}
 
 # Exactly the API calls workers/kube.py (the only module that talks to the API) makes:
-# create/read/patch/delete/list_namespaced_job and list_namespaced_pod. The RBAC test that
+# create/read/patch/delete/list_namespaced_job, delete_collection_namespaced_job (the bulk
+# delete of delivered Jobs) and list_namespaced_pod. The RBAC test that
 # records the calls made against localcluster holds the Role to the same set.
 EXPECTED_PERMISSIONS = {
     ("batch", "jobs", "create"),
@@ -55,6 +57,7 @@ EXPECTED_PERMISSIONS = {
     ("batch", "jobs", "list"),
     ("batch", "jobs", "patch"),
     ("batch", "jobs", "delete"),
+    ("batch", "jobs", "deletecollection"),
     ("", "pods", "list"),
 }
 
@@ -437,7 +440,8 @@ def test_role_grants_exactly_the_calls_the_code_makes() -> None:
 
 
 _API_GROUPS = {"BatchV1Api": "batch", "CoreV1Api": ""}
-_VERBS = {"create": "create", "read": "get", "list": "list", "patch": "patch", "delete": "delete", "replace": "update"}
+_VERBS = {"create": "create", "read": "get", "list": "list", "patch": "patch", "delete": "delete",
+          "delete_collection": "deletecollection", "replace": "update"}
 _RESOURCES = {"job": "jobs", "job_status": "jobs/status", "pod": "pods", "pod_log": "pods/log", "pod_status": "pods/status"}
 
 
@@ -456,7 +460,26 @@ def _api_calls_in_kube_module() -> set[tuple[str, str, str]]:
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) and node.value.attr in group_of_attr:
             verb, _, resource = node.attr.partition("_namespaced_")
             calls.add((group_of_attr[node.value.attr], _RESOURCES[resource], _VERBS[verb]))
+        # self._request(what, "POST", JOBS_PATH, ...): the lean path, by HTTP method and URL template
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "_request":
+            method, path = node.args[1], node.args[2]
+            assert isinstance(method, ast.Constant) and isinstance(path, ast.Name), ast.dump(node)
+            calls.add(_request_permission(method.value, getattr(kube, path.id)))
     return calls
+
+
+def _request_permission(method: str, template: str) -> tuple[str, str, str]:
+    """(group, resource, verb) of an HTTP request to a URL template such as
+    /apis/batch/v1/namespaces/{namespace}/jobs/{name}."""
+    parts = template.strip("/").split("/")
+    group = "" if parts[0] == "api" else parts[1]
+    rest = parts[parts.index("namespaces") + 2 :]  # resource, then {name}, then a subresource
+    named = len(rest) > 1
+    resource = rest[0] + (f"/{rest[2]}" if len(rest) > 2 else "")
+    verb = {"POST": "create", "PATCH": "patch", "PUT": "update"}.get(method) or (
+        {"GET": "get", "DELETE": "delete"}[method] if named else {"GET": "list", "DELETE": "deletecollection"}[method]
+    )
+    return group, resource, verb
 
 
 def test_role_matches_the_api_methods_the_kube_module_calls() -> None:

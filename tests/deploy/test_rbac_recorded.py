@@ -2,7 +2,8 @@
 
 A local cluster records every request as RBAC sees it, (group, resource, verb). The whole
 delivery path runs against it — create (and adopt), poll's paginated LIST, complete with its
-Pod LIST, finalizer removal and delete, cancel, and a recovery sweep that deletes an orphan —
+Pod LIST, the release patch and the bulk delete (deletecollection), cancel with its delete, and
+a recovery sweep that deletes an orphan —
 and the record must equal what the Role grants: nothing missing, nothing granted unused.
 """
 

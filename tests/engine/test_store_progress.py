@@ -72,6 +72,36 @@ def test_mark_created_after_the_end_changes_nothing(db_sessionmaker, new_case, s
     )
 
 
+def test_mark_created_many_marks_a_mixed_batch_and_leaves_terminal_rows_alone(
+    db_sessionmaker, new_case, schedule_for: Schedule
+) -> None:
+    case_id = new_case(db_sessionmaker)
+    fresh, again, ended = (schedule_for(db_sessionmaker, case_id).dispatch_id for _ in range(3))
+    with transaction(db_sessionmaker) as session:
+        assert store.mark_created(session, again, job_name="job-again", namespace="ns", attempt=5)
+        assert store.record_terminal(session, ended, EventType.WORKER_CANCELLED, {"reason": "Cancelled"})
+    jobs = [
+        store.CreatedJob(fresh, "job-fresh", "ns-a", 0),
+        store.CreatedJob(again, "job-again", "ns", 1),  # an adopted Job: attempts stay at 5
+        store.CreatedJob(ended, "job-ended", "ns", 0),
+    ]
+    with transaction(db_sessionmaker) as session:
+        assert store.mark_created_many(session, jobs) == {fresh, again}
+    assert (_dispatch(db_sessionmaker, fresh).state, _dispatch(db_sessionmaker, fresh).job_namespace) == (
+        DispatchState.CREATED,
+        "ns-a",
+    )
+    assert _dispatch(db_sessionmaker, again).attempts == 5
+    assert (_dispatch(db_sessionmaker, ended).state, _dispatch(db_sessionmaker, ended).job_name) == (
+        DispatchState.CANCELLED,
+        None,
+    )
+    with transaction(db_sessionmaker) as session:
+        assert store.mark_created_many(session, []) == set()
+        with pytest.raises(UnknownDispatch):
+            store.mark_created_many(session, [store.CreatedJob(fresh, "j", "ns", 0), store.CreatedJob(str(uuid.uuid4()), "j", "ns", 0)])
+
+
 def test_record_attempt_counts_up(db_sessionmaker, new_case, schedule_for: Schedule) -> None:
     result = schedule_for(db_sessionmaker, new_case(db_sessionmaker))
     with transaction(db_sessionmaker) as session:

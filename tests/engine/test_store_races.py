@@ -76,12 +76,19 @@ def test_eight_connections_schedule_one_key_one_dispatch(
     engine = engine_factory(db_url, pool_size=threads + 1, max_overflow=0)
     sm = make_sessionmaker(engine)
     case = new_case(sm)
-    unique_violations = []  # observed, not altered: proof that inserts really collided
+    collisions = []  # observed, not altered: proof that inserts really collided
+
+    @event.listens_for(engine, "after_cursor_execute")
+    def _seen(conn: Any, cursor: Any, statement: str, parameters: Any, context: Any, executemany: bool) -> None:
+        # The insert skips a row whose key another transaction holds (ON CONFLICT DO NOTHING):
+        # it inserted nothing. An IntegrityError would be a collision too.
+        if statement.startswith("INSERT INTO dispatches") and cursor.rowcount == 0:
+            collisions.append(statement)
 
     @event.listens_for(engine, "handle_error")
-    def _seen(context: Any) -> None:
+    def _failed(context: Any) -> None:
         if isinstance(context.sqlalchemy_exception, IntegrityError):
-            unique_violations.append(context.original_exception)
+            collisions.append(context.original_exception)
 
     keys = [f"race-{uuid.uuid4().hex}" for _ in range(rounds)]
 
@@ -113,7 +120,7 @@ def test_eight_connections_schedule_one_key_one_dispatch(
             )
         ).scalars().all()
     if engine.dialect.name == "postgresql":  # SQLite's BEGIN IMMEDIATE serialises instead
-        assert unique_violations, "no insert collided: the race did not happen"
+        assert collisions, "no insert collided: the race did not happen"
     stored = dict(rows)
     assert len(rows) == rounds and set(stored) == set(keys), "one dispatch per key"
     assert sorted(scheduled) == sorted(stored.values()), "one WORKER_SCHEDULED per dispatch"

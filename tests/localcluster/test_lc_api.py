@@ -44,8 +44,8 @@ def test_pods_are_owned_by_their_job_and_carry_the_tracking_finalizer(sim: Api) 
     ref = pod.metadata.owner_references[0]
     assert (ref.kind, ref.name, ref.uid, ref.controller, ref.block_owner_deletion) == ("Job", "owned", job.metadata.uid, True, True)
     assert pod.metadata.finalizers == ["batch.kubernetes.io/job-tracking"]
-    running = wait_for(lambda: sim.job("owned").status.active == 1 and sim.job("owned"), what="active=1")
-    assert running.status.ready == 1 and running.status.start_time is not None
+    running = wait_for(lambda: (lambda j: j if j.status.ready == 1 else None)(sim.job("owned")), what="ready=1")
+    assert running.status.active == 1 and running.status.start_time is not None
 
 
 def test_errors_are_status_objects(sim: Api) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from kubernetes.client import ApiException
 
-from conftest import Api, condition_types, job_manifest, wait_for
+from conftest import Api, condition_types, job_manifest, raw_request, wait_for
 
 SIM = "localcluster.k8s-dispatch.io/"
 
@@ -50,6 +50,35 @@ def test_simulated_success_echoes_the_input(sim: Api) -> None:
     term = _terminated(pod)
     assert pod.status.phase == "Succeeded" and term.exit_code == 0 and term.reason == "Completed"
     assert json.loads(term.message) == {"simulated": True, "input": {"n": 3, "s": "x"}}
+
+
+def test_a_quick_job_writes_its_status_once_per_phase(sim: Api) -> None:
+    """Pod events reach the controller batched, as in Kubernetes: a Pod that starts and ends
+    within one batch period costs its Job one status write, not one per Pod step."""
+    rv = sim.batch.list_namespaced_job(sim.namespace).metadata.resource_version
+    sim.create_job(job_manifest("quick", annotations={SIM + "duration-ms": "0"}))
+    sim.wait_job("quick")
+    wait_for(lambda: (lambda ps: ps and not ps[0].metadata.finalizers)(sim.pods_of("quick")), what="pod counted")
+
+    def events(plural: str) -> list[tuple[str, dict]]:
+        group = "apis/batch/v1" if plural == "jobs" else "api/v1"
+        path = f"/{group}/namespaces/{sim.namespace}/{plural}?watch=true&resourceVersion={rv}&timeoutSeconds=1"
+        code, _, body = raw_request(sim.cluster, "GET", path)
+        assert code == 200
+        return [(e["type"], e["object"]) for e in map(json.loads, body.splitlines())]
+
+    jobs = events("jobs")
+    assert [t for t, _ in jobs] == ["ADDED", "MODIFIED", "MODIFIED"]
+    started, done = jobs[1][1]["status"], jobs[2][1]["status"]
+    assert (started["active"], started["ready"]) == (1, 0) and started["startTime"]  # the new Pod counts as active
+    assert done["succeeded"] == 1 and [c["type"] for c in done["conditions"]] == ["SuccessCriteriaMet", "Complete"]
+    pods = events("pods")
+    assert [(t, o["status"]["phase"], bool(o["metadata"].get("finalizers"))) for t, o in pods] == [
+        ("ADDED", "Pending", True), ("MODIFIED", "Running", True), ("MODIFIED", "Succeeded", True),
+        ("MODIFIED", "Succeeded", False),
+    ]
+    rvs = [int(o["metadata"]["resourceVersion"]) for _, o in jobs + pods]
+    assert len(set(rvs)) == len(rvs) and all(r > int(rv) for r in rvs)
 
 
 def test_simulated_failure_retries_until_the_backoff_limit(sim: Api) -> None:

@@ -3,11 +3,14 @@ Table printer's durations, paths and the simulate runner's plan from annotations
 
 from __future__ import annotations
 
+import uuid
+
 import pytest
 
 from localcluster import paths, simrunner
 from localcluster.jobsync import PodView, TRACKING_FINALIZER, plan_job
 from localcluster.patching import PatchError, json_patch, merge_patch, strategic_merge_patch
+from localcluster.registry import new_uid
 from localcluster.resources import JOBS, NAMESPACES, PODS
 from localcluster.tables import human_duration
 from localcluster.timestamps import rfc3339
@@ -28,7 +31,7 @@ def _pod(name: str, phase: str, *, tracked: bool = True, deleting: bool = False,
 def test_a_new_job_starts_and_asks_for_one_pod() -> None:
     plan = plan_job(_job(), [], NOW)
     assert plan.create == 1 and plan.started and plan.status["startTime"] == rfc3339(NOW)
-    assert plan.status["ready"] == 0 and plan.status["terminating"] == 0 and "active" not in plan.status
+    assert plan.status["active"] == 1 and plan.status["ready"] == 0 and plan.status["terminating"] == 0
 
 
 def test_a_succeeded_pod_is_counted_and_completes_the_job() -> None:
@@ -159,3 +162,11 @@ def test_simulate_plan_from_annotations() -> None:
     assert (p.outcome, p.exit_code, p.duration, p.message) == ("fail", 1, 0.25, '{"simulated":true,"input":[1,2]}')
     assert simrunner.plan({"metadata": {}, "spec": {}}).message == '{"simulated":true,"input":null}'
     assert TRACKING_FINALIZER == "batch.kubernetes.io/job-tracking"
+
+
+def test_uids_are_random_version_4_uuids_in_canonical_text() -> None:
+    uids = [new_uid() for _ in range(2000)]
+    assert len(set(uids)) == len(uids)
+    for text in uids:
+        parsed = uuid.UUID(text)
+        assert (parsed.version, parsed.variant, str(parsed)) == (4, uuid.RFC_4122, text)

@@ -18,18 +18,22 @@ from forged_jobs import SIM, forge_job
 
 from engine import store
 from engine.db import transaction
-from engine.errors import BrokerUnavailable, InvalidId, UnknownDispatch
+from engine.errors import ApiUnavailable, BrokerUnavailable, InvalidId, UnknownDispatch
 from engine.models import DispatchState, EventType
 from engine.settings import load_settings
 from localcluster import LocalCluster
 from recovery import stats
 from recovery.delivery import (
+    JOB_NAME_LABEL,
     CompleteOutcome,
     CreateOutcome,
     cancel_dispatch,
     cleanup_job,
     complete_job,
+    complete_jobs,
     create_job_for,
+    create_jobs_for,
+    job_snapshot,
     load_record,
     notify_engine,
 )
@@ -89,14 +93,16 @@ def make_runtime(cluster, pg_url, redis_url, key_prefix, request) -> Iterator[Ca
     runtimes: list[Runtime] = []
     namespace = f"dl-{uuid.uuid4().hex[:8]}"
 
-    def make(*, notifier: Callable[[str], None] | None = None, capabilities: dict[str, Any] = CAPABILITIES) -> Runtime:
+    def make(
+        *, notifier: Callable[[str], None] | None = None, capabilities: dict[str, Any] = CAPABILITIES, kubeconfig: Any = None
+    ) -> Runtime:
         settings = load_settings(
             {
                 "K8S_DISPATCH_DATABASE_URL": pg_url,
                 "K8S_DISPATCH_REDIS_URL": redis_url,
                 "K8S_DISPATCH_KEY_PREFIX": f"{key_prefix}-{request.node.name[:30]}",
                 "K8S_DISPATCH_NAMESPACE": namespace,
-                "K8S_DISPATCH_KUBECONFIG": str(cluster.kubeconfig),
+                "K8S_DISPATCH_KUBECONFIG": str(kubeconfig or cluster.kubeconfig),
                 "K8S_DISPATCH_GUARD_LEASE_MS": "10000",
             }
         )
@@ -192,6 +198,80 @@ def test_a_second_create_adopts_the_job_instead_of_doubling_it(rt):
     assert complete_job(rt, rt.settings.namespace, job_name(dispatch_id)) is CompleteOutcome.RUNNING
     assert len(events(rt, dispatch_id)) == 1  # WORKER_SCHEDULED only
     cancel_dispatch(rt, dispatch_id)
+
+
+# --- completions in batches, as poll hands them off -------------------------------------------
+
+
+def listed_finished(rt: Runtime) -> list[dict[str, Any]]:
+    """What poll hands off: snapshots of the finished Jobs one LIST of undelivered Jobs shows."""
+    pages = rt.kube.iter_jobs(rt.settings.namespace, label_selector=job_labels.undelivered_selector())
+    return [job_snapshot(job) for page in pages for job in page if job_state(job).terminal]
+
+
+def test_a_batch_of_listed_jobs_is_delivered_without_a_get_or_a_delete_per_job(cluster, rt, notified):
+    inputs = {schedule(rt, "sim.ok", {"i": i}): {"i": i} for i in range(12)}
+    for dispatch_id in inputs:
+        assert create_job_for(rt, dispatch_id) is CreateOutcome.CREATED
+    for dispatch_id in inputs:
+        job_finished(rt, dispatch_id)
+    names = sorted(job_name(d) for d in inputs)
+
+    cluster.audit(clear=True)
+    batch = listed_finished(rt)
+    assert sorted(j["metadata"]["name"] for j in batch) == names
+    done = complete_jobs(rt, rt.settings.namespace, batch)
+    assert done.outcomes == [CompleteOutcome.COMPLETED] * len(inputs) and done.error is None
+    # One LIST of Jobs, one of Pods, a patch per Job, one bulk delete: no GET, no DELETE of one Job.
+    assert cluster.audit() == {
+        ("batch", "jobs", "list"), ("", "pods", "list"), ("batch", "jobs", "patch"), ("batch", "jobs", "deletecollection"),
+    }  # fmt: skip
+
+    for dispatch_id, value in inputs.items():
+        assert events(rt, dispatch_id)[1:] == [(EventType.WORKER_COMPLETED, {"output": {"simulated": True, "input": value}})]
+    assert sorted(notified.ids) == sorted(inputs)
+    selector = f"{JOB_NAME_LABEL} in ({','.join(names)})"
+    wait_until(lambda: not any(job_exists(rt, d) for d in inputs), what="every job deleted", timeout=10.0)
+    wait_until(lambda: rt.kube.list_pods(rt.settings.namespace, label_selector=selector) == [],
+               what="their pods deleted", timeout=10.0)  # fmt: skip
+    # The same message again (a redelivery): nothing more happens.
+    assert complete_jobs(rt, rt.settings.namespace, batch).outcomes == [CompleteOutcome.ALREADY_TERMINAL] * len(inputs)
+    assert all(len(events(rt, d)) == 2 for d in inputs) and len(notified.ids) == len(inputs)
+
+
+def test_a_job_recreated_under_the_same_name_after_the_list_is_left_alone(rt):
+    dispatch_id = schedule(rt, "sim.ok")
+    create_job_for(rt, dispatch_id)
+    job_finished(rt, dispatch_id)
+    [stale] = listed_finished(rt)
+    assert complete_jobs(rt, rt.settings.namespace, [stale]).outcomes == [CompleteOutcome.COMPLETED]
+    wait_until(lambda: not job_exists(rt, dispatch_id), what="job deleted", timeout=10.0)
+    # A Job of the same name and labels appears (another uid); then the old snapshot comes again.
+    name = forge_job(rt.kube, rt.settings.namespace, load_record(rt, dispatch_id).ref)
+    uid = rt.kube.get_job(rt.settings.namespace, name)["metadata"]["uid"]
+    assert uid != stale["metadata"]["uid"]
+
+    assert complete_jobs(rt, rt.settings.namespace, [stale]).outcomes == [CompleteOutcome.ALREADY_TERMINAL]
+    metadata = rt.kube.get_job(rt.settings.namespace, name)["metadata"]
+    assert metadata["uid"] == uid
+    assert FINALIZER in metadata["finalizers"]  # its finalizer kept, not labelled, not deleted
+    assert job_labels.DELIVERED_LABEL not in metadata["labels"]
+    assert len(events(rt, dispatch_id)) == 2
+    cleanup_job(rt, rt.settings.namespace, name)
+
+
+def test_a_job_snapshot_keeps_what_delivery_reads_and_drops_the_rest(rt):
+    dispatch_id = schedule(rt, "sim.ok")
+    create_job_for(rt, dispatch_id)
+    job = job_finished(rt, dispatch_id)
+    snapshot = job_snapshot(job)
+    assert set(snapshot) == {"metadata", "status"} and snapshot["status"] == job["status"]
+    assert all(key.startswith(job_labels.PREFIX) for key in snapshot["metadata"].get("annotations", {}))
+    assert "spec" not in snapshot and "managedFields" not in snapshot["metadata"]
+    assert {"name", "namespace", "uid", "labels", "finalizers"} <= set(snapshot["metadata"])
+    # It delivers exactly as the whole Job does.
+    assert complete_job(rt, rt.settings.namespace, job_name(dispatch_id), snapshot=snapshot) is CompleteOutcome.COMPLETED
+    assert events(rt, dispatch_id)[1][0] == EventType.WORKER_COMPLETED
 
 
 # --- failures, with the reason the engine sees ----------------------------------------------------
@@ -447,3 +527,60 @@ def test_without_a_notifier_the_dispatch_stays_unnotified(make_runtime):
     assert complete_job(rt, rt.settings.namespace, job_name(dispatch_id)) is CompleteOutcome.COMPLETED
     assert notify_engine(rt, dispatch_id) is False
     assert notified_at(rt, dispatch_id) is None
+
+
+def test_a_batch_of_creates_deals_with_each_dispatch_as_alone_and_marks_them_together(make_runtime, notified):
+    gone = {"capabilities": {**CAPABILITIES["capabilities"], "sim.gone": capability()}}
+    before = make_runtime(notifier=notified, capabilities=gone)
+    rt = make_runtime(notifier=notified)  # the same namespace and database; sim.gone removed
+    good, existing, bad, ended = (schedule(before, c) for c in ("sim.hang", "sim.hang", "sim.gone", "sim.hang"))
+    assert create_job_for(rt, existing) is CreateOutcome.CREATED  # a first message got through
+    cancel_dispatch(rt, ended)
+    unknown = str(uuid.uuid4())
+
+    outcomes = create_jobs_for(rt, [good, existing, unknown, bad, ended, good])
+    assert outcomes == {
+        good: CreateOutcome.CREATED,
+        existing: CreateOutcome.ADOPTED,
+        bad: CreateOutcome.FAILED,
+        ended: CreateOutcome.SKIPPED,
+    }
+    states = {d: load_record(rt, d).state for d in outcomes}
+    assert states == {
+        good: DispatchState.CREATED,
+        existing: DispatchState.CREATED,
+        bad: DispatchState.FAILED,
+        ended: DispatchState.CANCELLED,
+    }
+    assert load_record(rt, good).job_name == job_name(good)
+    assert [job_exists(rt, d) for d in (good, existing, bad, ended)] == [True, True, False, False]
+    assert events(rt, bad)[1][1]["reason"] == "UnknownCapability"
+    assert sorted(notified.ids) == sorted([ended, bad])
+    with pytest.raises(InvalidId):
+        create_jobs_for(rt, [good, "not-a-uuid"])
+    for dispatch_id in (good, existing):
+        cancel_dispatch(rt, dispatch_id)
+
+
+def test_a_transient_error_mid_batch_keeps_the_jobs_created_before_it_and_the_retry_adopts_them(make_runtime):
+    """The API fails 30% of requests (before acting on them): a batch stops at its first failed
+    create, with every Job created before it already marked; the whole batch again adopts those."""
+    with LocalCluster(mode="simulate", fault_rate=0.3) as flaky:
+        rt = make_runtime(kubeconfig=flaky.kubeconfig)
+        for _ in range(30):  # until a fault comes after at least one Job was created
+            ids = [schedule(rt, "sim.hang") for _ in range(10)]
+            try:
+                create_jobs_for(rt, ids)
+            except ApiUnavailable:
+                marked = [d for d in ids if load_record(rt, d).state is DispatchState.CREATED]
+                if marked:
+                    break
+        else:
+            pytest.fail("no batch stopped after creating a Job")
+        flaky.set_faults(0.0, 0)
+        pages = rt.kube.iter_jobs(rt.settings.namespace, label_selector=job_labels.selector())
+        jobs = {j["metadata"]["name"] for page in pages for j in page}
+        assert {job_name(d) for d in ids} & jobs == {job_name(d) for d in marked}, "created = marked"
+        outcomes = create_jobs_for(rt, ids)
+        assert {d for d, o in outcomes.items() if o is CreateOutcome.ADOPTED} >= set(marked)
+        assert all(load_record(rt, d).state is DispatchState.CREATED for d in ids)

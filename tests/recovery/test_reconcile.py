@@ -265,7 +265,7 @@ def test_running_jobs_are_reported_and_a_job_never_marked_created_is_adopted(rt)
 # --- 4: recorded, Job still there ------------------------------------------------------------
 
 
-def test_jobs_whose_end_is_recorded_are_cleaned_up_including_a_cancelled_running_one(rt, notified):
+def test_jobs_whose_end_is_recorded_are_cleaned_up_including_a_cancelled_running_one(cluster, rt, notified):
     done = schedule(rt, "sim.ok")
     delivery.create_job_for(rt, done)
     wait_finished(rt, [job_name(done)])
@@ -275,13 +275,37 @@ def test_jobs_whose_end_is_recorded_are_cleaned_up_including_a_cancelled_running
         store.record_terminal(session, done, EventType.WORKER_COMPLETED, {"output": {"by": "test"}})
         store.record_terminal(session, running, EventType.WORKER_CANCELLED, {"reason": "Cancelled"})
 
+    cluster.audit(clear=True)
     report = run_sweep(rt)
     assert counts(report, C4) == (2, 2, 0, 0) and found(report) == {4: 2}
     wait_until(lambda: not jobs(rt), what="both jobs deleted", timeout=15.0)
+    # Released from the LIST's snapshots (a patch each), removed by one bulk delete, the running one too.
+    assert cluster.audit() == {("batch", "jobs", "list"), ("batch", "jobs", "patch"), ("batch", "jobs", "deletecollection")}
     assert terminal_events(rt, done) == [(EventType.WORKER_COMPLETED, {"output": {"by": "test"}})]
     assert terminal_events(rt, running) == [(EventType.WORKER_CANCELLED, {"reason": "Cancelled"})]
     # Their notifications were never sent (the crash): the sweep sent them.
     assert report.unnotified.acted == 2 and sorted(notified.ids) == sorted([done, running])
+
+
+def test_a_delivered_job_the_bulk_delete_missed_is_in_no_category_and_the_sweep_deletes_it(cluster, rt, notified):
+    ids = [schedule(rt, "sim.ok", {"i": i}) for i in range(3)]
+    for dispatch_id in ids:
+        delivery.create_job_for(rt, dispatch_id)
+    wait_finished(rt, [job_name(d) for d in ids])
+    for dispatch_id in ids:  # delivered and released; the bulk delete never came (a crash, an API error)
+        assert delivery.complete_job(rt, rt.settings.namespace, job_name(dispatch_id), delete=False) is (
+            delivery.CompleteOutcome.COMPLETED
+        )
+    left = jobs(rt)
+    assert set(left) == {job_name(d) for d in ids}
+    assert all(job_labels.is_delivered(j["metadata"]["labels"]) and not j["metadata"].get("finalizers") for j in left.values())
+
+    cluster.audit(clear=True)
+    report = run_sweep(rt)
+    assert found(report) == {} and report.errors == 0 and report.jobs_listed == 0  # not orphans, not unrecorded
+    wait_until(lambda: not jobs(rt), what="the delivered jobs deleted", timeout=15.0)
+    assert cluster.audit() == {("batch", "jobs", "list"), ("batch", "jobs", "deletecollection")}
+    assert all(len(terminal_events(rt, d)) == 1 for d in ids) and sorted(notified.ids) == sorted(ids)
 
 
 # --- 5: lost Jobs ----------------------------------------------------------------------------

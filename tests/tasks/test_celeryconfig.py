@@ -35,6 +35,7 @@ def test_the_config_carries_the_safety_settings_from_the_environment():
     assert [q.name for q in conf["task_queues"]] == [celeryconfig.JOBS_QUEUE, celeryconfig.COMPLETE_QUEUE, celeryconfig.SWEEP_QUEUE]
     assert conf["task_default_queue"] == celeryconfig.JOBS_QUEUE
     assert conf["task_routes"][celeryconfig.COMPLETE_TASK] == {"queue": celeryconfig.COMPLETE_QUEUE}
+    assert conf["task_routes"][celeryconfig.COMPLETE_BATCH_TASK] == {"queue": celeryconfig.COMPLETE_QUEUE}
     assert conf["task_routes"][celeryconfig.POLL_TASK] == {"queue": celeryconfig.SWEEP_QUEUE}
     poll = conf["beat_schedule"]["poll"]
     assert (poll["task"], poll["schedule"]) == (celeryconfig.POLL_TASK, timedelta(seconds=0.5))

@@ -1,9 +1,12 @@
-"""`schedule_in_session`: the dispatch is written in the caller's transaction and `create_job` is
-sent only after that transaction commits: never for a rollback, never before the row is visible."""
+"""`schedule_in_session` / `schedule_many_in_session`: the dispatches are written in the caller's
+transaction and `create_jobs` is sent only after that transaction commits, CREATE_BATCH
+dispatches per message: never for a rollback, never before the rows are visible."""
 
 from __future__ import annotations
 
+import base64
 import json
+import math
 import uuid
 
 import pytest
@@ -15,7 +18,7 @@ from engine import store
 from engine.db import make_engine, make_sessionmaker, transaction
 from engine.errors import UnknownCapability
 from engine.settings import load_settings
-from tasks.scheduling import schedule_in_session
+from tasks.scheduling import CREATE_BATCH, schedule_in_session, schedule_many_in_session
 from workers.resolver import demo_resolver
 
 
@@ -33,11 +36,16 @@ def world(pg_url, redis_url, key_prefix):
     engine.dispose()
 
 
+def batches(client: redis.Redis, queue: str) -> list[list[str]]:
+    """The dispatch ids of each create_jobs message in the queue, oldest first."""
+    messages = [json.loads(raw) for raw in reversed(client.lrange(queue, 0, -1))]  # LPUSHed
+    assert all(m["headers"]["task"] == celeryconfig.CREATE_JOBS_TASK for m in messages)
+    return [json.loads(base64.b64decode(m["body"]))[0][0] for m in messages]
+
+
 def sent(client: redis.Redis, queue: str) -> list[str]:
-    """The dispatch ids of the create_job messages in the queue."""
-    messages = [json.loads(raw) for raw in client.lrange(queue, 0, -1)]
-    assert all(m["headers"]["task"] == celeryconfig.CREATE_JOB_TASK for m in messages)
-    return [m["headers"]["argsrepr"].strip("[]'") for m in messages]
+    """The dispatch ids sent, in all the create_jobs messages in the queue."""
+    return [dispatch_id for batch in batches(client, queue) for dispatch_id in batch]
 
 
 def request(case_id: str, **overrides):
@@ -116,3 +124,38 @@ def test_a_repeated_request_is_one_dispatch_and_a_bad_one_writes_nothing(world):
             schedule_in_session(session, via=producer, **request(case_id, capability="no.such"))
     # Sent again for the repeat (create_job is idempotent; a lost first message is covered).
     assert sent(client, queue) == [first.dispatch_id, first.dispatch_id]
+
+
+def test_a_transaction_of_60_dispatches_is_sent_in_batches_after_its_commit(world):
+    producer, sessions, client, queue = world
+    case_id = new_case(sessions)
+    router = demo_resolver()
+
+    def requests(n: int) -> list[store.ScheduleRequest]:
+        return [
+            store.ScheduleRequest(case_id, "tenant-a", "demo.wordcount", {"i": i}, f"key-{uuid.uuid4()}") for i in range(n)
+        ]
+
+    with pytest.raises(RuntimeError):
+        with transaction(sessions) as session:
+            schedule_many_in_session(session, requests(30), router=router, max_input_bytes=1024, via=producer)
+            raise RuntimeError("the engine's own step failed")
+    assert sent(client, queue) == []
+
+    with transaction(sessions) as session:
+        many = schedule_many_in_session(session, requests(49), router=router, max_input_bytes=1024, via=producer)
+        savepoint = session.begin_nested()
+        dropped = schedule_many_in_session(session, requests(5), router=router, max_input_bytes=1024, via=producer)
+        savepoint.rollback()
+        with session.begin_nested():
+            nested = schedule_many_in_session(session, requests(10), router=router, max_input_bytes=1024, via=producer)
+        one = schedule_in_session(session, via=producer, **request(case_id))
+        assert sent(client, queue) == []
+    expected = [r.dispatch_id for r in many + nested] + [one.dispatch_id]
+    assert len(expected) == 60
+    assert [len(b) for b in batches(client, queue)] == [CREATE_BATCH] * (60 // CREATE_BATCH) + [60 % CREATE_BATCH]
+    assert len(batches(client, queue)) == math.ceil(60 / CREATE_BATCH) >= 2
+    assert sent(client, queue) == expected
+    with transaction(sessions) as session:
+        assert store.get_dispatches(session, [r.dispatch_id for r in dropped]) == {}
+        assert len(store.get_dispatches(session, expected)) == 60

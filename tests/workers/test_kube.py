@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
+import kubernetes
 import pytest
+import yaml
 
 from engine.errors import (
     AlreadyExists,
@@ -21,7 +24,7 @@ from engine.errors import (
 from localcluster import LocalCluster
 from tasks.processes import wait_until
 from workers.job_status import job_state
-from workers.kube import KubeClient
+from workers.kube import KubeClient, release_patch
 
 OURS = "k8s-dispatch.io/result-protection"
 
@@ -80,6 +83,7 @@ def test_a_garbled_kubeconfig_is_a_config_error(tmp_path):
 
 
 def test_create_get_and_already_exists(kube, ns):
+    assert kube.host.startswith("https://")  # over TLS, verified with the kubeconfig's CA
     created = kube.create_job(ns, job("one", finalizers=[OURS]))
     assert created["metadata"]["name"] == "one"
     assert created["metadata"]["namespace"] == ns
@@ -202,6 +206,89 @@ def test_delete_waits_for_our_finalizer_then_the_job_is_gone(kube, ns):
     assert kube.delete_job(ns, "del") is False  # already gone: no error
 
 
+DONE = ("example.io/done", "true")
+
+
+def test_release_from_a_snapshot_takes_our_finalizer_off_and_labels_the_job_in_one_patch(kube, ns):
+    snapshot = kube.create_job(ns, job("rel", finalizers=[OURS, "b.example/two"]))
+    assert kube.release_job(ns, "rel", finalizer=OURS, label=DONE, snapshot=snapshot) is True
+    metadata = kube.get_job(ns, "rel")["metadata"]
+    assert metadata["finalizers"] == ["b.example/two"]
+    assert metadata["labels"] == {"suite": "kube", DONE[0]: "true"}
+    # Again from the same (now stale) snapshot: the test fails, a re-read finds nothing to do.
+    assert kube.release_job(ns, "rel", finalizer=OURS, label=DONE, snapshot=snapshot) is False
+    assert kube.release_job(ns, "gone", finalizer=OURS, label=DONE) is False  # no such Job
+
+
+def test_release_from_a_stale_snapshot_reads_again_when_the_finalizers_moved(cluster, kube, ns):
+    snapshot = kube.create_job(ns, job("moved", finalizers=[OURS]))
+    # Someone else puts a finalizer in front of ours: the snapshot's index 0 is now theirs.
+    api = kubernetes.config.new_client_from_config(config_file=str(cluster.kubeconfig))
+    try:
+        kubernetes.client.BatchV1Api(api).patch_namespaced_job(
+            "moved", ns, [{"op": "add", "path": "/metadata/finalizers/0", "value": "a.example/one"}],
+            _content_type="application/json-patch+json",
+        )  # fmt: skip
+    finally:
+        api.close()
+    assert kube.release_job(ns, "moved", finalizer=OURS, label=DONE, snapshot=snapshot) is True
+    metadata = kube.get_job(ns, "moved")["metadata"]
+    assert metadata["finalizers"] == ["a.example/one"]
+    assert metadata["labels"][DONE[0]] == "true"
+
+
+def test_release_never_touches_a_job_recreated_under_the_same_name(kube, ns):
+    stale = kube.create_job(ns, job("again", finalizers=[OURS]))
+    kube.release_job(ns, "again", finalizer=OURS)
+    kube.delete_job(ns, "again")
+    wait_until(lambda: not _exists(kube, ns, "again"), what="first job gone", timeout=10.0)
+    assert kube.release_job(ns, "again", finalizer=OURS, label=DONE, snapshot=stale) is False  # the patch's 404
+    fresh = kube.create_job(ns, job("again", finalizers=[OURS]))
+    assert fresh["metadata"]["uid"] != stale["metadata"]["uid"]
+    assert kube.release_job(ns, "again", finalizer=OURS, label=DONE, snapshot=stale) is False
+    metadata = kube.get_job(ns, "again")["metadata"]
+    assert metadata["finalizers"] == [OURS] and DONE[0] not in metadata["labels"]
+
+
+def test_delete_jobs_removes_exactly_the_selected_jobs_and_their_pods(kube, ns):
+    for name, labels in (("d1", {"suite": "kube", "done": "yes"}), ("d2", {"suite": "kube", "done": "yes"}),
+                         ("keep", {"suite": "kube"})):  # fmt: skip
+        kube.create_job(ns, job(name, labels=labels))
+    wait_until(lambda: len(kube.list_pods(ns, label_selector="batch.kubernetes.io/job-name in (d1,d2)")) == 2,
+               what="the pods of d1 and d2", timeout=10.0)  # fmt: skip
+    assert kube.delete_jobs(ns, label_selector="suite=kube,done=yes") == 2
+    wait_until(lambda: not _exists(kube, ns, "d1") and not _exists(kube, ns, "d2"), what="jobs deleted", timeout=10.0)
+    wait_until(lambda: kube.list_pods(ns, label_selector="batch.kubernetes.io/job-name in (d1,d2)") == [],
+               what="their pods deleted (background propagation)", timeout=10.0)  # fmt: skip
+    assert _exists(kube, ns, "keep")
+    assert kube.delete_jobs(ns, label_selector="suite=kube,done=yes") == 0
+
+
+@pytest.mark.parametrize(
+    ("metadata", "expected"),
+    [
+        ({"uid": "u", "finalizers": ["a", OURS], "labels": {"x": "1"}}, [
+            {"op": "test", "path": "/metadata/uid", "value": "u"},
+            {"op": "test", "path": "/metadata/finalizers/1", "value": OURS},
+            {"op": "remove", "path": "/metadata/finalizers/1"},
+            {"op": "add", "path": "/metadata/labels/example.io~1done", "value": "true"},
+        ]),
+        ({"uid": "u", "finalizers": [OURS], "labels": {DONE[0]: "true"}}, [
+            {"op": "test", "path": "/metadata/uid", "value": "u"},
+            {"op": "test", "path": "/metadata/finalizers/0", "value": OURS},
+            {"op": "remove", "path": "/metadata/finalizers/0"},
+        ]),
+        ({"uid": "u"}, [
+            {"op": "test", "path": "/metadata/uid", "value": "u"},
+            {"op": "add", "path": "/metadata/labels", "value": {DONE[0]: "true"}},
+        ]),
+        ({"uid": "u", "labels": {DONE[0]: "true"}}, []),  # nothing to change: no request
+    ],
+)  # fmt: skip
+def test_release_patch(metadata, expected):
+    assert release_patch(metadata, finalizer=OURS, label=DONE) == expected
+
+
 def _exists(kube: KubeClient, ns: str, name: str) -> bool:
     try:
         kube.get_job(ns, name)
@@ -231,6 +318,7 @@ def test_server_errors_are_api_unavailable(faulty_cluster, ns):
             lambda: kube.list_pods(ns, label_selector="a=b"),
             lambda: kube.delete_job(ns, "f"),
             lambda: kube.remove_finalizer(ns, "f", OURS),
+            lambda: kube.delete_jobs(ns, label_selector="suite=kube"),
         ):
             with pytest.raises(ApiUnavailable):
                 call()
@@ -242,10 +330,11 @@ def test_a_slow_api_times_out_as_api_unavailable(faulty_cluster, ns):
     with KubeClient(faulty_cluster.kubeconfig, timeout_s=0.3) as kube:
         faulty_cluster.set_faults(0.0, latency_ms=2000)
         try:
-            started = time.monotonic()
-            with pytest.raises(ApiUnavailable):
-                kube.get_job(ns, "anything")
-            assert time.monotonic() - started < 1.9
+            for call in (lambda: kube.get_job(ns, "anything"), lambda: kube.create_job(ns, job("slow"))):
+                started = time.monotonic()
+                with pytest.raises(ApiUnavailable):
+                    call()
+                assert time.monotonic() - started < 1.9
         finally:
             faulty_cluster.set_faults(0.0, latency_ms=0)
 
@@ -262,9 +351,46 @@ def test_a_wrong_token_is_rejected_as_unauthorized(cluster, tmp_path, ns):
     kubeconfig = tmp_path / "kubeconfig"
     kubeconfig.write_text(_kubeconfig(cluster.url, token="wrong-token"))
     with KubeClient(kubeconfig, timeout_s=5) as kube:
-        with pytest.raises(ApiRejected) as raised:
-            kube.get_job(ns, "x")
-    assert raised.value.reason == "Unauthorized"
+        for call in (
+            lambda: kube.get_job(ns, "x"),
+            lambda: kube.create_job(ns, job("x")),
+            lambda: kube.release_job(ns, "x", finalizer=OURS, snapshot={"metadata": {"finalizers": [OURS]}}),
+        ):
+            with pytest.raises(ApiRejected) as raised:
+                call()
+            assert raised.value.reason == "Unauthorized"
+
+
+EXEC_PLUGIN = """
+import json, pathlib, sys
+calls = pathlib.Path(sys.argv[1])
+n = int(calls.read_text()) if calls.exists() else 0
+calls.write_text(str(n + 1))
+token = sys.argv[2] if n == 0 else sys.argv[3]  # a wrong token first, then the right one
+print(json.dumps({"apiVersion": "client.authentication.k8s.io/v1beta1", "kind": "ExecCredential",
+                  "status": {"token": token, "expirationTimestamp": "2000-01-01T00:00:00Z"}}))
+"""
+
+
+def test_an_expired_token_is_refreshed_by_the_configs_hook(cluster, tmp_path, ns):
+    """A credential plugin's token is re-read when it expires (the config's refresh hook): the
+    token loaded with the config is wrong and already expired, so only a refreshed one works."""
+    plugin, calls = tmp_path / "plugin.py", tmp_path / "calls"
+    plugin.write_text(EXEC_PLUGIN)
+    config = yaml.safe_load(cluster.kubeconfig.read_text())
+    right = config["users"][0]["user"]["token"]
+    config["users"][0]["user"] = {"exec": {
+        "apiVersion": "client.authentication.k8s.io/v1beta1", "command": sys.executable,
+        "args": [str(plugin), str(calls), "wrong-token", right], "interactiveMode": "Never",
+    }}  # fmt: skip
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump(config))
+    with KubeClient(kubeconfig, timeout_s=5) as kube:
+        assert calls.read_text() == "1"  # loaded with the wrong token
+        created = kube.create_job(ns, job("refreshed", finalizers=[OURS]))
+        assert kube.release_job(ns, "refreshed", finalizer=OURS, snapshot=created) is True
+        assert kube.get_job(ns, "refreshed")["metadata"].get("finalizers") in (None, [])
+    assert int(calls.read_text()) >= 2  # the plugin ran again
 
 
 def _kubeconfig(server: str, *, token: str) -> str:

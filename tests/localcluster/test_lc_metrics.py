@@ -1,0 +1,110 @@
+"""`apiserver_request_total` on GET /metrics: each call the official client makes is counted once,
+with the verb, scope and code a real kube-apiserver reports, and kubectl reads it with --raw."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from kubernetes import client, watch
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import Api, job_manifest, raw_request
+from localcluster import LocalCluster
+from localcluster.audit import METRIC, RequestCount
+
+Key = tuple[str, str, str, str, int]  # verb, resource, subresource, scope, code
+SIM = {"localcluster.k8s-dispatch.io/duration-ms": "60000"}  # still running while the test looks
+
+
+def counts(rows: list[RequestCount]) -> Counter[Key]:
+    return Counter({(r.labels.verb, r.labels.resource, r.labels.subresource, r.labels.scope, r.code): r.count for r in rows})
+
+
+def made(cluster: LocalCluster, before: Counter[Key]) -> Counter[Key]:
+    """The requests counted since `before` (zeros dropped)."""
+    after = counts(cluster.request_counts())
+    after.subtract(before)
+    return +after
+
+
+def test_each_client_call_is_counted_with_the_servers_verb_scope_and_code(sim: Api) -> None:
+    before = counts(sim.cluster.request_counts())
+    sim.create_job(job_manifest("m1", annotations=SIM))
+    sim.create_job(job_manifest("m2", annotations=SIM))
+    job = sim.job("m1")
+    with pytest.raises(client.ApiException):
+        sim.job("missing")
+    first = sim.batch.list_namespaced_job(sim.namespace, limit=1)
+    sim.batch.list_namespaced_job(sim.namespace, limit=1, _continue=first.metadata._continue)
+    sim.batch.list_job_for_all_namespaces(limit=1)
+    sim.batch.patch_namespaced_job("m1", sim.namespace, {"metadata": {"labels": {"a": "b"}}})
+    sim.batch.patch_namespaced_job_status("m1", sim.namespace, {"metadata": {"annotations": {"x": "y"}}})
+    job = sim.job("m1")
+    sim.batch.replace_namespaced_job("m1", sim.namespace, job)
+    list(watch.Watch().stream(sim.batch.list_namespaced_job, sim.namespace, timeout_seconds=1))
+    sim.batch.delete_namespaced_job("m1", sim.namespace, propagation_policy="Background")
+    sim.batch.delete_collection_namespaced_job(sim.namespace, propagation_policy="Background")
+
+    assert made(sim.cluster, before) == Counter({
+        ("POST", "jobs", "", "resource", 201): 2,
+        ("GET", "jobs", "", "resource", 200): 2,
+        ("GET", "jobs", "", "resource", 404): 1,
+        ("LIST", "jobs", "", "namespace", 200): 2,
+        ("LIST", "jobs", "", "cluster", 200): 1,
+        ("PATCH", "jobs", "", "resource", 200): 1,
+        ("PATCH", "jobs", "status", "resource", 200): 1,
+        ("PUT", "jobs", "", "resource", 200): 1,
+        ("WATCH", "jobs", "", "namespace", 200): 1,
+        ("DELETE", "jobs", "", "resource", 200): 1,
+        ("DELETECOLLECTION", "jobs", "", "namespace", 200): 1,
+    })
+    # the RBAC record, kept alongside
+    assert {("batch", "jobs", "deletecollection"), ("batch", "jobs/status", "patch"), ("batch", "jobs", "watch"),
+            ("batch", "jobs", "list"), ("batch", "jobs", "update")} <= sim.cluster.audit()  # fmt: skip
+
+
+def test_injected_faults_are_counted_with_their_code(sim: Api) -> None:
+    before = counts(sim.cluster.request_counts())
+    sim.cluster.set_faults(1.0, 0)
+    try:
+        status, _, _ = raw_request(sim.cluster, "GET", f"/apis/batch/v1/namespaces/{sim.namespace}/jobs")
+    finally:
+        sim.cluster.set_faults(0.0, 0)
+    assert status in (429, 500, 503)
+    assert made(sim.cluster, before) == Counter({("LIST", "jobs", "", "namespace", status): 1})
+
+
+def test_metrics_endpoint_serves_the_counters_as_prometheus_text_behind_the_token(sim: Api) -> None:
+    sim.create_job(job_manifest("m3", annotations=SIM))
+    assert raw_request(sim.cluster, "GET", "/metrics", token="")[0] == 401
+    status, headers, body = raw_request(sim.cluster, "GET", "/metrics")
+    assert status == 200 and headers["content-type"].startswith("text/plain")
+    expected = counts(sim.cluster.request_counts())  # the scrape itself is no resource request
+    families = {f.name: f for f in text_string_to_metric_families(body.decode())}
+    # the parser names a counter without its _total suffix
+    samples = families[METRIC.removesuffix("_total")].samples
+    served = Counter({
+        (s.labels["verb"], s.labels["resource"], s.labels["subresource"], s.labels["scope"], int(s.labels["code"])): int(s.value)
+        for s in samples
+    })
+    assert served == expected
+    assert {s.labels["component"] for s in samples} == {"apiserver"}
+    assert ("POST", "jobs", "", "resource", 201) in served
+
+
+def test_kubectl_get_raw_metrics(sim: Api, tmp_path: Path) -> None:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.fail("kubectl is not on PATH: this test checks kubectl 1.32 against localcluster")
+    sim.create_job(job_manifest("m4", annotations=SIM))
+    result = subprocess.run(
+        [kubectl, "--kubeconfig", str(sim.cluster.kubeconfig), "get", "--raw", "/metrics"],
+        capture_output=True, text=True, timeout=60, env={"HOME": str(tmp_path), "PATH": "/usr/bin:/bin"},
+    )
+    assert result.returncode == 0, result.stderr
+    assert f"# TYPE {METRIC} counter" in result.stdout
+    assert 'verb="POST"' in result.stdout and 'resource="jobs"' in result.stdout
