@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
+from sqlalchemy.orm.util import identity_key
 
 from engine.errors import (
     ConfigError,
@@ -451,6 +452,15 @@ def record_attempt(session: Session, dispatch_id: str, *, now: datetime | None =
 # --- the end ---------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class TerminalEvent:
+    """A dispatch's end, for `record_terminals`."""
+
+    dispatch_id: str
+    type: EventType
+    payload: Mapping[str, Any]
+
+
 def record_terminal(
     session: Session,
     dispatch_id: str,
@@ -459,69 +469,126 @@ def record_terminal(
     *,
     now: datetime | None = None,
 ) -> bool:
-    """Write the dispatch's terminal event, if it has none yet; True if this call wrote it.
-
-    The insert is `INSERT ... ON CONFLICT DO NOTHING` on the partial unique index of terminal
-    events, so of any number of concurrent callers exactly one wins, whatever the isolation.
-    The winner also sets the dispatch's state, reason (`payload["reason"]`), output
-    (`payload["output"]`) and finished_at, and touches the case; a loser writes nothing.
+    """Write the dispatch's terminal event, if it has none yet; True if this call wrote it
+    (`record_terminals` for one).
 
     Raises:
         UnknownDispatch
         InvalidInput: `type` is not a terminal event type, or the reason is not a string.
         InputNotSerialisable: the payload is not a JSON object.
     """
+    return bool(record_terminals(session, [TerminalEvent(dispatch_id, type, payload)], now=now))
+
+
+def record_terminals(session: Session, events: Sequence[TerminalEvent], *, now: datetime | None = None) -> set[str]:
+    """Write each dispatch's terminal event, where it has none yet; the ids this call wrote.
+
+    The insert is `INSERT ... ON CONFLICT DO NOTHING` on the partial unique index of terminal
+    events, so of any number of concurrent callers exactly one wins each dispatch, whatever the
+    isolation. A winner also sets the dispatch's state, reason (`payload["reason"]`), output
+    (`payload["output"]`) and finished_at, and touches its case; a loser writes nothing. Every
+    event is checked before anything is written; rows are written in id order, so two batches
+    racing on the same dispatches wait for each other and never deadlock. A dispatch named
+    twice keeps its first event. A batch costs a handful of statements, whatever its size.
+
+    Raises:
+        UnknownDispatch: one of the dispatches does not exist (nothing written).
+        InvalidInput: a type is not a terminal event type, or a reason is not a string.
+        InputNotSerialisable: a payload is not a JSON object.
+    """
+    checked: dict[str, tuple[EventType, dict[str, Any]]] = {}
+    for event in events:
+        checked.setdefault(event.dispatch_id, _checked_terminal(event))
+    if not checked:
+        return set()
+    case_of = {row.dispatch_id: row.case_id for row in _by_ids(session, checked, session.execute, _CASE_OF)}
+    missing = sorted(checked.keys() - case_of.keys())
+    if missing:
+        raise UnknownDispatch(f"dispatch {missing[0]!r} does not exist")
+
+    now = now or utcnow()
+    ids = sorted(checked)
+    # Executemany of one cached statement: SQLAlchemy sends it as one multi-row INSERT.
+    won = set(
+        session.scalars(
+            _insert_terminal(session),
+            [
+                {"case_id": case_of[d], "dispatch_id": d, "type": checked[d][0].value, "payload": checked[d][1], "created_at": now}
+                for d in ids
+            ],
+        )
+    )
+    if not won:  # every one recorded before, by another call
+        return won
+    session.execute(
+        _END_DISPATCH,
+        [
+            {
+                "t_id": d,
+                "t_state": STATE_FOR_TERMINAL_EVENT[checked[d][0]],
+                "t_reason": checked[d][1].get("reason"),
+                "t_output": checked[d][1].get("output"),
+                "t_now": now,
+            }
+            for d in ids
+            if d in won
+        ],
+    )
+    cases = sorted({case_of[d] for d in won})
+    session.execute(
+        sa.update(CaseInstance.__table__).where(CaseInstance.__table__.c.id.in_(cases)).values(updated_at=now)
+    )
+    # The updates above bypass the ORM: objects this session holds for these rows are stale.
+    for key in [identity_key(Dispatch, d) for d in won] + [identity_key(CaseInstance, c) for c in cases]:
+        stale = session.identity_map.get(key)
+        if stale is not None:
+            session.expire(stale)
+    return won
+
+
+def _checked_terminal(event: TerminalEvent) -> tuple[EventType, dict[str, Any]]:
+    """The event's type and payload as stored (pure), or the typed error `record_terminals` raises."""
     try:
-        event_type = EventType(type)
+        event_type = EventType(event.type)
     except ValueError as e:
-        raise InvalidInput(f"{type!r} is not an event type") from e
+        raise InvalidInput(f"{event.type!r} is not an event type") from e
     if event_type not in TERMINAL_EVENT_TYPES:
         raise InvalidInput(f"{event_type} is not a terminal event type")
-    if not isinstance(payload, Mapping):
-        raise InputNotSerialisable(f"payload must be a JSON object, got {show_value(payload)}")
-    stored_payload = json.loads(canonical_json(dict(payload), what="payload"))
+    if not isinstance(event.payload, Mapping):
+        raise InputNotSerialisable(f"payload must be a JSON object, got {show_value(event.payload)}")
+    stored_payload = json.loads(canonical_json(dict(event.payload), what="payload"))
     reason = stored_payload.get("reason")
     if reason is not None and not isinstance(reason, str):
         raise InvalidInput(f"payload reason must be a string, got {show_value(reason)}")
-    dispatch = session.get(Dispatch, dispatch_id)
-    if dispatch is None:
-        raise UnknownDispatch(f"dispatch {dispatch_id!r} does not exist")
+    return event_type, stored_payload
 
-    now = now or utcnow()
-    insert = _insert_for(session)(CaseEvent.__table__).values(
-        case_id=dispatch.case_id,
-        dispatch_id=dispatch_id,
-        type=event_type.value,
-        payload=stored_payload,
-        created_at=now,
+
+def _insert_terminal(session: Session) -> Any:
+    table = CaseEvent.__table__
+    return (
+        _insert_for(session)(table)
+        .on_conflict_do_nothing(index_elements=[table.c.dispatch_id], index_where=sa.text(TERMINAL_EVENT_PREDICATE))
+        .returning(table.c.dispatch_id)
     )
-    event_id = session.execute(
-        insert.on_conflict_do_nothing(
-            index_elements=[CaseEvent.__table__.c.dispatch_id],
-            index_where=sa.text(TERMINAL_EVENT_PREDICATE),
-        ).returning(CaseEvent.__table__.c.id)
-    ).scalar_one_or_none()
-    if event_id is None:  # the conflict: another call recorded this dispatch's end first
-        return False
-    session.execute(
-        sa.update(Dispatch)
-        .where(Dispatch.dispatch_id == dispatch_id)
+
+
+def _end_dispatch_statement() -> sa.Update:
+    table = Dispatch.__table__
+    now = sa.bindparam("t_now", type_=table.c.finished_at.type)
+    return (
+        sa.update(table)
+        .where(table.c.dispatch_id == sa.bindparam("t_id", type_=table.c.dispatch_id.type))
         .values(
-            state=STATE_FOR_TERMINAL_EVENT[event_type],
-            reason=reason,
-            output=stored_payload.get("output"),
+            state=sa.bindparam("t_state", type_=table.c.state.type),
+            reason=sa.bindparam("t_reason", type_=table.c.reason.type),
+            output=sa.bindparam("t_output", type_=table.c.output.type),
             finished_at=now,
             updated_at=now,
         )
-        .execution_options(synchronize_session="fetch")
     )
-    session.execute(
-        sa.update(CaseInstance)
-        .where(CaseInstance.id == dispatch.case_id)
-        .values(updated_at=now)
-        .execution_options(synchronize_session="fetch")
-    )
-    return True
+
+
+_END_DISPATCH = _end_dispatch_statement()
 
 
 def _insert_for(session: Session) -> Any:
@@ -568,6 +635,7 @@ _IDS_IN_USE = _among_ids(sa.select(Dispatch.dispatch_id))
 _CREATED_AMONG = _among_ids(sa.select(Dispatch.dispatch_id).where(Dispatch.state == DispatchState.CREATED))
 _DISPATCHES = _among_ids(sa.select(Dispatch))
 _DISPATCH_ROWS = _among_ids(sa.select(Dispatch.__table__))
+_CASE_OF = _among_ids(sa.select(Dispatch.dispatch_id, Dispatch.case_id))
 
 
 def iter_dispatches(
@@ -619,23 +687,34 @@ def counts_by_state(session: Session) -> dict[str, int]:
 
 
 def mark_notified(session: Session, dispatch_id: str, *, now: datetime | None = None) -> bool:
-    """Record that the engine was told of the dispatch's end; True if this call recorded it.
+    """Record that the engine was told of the dispatch's end; True if this call recorded it
+    (`mark_notified_many` for one)."""
+    return bool(mark_notified_many(session, [dispatch_id], now=now))
 
-    False (changing nothing) if it was recorded before, or the dispatch is not terminal.
+
+def mark_notified_many(session: Session, dispatch_ids: Iterable[str], *, now: datetime | None = None) -> set[str]:
+    """Record that the engine was told of these dispatches' ends; the ids this call recorded.
+
+    A dispatch notified before, or not terminal, is left unchanged (and not returned).
     """
     now = now or utcnow()
-    updated = session.execute(
-        sa.update(Dispatch)
-        .where(
-            Dispatch.dispatch_id == dispatch_id,
-            Dispatch.notified_at.is_(None),
-            Dispatch.state.in_(sorted(TERMINAL_STATES)),
+    marked: set[str] = set()
+    wanted = sorted(set(dispatch_ids))
+    for start in range(0, len(wanted), QUERY_BATCH):
+        marked.update(
+            session.scalars(
+                sa.update(Dispatch)
+                .where(
+                    Dispatch.dispatch_id.in_(wanted[start : start + QUERY_BATCH]),
+                    Dispatch.notified_at.is_(None),
+                    Dispatch.state.in_(sorted(TERMINAL_STATES)),
+                )
+                .values(notified_at=now)
+                .returning(Dispatch.dispatch_id)
+                .execution_options(synchronize_session="fetch")
+            )
         )
-        .values(notified_at=now)
-        .returning(Dispatch.dispatch_id)
-        .execution_options(synchronize_session="fetch")
-    ).scalar_one_or_none()
-    return updated is not None
+    return marked
 
 
 def iter_unnotified_terminal(

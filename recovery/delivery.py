@@ -36,6 +36,7 @@ from engine.errors import (
 from engine.models import STATE_FOR_TERMINAL_EVENT, DispatchState, EventType
 from recovery import statelog, stats
 from recovery.crashpoints import Point, crashpoint
+from recovery.guard import Claim
 from recovery.metrics import METRICS
 from recovery.reconstruct import DeliveryContext, DispatchRecord, context_from_job
 from recovery.runtime import Runtime
@@ -254,25 +255,24 @@ def complete_jobs(
     A LIST's snapshot is as good as a fresh read here: a finished Job's status is final
     (Complete and Failed never revert, a deletion is never undone), and the clean-up patch
     `test`s the snapshot's uid, so a Job re-created under the same name since is never
-    touched. The Pods of all the Jobs are read on first need, with one LIST per chunk of
-    names. Each Job then goes through `_deliver`, in order; the first Transient error stops
-    the batch (the rest are returned as `unavailable`, to be tried again). With `delete`, ONE
-    bulk delete (deletecollection) then removes every delivered Job of the namespace; a
-    caller that makes many calls passes False and calls `delete_delivered` once. A bulk delete
-    that fails is only logged: the next one, or the sweep's, removes those Jobs.
+    touched. The batch is delivered in steps, each one round trip for all its Jobs where it
+    can be (`_Batch`): their rows read, their guards claimed, their Pods listed, their terminal
+    events written in ONE transaction, then one patch per Job. A Transient error stops the
+    batch: the Jobs not yet dealt with are returned as `unavailable`, to be tried again. With
+    `delete`, ONE bulk delete (deletecollection) then removes every delivered Job of the
+    namespace; a caller that makes many calls passes False and calls `delete_delivered` once.
+    A bulk delete that fails is only logged: the next one, or the sweep's, removes those Jobs.
     """
-    pods = _PodsOf(rt, namespace, [_name(job) for job in jobs if job_state(job).terminal])
-    outcomes: list[CompleteOutcome] = []
-    for index, job in enumerate(jobs):
-        try:
-            outcomes.append(_deliver(rt, job, pods))
-        except Transient as e:
-            log.warning("completing jobs in %s stopped at %s (%s); %d left to retry", namespace, _name(job), e, len(jobs) - index)
-            done = Completed(outcomes, unavailable=list(jobs[index:]), error=e)
-            break
+    batch = _Batch(rt, namespace, jobs)
+    try:
+        batch.deliver()
+    except Transient as e:
+        left = len(jobs) - len(batch.outcomes)
+        log.warning("completing jobs in %s stopped (%s); %d left to retry", namespace, e, left)
+        done = Completed(batch.outcomes, unavailable=list(jobs[len(batch.outcomes) :]), error=e)
     else:
-        done = Completed(outcomes)
-    if delete and any(o in (CompleteOutcome.COMPLETED, CompleteOutcome.ALREADY_TERMINAL) for o in outcomes):
+        done = Completed(batch.outcomes)
+    if delete and any(o in (CompleteOutcome.COMPLETED, CompleteOutcome.ALREADY_TERMINAL) for o in done.outcomes):
         try:
             delete_delivered(rt, namespace)
         except Transient as e:
@@ -280,41 +280,89 @@ def complete_jobs(
     return done
 
 
-def _deliver(rt: Runtime, job: Mapping[str, Any], pods: _PodsOf) -> CompleteOutcome:
-    """Rebuild the context from the Job's labels and the DB (refusing any disagreement), claim
-    the guard, compute the result from the Job's Pods, write the terminal event in its own
-    transaction, notify the engine if this call won, then release the Job (`release_job`)."""
-    context = _context(rt, job)
-    if context is None:
-        return CompleteOutcome.REFUSED
-    if context.record.terminal:
-        release_job(rt, context.namespace, context.job_name, snapshot=job)
-        return CompleteOutcome.ALREADY_TERMINAL
-    if not job_state(job).terminal:
-        return CompleteOutcome.RUNNING
+class _Batch:
+    """One `complete_jobs` call. Per Job: rebuild the context from its labels and the DB
+    (refusing any disagreement), claim the guard, compute the result from its Pods, write the
+    terminal event, notify the engine if this call won it, then release the Job (`release_job`).
+    Each step runs for every Job before the next, so the batch costs a few round trips to
+    PostgreSQL and Redis in all, and one patch per Job; the crash points fire once per batch.
+    `outcomes` grows, in the Jobs' order, as each Job's patch is done."""
 
-    claim = rt.guard.claim(context.dispatch_id)
-    if claim is None:
-        return CompleteOutcome.CLAIMED_ELSEWHERE
-    try:
-        done = completion(job, pods.of(context.job_name))
-        if done is None:  # not terminal after all (the same rule as job_state): poll again later
-            return CompleteOutcome.RUNNING
-        event, payload = terminal_event(done)
+    def __init__(self, rt: Runtime, namespace: str, jobs: Sequence[Mapping[str, Any]]) -> None:
+        self.rt, self.jobs = rt, jobs
+        self.outcomes: list[CompleteOutcome] = []
+        self._pods = _PodsOf(rt, namespace, [_name(job) for job in jobs if job_state(job).terminal])
+
+    def deliver(self) -> None:
+        rt = self.rt
+        contexts = _contexts(rt, self.jobs)
+        # What each Job needs, decided before any side effect: None = claim and complete it.
+        decided: list[CompleteOutcome | None] = []
+        for job, context in zip(self.jobs, contexts):
+            if context is None:
+                decided.append(CompleteOutcome.REFUSED)
+            elif context.record.terminal:
+                decided.append(CompleteOutcome.ALREADY_TERMINAL)
+            elif not job_state(job).terminal:
+                decided.append(CompleteOutcome.RUNNING)
+            else:
+                decided.append(None)
+        wanted = [c.dispatch_id for c, d in zip(contexts, decided) if c is not None and d is None]
+        claims = rt.guard.claim_many(wanted) if wanted else {}
+        try:
+            won = self._record(contexts, decided, claims)
+            if won:
+                notify_engines(rt, sorted(won))
+            for job, context, outcome in zip(self.jobs, contexts, decided):
+                assert outcome is not None
+                if context is not None and outcome in (CompleteOutcome.COMPLETED, CompleteOutcome.ALREADY_TERMINAL):
+                    release_job(rt, context.namespace, context.job_name, snapshot=job)
+                self.outcomes.append(outcome)
+        finally:
+            rt.guard.release_many([c for c in claims.values() if c is not None])
+
+    def _record(
+        self,
+        contexts: Sequence[DeliveryContext | None],
+        decided: list[CompleteOutcome | None],
+        claims: Mapping[str, Claim | None],
+    ) -> set[str]:
+        """Write the terminal events of the claimed Jobs in one transaction and settle every
+        undecided outcome in `decided`; the dispatch ids this call recorded."""
+        rt = self.rt
+        events: dict[int, store.TerminalEvent] = {}
+        for i, (job, context) in enumerate(zip(self.jobs, contexts)):
+            if decided[i] is not None or context is None:
+                continue
+            if claims.get(context.dispatch_id) is None:
+                decided[i] = CompleteOutcome.CLAIMED_ELSEWHERE
+                continue
+            done = completion(job, self._pods.of(context.job_name))
+            if done is None:  # not terminal after all (the same rule as job_state): poll again later
+                decided[i] = CompleteOutcome.RUNNING
+                continue
+            event, payload = terminal_event(done)
+            events[i] = store.TerminalEvent(context.dispatch_id, event, payload)
+        if not events:
+            return set()
         crashpoint(Point.BEFORE_COMPLETE_WRITE)
         with transaction(rt.sessions) as session:
-            won = store.record_terminal(session, context.dispatch_id, event, payload)
+            won = store.record_terminals(session, list(events.values()))
         crashpoint(Point.AFTER_COMPLETE_WRITE)
+        for i, event in events.items():
+            context = contexts[i]
+            assert context is not None
+            if event.dispatch_id in won:
+                decided[i] = CompleteOutcome.COMPLETED
+                statelog.dispatch_changed(
+                    context.record, STATE_FOR_TERMINAL_EVENT[event.type], reason=event.payload.get("reason")
+                )
+            else:
+                decided[i] = CompleteOutcome.ALREADY_TERMINAL
+                METRICS.duplicate_prevented(by="database")
         if won:
-            rt.stats.incr(stats.COMPLETIONS_WRITTEN)
-            statelog.dispatch_changed(context.record, STATE_FOR_TERMINAL_EVENT[event], reason=payload.get("reason"))
-            notify_engine(rt, context.dispatch_id)
-        else:
-            METRICS.duplicate_prevented(by="database")
-        release_job(rt, context.namespace, context.job_name, snapshot=job)
-    finally:
-        rt.guard.release(claim)
-    return CompleteOutcome.COMPLETED if won else CompleteOutcome.ALREADY_TERMINAL
+            rt.stats.incr(stats.COMPLETIONS_WRITTEN, len(won))
+        return won
 
 
 class _PodsOf:
@@ -370,19 +418,31 @@ def terminal_event(done: Completion) -> tuple[EventType, dict[str, Any]]:
     return EventType.WORKER_FAILED, payload
 
 
-def _context(rt: Runtime, job: Mapping[str, Any]) -> DeliveryContext | None:
-    """The Job matched to its dispatch, or None (logged and counted) when it must not be delivered."""
-    metadata = job.get("metadata") or {}
-    try:
-        ref = job_labels.decode(metadata.get("labels"), metadata.get("annotations"))
-        record = load_record(rt, ref.dispatch_id)
-        expected = None
-        if record is not None and record.job_namespace is None:
-            expected = job_location(rt, record)[0]
-        return context_from_job(job, record, expected_namespace=expected)
-    except (LabelMismatch, TenancyMismatch, UnknownDispatch) as e:
-        _refuse(rt, job, e)
-        return None
+def _contexts(rt: Runtime, jobs: Sequence[Mapping[str, Any]]) -> list[DeliveryContext | None]:
+    """Each Job matched to its dispatch (the rows read with one query), or None (logged and
+    counted) where it must not be delivered."""
+    refs: list[Any] = []
+    for job in jobs:
+        metadata = job.get("metadata") or {}
+        try:
+            refs.append(job_labels.decode(metadata.get("labels"), metadata.get("annotations")))
+        except LabelMismatch as e:
+            refs.append(e)
+    records = load_records(rt, [ref.dispatch_id for ref in refs if not isinstance(ref, LabelMismatch)])
+    contexts: list[DeliveryContext | None] = []
+    for job, ref in zip(jobs, refs):
+        try:
+            if isinstance(ref, LabelMismatch):
+                raise ref
+            record = records.get(ref.dispatch_id)
+            expected = None
+            if record is not None and record.job_namespace is None:
+                expected = job_location(rt, record)[0]
+            contexts.append(context_from_job(job, record, expected_namespace=expected))
+        except (LabelMismatch, TenancyMismatch, UnknownDispatch) as e:
+            _refuse(rt, job, e)
+            contexts.append(None)
+    return contexts
 
 
 def _refuse(rt: Runtime, job: Mapping[str, Any], error: Permanent) -> None:
@@ -397,22 +457,32 @@ def _refuse(rt: Runtime, job: Mapping[str, Any], error: Permanent) -> None:
 
 
 def notify_engine(rt: Runtime, dispatch_id: str) -> bool:
-    """Tell the engine a dispatch ended, then record that it was told; False if not sent.
+    """Tell the engine a dispatch ended, then record that it was told; False if not sent."""
+    return dispatch_id in notify_engines(rt, [dispatch_id])
 
-    Called after the terminal event committed. A send that fails (or a process with no
+
+def notify_engines(rt: Runtime, dispatch_ids: Sequence[str]) -> set[str]:
+    """Tell the engine these dispatches ended, then record (in one transaction) that it was
+    told; the ids sent.
+
+    Called after the terminal events committed. A send that fails (or a process with no
     notifier) leaves the dispatch unnotified, and the sweep notifies it later: at least once.
     """
     if rt.notifier is None:
-        return False
-    try:
-        rt.notifier(dispatch_id)
-    except Transient as e:
-        log.warning("could not notify the engine of dispatch %s (%s); the sweep will retry", dispatch_id, e)
-        return False
-    with transaction(rt.sessions) as session:
-        store.mark_notified(session, dispatch_id)
-    rt.stats.incr(stats.NOTIFICATIONS_SENT)
-    return True
+        return set()
+    sent: list[str] = []
+    for dispatch_id in dispatch_ids:
+        try:
+            rt.notifier(dispatch_id)
+        except Transient as e:
+            log.warning("could not notify the engine of dispatch %s (%s); the sweep will retry", dispatch_id, e)
+            continue
+        sent.append(dispatch_id)
+    if sent:
+        with transaction(rt.sessions) as session:
+            store.mark_notified_many(session, sent)
+        rt.stats.incr(stats.NOTIFICATIONS_SENT, len(sent))
+    return set(sent)
 
 
 def fail_dispatch(rt: Runtime, dispatch_id: str, *, reason: str, message: str | None = None) -> bool:

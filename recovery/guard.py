@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import socket
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import redis
@@ -56,16 +57,30 @@ class Guard:
         Raises:
             GuardUnavailable: Redis cannot be reached.
         """
-        key = self.key(dispatch_id)
-        owner = f"{self._owner_base}:{uuid.uuid4().hex}"
+        return self.claim_many([dispatch_id])[dispatch_id]
+
+    def claim_many(self, dispatch_ids: Sequence[str]) -> dict[str, Claim | None]:
+        """Take each dispatch's claim: a Claim, or None (a duplicate prevented, counted) where
+        someone holds it; one Redis round trip for them all.
+
+        Raises:
+            GuardUnavailable: Redis cannot be reached (claims taken meanwhile expire by themselves).
+        """
+        wanted = list(dict.fromkeys(dispatch_ids))
+        claims = {d: Claim(dispatch_id=d, key=self.key(d), owner=f"{self._owner_base}:{uuid.uuid4().hex}") for d in wanted}
         try:
-            if self._redis.set(key, owner, nx=True, px=self._lease_ms):
-                return Claim(dispatch_id=dispatch_id, key=key, owner=owner)
-            self._redis.incr(self.duplicates_key)
-            METRICS.duplicate_prevented(by="guard")
+            pipe = self._redis.pipeline(transaction=False)
+            for c in claims.values():
+                pipe.set(c.key, c.owner, nx=True, px=self._lease_ms)
+            taken = dict(zip(wanted, pipe.execute()))
+            held_elsewhere = [d for d in wanted if not taken[d]]
+            if held_elsewhere:
+                self._redis.incrby(self.duplicates_key, len(held_elsewhere))
         except redis.RedisError as e:
-            raise GuardUnavailable(f"claim {key}: {e}") from e
-        return None
+            raise GuardUnavailable(f"claim {', '.join(c.key for c in claims.values())[:200]}: {e}") from e
+        for _ in held_elsewhere:
+            METRICS.duplicate_prevented(by="guard")
+        return {d: claims[d] if taken[d] else None for d in wanted}
 
     def release(self, claim: Claim) -> bool:
         """Release a claim we hold; False if it had expired (or been taken over) already.
@@ -73,10 +88,23 @@ class Guard:
         Raises:
             GuardUnavailable: Redis cannot be reached (the claim then expires by itself).
         """
+        return self.release_many([claim]) == 1
+
+    def release_many(self, claims: Sequence[Claim]) -> int:
+        """Release claims we hold, in one round trip; how many were still ours.
+
+        Raises:
+            GuardUnavailable: Redis cannot be reached (the claims then expire by themselves).
+        """
+        if not claims:
+            return 0
         try:
-            return bool(self._release(keys=[claim.key], args=[claim.owner]))
+            pipe = self._redis.pipeline(transaction=False)
+            for c in claims:
+                self._release(keys=[c.key], args=[c.owner], client=pipe)
+            return sum(1 for released in pipe.execute() if released)
         except redis.RedisError as e:
-            raise GuardUnavailable(f"release {claim.key}: {e}") from e
+            raise GuardUnavailable(f"release {claims[0].key} and {len(claims) - 1} more: {e}") from e
 
     def holder(self, dispatch_id: str) -> str | None:
         """The owner token holding the claim now, if any (for reports and tests)."""

@@ -4,26 +4,28 @@
 5 for the created dispatches whose ids the page covers (the LIST is in name order); then one bulk
 delete of the delivered ones per namespace; (B) pages of the other pending dispatches, checked
 with one `dispatch-id in (...)` LIST per chunk: 1 and 5; (C) terminal dispatches the engine was
-not told about. Actions run inline through `recovery.delivery`.
+not told about. Actions run inline through `recovery.delivery`; a page's finished Jobs are
+delivered together (one Pod LIST), except those poll has handed to a queued completion.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from enum import Enum
 from typing import Any, TypeVar
 
+import redis
 import sqlalchemy as sa
 
 from engine import store
 from engine.db import transaction
 from engine.errors import DispatchError, NotFound
 from engine.models import TERMINAL_STATES, Dispatch, DispatchState, EventType, utcnow
-from recovery import delivery, statelog
+from recovery import delivery, handoff, statelog
 from recovery.crashpoints import Point, crashpoint
 from recovery.metrics import METRICS
 from recovery.reconstruct import DispatchRecord
@@ -335,6 +337,7 @@ class Executor:
         # memory stays bounded by a page.
         self._pool = ThreadPoolExecutor(concurrency, thread_name_prefix="sweep") if concurrency > 1 else None
         self._lock = threading.Lock()  # the report's counts
+        self._handoff_unreadable = False  # Redis failed a marker check (logged once per sweep)
 
     def __enter__(self) -> Executor:
         return self
@@ -346,17 +349,78 @@ class Executor:
     def all(self, actions: Sequence[Action]) -> None:
         """Carry out a page of actions (at once, on the pool) and return when all are done.
 
-        Running Jobs, most of a sweep's, ask for nothing: they are only counted, here.
+        Running Jobs, most of a sweep's, ask for nothing: they are only counted, here. Finished
+        Jobs (`CompleteJob` with the LIST's snapshot) that poll handed to a queued completion
+        are left to it (`_deferred`); the others of each namespace are delivered in one call,
+        which lists their Pods once, where the other actions stand.
         """
-        running, rest = 0, []
+        running = 0
+        finished: dict[str, list[CompleteJob]] = {}
+        calls: list[Callable[[], None]] = []
         for action in actions:
             if isinstance(action, ReportRunning) and not action.adopt:
                 running += 1
+            elif isinstance(action, CompleteJob) and action.job is not None:
+                if action.namespace not in finished:
+                    finished[action.namespace] = []
+                    calls.append(lambda namespace=action.namespace: self._complete_all(namespace, finished[namespace]))
+                finished[action.namespace].append(action)
             else:
-                rest.append(action)
+                calls.append(lambda action=action: self.one(action))
         with self._lock:
             self.report.categories[Category.RUNNING].found += running
-        self._run([lambda action=action: self.one(action) for action in rest])
+        self._run(calls)
+
+    def _complete_all(self, namespace: str, actions: Sequence[CompleteJob]) -> None:
+        """Category 2 for finished Jobs of one namespace, as their LIST read them (`job` set):
+        those not handed to a queued completion delivered with one `delivery.complete_jobs`
+        call, each counted as `one` would count it."""
+        counts = self.report.categories[Category.FINISHED_UNRECORDED]
+        with self._lock:
+            counts.found += len(actions)
+        actions = self._deferred(namespace, actions)
+        if self.dry_run or not actions:
+            return
+        try:
+            done = delivery.complete_jobs(self.rt, namespace, _snapshots(actions), delete=False)
+        except DispatchError as e:  # not a Transient one (those stop the batch, below): find its Job
+            log.warning(
+                "sweep: completing %d jobs in %s failed (%s: %s); completing them one by one", len(actions), namespace, e.reason, e
+            )  # fmt: skip
+            for action in actions:
+                self._count(counts, action, lambda action=action: self._carry_out(action))
+            return
+        for action, outcome in zip(actions, done.outcomes):
+            acted = _Outcome.ACTED if outcome is delivery.CompleteOutcome.COMPLETED else _Outcome.SKIPPED
+            self._count(counts, action, lambda acted=acted: acted)
+        if done.error is not None:  # the Jobs after the error were not tried: the next sweep does
+            log.warning(
+                "sweep: completing jobs in %s stopped: %s: %s; %d left", namespace, done.error.reason, done.error, len(done.unavailable)
+            )  # fmt: skip
+            with self._lock:
+                counts.errors += len(actions) - len(done.outcomes)
+
+    def _deferred(self, namespace: str, actions: Sequence[CompleteJob]) -> list[CompleteJob]:
+        """The actions to carry out: all but those whose Job poll handed to a queued completion
+        (a live `recovery.handoff` marker), counted as deferred.
+
+        Deferring never loses a Job: a marker only expires. When the queued message is lost (a
+        broker flush), the marker is gone after its TTL (HANDOFF_MIN_TTL_S, or more poll
+        intervals) and the next sweep delivers the Job itself. When Redis cannot say, nothing is
+        deferred: a second delivery is refused by the guard and the database, a missed one is not.
+        """
+        rt = self.rt
+        try:
+            queued = handoff.pending(rt.redis, rt.settings.key_prefix, namespace, _snapshots(actions))
+        except redis.RedisError as e:
+            with self._lock:
+                first, self._handoff_unreadable = not self._handoff_unreadable, True
+            if first:
+                log.warning("sweep: hand-off markers unreadable (%s); delivering every finished job found", e)
+            return list(actions)
+        with self._lock:
+            self.report.completions_deferred += sum(queued)
+        return [action for action, is_queued in zip(actions, queued) if not is_queued]
 
     def one(self, action: Action) -> None:
         counts = self.report.categories[action.category]
@@ -507,6 +571,14 @@ class Executor:
             return _Outcome.ACTED if delivery.notify_engine(rt, dispatch_id) else _Outcome.FAILED
         finally:
             rt.guard.release(claim)
+
+
+def _snapshots(actions: Sequence[CompleteJob]) -> list[Mapping[str, Any]]:
+    """The Jobs as the LIST read them, one per action (pure); only actions that carry one come here."""
+    jobs = [action.job for action in actions if action.job is not None]
+    if len(jobs) != len(actions):
+        raise ValueError("a CompleteJob without the LIST's snapshot goes through Executor.one")
+    return jobs
 
 
 def _job_exists(rt: Runtime, namespace: str, name: str) -> bool:

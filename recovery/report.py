@@ -2,7 +2,7 @@
 
 Filled in by `recovery.reconcile.run_sweep`; read by the `recover` CLI, the sweep's log line,
 the metrics and the tests. Per category: found, acted, skipped (fresh state showed nothing was
-left to do) and errors.
+left to do) and errors; and the finished Jobs deferred to completions already queued.
 """
 
 from __future__ import annotations
@@ -35,6 +35,9 @@ class SweepReport:
     dispatches_checked: int = 0  # non-terminal dispatches looked up for a missing Job
     categories: dict[Category, Counts] = field(default_factory=lambda: {c: Counts() for c in Category})
     unnotified: Counts = field(default_factory=Counts)
+    # Finished Jobs (found in category 2) left to the completion poll queued for them (a live
+    # hand-off marker, see recovery.handoff): neither acted on nor skipped by this sweep.
+    completions_deferred: int = 0
     # Failures that are not one action's: a namespace that could not be listed, a page of
     # the database that could not be read. Each also counts as an error.
     problems: list[str] = field(default_factory=list)
@@ -71,6 +74,7 @@ class SweepReport:
             "dispatches_checked": self.dispatches_checked,
             "categories": {c.label: asdict(counts) for c, counts in sorted(self.categories.items())},
             UNNOTIFIED_ROW: asdict(self.unnotified),
+            "completions_deferred": self.completions_deferred,
             "errors": self.errors,
             "problems": list(self.problems),
         }
@@ -79,7 +83,10 @@ class SweepReport:
         """One log line: found/acted/skipped per category."""
         parts = [f"{name.split(' ')[-1]}={c.found}/{c.acted}/{c.skipped}" for name, c in self.rows()]
         mode = " (dry run)" if self.dry_run else ""
-        return f"sweep{mode}: jobs={self.jobs_listed} " + " ".join(parts) + f" errors={self.errors} (found/acted/skipped)"
+        return (
+            f"sweep{mode}: jobs={self.jobs_listed} " + " ".join(parts)
+            + f" deferred={self.completions_deferred} errors={self.errors} (found/acted/skipped)"
+        )  # fmt: skip
 
     def table(self) -> str:
         """A plain-text table of the counts, then the problems, for the terminal."""
@@ -97,7 +104,8 @@ class SweepReport:
         mode = "dry run: nothing was changed; " if self.dry_run else ""
         lines.append(
             f"{mode}{self.jobs_listed} jobs listed in {len(self.namespaces)} namespace(s), "
-            f"{self.dispatches_checked} dispatches checked{duration}; {self.errors} error(s)"
+            f"{self.dispatches_checked} dispatches checked, {self.completions_deferred} completion(s) "
+            f"left to queued messages{duration}; {self.errors} error(s)"
         )
         lines.extend(f"problem: {text}" for text in self.problems)
         return "\n".join(lines)

@@ -21,7 +21,7 @@ from engine import store
 from engine.db import transaction
 from engine.errors import Transient
 from engine.models import DispatchState, utcnow
-from recovery import delivery, statelog
+from recovery import delivery, handoff, statelog
 from recovery.crashpoints import Point, crashpoint
 from recovery.metrics import METRICS, poll_lag_s
 from tasks.app import app, get_runtime
@@ -34,10 +34,6 @@ T = TypeVar("T")
 # Retried with exponential backoff (1 s, 2 s, 4 s ... at most 60 s, jittered). After the last
 # retry the dispatch is still safe in the database: the recovery sweep picks it up.
 RETRY = dict(autoretry_for=(Transient,), retry_backoff=1, retry_backoff_max=60, retry_jitter=True, max_retries=8)
-# A terminal Job handed to `complete_batch` is not handed again for this long, however often poll
-# runs; if that completion got lost, the Job is handed again after it.
-HANDOFF_MIN_TTL_S = 10.0
-HANDOFF_INTERVALS = 5
 # Finished Jobs per `complete_batch` message: at most HANDOFF_BATCH_MAX (one Pod LIST's selector
 # chunk), and no fewer than HANDOFF_BATCH_MIN, so a page's Jobs are shared among the worker's
 # threads (latency) without costing a Pod LIST and a bulk delete for every one or two (API load).
@@ -141,7 +137,7 @@ def poll() -> dict[str, int]:
     A poll that meets an unavailable API or Redis gives up: the next interval polls again.
     """
     rt = get_runtime()
-    ttl_s = max(HANDOFF_MIN_TTL_S, HANDOFF_INTERVALS * rt.settings.poll_interval_s)
+    ttl_s = handoff.ttl_s(rt.settings.poll_interval_s)
     seen = handed = waiting = 0
     lag_s = 0.0
     try:
@@ -166,18 +162,10 @@ def _hand_off(
     client: redis.Redis, prefix: str, namespace: str, jobs: list[dict[str, Any]], *, ttl_s: float, workers: int
 ) -> int:
     """Send `complete_batch` for the Jobs not handed off within `ttl_s` (one Redis round trip
-    per page, a marker per Job); the number of Jobs handed off."""
-    if not jobs:
-        return 0
-    keys = []
-    for job in jobs:
-        metadata = job.get("metadata") or {}
-        # The uid too: a Job re-created under the same name is a new hand-off.
-        keys.append(f"{prefix}:handoff:{namespace}/{metadata.get('name')}/{metadata.get('uid')}")
-    pipe = client.pipeline(transaction=False)
-    for key in keys:
-        pipe.set(key, 1, nx=True, px=int(ttl_s * 1000))
-    fresh = [delivery.job_snapshot(job) for job, is_new in zip(jobs, pipe.execute()) if is_new]
+    per page, a marker per Job: `recovery.handoff`, which the sweep reads to leave these Jobs
+    to their queued message); the number of Jobs handed off."""
+    marked = handoff.mark(client, prefix, namespace, jobs, ttl_s)
+    fresh = [delivery.job_snapshot(job) for job, is_new in zip(jobs, marked) if is_new]
     for batch in batches(fresh, workers=workers):
         complete_batch.delay(namespace, batch)
     return len(fresh)

@@ -397,9 +397,10 @@ def _load_configuration(kubeconfig: Path | str | None) -> k8s.Configuration:
 
 
 def _decoded(raw: bytes, what: str) -> JsonDict:
-    """An answer's JSON object; anything else means the API is not answering as one."""
+    """An answer's JSON object; anything else means the API is not answering as one. orjson:
+    decoding LIST pages was a third of a busy worker's CPU with the standard library's."""
     try:
-        decoded = json.loads(raw)
+        decoded = orjson.loads(raw)
     except ValueError as e:
         raise ApiUnavailable(f"{what}: the API answered with something that is not JSON") from e
     if not isinstance(decoded, dict):

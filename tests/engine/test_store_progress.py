@@ -244,3 +244,78 @@ def test_the_indexes_allow_the_engines_other_events(db_sessionmaker, new_case) -
             "WORKER_PROGRESS",
             "NOTE",
         ]
+
+
+# --- record_terminals / mark_notified_many: a batch in one transaction ----------------------
+
+
+def test_a_batch_of_ends_writes_each_winner_and_skips_those_recorded_before(
+    db_sessionmaker, new_case, schedule_for: Schedule, count_rows
+) -> None:
+    case = new_case(db_sessionmaker)
+    ids = [schedule_for(db_sessionmaker, case).dispatch_id for _ in range(4)]
+    with transaction(db_sessionmaker) as session:  # ids[0] ended before
+        assert store.record_terminal(session, ids[0], EventType.WORKER_CANCELLED, {"reason": "Cancelled"})
+    at = T0 + timedelta(hours=1)
+    batch = [
+        store.TerminalEvent(ids[0], EventType.WORKER_COMPLETED, {"output": {"late": True}}),
+        store.TerminalEvent(ids[1], EventType.WORKER_COMPLETED, {"output": {"n": 1}}),
+        store.TerminalEvent(ids[2], EventType.WORKER_FAILED, {"reason": "BackoffLimitExceeded"}),
+        store.TerminalEvent(ids[1], EventType.WORKER_FAILED, {"reason": "Second"}),  # named twice: the first counts
+        store.TerminalEvent(ids[3], EventType.WORKER_COMPLETED, {}),
+    ]
+    with transaction(db_sessionmaker) as session:
+        assert store.record_terminals(session, batch, now=at) == {ids[1], ids[2], ids[3]}
+    rows = [_dispatch(db_sessionmaker, d) for d in ids]
+    assert [(r.state, r.reason, r.output) for r in rows] == [
+        (DispatchState.CANCELLED, "Cancelled", None),
+        (DispatchState.COMPLETED, None, {"n": 1}),
+        (DispatchState.FAILED, "BackoffLimitExceeded", None),
+        (DispatchState.COMPLETED, None, None),
+    ]
+    assert [r.finished_at == at for r in rows] == [False, True, True, True]
+    with transaction(db_sessionmaker) as session:
+        assert session.get(CaseInstance, case.case_id).updated_at == at
+        assert [store.terminal_event(session, d).type for d in ids] == [
+            EventType.WORKER_CANCELLED, EventType.WORKER_COMPLETED, EventType.WORKER_FAILED, EventType.WORKER_COMPLETED,
+        ]  # fmt: skip
+    before = count_rows(db_sessionmaker)
+    with transaction(db_sessionmaker) as session:  # the whole batch again: nothing left to win
+        assert store.record_terminals(session, batch) == set()
+    assert count_rows(db_sessionmaker) == before
+
+
+def test_a_batch_with_one_bad_or_unknown_end_writes_nothing(db_sessionmaker, new_case, schedule_for: Schedule, count_rows) -> None:
+    case = new_case(db_sessionmaker)
+    good = schedule_for(db_sessionmaker, case).dispatch_id
+    before = count_rows(db_sessionmaker)
+    for bad, error in [
+        (store.TerminalEvent(good, EventType.WORKER_FAILED, {"reason": 7}), InvalidInput),
+        (store.TerminalEvent(str(uuid.uuid4()), EventType.WORKER_FAILED, {}), UnknownDispatch),
+    ]:
+        with transaction(db_sessionmaker) as session, pytest.raises(error):
+            store.record_terminals(session, [store.TerminalEvent(good, EventType.WORKER_COMPLETED, {}), bad])
+    assert count_rows(db_sessionmaker) == before
+    assert _dispatch(db_sessionmaker, good).state is DispatchState.SCHEDULED
+
+
+def test_an_object_the_session_holds_is_fresh_after_the_batch(db_sessionmaker, new_case, schedule_for: Schedule) -> None:
+    dispatch_id = schedule_for(db_sessionmaker, new_case(db_sessionmaker)).dispatch_id
+    with transaction(db_sessionmaker) as session:
+        held = store.get_dispatch(session, dispatch_id)
+        assert held is not None and held.state is DispatchState.SCHEDULED
+        store.record_terminals(session, [store.TerminalEvent(dispatch_id, EventType.WORKER_FAILED, {"reason": "R"})])
+        assert (held.state, held.reason) == (DispatchState.FAILED, "R")
+
+
+def test_mark_notified_many_marks_terminal_unnotified_dispatches_once(db_sessionmaker, new_case, schedule_for: Schedule) -> None:
+    case = new_case(db_sessionmaker)
+    ended, running = (schedule_for(db_sessionmaker, case).dispatch_id for _ in range(2))
+    with transaction(db_sessionmaker) as session:
+        store.record_terminal(session, ended, EventType.WORKER_COMPLETED, {})
+    with transaction(db_sessionmaker) as session:
+        assert store.mark_notified_many(session, [ended, running, ended]) == {ended}
+    with transaction(db_sessionmaker) as session:
+        assert store.mark_notified_many(session, [ended, running]) == set()
+    assert _dispatch(db_sessionmaker, ended).notified_at is not None
+    assert _dispatch(db_sessionmaker, running).notified_at is None

@@ -15,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from conftest import Api, job_manifest, raw_request
 from localcluster import LocalCluster
 from localcluster.audit import METRIC, RequestCount
+from tasks.processes import wait_until
 
 Key = tuple[str, str, str, str, int]  # verb, resource, subresource, scope, code
 SIM = {"localcluster.k8s-dispatch.io/duration-ms": "60000"}  # still running while the test looks
@@ -35,6 +36,11 @@ def test_each_client_call_is_counted_with_the_servers_verb_scope_and_code(sim: A
     before = counts(sim.cluster.request_counts())
     sim.create_job(job_manifest("m1", annotations=SIM))
     sim.create_job(job_manifest("m2", annotations=SIM))
+    created = made(sim.cluster, before)
+    # m1 read and replaced below: first wait (uncounted) until the controller is done writing
+    # its status (its Pod ready), or the replace races the controller's update (409).
+    wait_until(lambda: (sim.job("m1").status.ready or 0) == 1, what="m1's Pod ready", timeout=10.0)
+    before = counts(sim.cluster.request_counts())
     job = sim.job("m1")
     with pytest.raises(client.ApiException):
         sim.job("missing")
@@ -49,7 +55,7 @@ def test_each_client_call_is_counted_with_the_servers_verb_scope_and_code(sim: A
     sim.batch.delete_namespaced_job("m1", sim.namespace, propagation_policy="Background")
     sim.batch.delete_collection_namespaced_job(sim.namespace, propagation_policy="Background")
 
-    assert made(sim.cluster, before) == Counter({
+    assert created + made(sim.cluster, before) == Counter({
         ("POST", "jobs", "", "resource", 201): 2,
         ("GET", "jobs", "", "resource", 200): 2,
         ("GET", "jobs", "", "resource", 404): 1,

@@ -14,6 +14,7 @@ from typing import Any
 
 import kubernetes
 import pytest
+import sqlalchemy as sa
 from forged_jobs import SIM, forge_job
 
 from engine import store
@@ -237,6 +238,64 @@ def test_a_batch_of_listed_jobs_is_delivered_without_a_get_or_a_delete_per_job(c
     # The same message again (a redelivery): nothing more happens.
     assert complete_jobs(rt, rt.settings.namespace, batch).outcomes == [CompleteOutcome.ALREADY_TERMINAL] * len(inputs)
     assert all(len(events(rt, d)) == 2 for d in inputs) and len(notified.ids) == len(inputs)
+
+
+class Statements:
+    """Counts the SQL statements sent on an engine (an executemany counts once)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.count = 0
+        sa.event.listen(engine, "before_cursor_execute", self._one)
+        self._engine = engine
+
+    def _one(self, *args: Any) -> None:
+        self.count += 1
+
+    def close(self) -> None:
+        sa.event.remove(self._engine, "before_cursor_execute", self._one)
+
+
+@pytest.mark.parametrize("size", [3, 15])
+def test_a_batchs_database_work_does_not_grow_with_its_jobs(rt, notified, size):
+    """Rows read, events written, dispatches notified: the same statements for 3 Jobs as for 15."""
+    ids = [schedule(rt, "sim.ok", {"i": i}) for i in range(size)]
+    for dispatch_id in ids:
+        create_job_for(rt, dispatch_id)
+        job_finished(rt, dispatch_id)
+    batch = listed_finished(rt)
+    statements = Statements(rt.engine)
+    try:
+        done = complete_jobs(rt, rt.settings.namespace, batch)
+    finally:
+        statements.close()
+    assert done.outcomes == [CompleteOutcome.COMPLETED] * size and sorted(notified.ids) == sorted(ids)
+    # The rows read; the case ids, the events (one multi-row insert), the dispatches (one
+    # executemany), the cases; the dispatches marked notified. It was 6 per Job.
+    assert statements.count <= 6
+
+
+def test_a_mixed_batch_gives_each_job_its_own_outcome_in_order(rt, notified):
+    ok, elsewhere, running = schedule(rt, "sim.ok"), schedule(rt, "sim.ok"), schedule(rt, "sim.hang")
+    for dispatch_id in (ok, elsewhere, running):
+        create_job_for(rt, dispatch_id)
+    for dispatch_id in (ok, elsewhere):
+        job_finished(rt, dispatch_id)
+    held = rt.guard.claim(elsewhere)  # another replica is delivering it
+    assert held is not None
+    pages = rt.kube.iter_jobs(rt.settings.namespace, label_selector=job_labels.undelivered_selector())
+    listed = {j["metadata"]["name"]: job_snapshot(j) for page in pages for j in page}
+    batch = [listed[job_name(d)] for d in (running, elsewhere, ok)]
+
+    done = complete_jobs(rt, rt.settings.namespace, batch)
+    assert done.outcomes == [CompleteOutcome.RUNNING, CompleteOutcome.CLAIMED_ELSEWHERE, CompleteOutcome.COMPLETED]
+    assert notified.ids == [ok]
+    assert rt.guard.holder(elsewhere) == held.owner and rt.guard.holder(ok) is None  # only ours released
+
+    rt.guard.release(held)
+    again = complete_jobs(rt, rt.settings.namespace, batch)  # the message redelivered
+    assert again.outcomes == [CompleteOutcome.RUNNING, CompleteOutcome.COMPLETED, CompleteOutcome.ALREADY_TERMINAL]
+    assert (len(events(rt, ok)), len(events(rt, elsewhere)), len(events(rt, running))) == (2, 2, 1)
+    assert sorted(notified.ids) == sorted([ok, elsewhere])
 
 
 def test_a_job_recreated_under_the_same_name_after_the_list_is_left_alone(rt):

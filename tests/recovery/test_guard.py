@@ -98,3 +98,20 @@ def test_unreachable_redis_is_guard_unavailable():
             guard.release(Claim(dispatch_id="d-1", key="nowhere:claim:d-1", owner="x"))
     finally:
         unreachable.close()
+
+
+def test_claim_many_takes_the_free_claims_in_one_call_and_release_many_frees_only_ours(client, prefix):
+    guard = Guard(client, prefix=prefix, lease_ms=10_000)
+    held = guard.claim("d-2")
+    assert held is not None
+    claims = guard.claim_many(["d-1", "d-2", "d-3", "d-1"])
+    assert list(claims) == ["d-1", "d-2", "d-3"]
+    assert claims["d-2"] is None and guard.duplicates_prevented() == 1
+    mine = [c for c in claims.values() if c is not None]
+    assert [guard.holder(c.dispatch_id) for c in mine] == [c.owner for c in mine]
+    client.delete(guard.key("d-3"))
+    stolen = guard.claim("d-3")  # d-3's lease "expired" and another holder took it
+    assert guard.release_many(mine) == 1
+    assert guard.holder("d-1") is None
+    assert stolen is not None and guard.holder("d-3") == stolen.owner
+    assert guard.holder("d-2") == held.owner
