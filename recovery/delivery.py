@@ -331,8 +331,13 @@ class _Batch:
         undecided outcome in `decided`; the dispatch ids this call recorded."""
         rt = self.rt
         events: dict[int, store.TerminalEvent] = {}
+        writing: set[str] = set()
+        repeats: list[int] = []  # a Job listed twice in the batch: its first entry delivers it
         for i, (job, context) in enumerate(zip(self.jobs, contexts)):
             if decided[i] is not None or context is None:
+                continue
+            if context.dispatch_id in writing:
+                repeats.append(i)
                 continue
             if claims.get(context.dispatch_id) is None:
                 decided[i] = CompleteOutcome.CLAIMED_ELSEWHERE
@@ -343,6 +348,9 @@ class _Batch:
                 continue
             event, payload = terminal_event(done)
             events[i] = store.TerminalEvent(context.dispatch_id, event, payload)
+            writing.add(context.dispatch_id)
+        for i in repeats:
+            decided[i] = CompleteOutcome.ALREADY_TERMINAL
         if not events:
             return set()
         crashpoint(Point.BEFORE_COMPLETE_WRITE)

@@ -35,8 +35,9 @@ class SweepReport:
     dispatches_checked: int = 0  # non-terminal dispatches looked up for a missing Job
     categories: dict[Category, Counts] = field(default_factory=lambda: {c: Counts() for c in Category})
     unnotified: Counts = field(default_factory=Counts)
-    # Finished Jobs (found in category 2) left to the completion poll queued for them (a live
-    # hand-off marker, see recovery.handoff): neither acted on nor skipped by this sweep.
+    # Finished Jobs (found in category 2, or 4 when their completion is being written) left to
+    # the completion poll queued for them (a live hand-off marker, see recovery.handoff):
+    # neither acted on nor skipped by this sweep.
     completions_deferred: int = 0
     # Failures that are not one action's: a namespace that could not be listed, a page of
     # the database that could not be read. Each also counts as an error.

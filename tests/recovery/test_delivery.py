@@ -284,16 +284,20 @@ def test_a_mixed_batch_gives_each_job_its_own_outcome_in_order(rt, notified):
     assert held is not None
     pages = rt.kube.iter_jobs(rt.settings.namespace, label_selector=job_labels.undelivered_selector())
     listed = {j["metadata"]["name"]: job_snapshot(j) for page in pages for j in page}
-    batch = [listed[job_name(d)] for d in (running, elsewhere, ok)]
+    batch = [listed[job_name(d)] for d in (running, elsewhere, ok, ok)]  # ok twice: delivered once
 
     done = complete_jobs(rt, rt.settings.namespace, batch)
-    assert done.outcomes == [CompleteOutcome.RUNNING, CompleteOutcome.CLAIMED_ELSEWHERE, CompleteOutcome.COMPLETED]
+    assert done.outcomes == [
+        CompleteOutcome.RUNNING, CompleteOutcome.CLAIMED_ELSEWHERE, CompleteOutcome.COMPLETED, CompleteOutcome.ALREADY_TERMINAL,
+    ]  # fmt: skip
     assert notified.ids == [ok]
     assert rt.guard.holder(elsewhere) == held.owner and rt.guard.holder(ok) is None  # only ours released
 
     rt.guard.release(held)
     again = complete_jobs(rt, rt.settings.namespace, batch)  # the message redelivered
-    assert again.outcomes == [CompleteOutcome.RUNNING, CompleteOutcome.COMPLETED, CompleteOutcome.ALREADY_TERMINAL]
+    assert again.outcomes == [
+        CompleteOutcome.RUNNING, CompleteOutcome.COMPLETED, CompleteOutcome.ALREADY_TERMINAL, CompleteOutcome.ALREADY_TERMINAL,
+    ]  # fmt: skip
     assert (len(events(rt, ok)), len(events(rt, elsewhere)), len(events(rt, running))) == (2, 2, 1)
     assert sorted(notified.ids) == sorted([ok, elsewhere])
 

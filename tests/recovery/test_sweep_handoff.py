@@ -171,6 +171,26 @@ def test_a_job_handed_to_a_queued_completion_is_left_to_it_until_its_marker_is_g
     assert listed(rt) == {}
 
 
+def test_a_recorded_job_whose_queued_completion_is_releasing_it_is_left_to_it(make_runtime):
+    """Category 4 too: the completion wrote the event and is about to patch the Job."""
+    rt = make_runtime()
+    releasing, stuck = finished_jobs(rt, 2)
+    hand_off(rt, [releasing])
+    with transaction(rt.sessions) as session:  # what complete_batch wrote before its patch
+        for dispatch_id in (releasing, stuck):
+            store.record_terminal(session, dispatch_id, EventType.WORKER_COMPLETED, {"output": {}})
+
+    report = run_sweep(rt)
+    cleanup = report.categories[Category.CLEANUP]
+    assert (cleanup.found, cleanup.acted, report.completions_deferred) == (2, 1, 1)
+    assert set(listed(rt)) == {job_name(releasing)}  # the other released and deleted
+
+    rt.redis.delete(*marker_keys(rt, [releasing]))  # that completion died before its patch
+    again = run_sweep(rt)
+    assert (again.categories[Category.CLEANUP].acted, again.completions_deferred) == (1, 0)
+    assert listed(rt) == {}
+
+
 def test_a_marker_that_expires_by_its_ttl_lets_the_sweep_deliver(make_runtime):
     rt = make_runtime()
     (dispatch_id,) = finished_jobs(rt, 1)
