@@ -96,6 +96,9 @@ class KubeClient:
         self._batch = k8s.BatchV1Api(self._api_client)
         self._core = k8s.CoreV1Api(self._api_client)
         self.host: str = configuration.host
+        base = urllib3.util.parse_url(configuration.host)
+        self._origin = (base.host or "", base.port, base.scheme or "https")  # for the pool of `_request`
+        self._base_path = (base.path or "").rstrip("/")  # a host URL may carry a path prefix
 
     @classmethod
     def from_settings(cls, settings: Settings) -> KubeClient:
@@ -342,9 +345,7 @@ class KubeClient:
         as `_call`'s do, an error answer through the same `ApiException`.
         """
         configuration = self._configuration
-        url = configuration.host + path.format_map(
-            {k: quote(v, safe=configuration.safe_chars_for_path_param) for k, v in path_params.items()}
-        )
+        path = path.format_map({k: quote(v, safe=configuration.safe_chars_for_path_param) for k, v in path_params.items()})
         headers = {**self._api_client.default_headers, "Accept": "application/json", "Content-Type": content_type}
         auth = self._auth_header()
         if auth is not None:
@@ -358,9 +359,16 @@ class KubeClient:
         except TypeError as e:  # orjson.JSONEncodeError: not JSON (sets, bytes, non-string keys...)
             raise InvalidManifest(f"{what}: the body is not JSON: {e}") from e
         try:
-            response = self._api_client.rest_client.pool_manager.request(
-                method, url, body=data, headers=headers, timeout=self._request_timeout
-            )
+            pool_manager = self._api_client.rest_client.pool_manager
+            if isinstance(pool_manager, urllib3.ProxyManager):  # a plain-HTTP proxy rewrites each request
+                response = pool_manager.request(
+                    method, configuration.host + path, body=data, headers=headers, timeout=self._request_timeout
+                )
+            else:  # the host's pool itself: what PoolManager.request ends in, without its per-call URL work
+                response = pool_manager.connection_from_host(*self._origin).urlopen(
+                    method, self._base_path + path, body=data, headers=headers, timeout=self._request_timeout,
+                    assert_same_host=False, redirect=False,
+                )  # fmt: skip
         except (urllib3.exceptions.HTTPError, OSError) as e:  # refused, reset, timed out, TLS
             raise ApiUnavailable(f"{what}: {type(e).__name__}: {e}") from e
         if not 200 <= response.status <= 299:
