@@ -81,6 +81,7 @@ def run(ctx: services.BenchContext, size: Size) -> BenchResult:
             "jobs/s",
             rates(size.creates, create_s["running"]),
             creates_target,
+            ref="8.6",
         ),
         Figure(
             "creates_per_s_suspended",
@@ -88,6 +89,7 @@ def run(ctx: services.BenchContext, size: Size) -> BenchResult:
             "jobs/s",
             rates(size.creates, create_s["suspended"]),
             creates_target,
+            ref="8.6",
         ),
         Figure(
             "list_s_server",
@@ -95,12 +97,14 @@ def run(ctx: services.BenchContext, size: Size) -> BenchResult:
             "s",
             list_s["server"],
             list_target,
+            ref="8.6",
         ),
         Figure(
             "list_s_kubeclient",
             f"list {size.list_jobs:,} Jobs in pages of {size.list_page}: KubeClient.iter_jobs, JSON decoded",
             "s",
             list_s["kube"],
+            ref="8.6",
         ),
     ]
     result.ratios += [

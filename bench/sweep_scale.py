@@ -171,10 +171,10 @@ def _figure_4(
         api_client.close()
     ratios = paired_ratios(seconds["sweep"], seconds["list"])
     result.figures += [
-        Figure("sweep_s", f"one recovery sweep over {n:,} Jobs and rows (run_sweep)", "s", seconds["sweep"]),
+        Figure("sweep_s", f"one recovery sweep over {n:,} Jobs and rows (run_sweep)", "s", seconds["sweep"], ref="8.4"),
         Figure("client_list_s", f"the official client's paginated LIST of them (pages of {page_size})", "s",
-               seconds["list"]),  # fmt: skip
-        Figure("sweep_vs_list", "sweep time / LIST time, per round", "x", ratios, RATIO_TARGET),
+               seconds["list"], ref="8.4"),  # fmt: skip
+        Figure("sweep_vs_list", "sweep time / LIST time, per round", "x", ratios, RATIO_TARGET, ref="8.4"),
     ]
     result.ratios.append(
         Ratio("sweep_vs_client_list_time", f"{n:,} Jobs: one sweep / the official client's LIST", ratios)
@@ -188,9 +188,9 @@ def _figure_4(
     per_action = [(sum(c.values()) - c[("list", "jobs")]) / (finished + lost) for c in requests]
     result.figures += [
         Figure("sweep_job_lists", f"LISTs of Jobs one sweep made (the LIST's pages: {pages})", "requests",
-               job_lists, Target(pages, at_least=False, inclusive=True)),  # fmt: skip
+               job_lists, Target(pages, at_least=False, inclusive=True), ref="8.4"),  # fmt: skip
         Figure("sweep_requests_per_action", f"other requests per Job that needed action ({finished} finished,"
-               f" {lost} lost)", "requests", per_action),  # fmt: skip
+               f" {lost} lost)", "requests", per_action, ref="8.4"),  # fmt: skip
     ]
     by_verb = ", ".join(f"{verb} {res}: {count}" for (verb, res), count in sorted(requests[-1].items()))
     result.notes.append(f"requests of the last sweep, counted by the API server: {by_verb}")
@@ -225,7 +225,7 @@ def _figure_5(result: BenchResult, memory: Mapping[int, Memory]) -> None:
         target = RSS_TARGET if size == sizes[-1] else None
         result.figures.append(
             Figure(f"sweep_peak_rss_{size}", f"peak RSS of a process sweeping {size:,} Jobs", "MB",
-                   memory[size].peak_mb, target)  # fmt: skip
+                   memory[size].peak_mb, target, ref="8.5")  # fmt: skip
         )
     result.figures.append(
         Figure(
@@ -234,6 +234,7 @@ def _figure_5(result: BenchResult, memory: Mapping[int, Memory]) -> None:
             "x",
             paired_ratios(memory[sizes[-1]].peak_mb, memory[sizes[0]].peak_mb),
             FLAT_TARGET,
+            ref="8.5",
         )
     )
     result.notes.append(

@@ -78,6 +78,8 @@ class ExecRunner:
         return f"localcluster://exec-{uid[:12]}"
 
     def start(self, uid: str, pod: dict[str, Any], *, started_at: float | None = None) -> None:
+        if self._closing:  # a Pod bound while the server shuts down: no files left behind it
+            return
         meta = pod.get("metadata") or {}
         pod_dir = self._workdir / f"{meta.get('namespace', '')}_{meta.get('name', '')}_{uid[:8]}"
         pod_dir.mkdir(parents=True, exist_ok=True)

@@ -6,7 +6,8 @@ step is idempotent (deterministic Job names, a guarded completion, a unique term
 so any of them may run twice, concurrently, or again after a crash at any line.
 
 Completions come in batches of Jobs as poll's LIST read them: per Job, one patch (our
-finalizer off, the delivered label on); per batch, one Pod LIST and one bulk delete.
+finalizer off, the delivered label on); per batch, one Pod LIST, one transaction for the
+terminal events, a Redis round trip for the guard's claims and one bulk delete.
 """
 
 from __future__ import annotations
