@@ -23,7 +23,7 @@ import urllib.request
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +36,7 @@ from sqlalchemy.engine import make_url
 
 from engine.errors import DispatchError
 from engine.models import TERMINAL_EVENT_TYPES, CaseEvent, Dispatch
+from tasks import interrupts
 from tasks.chaos_checks import RowSnapshot, TerminalEvent, Verdict, judge
 from tasks.chaos_workload import Expected, Planned, capabilities_config, expected, workload
 from tasks.fault_plan import BEAT, Fault, FaultKind, FaultPlan, make_plan, worker_names
@@ -235,7 +236,7 @@ def run(options: ChaosOptions, *, progress: Callable[[str], None] = lambda _: No
     )
     started = time.monotonic()
     try:
-        with _sigterm_as_interrupt(), _Run(options, result, tag=tag, progress=progress) as chaos:
+        with interrupts.interrupts(), _Run(options, result, tag=tag, progress=progress) as chaos:
             chaos.execute()
     except (DispatchError, WaitTimeout, RuntimeError, OSError, redis.RedisError, psycopg.Error) as e:
         # The harness itself could not go on (a service down, a process that never started).
@@ -245,23 +246,6 @@ def run(options: ChaosOptions, *, progress: Callable[[str], None] = lambda _: No
         if result.ok and options.work_dir is None:
             shutil.rmtree(work_dir, ignore_errors=True)
     return result
-
-
-@contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
-    """SIGTERM stops the run as Ctrl-C does, so its clean-up runs (main thread only)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def interrupt(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 class _Run:
@@ -456,6 +440,7 @@ class _Run:
 
     def _tick(self) -> None:
         """Restart what died on its own (and say so); send lost `schedule` calls again."""
+        interrupts.check()  # a Ctrl-C the garbage collector swallowed
         with self.proc_lock:
             for name, proc in self.procs.items():
                 if not proc.alive:

@@ -22,10 +22,9 @@ import urllib.request
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import redis
@@ -45,7 +44,7 @@ from engine.migrate import upgrade
 from engine.models import TERMINAL_EVENT_TYPES, TERMINAL_STATES, CaseEvent, Dispatch, DispatchState
 from engine.settings import Settings, load_settings
 from localcluster import LocalCluster
-from tasks import processes
+from tasks import interrupts, processes
 from tasks.recovery_tasks import STARTUP_SWEEP_DONE
 from tasks.scheduling import schedule_in_session
 from workers import demo_functions
@@ -251,23 +250,6 @@ def open_broker(mode: str, redis_url: str) -> Broker:
     return Broker(f"redis://{host}:{port}/0", f"embedded fakeredis at 127.0.0.1:{port} (no Redis answered)", close)
 
 
-@contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
-    """SIGTERM raises KeyboardInterrupt, so clean-up runs as on Ctrl-C (main thread only)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def interrupt(_signum: int, _frame: FrameType | None) -> None:
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 # --- the run ------------------------------------------------------------------------------
 
 
@@ -281,7 +263,7 @@ def run_demo(
 ) -> Summary:
     """Run the demo; returns its summary (`.ok` says whether every check held)."""
     console = console or Console()
-    with _sigterm_as_interrupt(), ExitStack() as stack:
+    with interrupts.interrupts(), ExitStack() as stack:
         return _Demo(console=console, stack=stack, count=count, timeout_s=timeout_s, keep=keep).run(broker)
 
 
@@ -301,6 +283,7 @@ class _Demo:
         return max(0.0, self.deadline - time.monotonic())
 
     def note(self, text: str) -> None:
+        interrupts.check()
         elapsed = time.monotonic() - self.started
         self.console.print(f"[dim]{elapsed:5.1f}s[/dim]  {text}")
 
@@ -505,6 +488,7 @@ class _Demo:
                 if allow_timeout:
                     return False
                 raise _Stop(f"timed out waiting until {what}")
+            interrupts.check()
             time.sleep(REFRESH_S)
 
     def _settled(self, ended: int, jobs: tuple[int, int]) -> bool:
