@@ -393,9 +393,8 @@ class Executor:
         try:
             done = delivery.complete_jobs(self.rt, namespace, _snapshots(actions), delete=False)
         except DispatchError as e:  # not a Transient one (those stop the batch, below): find its Job
-            log.warning(
-                "sweep: completing %d jobs in %s failed (%s: %s); completing them one by one", len(actions), namespace, e.reason, e
-            )  # fmt: skip
+            log.warning("sweep: completing %d jobs in %s failed (%s: %s); completing them one by one",
+                        len(actions), namespace, e.reason, e)  # fmt: skip
             for action in actions:
                 self._count(counts, action, lambda action=action: self._carry_out(action))
             return
@@ -403,9 +402,8 @@ class Executor:
             acted = _Outcome.ACTED if outcome is delivery.CompleteOutcome.COMPLETED else _Outcome.SKIPPED
             self._count(counts, action, lambda acted=acted: acted)
         if done.error is not None:  # the Jobs after the error were not tried: the next sweep does
-            log.warning(
-                "sweep: completing jobs in %s stopped: %s: %s; %d left", namespace, done.error.reason, done.error, len(done.unavailable)
-            )  # fmt: skip
+            log.warning("sweep: completing jobs in %s stopped: %s: %s; %d left",
+                        namespace, done.error.reason, done.error, len(done.unavailable))  # fmt: skip
             with self._lock:
                 counts.errors += len(actions) - len(done.outcomes)
 
@@ -426,7 +424,8 @@ class Executor:
         Deferring never loses a Job: a marker only expires. When the queued message is lost (a
         broker flush), the marker is gone after its TTL (HANDOFF_MIN_TTL_S, or more poll
         intervals) and the next sweep delivers (or releases) the Job itself. When Redis cannot
-        say, nothing is deferred: a second delivery is refused by the guard and the database, a missed one is not.
+        say, nothing is deferred: a second delivery is refused by the guard and the database,
+        a missed one is not.
         """
         rt = self.rt
         try:
