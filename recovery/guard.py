@@ -19,13 +19,17 @@ import redis
 from engine.errors import GuardUnavailable
 from recovery.metrics import METRICS
 
-# Delete the key only if it still holds our owner token: a claim that expired and was taken
-# by another replica must not be released by the slow first holder.
+# Delete each key only if it still holds our owner token (ARGV[i] for KEYS[i]): a claim that
+# expired and was taken by another replica must not be released by the slow first holder.
+# One script call for any number of claims: one round trip.
 _RELEASE = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-    return redis.call('DEL', KEYS[1])
+local released = 0
+for i, key in ipairs(KEYS) do
+    if redis.call('GET', key) == ARGV[i] then
+        released = released + redis.call('DEL', key)
+    end
 end
-return 0
+return released
 """
 
 
@@ -91,7 +95,7 @@ class Guard:
         return self.release_many([claim]) == 1
 
     def release_many(self, claims: Sequence[Claim]) -> int:
-        """Release claims we hold, in one round trip; how many were still ours.
+        """Release claims we hold, with one script call; how many were still ours.
 
         Raises:
             GuardUnavailable: Redis cannot be reached (the claims then expire by themselves).
@@ -99,10 +103,7 @@ class Guard:
         if not claims:
             return 0
         try:
-            pipe = self._redis.pipeline(transaction=False)
-            for c in claims:
-                self._release(keys=[c.key], args=[c.owner], client=pipe)
-            return sum(1 for released in pipe.execute() if released)
+            return int(self._release(keys=[c.key for c in claims], args=[c.owner for c in claims]))
         except redis.RedisError as e:
             raise GuardUnavailable(f"release {claims[0].key} and {len(claims) - 1} more: {e}") from e
 
