@@ -358,22 +358,18 @@ class Executor:
         second, a sweep reading 5,000 met a hundred, and each cost a patch that found no Job.
         """
         running = 0
-        finished: dict[str, list[CompleteJob]] = {}
-        recorded: dict[str, list[CleanUpJob]] = {}
+        together: dict[tuple[type, str], list[Any]] = {}  # (CompleteJob or CleanUpJob, namespace)
         calls: list[Callable[[], None]] = []
         for action in actions:
             if isinstance(action, ReportRunning) and not action.adopt:
                 running += 1
-            elif isinstance(action, CompleteJob) and action.job is not None:
-                if action.namespace not in finished:
-                    finished[action.namespace] = []
-                    calls.append(lambda namespace=action.namespace: self._complete_all(namespace, finished[namespace]))
-                finished[action.namespace].append(action)
-            elif isinstance(action, CleanUpJob) and action.job is not None:
-                if action.namespace not in recorded:
-                    recorded[action.namespace] = []
-                    calls.append(lambda namespace=action.namespace: self._clean_up_all(namespace, recorded[namespace]))
-                recorded[action.namespace].append(action)
+            elif isinstance(action, (CompleteJob, CleanUpJob)) and action.job is not None:
+                key = (type(action), action.namespace)
+                if key not in together:
+                    together[key] = []
+                    carry_out = self._complete_all if isinstance(action, CompleteJob) else self._clean_up_all
+                    calls.append(lambda key=key, carry_out=carry_out: carry_out(key[1], together[key]))
+                together[key].append(action)
             else:
                 calls.append(lambda action=action: self.one(action))
         with self._lock:
