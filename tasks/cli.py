@@ -243,8 +243,10 @@ def _redacted(url: str) -> str:
 
 def _mount_subcommands() -> None:
     from localcluster.cli import localcluster
+    from realcluster.cli import realcluster
 
     cli.add_command(localcluster)
+    cli.add_command(realcluster)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,5 @@
+"""`python -m realcluster serve ...`"""
+
+from realcluster.cli import realcluster
+
+realcluster()

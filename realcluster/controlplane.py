@@ -1,0 +1,288 @@
+"""Start, restart and stop a real control plane on loopback: etcd, kube-apiserver (TLS from our own
+CA, static-token authentication, RBAC authorization) and kube-controller-manager with the Job,
+garbage-collector, TTL-after-finished, ServiceAccount, namespace and Pod-GC controllers, plus
+localcluster's node agent to run the Pods (no scheduler: the agent binds them).
+
+    with ControlPlane(directory=tmp, mode="simulate") as cp:
+        config.load_kube_config(config_file=str(cp.kubeconfig))
+
+Every process is a real subprocess with its own log in `directory/logs`; free ports are picked at
+start and kept, so a restarted kube-apiserver comes back at the same URL on the same etcd.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import shutil
+import ssl
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from realcluster import binaries, pki
+from tasks.processes import ManagedProcess, free_port, project_env, wait_until
+
+CONTEXT = "realcluster"
+NODE_NAME = "k8s-dispatch-node"
+SERVICE_CIDR = "10.96.0.0/24"  # only a setting: nothing is ever sent to it
+CONTROLLERS = "job,garbagecollector,ttl-after-finished,serviceaccount,serviceaccount-token,namespace,podgc"
+
+
+class ControlPlaneFailed(RuntimeError):
+    """A component did not start or become ready; the message carries its log's tail."""
+
+
+@dataclass(frozen=True)
+class User:
+    name: str
+    token: str
+    groups: tuple[str, ...] = ()
+
+
+def kubeconfig_text(url: str, ca_data: str, user: User, *, namespace: str = "default") -> str:
+    doc = {
+        "apiVersion": "v1", "kind": "Config",
+        "clusters": [{"name": CONTEXT, "cluster": {"server": url, "certificate-authority-data": ca_data}}],
+        "users": [{"name": user.name, "user": {"token": user.token}}],
+        "contexts": [{"name": CONTEXT, "context": {"cluster": CONTEXT, "user": user.name, "namespace": namespace}}],
+        "current-context": CONTEXT, "preferences": {},
+    }  # fmt: skip
+    return yaml.safe_dump(doc, sort_keys=False)
+
+
+def token_file_text(users: list[User]) -> str:
+    """kube-apiserver's --token-auth-file: token,user,uid,"group1,group2"."""
+    return "".join(f'{u.token},{u.name},{u.name},"{",".join(u.groups)}"\n' for u in users)
+
+
+@dataclass
+class ControlPlane:
+    directory: Path
+    mode: str = "simulate"  # the node agent's: exec | simulate | none (no node: Pods stay Pending)
+    pod_gc_threshold: int = 12500  # --terminated-pod-gc-threshold (Kubernetes' default)
+    kube_api_qps: int = 400  # the controller manager's client budget: the Job controller creates Pods with it
+    apiserver_args: tuple[str, ...] = ()
+    ready_timeout: float = 120.0
+    admin: User = field(default_factory=lambda: User("admin", secrets.token_urlsafe(24), ("system:masters",)))
+    processes: dict[str, ManagedProcess] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.directory = Path(self.directory)
+        self.logs = self.directory / "logs"
+        self.kubeconfig = self.directory / "admin.kubeconfig"
+        self._ports: dict[str, int] = {}
+        self._ctx: ssl.SSLContext | None = None
+
+    # --- the public surface ----------------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        return f"https://127.0.0.1:{self._ports['apiserver']}"
+
+    @property
+    def token(self) -> str:
+        return self.admin.token
+
+    def __enter__(self) -> ControlPlane:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        """Build what is missing, then start and wait for every component. Raises ControlPlaneFailed."""
+        bins = binaries.control_plane()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        keys = pki.make(self.directory / "pki")
+        self._ctx = ssl.create_default_context(cafile=str(keys.ca_cert))
+        self._ports = {"etcd": free_port(), "etcd_peer": free_port(), "apiserver": free_port()}
+        controller_manager = User("system:kube-controller-manager", secrets.token_urlsafe(24))
+        node = User(f"system:node:{NODE_NAME}", secrets.token_urlsafe(24), ("system:nodes", "system:masters"))
+        (self.directory / "tokens.csv").write_text(token_file_text([self.admin, controller_manager, node]))
+        self._write_kubeconfig(self.kubeconfig, keys, self.admin)
+        cm_kubeconfig = self._write_kubeconfig(self.directory / "controller-manager.kubeconfig", keys, controller_manager)
+        node_kubeconfig = self._write_kubeconfig(self.directory / "node.kubeconfig", keys, node)
+        try:
+            self._start_etcd(bins)
+            self._start_apiserver(bins, keys)
+            self._start_controller_manager(bins, keys, cm_kubeconfig)
+            if self.mode != "none":
+                self._start_node(node_kubeconfig)
+        except BaseException:
+            self.stop()
+            raise
+
+    def restart_apiserver(self) -> None:
+        """Stop kube-apiserver and start it again on the same port and etcd (what an upgrade or a
+        crash does to clients); returns once it is ready."""
+        proc = self.processes["kube-apiserver"]
+        proc.stop(timeout=20)
+        proc.start()
+        self._wait_ready(proc)
+
+    def stop(self) -> None:
+        """Stop every component, the node agent first (it stops its containers), etcd last."""
+        for name in ("node", "kube-controller-manager", "kube-apiserver", "etcd"):
+            proc = self.processes.pop(name, None)
+            if proc is not None:
+                proc.stop(timeout=20)
+
+    def logs_tail(self, lines: int = 30) -> str:
+        return "\n".join(f"--- {name}\n{p.log_tail(lines)}" for name, p in self.processes.items())
+
+    def get(self, path: str, *, timeout: float = 5.0) -> tuple[int, bytes]:
+        """An authenticated GET as the admin: (status, body). For readiness checks and tests."""
+        req = urllib.request.Request(self.url + path, headers={"Authorization": f"Bearer {self.admin.token}"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout, context=self._ctx) as resp:
+                return resp.status, resp.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()
+        except (urllib.error.URLError, OSError):
+            return 0, b""
+
+    # --- components ----------------------------------------------------------------------
+
+    def _spawn(self, name: str, argv: list[str]) -> ManagedProcess:
+        proc = ManagedProcess(name, argv, project_env({}), self.logs / f"{name}.log").start()
+        self.processes[name] = proc
+        return proc
+
+    def _wait(self, proc: ManagedProcess, condition: Any, what: str) -> None:
+        def check() -> Any:
+            if not proc.alive:
+                raise ControlPlaneFailed(f"{proc.name} exited ({proc.returncode}):\n{proc.log_tail(40)}")
+            return condition()
+
+        try:
+            wait_until(check, timeout=self.ready_timeout, interval=0.2, what=what)
+        except TimeoutError as e:
+            raise ControlPlaneFailed(f"{e}\n{proc.log_tail(40)}") from e
+
+    def _start_etcd(self, bins: binaries.Binaries) -> None:
+        client = f"http://127.0.0.1:{self._ports['etcd']}"
+        peer = f"http://127.0.0.1:{self._ports['etcd_peer']}"
+        proc = self._spawn("etcd", [
+            str(bins.etcd), "--name=default", f"--data-dir={self.directory / 'etcd'}",
+            f"--listen-client-urls={client}", f"--advertise-client-urls={client}",
+            f"--listen-peer-urls={peer}", f"--initial-advertise-peer-urls={peer}",
+            f"--initial-cluster=default={peer}", "--log-level=warn",
+            # a test cluster's data is thrown away: fsync buys nothing and costs every write
+            "--unsafe-no-fsync=true",
+            "--quota-backend-bytes=8589934592",
+        ])  # fmt: skip
+
+        def healthy() -> bool:
+            try:
+                with urllib.request.urlopen(f"{client}/health", timeout=2) as resp:
+                    return bool(json.loads(resp.read()).get("health") == "true")
+            except (urllib.error.URLError, OSError, ValueError):
+                return False
+
+        self._wait(proc, healthy, "etcd /health")
+
+    def _start_apiserver(self, bins: binaries.Binaries, keys: pki.Pki) -> None:
+        proc = self._spawn("kube-apiserver", [
+            str(bins.kube_apiserver),
+            f"--etcd-servers=http://127.0.0.1:{self._ports['etcd']}",
+            "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", f"--secure-port={self._ports['apiserver']}",
+            f"--tls-cert-file={keys.server_cert}", f"--tls-private-key-file={keys.server_key}",
+            f"--client-ca-file={keys.ca_cert}",
+            f"--token-auth-file={self.directory / 'tokens.csv'}",
+            "--authorization-mode=RBAC", "--anonymous-auth=false",
+            "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+            f"--service-account-key-file={keys.sa_pub}", f"--service-account-signing-key-file={keys.sa_key}",
+            f"--service-cluster-ip-range={SERVICE_CIDR}",
+            "--kubelet-preferred-address-types=InternalIP",
+            "--endpoint-reconciler-type=none",
+            f"--cert-dir={self.directory / 'apiserver-certs'}",
+            *self.apiserver_args,
+        ])  # fmt: skip
+        self._wait_ready(proc)
+
+    def _wait_ready(self, proc: ManagedProcess) -> None:
+        self._wait(proc, lambda: self.get("/readyz")[0] == 200, "kube-apiserver /readyz")
+
+    def _start_controller_manager(self, bins: binaries.Binaries, keys: pki.Pki, kubeconfig: Path) -> None:
+        proc = self._spawn("kube-controller-manager", [
+            str(bins.kube_controller_manager),
+            f"--kubeconfig={kubeconfig}", f"--authentication-kubeconfig={kubeconfig}",
+            f"--authorization-kubeconfig={kubeconfig}",
+            f"--controllers={CONTROLLERS}", "--use-service-account-credentials=true",
+            f"--service-account-private-key-file={keys.sa_key}", f"--root-ca-file={keys.ca_cert}",
+            "--leader-elect=false", "--bind-address=127.0.0.1", "--secure-port=0",
+            f"--terminated-pod-gc-threshold={self.pod_gc_threshold}",
+            f"--kube-api-qps={self.kube_api_qps}", f"--kube-api-burst={2 * self.kube_api_qps}",
+            "--concurrent-job-syncs=20",
+        ])  # fmt: skip
+        # The ServiceAccount controller has run once a namespace has its `default` account, and
+        # the Job controller starts with it: until then a Pod could not even be admitted.
+        self._wait(proc, lambda: self.get("/api/v1/namespaces/default/serviceaccounts/default")[0] == 200,
+                   "the default ServiceAccount (kube-controller-manager running)")
+
+    def _start_node(self, kubeconfig: Path) -> None:
+        workdir = self.directory / "node"
+        proc = self._spawn("node", [
+            sys.executable, "-m", "localcluster", "node", "--kubeconfig", str(kubeconfig), "--mode", self.mode,
+            "--name", NODE_NAME, "--workdir", str(workdir), "--log-port", str(free_port()),
+        ])  # fmt: skip
+
+        def ready() -> bool:
+            status, body = self.get(f"/api/v1/nodes/{NODE_NAME}")
+            if status != 200:
+                return False
+            conditions = json.loads(body).get("status", {}).get("conditions") or []
+            return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+        self._wait(proc, ready, f"node {NODE_NAME} Ready")
+
+    def _write_kubeconfig(self, path: Path, keys: pki.Pki, user: User) -> Path:
+        path.write_text(kubeconfig_text(self.url, keys.ca_data(), user))
+        path.chmod(0o600)
+        return path
+
+
+def remove(directory: Path) -> None:
+    """Remove a stopped control plane's files (etcd's data, keys, logs)."""
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def serve(directory: Path, *, kubeconfig: Path | None, mode: str) -> int:
+    """`realcluster serve`: start, copy the admin kubeconfig, wait for a signal, stop, clean up."""
+    import signal
+
+    stop = {"now": False}
+
+    def on_signal(signum: int, frame: object) -> None:
+        stop["now"] = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    cp = ControlPlane(directory=directory, mode=mode)
+    try:
+        cp.start()
+        if kubeconfig is not None:
+            kubeconfig.write_text(cp.kubeconfig.read_text())
+            kubeconfig.chmod(0o600)
+        print(f"realcluster: kube-apiserver listening on {cp.url} (kubeconfig {kubeconfig or cp.kubeconfig})",
+              flush=True)
+        while not stop["now"] and all(p.alive for p in cp.processes.values()):
+            time.sleep(0.2)
+        dead = [n for n, p in cp.processes.items() if not p.alive]
+        if dead:
+            print(f"realcluster: {', '.join(dead)} exited:\n{cp.logs_tail()}", file=sys.stderr)
+            return 1
+        return 0
+    finally:
+        cp.stop()
+        if kubeconfig is not None:
+            kubeconfig.unlink(missing_ok=True)
+        remove(directory)
