@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test bench chaos chaos-short install clean
+.PHONY: demo test bench chaos chaos-short install tools clean
 
 # A virtualenv with the package (editable) and its test extra; redone when pyproject changes.
 $(STAMP): pyproject.toml
@@ -22,8 +22,13 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/k8s-dispatch demo
 
-# Installs what it needs, starts PostgreSQL and Redis if needed, runs the test suite.
-test: $(STAMP)
+# The Go tools the tests need (etcd, kube-apiserver, kube-controller-manager), built from their
+# modules into ~/.cache/k8s-dispatch/tools; a second run finds them and does nothing.
+tools:
+	bash tools/build.sh etcd kube >/dev/null
+
+# Installs what it needs, starts PostgreSQL and Redis if needed, builds the tools, runs the tests.
+test: $(STAMP) tools
 	bash tests/services.sh
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 

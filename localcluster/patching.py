@@ -100,31 +100,53 @@ def _smp_list(target: Any, patch: list[Any], t: T | None) -> list[Any]:
             return [copy.deepcopy(v) for v in patch if not (isinstance(v, dict) and "$patch" in v)]
         return copy.deepcopy(patch)
     current = list(target) if isinstance(target, list) else []
-    if t.merge_key is None:  # primitive list with merge strategy: union, order kept
-        seen = {_hashable(v) for v in current}
-        for v in patch:
-            if _hashable(v) not in seen:
-                current.append(v)
-                seen.add(_hashable(v))
-        return current
+    if t.merge_key is None:  # primitive list with merge strategy: a union
+        in_patch = {_hashable(v) for v in patch}
+        server_only = [v for v in current if _hashable(v) not in in_patch]
+        deduped = list({_hashable(v): v for v in patch}.values())
+        return _merge_sorted(server_only, deduped, [_hashable(v) for v in current], _hashable)
     key = t.merge_key
     if any(isinstance(v, dict) and v.get("$patch") == "replace" for v in patch):
         return [copy.deepcopy(v) for v in patch if not (isinstance(v, dict) and v.get("$patch") == "replace")]
+    deleted: set[Any] = set()
+    merged: dict[Any, Any] = {}
     for item in patch:
         if not isinstance(item, dict):
             raise PatchError(f"list items merged by {key!r} must be objects")
         if key not in item:
             raise PatchError(f"map: {item} does not contain declared merge key: {key}")
-        idx = next((i for i, c in enumerate(current) if isinstance(c, dict) and c.get(key) == item[key]), None)
         if item.get("$patch") == "delete":
-            if idx is not None:
-                current.pop(idx)
+            deleted.add(_hashable(item[key]))
+            merged.pop(_hashable(item[key]), None)
             continue
-        if idx is None:
-            current.append(_smp_map({}, item, t.item))
+        k = _hashable(item[key])
+        base = merged.get(k) or next((c for c in current if isinstance(c, dict) and _hashable(c.get(key)) == k), {})
+        merged[k] = _smp_map(base, item, t.item)
+    server_only = [c for c in current if not (isinstance(c, dict) and _hashable(c.get(key)) in deleted | merged.keys())]
+    order = [_hashable(c.get(key)) if isinstance(c, dict) else None for c in current]
+    return _merge_sorted(server_only, list(merged.values()), order, lambda c: _hashable(c.get(key)))
+
+
+def _merge_sorted(server_only: list[Any], patched: list[Any], server_order: list[Any], key: Any) -> list[Any]:
+    """The server's remaining items and the patch's, interleaved as kube-apiserver's strategic merge
+    does: an item the server had keeps its place relative to the server's others; an item new to
+    the server goes before the server's next item (so a new finalizer lands first, not last)."""
+    position = {k: i for i, k in reversed(list(enumerate(server_order)))}
+    out: list[Any] = []
+    i = j = 0
+    while i < len(server_only) or j < len(patched):
+        if i < len(server_only) and j < len(patched):
+            li, ri = position.get(key(server_only[i])), position.get(key(patched[j]))
+            take_server = li is not None and ri is not None and li < ri
         else:
-            current[idx] = _smp_map(current[idx], item, t.item)
-    return current
+            take_server = i < len(server_only)
+        if take_server:
+            out.append(server_only[i])
+            i += 1
+        else:
+            out.append(patched[j])
+            j += 1
+    return out
 
 
 # --- JSON patch --------------------------------------------------------------------------

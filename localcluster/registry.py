@@ -251,20 +251,33 @@ class Registry:
             raise apierrors.bad_request("the namespace of the provided object does not match the namespace sent on the request")
         if nmeta.get("resourceVersion") and nmeta["resourceVersion"] != old.meta["resourceVersion"]:
             raise apierrors.conflict(resource, old.name, apierrors.STALE_WRITE)
+        meta = dict(nmeta)
+        for k in ("uid", "creationTimestamp", "deletionTimestamp", "deletionGracePeriodSeconds", "generation", "namespace", "name"):
+            if k in old.meta:
+                meta[k] = old.meta[k]
+            else:
+                meta.pop(k, None)
         if subresource == "status":
-            obj = {**old.obj, "status": new.get("status") or {}}
+            # As kube-apiserver's status strategies: the spec stays, metadata changes are kept
+            # (a Pod's owner references excepted: old kubelets corrupted them).
+            obj = {**old.obj, "metadata": meta, "status": new.get("status") or {}}
+            if resource is PODS:
+                meta.pop("ownerReferences", None)
+                if "ownerReferences" in old.meta:
+                    meta["ownerReferences"] = old.meta["ownerReferences"]
+            errs = validation.validate_labels(meta.get("labels"), "metadata.labels")
+            errs += validation.validate_annotations(meta.get("annotations"), "metadata.annotations")
+            errs += validation.validate_metadata_update(old.obj, obj)
+            if resource is JOBS:
+                errs += validation.validate_job_status(obj)
+            if errs:
+                raise apierrors.invalid(resource, old.name, errs)
         else:
             obj = dict(new)
             if "status" in old.obj:
                 obj["status"] = old.obj["status"]
             else:
                 obj.pop("status", None)
-            meta = dict(nmeta)
-            for k in ("uid", "creationTimestamp", "deletionTimestamp", "deletionGracePeriodSeconds", "generation", "namespace", "name"):
-                if k in old.meta:
-                    meta[k] = old.meta[k]
-                else:
-                    meta.pop(k, None)
             if resource is JOBS and old.obj.get("spec") != obj.get("spec"):
                 meta["generation"] = old.meta.get("generation", 1) + 1
             obj["metadata"] = meta

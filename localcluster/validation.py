@@ -24,7 +24,6 @@ from localcluster.apierrors import (
 )
 
 ANNOTATIONS_MAX_BYTES = 256 * 1024
-JOB_NAME_MAX = 63
 
 DNS1123_SUBDOMAIN_MSG = (
     "a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, '-' or '.', "
@@ -76,7 +75,9 @@ def validate_labels(labels: Any, field: str) -> list[FieldError]:
     for key, value in labels.items():
         if not is_qualified_name(key):
             errs.append(invalid_value(field, key, QUALIFIED_NAME_MSG))
-        if not isinstance(value, str) or not is_label_value(value):
+        if isinstance(value, str) and len(value.encode()) > 63:
+            errs.append(invalid_value(field, value, "must be no more than 63 bytes"))
+        elif not isinstance(value, str) or not is_label_value(value):
             errs.append(invalid_value(field, value, LABEL_VALUE_MSG))
     return errs
 
@@ -159,7 +160,10 @@ def validate_pod_spec(spec: dict[str, Any] | None, path: str, *, restart_policie
             errs.append(FieldError(FieldErrorType.DUPLICATE, f"{path}.containers[{i}].name", c.get("name")))
         seen.add(c.get("name"))
     policy = spec.get("restartPolicy")
-    if policy is None:
+    if restart_policies == JOB_RESTART_POLICIES and policy not in restart_policies:
+        # a Job's template: kube-apiserver words a missing and a refused policy alike
+        errs.append(required(f"{path}.restartPolicy", "valid values: " + ", ".join(f'"{p}"' for p in restart_policies)))
+    elif policy is None:
         errs.append(required(f"{path}.restartPolicy"))
     elif policy not in restart_policies:
         errs.append(not_supported(f"{path}.restartPolicy", policy, restart_policies))
@@ -173,7 +177,14 @@ def validate_pod_spec(spec: dict[str, Any] | None, path: str, *, restart_policie
 def validate_job(job: dict[str, Any], *, selector_matches: bool) -> list[FieldError]:
     """`selector_matches`: whether spec.selector selects the template's labels (computed by the caller)."""
     meta = job.get("metadata") or {}
-    errs = validate_metadata(meta, namespaced=True, max_len=JOB_NAME_MAX)
+    name = meta.get("name") or ""
+    errs = validate_metadata(meta, namespaced=True)
+    # The name may be a 253-character subdomain, but it becomes the value of the job-name labels:
+    # kube-apiserver reports that once, at spec.template.labels, and not for each copy of the label.
+    name_label_error = isinstance(name, str) and len(name.encode()) > 63
+    if name_label_error:
+        errs = [e for e in errs if not (e.field == "metadata.labels" and e.value == name)]
+        errs.append(invalid_value("spec.template.labels", name, "must be no more than 63 bytes"))
     spec = job.get("spec") or {}
     for key in ("parallelism", "completions", "backoffLimit", "ttlSecondsAfterFinished"):
         errs += _non_negative(spec, key, "spec")
@@ -187,7 +198,8 @@ def validate_job(job: dict[str, Any], *, selector_matches: bool) -> list[FieldEr
         errs.append(required("spec.completions", "when completion mode is Indexed"))
     template = spec.get("template") or {}
     tmeta = template.get("metadata") or {}
-    errs += validate_labels(tmeta.get("labels"), "spec.template.metadata.labels")
+    errs += [e for e in validate_labels(tmeta.get("labels"), "spec.template.metadata.labels")
+             if not (name_label_error and e.value == name)]
     errs += validate_annotations(tmeta.get("annotations"), "spec.template.metadata.annotations")
     if spec.get("selector") is None:
         errs.append(required("spec.selector"))
@@ -214,6 +226,16 @@ def validate_job_update(old: dict[str, Any], new: dict[str, Any]) -> list[FieldE
     if ospec.get("completions") != nspec.get("completions") and nspec.get("completionMode") != "Indexed":
         errs.append(invalid_value("spec.completions", nspec.get("completions"), "field is immutable"))
     return errs
+
+
+def validate_job_status(job: dict[str, Any]) -> list[FieldError]:
+    """What kube-apiserver checks of a status written through the status subresource (the part of
+    it we have met)."""
+    indexes = (job.get("status") or {}).get("completedIndexes")
+    if indexes and (job.get("spec") or {}).get("completionMode") != "Indexed":
+        return [invalid_value("status.completedIndexes", indexes,
+                              "cannot set non-empty completedIndexes when non-indexed completion mode")]
+    return []
 
 
 def validate_pod(pod: dict[str, Any]) -> list[FieldError]:

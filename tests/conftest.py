@@ -18,6 +18,8 @@ import redis
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.orm import Session, sessionmaker
 
+from clusters import LOCAL, REAL, ClusterHandle, local_handle, real_handle
+
 from engine import migrate
 from engine.db import make_engine, make_sessionmaker
 
@@ -133,3 +135,32 @@ def key_prefix(redis_url: str) -> Iterator[str]:
             client.delete(*keys[start : start + 500])
     finally:
         client.close()
+
+
+@pytest.fixture(scope="session")
+def real_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterHandle]:
+    """The real control plane of this test session (simulate mode: the node agent runs Pods from
+    the same annotations as localcluster). Built on first use; a failed build fails the tests."""
+    from realcluster.controlplane import ControlPlane
+
+    plane = ControlPlane(directory=tmp_path_factory.mktemp("realcluster"), mode="none")
+    plane.start()
+    try:
+        yield real_handle(plane)
+    finally:
+        plane.stop()
+
+
+@pytest.fixture(scope="session")
+def local_sim_cluster() -> Iterator[ClusterHandle]:
+    """localcluster in simulate mode, shared by the session's cluster-parametrised tests."""
+    from localcluster import LocalCluster
+
+    with LocalCluster(mode="simulate") as cluster:
+        yield local_handle(cluster)
+
+
+@pytest.fixture(scope="session", params=[LOCAL, REAL])
+def cluster_under_test(request: pytest.FixtureRequest) -> ClusterHandle:
+    """Each cluster in turn: the test runs on localcluster and on the real control plane."""
+    return request.getfixturevalue("local_sim_cluster" if request.param == LOCAL else "real_cluster")

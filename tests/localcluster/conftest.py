@@ -1,5 +1,10 @@
 """Fixtures for the localcluster tests: one simulate-mode and one exec-mode cluster per session,
-official-client API objects bound to them, a fresh namespace per test, and polling helpers."""
+official-client API objects bound to them, a fresh namespace per test, and polling helpers.
+
+`sim` runs a test on localcluster AND on the real control plane (kube-apiserver, etcd, the real
+Job controller, our node agent in simulate mode): the tests that state Kubernetes semantics are
+the differential fidelity suite, and a divergence fails one side. `lsim` is localcluster alone,
+for what only it has (fault injection, its request audit, its state file)."""
 
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ from typing import Any, TypeVar
 import pytest
 from kubernetes import client, config
 
+from clusters import ClusterHandle, local_handle
 from localcluster import LocalCluster
 
 T = TypeVar("T")
@@ -51,10 +57,13 @@ def job_manifest(name: str, *, annotations: dict[str, str] | None = None, labels
     return {"apiVersion": "batch/v1", "kind": "Job", "metadata": meta, "spec": {"template": template, **spec}}
 
 
-def raw_request(cluster: LocalCluster, method: str, path: str, body: Any = None, *,
+def raw_request(cluster: LocalCluster | ClusterHandle, method: str, path: str, body: Any = None, *,
                 content_type: str = "application/json", token: str | None = None,
                 headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
-    """One plain-HTTP request to the cluster's http listener (for what the typed client cannot send)."""
+    """One request as sent (for what the typed client cannot send): to a handle's URL (https for the
+    real control plane), or to a LocalCluster's plain-http listener."""
+    if isinstance(cluster, ClusterHandle):
+        return cluster.raw(method, path, body, content_type=content_type, token=token, headers=headers)
     url = urllib.parse.urlsplit(cluster.url)
     conn = http.client.HTTPConnection(url.hostname, url.port, timeout=10)
     try:
@@ -77,7 +86,7 @@ def condition_types(job: Any) -> list[str]:
 
 @dataclass
 class Api:
-    cluster: LocalCluster
+    cluster: ClusterHandle
     client: client.ApiClient
     batch: client.BatchV1Api
     core: client.CoreV1Api
@@ -107,10 +116,12 @@ class Api:
         return False
 
 
-def _api(cluster: LocalCluster, namespace: str) -> Iterator[Api]:
-    api_client = config.new_client_from_config(config_file=str(cluster.kubeconfig))
+def _api(cluster: LocalCluster | ClusterHandle, namespace: str) -> Iterator[Api]:
+    handle = cluster if isinstance(cluster, ClusterHandle) else local_handle(cluster)
+    handle.ensure_namespace(namespace)
+    api_client = handle.api_client()
     try:
-        yield Api(cluster, api_client, client.BatchV1Api(api_client), client.CoreV1Api(api_client), namespace)
+        yield Api(handle, api_client, client.BatchV1Api(api_client), client.CoreV1Api(api_client), namespace)
     finally:
         api_client.close()
 
@@ -133,7 +144,14 @@ def namespace() -> str:
 
 
 @pytest.fixture
-def sim(sim_cluster: LocalCluster, namespace: str) -> Iterator[Api]:
+def sim(cluster_under_test: ClusterHandle, namespace: str) -> Iterator[Api]:
+    """Simulate mode, on each cluster in turn."""
+    yield from _api(cluster_under_test, namespace)
+
+
+@pytest.fixture
+def lsim(sim_cluster: LocalCluster, namespace: str) -> Iterator[Api]:
+    """Simulate mode on localcluster only."""
     yield from _api(sim_cluster, namespace)
 
 

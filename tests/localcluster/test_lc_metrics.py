@@ -21,6 +21,12 @@ Key = tuple[str, str, str, str, int]  # verb, resource, subresource, scope, code
 SIM = {"localcluster.k8s-dispatch.io/duration-ms": "60000"}  # still running while the test looks
 
 
+@pytest.fixture
+def sim(lsim: Api) -> Api:
+    """localcluster alone: these tests read its own request counters and fault switch."""
+    return lsim
+
+
 def counts(rows: list[RequestCount]) -> Counter[Key]:
     return Counter({(r.labels.verb, r.labels.resource, r.labels.subresource, r.labels.scope, r.code): r.count for r in rows})
 
@@ -33,14 +39,14 @@ def made(cluster: LocalCluster, before: Counter[Key]) -> Counter[Key]:
 
 
 def test_each_client_call_is_counted_with_the_servers_verb_scope_and_code(sim: Api) -> None:
-    before = counts(sim.cluster.request_counts())
+    before = counts(sim.cluster.backend.request_counts())
     sim.create_job(job_manifest("m1", annotations=SIM))
     sim.create_job(job_manifest("m2", annotations=SIM))
-    created = made(sim.cluster, before)
+    created = made(sim.cluster.backend, before)
     # m1 read and replaced below: first wait (uncounted) until the controller is done writing
     # its status (its Pod ready), or the replace races the controller's update (409).
     wait_until(lambda: (sim.job("m1").status.ready or 0) == 1, what="m1's Pod ready", timeout=10.0)
-    before = counts(sim.cluster.request_counts())
+    before = counts(sim.cluster.backend.request_counts())
     job = sim.job("m1")
     with pytest.raises(client.ApiException):
         sim.job("missing")
@@ -55,7 +61,7 @@ def test_each_client_call_is_counted_with_the_servers_verb_scope_and_code(sim: A
     sim.batch.delete_namespaced_job("m1", sim.namespace, propagation_policy="Background")
     sim.batch.delete_collection_namespaced_job(sim.namespace, propagation_policy="Background")
 
-    assert created + made(sim.cluster, before) == Counter({
+    assert created + made(sim.cluster.backend, before) == Counter({
         ("POST", "jobs", "", "resource", 201): 2,
         ("GET", "jobs", "", "resource", 200): 2,
         ("GET", "jobs", "", "resource", 404): 1,
@@ -70,18 +76,18 @@ def test_each_client_call_is_counted_with_the_servers_verb_scope_and_code(sim: A
     })
     # the RBAC record, kept alongside
     assert {("batch", "jobs", "deletecollection"), ("batch", "jobs/status", "patch"), ("batch", "jobs", "watch"),
-            ("batch", "jobs", "list"), ("batch", "jobs", "update")} <= sim.cluster.audit()  # fmt: skip
+            ("batch", "jobs", "list"), ("batch", "jobs", "update")} <= sim.cluster.backend.audit()  # fmt: skip
 
 
 def test_injected_faults_are_counted_with_their_code(sim: Api) -> None:
-    before = counts(sim.cluster.request_counts())
-    sim.cluster.set_faults(1.0, 0)
+    before = counts(sim.cluster.backend.request_counts())
+    sim.cluster.backend.set_faults(1.0, 0)
     try:
         status, _, _ = raw_request(sim.cluster, "GET", f"/apis/batch/v1/namespaces/{sim.namespace}/jobs")
     finally:
-        sim.cluster.set_faults(0.0, 0)
+        sim.cluster.backend.set_faults(0.0, 0)
     assert status in (429, 500, 503)
-    assert made(sim.cluster, before) == Counter({("LIST", "jobs", "", "namespace", status): 1})
+    assert made(sim.cluster.backend, before) == Counter({("LIST", "jobs", "", "namespace", status): 1})
 
 
 def test_metrics_endpoint_serves_the_counters_as_prometheus_text_behind_the_token(sim: Api) -> None:
@@ -89,7 +95,7 @@ def test_metrics_endpoint_serves_the_counters_as_prometheus_text_behind_the_toke
     assert raw_request(sim.cluster, "GET", "/metrics", token="")[0] == 401
     status, headers, body = raw_request(sim.cluster, "GET", "/metrics")
     assert status == 200 and headers["content-type"].startswith("text/plain")
-    expected = counts(sim.cluster.request_counts())  # the scrape itself is no resource request
+    expected = counts(sim.cluster.backend.request_counts())  # the scrape itself is no resource request
     families = {f.name: f for f in text_string_to_metric_families(body.decode())}
     # the parser names a counter without its _total suffix
     samples = families[METRIC.removesuffix("_total")].samples

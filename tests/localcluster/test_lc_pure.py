@@ -115,8 +115,14 @@ def test_strategic_merge_patch_directives() -> None:
            "spec": {"containers": [{"name": "c1", "image": "i1"}, {"name": "c2", "image": "i2"}]}}
     out = strategic_merge_patch(pod, {"metadata": {"finalizers": ["b", "a"]},
                                       "spec": {"containers": [{"name": "c2", "$patch": "delete"}, {"name": "c3", "image": "i3"}]}}, "Pod")
-    assert out["metadata"]["finalizers"] == ["a", "b"]
-    assert [c["name"] for c in out["spec"]["containers"]] == ["c1", "c3"]
+    # kube-apiserver's order: the patch's own order, and an item new to the server before the server's next
+    assert out["metadata"]["finalizers"] == ["b", "a"]
+    assert [c["name"] for c in out["spec"]["containers"]] == ["c3", "c1"]
+    env = {"spec": {"containers": [{"name": "c", "env": [{"name": "A", "value": "1"}, {"name": "C", "value": "3"}]}]}}
+    out = strategic_merge_patch(env, {"spec": {"containers": [{"name": "c", "env": [
+        {"name": "B", "value": "2"}, {"name": "C", "value": "33"}]}]}}, "Pod")
+    assert out["spec"]["containers"][0]["env"] == [{"name": "B", "value": "2"}, {"name": "A", "value": "1"},
+                                                   {"name": "C", "value": "33"}]  # as seen on kube-apiserver 1.36
     out = strategic_merge_patch(pod, {"metadata": {"labels": {"$patch": "replace", "y": "2"}}}, "Pod")
     assert out["metadata"]["labels"] == {"y": "2"}
     assert pod["metadata"]["labels"] == {"x": "1"}  # inputs untouched

@@ -47,7 +47,7 @@ def _job(**spec_and_template: object) -> dict:
     ("job", "field", "message"),
     [
         (_job(restartPolicy="Always"), "spec.template.spec.restartPolicy",
-         'Unsupported value: "Always": supported values: "OnFailure", "Never"'),
+         'Required value: valid values: "OnFailure", "Never"'),  # as kube-apiserver 1.36 words it
         (_job(containers=[]), "spec.template.spec.containers", "Required value"),
         (_job(containers=[{"name": "c"}]), "spec.template.spec.containers[0].image", "Required value"),
         (_job(containers=[{"name": "C_1", "image": "i"}]), "spec.template.spec.containers[0].name", 'Invalid value: "C_1"'),

@@ -1,0 +1,102 @@
+"""The two clusters every end-to-end suite runs on, behind one small handle: localcluster (our own
+API server) and the real control plane (kube-apiserver, etcd, the real Job controller, our node
+agent). A test asks for `cluster_under_test` and gets each in turn.
+
+The handle carries what a test needs of either: the kubeconfig, the kind (for a divergence that is
+deliberate and documented), a namespace made ready (a real API server refuses objects in a
+namespace that does not exist; localcluster makes them on first use) and an authenticated raw
+request for what the typed client cannot send.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import ssl
+import urllib.parse
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kubernetes import client, config
+
+LOCAL, REAL = "localcluster", "realcluster"
+
+
+@dataclass
+class ClusterHandle:
+    kind: str
+    kubeconfig: Path
+    url: str  # https for the real one, the plain-http listener for localcluster
+    token: str
+    ca_file: Path | None = None
+    backend: Any = field(default=None, repr=False)  # the LocalCluster or the ControlPlane
+    _namespaces: set[str] = field(default_factory=set, repr=False)
+
+    @property
+    def is_real(self) -> bool:
+        return self.kind == REAL
+
+    def api_client(self) -> client.ApiClient:
+        return config.new_client_from_config(config_file=str(self.kubeconfig))
+
+    def ensure_namespace(self, name: str) -> str:
+        """Create namespace `name` if this handle has not yet (409 is fine: it exists)."""
+        if name in self._namespaces:
+            return name
+        with self.api_client() as api:
+            try:
+                client.CoreV1Api(api).create_namespace({"metadata": {"name": name}})
+            except client.ApiException as e:
+                if e.status != 409:
+                    raise
+            if self.is_real:
+                _wait_default_service_account(client.CoreV1Api(api), name)
+        self._namespaces.add(name)
+        return name
+
+    def raw(self, method: str, path: str, body: Any = None, *, content_type: str = "application/json",
+            token: str | None = None, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+        """One request as sent, answered as received: (status, headers lower-cased, body)."""
+        url = urllib.parse.urlsplit(self.url)
+        conn: http.client.HTTPConnection
+        if url.scheme == "https":
+            ctx = ssl.create_default_context(cafile=str(self.ca_file)) if self.ca_file else ssl.create_default_context()
+            conn = http.client.HTTPSConnection(url.hostname or "127.0.0.1", url.port, timeout=10, context=ctx)
+        else:
+            conn = http.client.HTTPConnection(url.hostname or "127.0.0.1", url.port, timeout=10)
+        try:
+            hdrs = {"Content-Type": content_type, **(headers or {})}
+            tok = self.token if token is None else token
+            if tok:
+                hdrs["Authorization"] = f"Bearer {tok}"
+            data = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
+            conn.request(method, path, body=data, headers=hdrs)
+            resp = conn.getresponse()
+            return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
+        finally:
+            conn.close()
+
+
+def _wait_default_service_account(core: client.CoreV1Api, namespace: str) -> None:
+    """Pods are refused until the ServiceAccount controller has made the namespace's `default`."""
+    import time
+
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            core.read_namespaced_service_account("default", namespace)
+            return
+        except client.ApiException as e:
+            if e.status != 404 or time.monotonic() > deadline:
+                raise
+        time.sleep(0.05)
+
+
+def local_handle(cluster: Any) -> ClusterHandle:
+    return ClusterHandle(LOCAL, Path(cluster.kubeconfig), cluster.url, cluster.token, backend=cluster)
+
+
+def real_handle(plane: Any) -> ClusterHandle:
+    return ClusterHandle(REAL, plane.kubeconfig, plane.url, plane.token, ca_file=plane.directory / "pki" / "ca.crt",
+                         backend=plane)
