@@ -17,6 +17,8 @@ from pathlib import Path
 import aiohttp
 import click
 import uvloop
+import yaml
+from kubernetes.config import ConfigException
 
 from localcluster.apiclient import ApiClient, ApiStatusError
 from localcluster.cluster import Server, token_from_kubeconfig
@@ -89,12 +91,15 @@ async def _node(kubeconfig_path: Path, *, context: str | None, **options: object
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    api = ApiClient(kubeconfig_path, context=context)
+    try:
+        api = ApiClient(kubeconfig_path, context=context)
+    except (ConfigException, yaml.YAMLError, OSError, ValueError) as e:
+        raise click.ClickException(f"{kubeconfig_path}: not a usable kubeconfig: {e}") from e
     agent = NodeAgent(api, **options)  # type: ignore[arg-type]
     try:
         try:
             await agent.start()
-        except (ApiStatusError, aiohttp.ClientError, OSError) as e:
+        except (ApiStatusError, aiohttp.ClientError, TimeoutError, OSError) as e:
             raise click.ClickException(f"node {agent.name}: cannot register with {api.server}: {e}") from e
         click.echo(f"node {agent.name} ready on {api.server}, logs on https://127.0.0.1:{agent.log_port}")
         sys.stdout.flush()

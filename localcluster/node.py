@@ -174,12 +174,17 @@ class RemoteHost:
                     self._relisted(items, bound=bound)
                     ready.set()
                 params = {"fieldSelector": selector, "resourceVersion": rv, "allowWatchBookmarks": "true"}
+                opened = self._loop.time()
                 async for event in self.api.watch("/api/v1/pods", params=params, timeout=WATCH_TIMEOUT):
                     obj = event.get("object") or {}
                     rv = (obj.get("metadata") or {}).get("resourceVersion") or rv
                     if event.get("type") != "BOOKMARK":
                         self._event(event.get("type", ""), obj, bound=bound)
-                backoff = 0.2
+                if self._loop.time() - opened < 1.0:  # a server ending every watch at once: do not spin
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, RETRY_MAX)
+                else:
+                    backoff = 0.2
             except ApiStatusError as e:
                 if e.code == 410:
                     rv = None
@@ -374,6 +379,7 @@ class NodeAgent:
         self._informers: list[asyncio.Task[None]] = []
         self._started = now()
         self._node_uid = ""
+        self._registered = False  # the Node is ours to delete on the way out
 
     # the runner reports to the kubelet (the runner is built before it)
     def started(self, uid: str, started_at: float, container_id: str) -> None:
@@ -423,6 +429,7 @@ class NodeAgent:
                 raise
             created = await self.api.request("GET", f"/api/v1/nodes/{self.name}")
         self._node_uid = _uid(created)
+        self._registered = True
         await self._post_status()
         await self._renew_lease()
 
@@ -527,7 +534,7 @@ class NodeAgent:
         for task in self._tasks:
             task.cancel()
         for path in (f"/apis/coordination.k8s.io/v1/namespaces/{LEASE_NAMESPACE}/leases/{self.name}",
-                     f"/api/v1/nodes/{self.name}"):
+                     f"/api/v1/nodes/{self.name}") if self._registered else ():
             try:
                 await self.api.request("DELETE", path)
             except (ApiStatusError, *_REACH_ERRORS) as e:

@@ -371,14 +371,16 @@ class Registry:
             raise apierrors.bad_request("the body of the request must be a v1 Binding")
         target = body.get("target") or {}
         node = target.get("name") if isinstance(target, dict) else None
-        if not node or not isinstance(node, str):
-            raise apierrors.invalid(BINDING, name, [apierrors.required("target.name")])
+        if not node or not isinstance(node, str):  # kube-apiserver answers this one with a 500
+            raise ApiError(500, "InternalError", "target.name: Required value")
         if isinstance(target, dict) and target.get("kind") not in (None, "", "Node"):
             raise apierrors.invalid(BINDING, name, [apierrors.not_supported("target.kind", target.get("kind"), ["Node", "<empty>"])])
         old = self.get(PODS, namespace, name)
         uid = (body.get("metadata") or {}).get("uid")
         if uid and uid != old.uid:
-            raise apierrors.conflict(BINDING, name, f"Precondition failed: UID in precondition: {uid}, UID in object meta: {old.uid}")
+            raise apierrors.conflict(PODS, name, (
+                f"StorageError: invalid object, Code: 4, Key: /registry/pods/{namespace}/{name}, ResourceVersion: 0, "
+                f"AdditionalErrorMsg: Precondition failed: UID in precondition: {uid}, UID in object meta: {old.uid}"))
         if old.meta.get("deletionTimestamp"):
             raise apierrors.conflict(BINDING, name, f"pod {name} is being deleted, cannot be assigned to a host")
         assigned = (old.obj.get("spec") or {}).get("nodeName")

@@ -333,6 +333,37 @@ def test_after_a_crash_the_restarted_agent_fails_lost_processes_and_resumes_simu
         n.api.close()
 
 
+def test_the_agent_rides_out_an_api_server_restart(tmp_path: Path) -> None:
+    """The API server goes away and comes back (same ports and state, its watch history gone):
+    the agent's status write waits for it, its watches reconnect and list again."""
+    options: dict[str, Any] = {"mode": "simulate", "kubelet": False, "kubeconfig_path": tmp_path / "kubeconfig",
+                               "state_path": tmp_path / "state.jsonl"}
+    first = LocalCluster(**options)
+    first.start()
+    agent = Agent(first.kubeconfig, mode="simulate", name="steady", workdir=tmp_path / "node").start()
+    try:
+        n = Node(first, agent, "default")
+        before = _job("before", "simulate")
+        before["spec"]["template"]["metadata"]["annotations"][SIM + "duration-ms"] = "2500"
+        n.batch.create_namespaced_job("default", before)
+        n.wait_pod("before", "Running")
+        ports = {"port": int(first.url.rsplit(":", 1)[1]), "tls_port": int(first.https_url.rsplit(":", 1)[1])}
+        first.stop()
+        time.sleep(3)  # the pod ends while nothing answers
+        with LocalCluster(**options, **ports, token=first.token) as second:
+            n.batch.create_namespaced_job("default", _job("after", "simulate"))
+            for job in ("before", "after"):
+                term = _terminated(n.wait_pod(job, "Succeeded"))
+                assert (term.exit_code, term.message) == (0, RESULT)
+            assert second.url == first.url
+            assert agent.proc is not None and agent.proc.poll() is None
+            agent.stop()
+        n.api.close()
+    finally:
+        first.stop()
+        agent.stop()
+
+
 def test_sigterm_stops_the_containers_removes_the_node_and_exits_0(tmp_path: Path) -> None:
     for cluster, agent in _cluster_with_agent(tmp_path, "simulate", "leaving"):
         n = Node(cluster, agent, "default")
@@ -372,7 +403,9 @@ def test_binding_assigns_an_unscheduled_pod_once() -> None:
             except client.ApiException as e:
                 return e.status, json.loads(e.body)
 
-        assert bind("n1", uid="not-the-uid")[0] == 409
+        code, status = bind("n1", uid="not-the-uid")  # the words kube-apiserver 1.36 uses
+        assert (code, status["reason"], status["details"]) == (409, "Conflict", {"name": "p", "kind": "pods"})
+        assert status["message"].endswith(f"Precondition failed: UID in precondition: not-the-uid, UID in object meta: {pod.metadata.uid}")
         code, status = bind("n1", uid=pod.metadata.uid)
         assert (code, status["status"]) == (201, "Success")
         bound = core.read_namespaced_pod("p", "default")
