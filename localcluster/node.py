@@ -529,8 +529,9 @@ class NodeAgent:
         for task in self._informers:
             task.cancel()
         if self.kubelet is not None and self.host is not None:
-            await self.kubelet.shutdown(timeout=15)
-            await self.host.flush(timeout=10)
+            # within 20 s in all (grace periods are capped at 10 s): what a supervisor waits before SIGKILL
+            await self.kubelet.shutdown(timeout=12)
+            await self.host.flush(timeout=5)
         for task in self._tasks:
             task.cancel()
         for path in (f"/apis/coordination.k8s.io/v1/namespaces/{LEASE_NAMESPACE}/leases/{self.name}",
