@@ -116,13 +116,14 @@ class LocalCluster:
 
     Options past the contract's: `token`, `max_running` (exec-mode processes at once),
     `retry_backoff` (seconds before the first re-created Pod of a failing Job, doubling),
-    `event_log_size` (events kept for watches), `tls`, `tls_port`, `tls_dir`."""
+    `event_log_size` (events kept for watches), `tls`, `tls_port`, `tls_dir`, `kubelet` (False:
+    no node in process; Pods wait for an external `localcluster node` agent)."""
 
     def __init__(self, mode: str = "exec", state_path: str | Path | None = None, fault_rate: float = 0.0,
                  latency_ms: int = 0, kubeconfig_path: str | Path | None = None, host: str = "127.0.0.1",
                  port: int = 0, *, token: str | None = None, max_running: int | None = None,
                  retry_backoff: float = 0.1, event_log_size: int = 50_000, tls: bool = True,
-                 tls_port: int = 0, tls_dir: str | Path | None = None) -> None:
+                 tls_port: int = 0, tls_dir: str | Path | None = None, kubelet: bool = True) -> None:
         self._tmpdir: str | None = None
         if kubeconfig_path is None:
             self._tmpdir = tempfile.mkdtemp(prefix="localcluster-kube-")
@@ -132,7 +133,7 @@ class LocalCluster:
             host=host, port=port, token=token, kubeconfig_path=self.kubeconfig, tls=tls, tls_port=tls_port,
             tls_dir=Path(tls_dir) if tls_dir else None, mode=mode,
             state_path=Path(state_path) if state_path else None, fault_rate=fault_rate, latency_ms=latency_ms,
-            max_running=max_running, retry_backoff=retry_backoff, event_log_size=event_log_size,
+            max_running=max_running, retry_backoff=retry_backoff, event_log_size=event_log_size, kubelet=kubelet,
         )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None

@@ -1,5 +1,6 @@
 """The cluster without HTTP: store, registry, kubelet with its runner, Job controller, garbage
-collector and optional persistence, wired together on one event loop."""
+collector and optional persistence, wired together on one event loop. With kubelet=False no
+node runs in process: an external node agent (`localcluster node`) binds and runs the Pods."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from localcluster.execrunner import ExecRunner
 from localcluster.audit import Audit
 from localcluster.faults import Faults
 from localcluster.garbage import GarbageCollector
-from localcluster.kubelet import Kubelet
+from localcluster.kubelet import Kubelet, StoreHost
 from localcluster.paging import Pager
 from localcluster.registry import Registry
 from localcluster.simrunner import SimRunner
@@ -32,7 +33,7 @@ class ClusterCore:
     def __init__(self, *, loop: asyncio.AbstractEventLoop, mode: str = "exec", state_path: Path | None = None,
                  fault_rate: float = 0.0, latency_ms: int = 0, max_running: int | None = None,
                  retry_backoff: float = 0.1, event_log_size: int = 50_000, persist_debounce: float = 0.1,
-                 pod_batch: float = 0.05) -> None:
+                 pod_batch: float = 0.05, kubelet: bool = True) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.loop = loop
@@ -56,7 +57,10 @@ class ClusterCore:
                                 max_running=max_running or default_max_running())
         else:
             runner = SimRunner(self, loop=loop)
-        self.kubelet = Kubelet(self.registry, runner, loop=loop)
+        self.kubelet: Kubelet | None = None
+        if kubelet:
+            host = StoreHost(self.registry, loop=loop)
+            self.kubelet = host.kubelet = Kubelet(host, runner, loop=loop)
         self.controller = JobController(self.registry, loop=loop, backoff_base=retry_backoff, pod_batch=pod_batch)
         self.gc = GarbageCollector(self.registry, loop=loop)
         self.persister = (
@@ -66,20 +70,24 @@ class ClusterCore:
 
     # the runner reports to the kubelet (the runner is built before it)
     def started(self, uid: str, started_at: float, container_id: str) -> None:
-        self.kubelet.started(uid, started_at, container_id)
+        if self.kubelet is not None:
+            self.kubelet.started(uid, started_at, container_id)
 
     def finished(self, uid: str, result: object) -> None:
-        self.kubelet.finished(uid, result)  # type: ignore[arg-type]
+        if self.kubelet is not None:
+            self.kubelet.finished(uid, result)  # type: ignore[arg-type]
 
     def start(self) -> None:
-        self.kubelet.start()
+        if self.kubelet is not None:
+            self.kubelet.start()
         self.controller.start()
         self.gc.start()
 
     async def close(self) -> None:
         self.store.close_watchers()
         self.controller.close()
-        await self.kubelet.close()
+        if self.kubelet is not None:
+            await self.kubelet.close()
         if self.persister is not None:
             await self.persister.close()
         shutil.rmtree(self.workdir, ignore_errors=True)

@@ -20,7 +20,7 @@ KUBE_VERSION = {
     "platform": "linux/amd64",
 }
 
-_SUBRESOURCE_VERBS = {"status": ["get", "patch", "update"], "log": ["get"]}
+_SUBRESOURCE_VERBS = {"status": ["get", "patch", "update"], "log": ["get"], "binding": ["create"]}
 
 
 def api_versions(server_address: str) -> dict[str, Any]:

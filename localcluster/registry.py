@@ -20,6 +20,7 @@ from localcluster.selectors import SelectorError, from_label_selector_object
 from localcluster.store import Entry, Store
 from localcluster.timestamps import now, rfc3339
 
+BINDING = Resource("pods/binding", "", "Binding", "", "v1", True, lambda obj: {})  # how binding errors name it
 ORPHAN_FINALIZER = "orphan"
 FOREGROUND_FINALIZER = "foregroundDeletion"
 NAMESPACE_FINALIZER = "kubernetes"
@@ -176,7 +177,7 @@ class Registry:
         elif resource is PODS:
             obj["status"] = {"phase": "Pending", "qosClass": "BestEffort"}
             defaults.default_pod(obj)
-        else:
+        elif resource is NAMESPACES:
             obj["spec"] = {"finalizers": [NAMESPACE_FINALIZER]}
             obj["status"] = {"phase": "Active"}
             labels = dict(meta.get("labels") or {})
@@ -195,7 +196,9 @@ class Registry:
             return validation.validate_job(obj, selector_matches=selects)
         if resource is PODS:
             return validation.validate_pod(obj)
-        return validation.validate_namespace(obj)
+        if resource is NAMESPACES:
+            return validation.validate_namespace(obj)
+        return validation.validate_metadata(obj.get("metadata") or {}, namespaced=resource.namespaced)
 
     def _insert_new(self, resource: Resource, obj: dict[str, Any], *, validate: bool = True) -> Entry:
         self._prepare_create(resource, obj)
@@ -371,6 +374,35 @@ class Registry:
             final = self.store.remove(old, obj if resource is not NAMESPACES else old.obj)
             return DeleteResult(final, True, warnings)
         return DeleteResult(self.store.replace(old, obj), False, warnings)
+
+    # --- pods/binding ----------------------------------------------------------------
+
+    def bind(self, namespace: str, name: str, body: Any) -> Entry:
+        """POST pods/NAME/binding, as the scheduler binds: sets spec.nodeName and PodScheduled=True
+        on a Pod that has no node yet; the Binding's metadata.uid, if set, must be the Pod's."""
+        if not isinstance(body, dict) or body.get("kind") not in (None, "Binding"):
+            raise apierrors.bad_request("the body of the request must be a v1 Binding")
+        target = body.get("target") or {}
+        node = target.get("name") if isinstance(target, dict) else None
+        if not node or not isinstance(node, str):  # kube-apiserver answers this one with a 500
+            raise ApiError(500, "InternalError", "target.name: Required value")
+        if isinstance(target, dict) and target.get("kind") not in (None, "", "Node"):
+            raise apierrors.invalid(BINDING, name, [apierrors.not_supported("target.kind", target.get("kind"), ["Node", "<empty>"])])
+        old = self.get(PODS, namespace, name)
+        uid = (body.get("metadata") or {}).get("uid")
+        if uid and uid != old.uid:
+            raise apierrors.conflict(PODS, name, (
+                f"StorageError: invalid object, Code: 4, Key: /registry/pods/{namespace}/{name}, ResourceVersion: 0, "
+                f"AdditionalErrorMsg: Precondition failed: UID in precondition: {uid}, UID in object meta: {old.uid}"))
+        if old.meta.get("deletionTimestamp"):
+            raise apierrors.conflict(BINDING, name, f"pod {name} is being deleted, cannot be assigned to a host")
+        assigned = (old.obj.get("spec") or {}).get("nodeName")
+        if assigned:
+            raise apierrors.conflict(BINDING, name, f'pod {name} is already assigned to node "{assigned}"')
+        status = dict(old.obj.get("status") or {})
+        scheduled = {"type": "PodScheduled", "status": "True", "lastProbeTime": None, "lastTransitionTime": rfc3339(now())}
+        status["conditions"] = [c for c in status.get("conditions") or [] if c.get("type") != "PodScheduled"] + [scheduled]
+        return self.write(old, {**old.obj, "spec": {**old.obj["spec"], "nodeName": node}, "status": status})
 
     # --- helpers for controllers -----------------------------------------------------
 

@@ -1,5 +1,6 @@
-"""The resources this server serves (batch/v1 Jobs, core/v1 Pods and Namespaces): names,
-kinds, scopes and the fields each one supports in field selectors.
+"""The resources this server serves (batch/v1 Jobs, core/v1 Pods and Namespaces, and for an
+external node agent core/v1 Nodes and coordination.k8s.io/v1 Leases): names, kinds, scopes and
+the fields each one supports in field selectors.
 
 Everything that needs to know "what is a job" (paths, discovery, errors, tables) reads it here.
 """
@@ -49,6 +50,17 @@ def _namespace_fields(obj: dict[str, Any]) -> dict[str, str]:
     }
 
 
+def _node_fields(obj: dict[str, Any]) -> dict[str, str]:
+    return {
+        "metadata.name": _meta(obj).get("name", ""),
+        "spec.unschedulable": str(bool((obj.get("spec") or {}).get("unschedulable", False))).lower(),
+    }
+
+
+def _meta_fields(obj: dict[str, Any]) -> dict[str, str]:
+    return {"metadata.name": _meta(obj).get("name", ""), "metadata.namespace": _meta(obj).get("namespace", "")}
+
+
 @dataclass(frozen=True)
 class Resource:
     plural: str
@@ -91,16 +103,22 @@ JOBS = Resource(
 )
 PODS = Resource(
     "pods", "pod", "Pod", "", "v1", True, _pod_fields,
-    short_names=("po",), categories=("all",), subresources=("status", "log"),
+    short_names=("po",), categories=("all",), subresources=("status", "log", "binding"),
 )
 NAMESPACES = Resource(
     "namespaces", "namespace", "Namespace", "", "v1", False, _namespace_fields,
     short_names=("ns",), subresources=("status",),
 )
 
-ALL = (JOBS, PODS, NAMESPACES)
+NODES = Resource(
+    "nodes", "node", "Node", "", "v1", False, _node_fields, short_names=("no",), subresources=("status",),
+)
+LEASES = Resource("leases", "lease", "Lease", "coordination.k8s.io", "v1", True, _meta_fields)
+
+ALL = (JOBS, PODS, NAMESPACES, NODES, LEASES)
 BY_GROUP_VERSION: dict[tuple[str, str], dict[str, Resource]] = {
-    ("", "v1"): {"pods": PODS, "namespaces": NAMESPACES},
+    ("", "v1"): {"pods": PODS, "namespaces": NAMESPACES, "nodes": NODES},
     ("batch", "v1"): {"jobs": JOBS},
+    ("coordination.k8s.io", "v1"): {"leases": LEASES},
 }
 BY_PLURAL: dict[str, Resource] = {r.plural: r for r in ALL}

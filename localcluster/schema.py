@@ -102,6 +102,12 @@ STRUCTS: dict[str, dict[str, T]] = {
         "spec": obj("NamespaceSpec"), "status": obj("NamespaceStatus"),
     },
     "NamespaceSpec": {"finalizers": arr(S)},
+    "Node": {"apiVersion": S, "kind": S, "metadata": obj("ObjectMeta"), "spec": ANY, "status": ANY},
+    "Lease": {"apiVersion": S, "kind": S, "metadata": obj("ObjectMeta"), "spec": obj("LeaseSpec")},
+    "LeaseSpec": {
+        "holderIdentity": S, "leaseDurationSeconds": I, "acquireTime": S, "renewTime": S,
+        "leaseTransitions": I, "strategy": S, "preferredHolder": S,
+    },
     "NamespaceStatus": {"phase": S, "conditions": arr(obj("Condition"), key="type")},
 }
 

@@ -1,7 +1,8 @@
 """The HTTP face of the cluster (aiohttp): authentication, fault injection, discovery, OpenAPI,
 and the REST verbs on Jobs, Pods and Namespaces — get, list (selectors, pagination, Table
 output), watch (streamed, with bookmarks and 410s), create, update, patch, delete,
-deletecollection, the status subresource and pods/log — answering errors as `Status` objects.
+deletecollection, the status subresource, pods/binding and pods/log (proxied to an external
+node's log endpoint when no kubelet runs in process) — answering errors as `Status` objects.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import hmac
 import json
 from typing import Any
 
+import aiohttp
 import yaml
 from aiohttp import web
 from multidict import CIMultiDict
@@ -20,7 +22,7 @@ from localcluster.apierrors import ApiError
 from localcluster.core import ClusterCore
 from localcluster.paging import Page
 from localcluster.registry import PATCH_TYPES, DeleteOptions, DeleteResult, is_terminal_pod
-from localcluster.resources import PODS, Resource
+from localcluster.resources import NODES, PODS, Resource
 from localcluster.selectors import SelectorError, fields_match, parse_field_selector, parse_label_selector
 from localcluster.store import ADDED, Entry, Gone, dumps, loads
 from localcluster.timestamps import now
@@ -234,7 +236,15 @@ async def resource_handler(request: web.Request) -> web.StreamResponse:
     if target.subresource == "log":
         if method != "GET":
             raise apierrors.method_not_allowed()
+        if core.kubelet is None:
+            return await _node_log(request, core, target)
         return await _pod_log(request, core, target)
+    if target.subresource == "binding":
+        if method != "POST" or target.name is None:
+            raise apierrors.method_not_allowed()
+        core.registry.bind(target.namespace or "", target.name, await _read_body(request))
+        return _response(dumps({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201}),
+                         status=201)
     ns = target.namespace or ""
     if target.name is None:
         if method == "GET":
@@ -524,6 +534,45 @@ async def _pod_log(request: web.Request, core: ClusterCore, target: paths.Target
         await asyncio.sleep(0.1)
     await response.write_eof()
     return response
+
+
+async def _node_log(request: web.Request, core: ClusterCore, target: paths.Target) -> web.StreamResponse:
+    """No kubelet in process: proxy to the Pod's node's log endpoint, as kube-apiserver does (the
+    node's InternalIP and kubeletEndpoint port; its serving certificate is not verified, as
+    without --kubelet-certificate-authority). The node's errors come back as Status errors."""
+    ns, name = target.namespace or "", target.name or ""
+    entry = core.registry.get(PODS, ns, name)
+    containers = [c.get("name") for c in (entry.obj.get("spec") or {}).get("containers") or []]
+    container = request.query.get("container") or (containers[0] if containers else "")
+    if container not in containers:
+        raise apierrors.bad_request(f"container {container} is not valid for pod {name}")
+    node_name = (entry.obj.get("spec") or {}).get("nodeName")
+    node = core.store.get(NODES, "", node_name) if node_name else None
+    if node is None:
+        raise apierrors.bad_request(f'pod {name} does not have a host assigned' if not node_name else
+                                    f'nodes "{node_name}" not found')
+    status = node.obj.get("status") or {}
+    addresses = {a.get("type"): a.get("address") for a in status.get("addresses") or []}
+    host = addresses.get("InternalIP") or addresses.get("Hostname") or "127.0.0.1"
+    port = ((status.get("daemonEndpoints") or {}).get("kubeletEndpoint") or {}).get("Port") or 10250
+    query = {k: v for k, v in request.query.items() if k in ("tailLines", "limitBytes", "follow", "timestamps", "previous")}
+    url = f"https://{host}:{port}/containerLogs/{ns}/{name}/{container}"
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        try:
+            async with session.get(url, params=query, ssl=False) as upstream:
+                if upstream.status != 200:
+                    text = (await upstream.content.read(4096)).decode(errors="replace").strip()
+                    reason = {400: "BadRequest", 404: "NotFound"}.get(upstream.status, "InternalError")
+                    raise ApiError(upstream.status, reason, text)
+                response = web.StreamResponse(status=200, headers={"Content-Type": "text/plain"})
+                await response.prepare(request)
+                async for chunk in upstream.content.iter_any():
+                    await response.write(chunk)
+                await response.write_eof()
+                return response
+        except aiohttp.ClientError as e:
+            raise ApiError(500, "InternalError", f'Get "{url}": {e}') from e
 
 
 # --- app --------------------------------------------------------------------------------

@@ -83,6 +83,17 @@ COLUMNS: dict[str, list[dict[str, Any]]] = {
         _col("Status", "string", "The status of the namespace"),
         _col("Age", "string", "CreationTimestamp is a timestamp representing the server time when this object was created."),
     ],
+    "nodes": [
+        _col("Name", "string", "Name must be unique within a namespace.", fmt="name"),
+        _col("Status", "string", "The status of the node"),
+        _col("Age", "string", "CreationTimestamp is a timestamp representing the server time when this object was created."),
+        _col("Version", "string", "Kubelet Version reported by the node."),
+    ],
+    "leases": [
+        _col("Name", "string", "Name must be unique within a namespace.", fmt="name"),
+        _col("Holder", "string", "Name of the Lease holder"),
+        _col("Age", "string", "CreationTimestamp is a timestamp representing the server time when this object was created."),
+    ],
 }
 
 
@@ -160,11 +171,28 @@ def namespace_cells(ns: dict[str, Any], now: float) -> list[Any]:
     return [meta["name"], (ns.get("status") or {}).get("phase", "Active"), _since(meta.get("creationTimestamp"), now)]
 
 
+def node_cells(node: dict[str, Any], now: float) -> list[Any]:
+    meta = node["metadata"]
+    status = node.get("status") or {}
+    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
+    return [meta["name"], "Ready" if ready else "NotReady", _since(meta.get("creationTimestamp"), now),
+            (status.get("nodeInfo") or {}).get("kubeletVersion", "")]
+
+
+def lease_cells(lease: dict[str, Any], now: float) -> list[Any]:
+    meta = lease["metadata"]
+    return [meta["name"], (lease.get("spec") or {}).get("holderIdentity", ""), _since(meta.get("creationTimestamp"), now)]
+
+
 def row(resource: Resource, obj: dict[str, Any], now: float, *, include_object: str) -> dict[str, Any]:
     if resource is JOBS:
         cells = job_cells(obj, now)
     elif resource is PODS:
         cells = pod_cells(obj, now)
+    elif resource.plural == "nodes":
+        cells = node_cells(obj, now)
+    elif resource.plural == "leases":
+        cells = lease_cells(obj, now)
     else:
         cells = namespace_cells(obj, now)
     out: dict[str, Any] = {"cells": cells}
