@@ -143,7 +143,7 @@ def real_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterHa
     the same annotations as localcluster). Built on first use; a failed build fails the tests."""
     from realcluster.controlplane import ControlPlane
 
-    plane = ControlPlane(directory=tmp_path_factory.mktemp("realcluster"), mode="none")
+    plane = ControlPlane(directory=tmp_path_factory.mktemp("realcluster"), mode="simulate")
     plane.start()
     try:
         yield real_handle(plane)
