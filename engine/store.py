@@ -491,10 +491,15 @@ def record_terminals(session: Session, events: Sequence[TerminalEvent], *, now: 
     racing on the same dispatches wait for each other and never deadlock. A dispatch named
     twice keeps its first event. A batch costs a handful of statements, whatever its size.
 
+    A caller writing what came from outside (a Job's result) passes each event through
+    `storable_terminal` first, so that one payload the store cannot keep fails its own dispatch
+    instead of the batch.
+
     Raises:
         UnknownDispatch: one of the dispatches does not exist (nothing written).
         InvalidInput: a type is not a terminal event type, or a reason is not a string.
-        InputNotSerialisable: a payload is not a JSON object.
+        InputNotSerialisable: a payload is not a JSON object, or a member of it is not
+            `canonical_json` (nothing written).
     """
     checked: dict[str, tuple[EventType, dict[str, Any]]] = {}
     for event in events:
@@ -546,21 +551,54 @@ def record_terminals(session: Session, events: Sequence[TerminalEvent], *, now: 
     return won
 
 
+def storable_terminal(event: TerminalEvent, *, reason: str) -> TerminalEvent:
+    """`event` if `record_terminals` can keep its payload, else the dispatch's failure instead
+    (pure): WORKER_FAILED with `reason` and a message saying why the payload was refused.
+
+    Raises:
+        InvalidInput: `event.type` is not a terminal event type (a caller's bug, not the data's).
+    """
+    _checked_type(event)
+    try:
+        _stored_payload(event.payload)
+    except InvalidInput as e:
+        why = str(e).encode("utf-8", "backslashreplace").decode("utf-8")  # never itself unstorable
+        return TerminalEvent(
+            event.dispatch_id, EventType.WORKER_FAILED, {"reason": reason, "message": f"the result cannot be stored: {why}"}
+        )
+    return event
+
+
 def _checked_terminal(event: TerminalEvent) -> tuple[EventType, dict[str, Any]]:
     """The event's type and payload as stored (pure), or the typed error `record_terminals` raises."""
+    return _checked_type(event), _stored_payload(event.payload)
+
+
+def _checked_type(event: TerminalEvent) -> EventType:
     try:
         event_type = EventType(event.type)
     except ValueError as e:
         raise InvalidInput(f"{event.type!r} is not an event type") from e
     if event_type not in TERMINAL_EVENT_TYPES:
         raise InvalidInput(f"{event_type} is not a terminal event type")
-    if not isinstance(event.payload, Mapping):
-        raise InputNotSerialisable(f"payload must be a JSON object, got {show_value(event.payload)}")
-    stored_payload = json.loads(canonical_json(dict(event.payload), what="payload"))
-    reason = stored_payload.get("reason")
+    return event_type
+
+
+def _stored_payload(payload: Any) -> dict[str, Any]:
+    """A terminal payload as stored: a JSON object whose every member is held to `canonical_json`
+    by itself, so an output passes here exactly when it passes `workers.job_status.parse_result`."""
+    if not isinstance(payload, Mapping):
+        raise InputNotSerialisable(f"payload must be a JSON object, got {show_value(payload)}")
+    stored: dict[str, Any] = {}
+    for key, value in payload.items():
+        if not isinstance(key, str):
+            raise InputNotSerialisable(f"payload has a non-string key {key!r}")
+        canonical_json(key, what=f"payload key {key!r}")
+        stored[key] = json.loads(canonical_json(value, what=f"payload {key!r}"))
+    reason = stored.get("reason")
     if reason is not None and not isinstance(reason, str):
         raise InvalidInput(f"payload reason must be a string, got {show_value(reason)}")
-    return event_type, stored_payload
+    return stored
 
 
 def _insert_terminal(session: Session) -> Any:
