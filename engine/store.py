@@ -259,8 +259,11 @@ def _insert(session: Session, new: list[_Prepared], *, now: datetime) -> dict[tu
     # would compile a new statement of rows x columns parameters for every batch.
     table = Dispatch.__table__
     insert = _insert_for(session)(table).on_conflict_do_nothing().returning(table.c.dispatch_id)
+    # Rows in key order: a concurrent batch with some of the same keys waits on them in the
+    # same order (an insert waits for the other's uncommitted row), so the two never deadlock.
+    rows = [_dispatch_row(p, now) for p in sorted(new, key=lambda p: (p.tenancy_id, p.idempotency_key))]
     with session.begin_nested():
-        inserted = set(session.scalars(insert, [_dispatch_row(p, now) for p in new]))
+        inserted = set(session.scalars(insert, rows))
         lost = [p for p in new if p.dispatch_id not in inserted]
         # Another transaction committed the same key (or took a caller's id) since we read.
         winners = _dispatches_by_key(session, {(p.tenancy_id, p.idempotency_key) for p in lost}) if lost else {}
@@ -388,9 +391,9 @@ def mark_created_many(session: Session, jobs: Sequence[CreatedJob], *, now: date
     # where a per-batch `case` of every row was compiled on every call.
     updated = session.execute(
         _MARK_CREATED,
-        [
+        [  # rows in id order, as every writer takes them: two batches never deadlock
             {"m_id": d, "m_job_name": job.job_name, "m_namespace": job.namespace, "m_attempt": job.attempt, "m_now": now}
-            for d, job in by_id.items()
+            for d, job in sorted(by_id.items())
         ],
     ).rowcount
     if updated == len(by_id):  # one row per id at most (the primary key): all were marked
