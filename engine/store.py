@@ -452,6 +452,25 @@ def record_attempt(session: Session, dispatch_id: str, *, now: datetime | None =
     return attempts
 
 
+def record_create_error(session: Session, dispatch_id: str, *, message: str, now: datetime | None = None) -> bool:
+    """Record why the dispatch's Job could not be created for now (a create to be retried: 403
+    exceeded quota, the API unavailable), for `status` to show; False, changing nothing, if the
+    dispatch is terminal or does not exist. `updated_at` is left alone: it is not progress.
+    """
+    table = Dispatch.__table__
+    text = message.encode("utf-8", "backslashreplace").decode("utf-8").replace("\x00", "\\x00")[:MAX_CREATE_ERROR_CHARS]
+    return bool(
+        session.execute(
+            sa.update(table)
+            .where(table.c.dispatch_id == dispatch_id, table.c.state.in_([DispatchState.SCHEDULED, DispatchState.CREATED]))
+            .values(create_error=text, create_error_at=now or utcnow())
+        ).rowcount
+    )
+
+
+MAX_CREATE_ERROR_CHARS = 1000
+
+
 # --- the end ---------------------------------------------------------------------------
 
 

@@ -122,8 +122,9 @@ def create_jobs_for(rt: Runtime, dispatch_ids: Sequence[str]) -> dict[str, Creat
 
     Per Job as for one: a terminal dispatch is skipped, a Job that exists is adopted (if its
     labels say it is this dispatch's), a permanent refusal fails that dispatch only. A
-    Transient error stops the batch, but the Jobs created before it are marked first; the
-    retry runs the whole batch again, and adopts those (AlreadyExists).
+    Transient error (a 403 "exceeded quota" is one: `QuotaExceeded`) stops the batch, but the
+    Jobs created before it are marked first, and the error is recorded on the row it stopped at
+    (`status` shows it); the retry runs the whole batch again, and adopts those (AlreadyExists).
 
     Raises:
         InvalidId: one of `dispatch_ids` is not a UUID (before anything is done).
@@ -133,6 +134,7 @@ def create_jobs_for(rt: Runtime, dispatch_ids: Sequence[str]) -> dict[str, Creat
     records = load_records(rt, ids)
     outcomes: dict[str, CreateOutcome] = {}
     made: list[tuple[DispatchRecord, CreateOutcome, str, str]] = []
+    record: DispatchRecord | None = None
     try:
         for dispatch_id in ids:
             record = records.get(dispatch_id)
@@ -143,11 +145,24 @@ def create_jobs_for(rt: Runtime, dispatch_ids: Sequence[str]) -> dict[str, Creat
             outcomes[dispatch_id] = outcome
             if where is not None:
                 made.append((record, outcome, *where))
-    except Transient:
+    except Transient as e:
         _mark_created(rt, made)
+        if record is not None:
+            _note_create_error(rt, record, e)
         raise
     _mark_created(rt, made)
     return outcomes
+
+
+def _note_create_error(rt: Runtime, record: DispatchRecord, error: Transient) -> None:
+    """Record on the row why its create must wait (403 exceeded quota, ...), for `status`; the
+    dispatch stays as it is and the create is retried. Best effort: the database may be down too."""
+    log.warning("dispatch %s: its job cannot be created yet (%s): %s", record.dispatch_id, error.reason, error)
+    try:
+        with transaction(rt.sessions) as session:
+            store.record_create_error(session, record.dispatch_id, message=f"{error.reason}: {error}")
+    except Transient as e:
+        log.warning("dispatch %s: could not record the create error (%s)", record.dispatch_id, e)
 
 
 def _create(rt: Runtime, record: DispatchRecord) -> tuple[CreateOutcome, tuple[str, str] | None]:
