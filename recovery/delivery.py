@@ -399,9 +399,8 @@ class _Batch:
         each event is written alone, so only the one refused fails: it is recorded as
         WORKER_FAILED ResultNotJson instead, or, if even that is refused, set to None in
         `events` (its Job is then never delivered: logged and counted as refused)."""
-        sessions = self.rt.sessions
         try:
-            with transaction(sessions) as session:
+            with transaction(self.rt.sessions) as session:
                 return store.record_terminals(session, [e for e in events.values() if e is not None])
         except (Permanent, DBAPIError) as e:  # DatabaseUnavailable (Transient) stops the batch
             log.warning("the batch's terminal events were refused (%s); writing each alone", _why(e))
