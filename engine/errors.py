@@ -39,6 +39,13 @@ class ApiUnavailable(Transient):
     reason = "ApiUnavailable"
 
 
+class QuotaExceeded(Transient):
+    """The namespace's ResourceQuota has no room for the object now (403 "exceeded quota"):
+    a Job ending or being deleted frees it, so the create is retried, not failed."""
+
+    reason = "QuotaExceeded"
+
+
 class DatabaseUnavailable(Transient):
     """The database could not be reached or dropped the connection."""
 

@@ -259,8 +259,11 @@ def _insert(session: Session, new: list[_Prepared], *, now: datetime) -> dict[tu
     # would compile a new statement of rows x columns parameters for every batch.
     table = Dispatch.__table__
     insert = _insert_for(session)(table).on_conflict_do_nothing().returning(table.c.dispatch_id)
+    # Rows in key order: a concurrent batch with some of the same keys waits on them in the
+    # same order (an insert waits for the other's uncommitted row), so the two never deadlock.
+    rows = [_dispatch_row(p, now) for p in sorted(new, key=lambda p: (p.tenancy_id, p.idempotency_key))]
     with session.begin_nested():
-        inserted = set(session.scalars(insert, [_dispatch_row(p, now) for p in new]))
+        inserted = set(session.scalars(insert, rows))
         lost = [p for p in new if p.dispatch_id not in inserted]
         # Another transaction committed the same key (or took a caller's id) since we read.
         winners = _dispatches_by_key(session, {(p.tenancy_id, p.idempotency_key) for p in lost}) if lost else {}
@@ -388,9 +391,9 @@ def mark_created_many(session: Session, jobs: Sequence[CreatedJob], *, now: date
     # where a per-batch `case` of every row was compiled on every call.
     updated = session.execute(
         _MARK_CREATED,
-        [
+        [  # rows in id order, as every writer takes them: two batches never deadlock
             {"m_id": d, "m_job_name": job.job_name, "m_namespace": job.namespace, "m_attempt": job.attempt, "m_now": now}
-            for d, job in by_id.items()
+            for d, job in sorted(by_id.items())
         ],
     ).rowcount
     if updated == len(by_id):  # one row per id at most (the primary key): all were marked
@@ -449,6 +452,25 @@ def record_attempt(session: Session, dispatch_id: str, *, now: datetime | None =
     return attempts
 
 
+def record_create_error(session: Session, dispatch_id: str, *, message: str, now: datetime | None = None) -> bool:
+    """Record why the dispatch's Job could not be created for now (a create to be retried: 403
+    exceeded quota, the API unavailable), for `status` to show; False, changing nothing, if the
+    dispatch is terminal or does not exist. `updated_at` is left alone: it is not progress.
+    """
+    table = Dispatch.__table__
+    text = message.encode("utf-8", "backslashreplace").decode("utf-8").replace("\x00", "\\x00")[:MAX_CREATE_ERROR_CHARS]
+    return bool(
+        session.execute(
+            sa.update(table)
+            .where(table.c.dispatch_id == dispatch_id, table.c.state.in_([DispatchState.SCHEDULED, DispatchState.CREATED]))
+            .values(create_error=text, create_error_at=now or utcnow())
+        ).rowcount
+    )
+
+
+MAX_CREATE_ERROR_CHARS = 1000
+
+
 # --- the end ---------------------------------------------------------------------------
 
 
@@ -491,10 +513,15 @@ def record_terminals(session: Session, events: Sequence[TerminalEvent], *, now: 
     racing on the same dispatches wait for each other and never deadlock. A dispatch named
     twice keeps its first event. A batch costs a handful of statements, whatever its size.
 
+    A caller writing what came from outside (a Job's result) passes each event through
+    `storable_terminal` first, so that one payload the store cannot keep fails its own dispatch
+    instead of the batch.
+
     Raises:
         UnknownDispatch: one of the dispatches does not exist (nothing written).
         InvalidInput: a type is not a terminal event type, or a reason is not a string.
-        InputNotSerialisable: a payload is not a JSON object.
+        InputNotSerialisable: a payload is not a JSON object, or a member of it is not
+            `canonical_json` (nothing written).
     """
     checked: dict[str, tuple[EventType, dict[str, Any]]] = {}
     for event in events:
@@ -546,21 +573,54 @@ def record_terminals(session: Session, events: Sequence[TerminalEvent], *, now: 
     return won
 
 
+def storable_terminal(event: TerminalEvent, *, reason: str) -> TerminalEvent:
+    """`event` if `record_terminals` can keep its payload, else the dispatch's failure instead
+    (pure): WORKER_FAILED with `reason` and a message saying why the payload was refused.
+
+    Raises:
+        InvalidInput: `event.type` is not a terminal event type (a caller's bug, not the data's).
+    """
+    _checked_type(event)
+    try:
+        _stored_payload(event.payload)
+    except InvalidInput as e:
+        why = str(e).encode("utf-8", "backslashreplace").decode("utf-8")  # never itself unstorable
+        return TerminalEvent(
+            event.dispatch_id, EventType.WORKER_FAILED, {"reason": reason, "message": f"the result cannot be stored: {why}"}
+        )
+    return event
+
+
 def _checked_terminal(event: TerminalEvent) -> tuple[EventType, dict[str, Any]]:
     """The event's type and payload as stored (pure), or the typed error `record_terminals` raises."""
+    return _checked_type(event), _stored_payload(event.payload)
+
+
+def _checked_type(event: TerminalEvent) -> EventType:
     try:
         event_type = EventType(event.type)
     except ValueError as e:
         raise InvalidInput(f"{event.type!r} is not an event type") from e
     if event_type not in TERMINAL_EVENT_TYPES:
         raise InvalidInput(f"{event_type} is not a terminal event type")
-    if not isinstance(event.payload, Mapping):
-        raise InputNotSerialisable(f"payload must be a JSON object, got {show_value(event.payload)}")
-    stored_payload = json.loads(canonical_json(dict(event.payload), what="payload"))
-    reason = stored_payload.get("reason")
+    return event_type
+
+
+def _stored_payload(payload: Any) -> dict[str, Any]:
+    """A terminal payload as stored: a JSON object whose every member is held to `canonical_json`
+    by itself, so an output passes here exactly when it passes `workers.job_status.parse_result`."""
+    if not isinstance(payload, Mapping):
+        raise InputNotSerialisable(f"payload must be a JSON object, got {show_value(payload)}")
+    stored: dict[str, Any] = {}
+    for key, value in payload.items():
+        if not isinstance(key, str):
+            raise InputNotSerialisable(f"payload has a non-string key {key!r}")
+        canonical_json(key, what=f"payload key {key!r}")
+        stored[key] = json.loads(canonical_json(value, what=f"payload {key!r}"))
+    reason = stored.get("reason")
     if reason is not None and not isinstance(reason, str):
         raise InvalidInput(f"payload reason must be a string, got {show_value(reason)}")
-    return event_type, stored_payload
+    return stored
 
 
 def _insert_terminal(session: Session) -> Any:

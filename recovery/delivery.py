@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from sqlalchemy.exc import DBAPIError
+
 from engine import store
 from engine.db import transaction
 from engine.errors import (
@@ -42,7 +44,7 @@ from recovery.metrics import METRICS
 from recovery.reconstruct import DeliveryContext, DispatchRecord, context_from_job
 from recovery.runtime import Runtime
 from workers import labels as job_labels
-from workers.job_status import Completion, completion, job_state
+from workers.job_status import RESULT_NOT_JSON, Completion, completion, job_state
 from workers.manifest import FINALIZER, build_job, job_name
 
 log = logging.getLogger(__name__)
@@ -120,8 +122,9 @@ def create_jobs_for(rt: Runtime, dispatch_ids: Sequence[str]) -> dict[str, Creat
 
     Per Job as for one: a terminal dispatch is skipped, a Job that exists is adopted (if its
     labels say it is this dispatch's), a permanent refusal fails that dispatch only. A
-    Transient error stops the batch, but the Jobs created before it are marked first; the
-    retry runs the whole batch again, and adopts those (AlreadyExists).
+    Transient error (a 403 "exceeded quota" is one: `QuotaExceeded`) stops the batch, but the
+    Jobs created before it are marked first, and the error is recorded on the row it stopped at
+    (`status` shows it); the retry runs the whole batch again, and adopts those (AlreadyExists).
 
     Raises:
         InvalidId: one of `dispatch_ids` is not a UUID (before anything is done).
@@ -131,6 +134,7 @@ def create_jobs_for(rt: Runtime, dispatch_ids: Sequence[str]) -> dict[str, Creat
     records = load_records(rt, ids)
     outcomes: dict[str, CreateOutcome] = {}
     made: list[tuple[DispatchRecord, CreateOutcome, str, str]] = []
+    record: DispatchRecord | None = None
     try:
         for dispatch_id in ids:
             record = records.get(dispatch_id)
@@ -141,11 +145,24 @@ def create_jobs_for(rt: Runtime, dispatch_ids: Sequence[str]) -> dict[str, Creat
             outcomes[dispatch_id] = outcome
             if where is not None:
                 made.append((record, outcome, *where))
-    except Transient:
+    except Transient as e:
         _mark_created(rt, made)
+        if record is not None:
+            _note_create_error(rt, record, e)
         raise
     _mark_created(rt, made)
     return outcomes
+
+
+def _note_create_error(rt: Runtime, record: DispatchRecord, error: Transient) -> None:
+    """Record on the row why its create must wait (403 exceeded quota, ...), for `status`; the
+    dispatch stays as it is and the create is retried. Best effort: the database may be down too."""
+    log.warning("dispatch %s: its job cannot be created yet (%s): %s", record.dispatch_id, error.reason, error)
+    try:
+        with transaction(rt.sessions) as session:
+            store.record_create_error(session, record.dispatch_id, message=f"{error.reason}: {error}")
+    except Transient as e:
+        log.warning("dispatch %s: could not record the create error (%s)", record.dispatch_id, e)
 
 
 def _create(rt: Runtime, record: DispatchRecord) -> tuple[CreateOutcome, tuple[str, str] | None]:
@@ -331,7 +348,7 @@ class _Batch:
         """Write the terminal events of the claimed Jobs in one transaction and settle every
         undecided outcome in `decided`; the dispatch ids this call recorded."""
         rt = self.rt
-        events: dict[int, store.TerminalEvent] = {}
+        events: dict[int, store.TerminalEvent | None] = {}
         writing: set[str] = set()
         repeats: list[int] = []  # a Job listed twice in the batch: its first entry delivers it
         for i, (job, context) in enumerate(zip(self.jobs, contexts)):
@@ -348,16 +365,19 @@ class _Batch:
                 decided[i] = CompleteOutcome.RUNNING
                 continue
             event, payload = terminal_event(done)
-            events[i] = store.TerminalEvent(context.dispatch_id, event, payload)
+            # A payload the store cannot keep fails its own dispatch here, never the batch.
+            events[i] = store.storable_terminal(store.TerminalEvent(context.dispatch_id, event, payload), reason=RESULT_NOT_JSON)
             writing.add(context.dispatch_id)
         for i in repeats:
             decided[i] = CompleteOutcome.ALREADY_TERMINAL
         if not events:
             return set()
         crashpoint(Point.BEFORE_COMPLETE_WRITE)
-        with transaction(rt.sessions) as session:
-            won = store.record_terminals(session, list(events.values()))
+        won = self._write(events)
         crashpoint(Point.AFTER_COMPLETE_WRITE)
+        for i in [i for i, event in events.items() if event is None]:
+            decided[i] = CompleteOutcome.REFUSED
+            del events[i]
         for i, event in events.items():
             context = contexts[i]
             assert context is not None
@@ -372,6 +392,43 @@ class _Batch:
         if won:
             rt.stats.incr(stats.COMPLETIONS_WRITTEN, len(won))
         return won
+
+    def _write(self, events: dict[int, store.TerminalEvent | None]) -> set[str]:
+        """Write the events in ONE transaction; the ids won. Should the store or the database
+        refuse the batch (what `storable_terminal` did not foresee, a row deleted meanwhile),
+        each event is written alone, so only the one refused fails: it is recorded as
+        WORKER_FAILED ResultNotJson instead, or, if even that is refused, set to None in
+        `events` (its Job is then never delivered: logged and counted as refused)."""
+        try:
+            with transaction(self.rt.sessions) as session:
+                return store.record_terminals(session, [e for e in events.values() if e is not None])
+        except (Permanent, DBAPIError) as e:  # DatabaseUnavailable (Transient) stops the batch
+            log.warning("the batch's terminal events were refused (%s); writing each alone", _why(e))
+        won: set[str] = set()
+        for i, event in events.items():
+            assert event is not None
+            try:
+                won |= self._write_alone(event)
+                continue
+            except (Permanent, DBAPIError) as e:
+                why = _why(e)
+            log.warning("the terminal event of dispatch %s was refused (%s); failing it instead", event.dispatch_id, why)
+            failure = store.TerminalEvent(
+                event.dispatch_id, EventType.WORKER_FAILED,
+                {"reason": RESULT_NOT_JSON, "message": f"the database refused the result: {why}"},
+            )  # fmt: skip
+            try:
+                won |= self._write_alone(failure)
+                events[i] = failure
+            except (Permanent, DBAPIError) as e:
+                log.warning("dispatch %s: its failure was refused too (%s); its job is not delivered", event.dispatch_id, _why(e))
+                events[i] = None
+                self.rt.stats.incr(stats.JOBS_REFUSED)
+        return won
+
+    def _write_alone(self, event: store.TerminalEvent) -> set[str]:
+        with transaction(self.rt.sessions) as session:
+            return store.record_terminals(session, [event])
 
 
 class _PodsOf:
@@ -452,6 +509,12 @@ def _contexts(rt: Runtime, jobs: Sequence[Mapping[str, Any]]) -> list[DeliveryCo
             _refuse(rt, job, e)
             contexts.append(None)
     return contexts
+
+
+def _why(error: BaseException) -> str:
+    """The first line of an error's text (a driver's error: its own message, not the statement)."""
+    text = str(getattr(error, "orig", None) or error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def _refuse(rt: Runtime, job: Mapping[str, Any], error: Permanent) -> None:

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import redis
 from celery import Task
 from celery.utils.time import get_exponential_backoff_interval
+from kombu.exceptions import ChannelError, LimitExceeded, OperationalError
 
 import celeryconfig as names
 from engine import store
@@ -133,6 +134,8 @@ def cancel(dispatch_id: str, reason: str = delivery.CANCELLED_REASON) -> bool:
 def poll() -> dict[str, int]:
     """List our undelivered Jobs page by page (one LIST per page, no GET per Job); hand the
     finished ones to `complete_batch`, a few messages per page carrying the LIST's snapshots.
+    While completions are queued, a Job handed off before is not handed again (its marker is
+    renewed instead: `recovery.handoff`).
 
     A poll that meets an unavailable API or Redis gives up: the next interval polls again.
     """
@@ -140,6 +143,8 @@ def poll() -> dict[str, int]:
     ttl_s = handoff.ttl_s(rt.settings.poll_interval_s)
     seen = handed = waiting = 0
     lag_s = 0.0
+    # A backlog of completions: the markers of Jobs still waiting in it are renewed, not handed again.
+    renew = _queued(names.COMPLETE_QUEUE) > 0
     try:
         for namespace in rt.namespaces():
             for page in rt.kube.iter_jobs(
@@ -149,8 +154,9 @@ def poll() -> dict[str, int]:
                 finished = [job for job in page if job_state(job).terminal]
                 waiting, lag_s = waiting + len(finished), max(lag_s, poll_lag_s(finished, now=utcnow()))
                 handed += _hand_off(
-                    rt.redis, rt.settings.key_prefix, namespace, finished, ttl_s=ttl_s, workers=rt.settings.worker_concurrency
-                )
+                    rt.redis, rt.settings.key_prefix, namespace, finished,
+                    ttl_s=ttl_s, workers=rt.settings.worker_concurrency, renew=renew,
+                )  # fmt: skip
     except (Transient, redis.RedisError) as e:
         log.warning("poll stopped early (%s); the next one continues", e)
     else:
@@ -159,16 +165,37 @@ def poll() -> dict[str, int]:
 
 
 def _hand_off(
-    client: redis.Redis, prefix: str, namespace: str, jobs: list[dict[str, Any]], *, ttl_s: float, workers: int
+    client: redis.Redis,
+    prefix: str,
+    namespace: str,
+    jobs: list[dict[str, Any]],
+    *,
+    ttl_s: float,
+    workers: int,
+    renew: bool = False,
 ) -> int:
     """Send `complete_batch` for the Jobs not handed off within `ttl_s` (one Redis round trip
     per page, a marker per Job: `recovery.handoff`, which the sweep reads to leave these Jobs
-    to their queued message); the number of Jobs handed off."""
-    marked = handoff.mark(client, prefix, namespace, jobs, ttl_s)
+    to their queued message; with `renew`, the markers of those handed off before are renewed);
+    the number of Jobs handed off."""
+    marked = handoff.mark(client, prefix, namespace, jobs, ttl_s, renew=renew)
     fresh = [delivery.job_snapshot(job) for job, is_new in zip(jobs, marked) if is_new]
     for batch in batches(fresh, workers=workers):
         complete_batch.delay(namespace, batch)
     return len(fresh)
+
+
+def _queued(queue: str) -> int:
+    """How many messages wait in `queue` on the broker (one round trip); 0 if it cannot say (an
+    unreachable broker): poll then renews nothing. Not `passive=True`: kombu's Redis transport
+    checks a queue's existence with an EXISTS it does not prefix with `global_keyprefix`, so a
+    passive declare never finds ours; declaring our own declared queue again changes nothing."""
+    try:
+        with app.pool.acquire(block=True, timeout=5) as connection:  # the producers' pooled connections
+            return connection.default_channel.queue_declare(queue=queue).message_count
+    except (ChannelError, LimitExceeded, OperationalError, redis.RedisError, OSError) as e:
+        log.warning("could not read the length of %s (%s); renewing no hand-off", queue, e)
+        return 0
 
 
 def batches(items: list[T], *, workers: int, least: int = HANDOFF_BATCH_MIN, most: int = HANDOFF_BATCH_MAX) -> list[list[T]]:

@@ -2,8 +2,9 @@
 
 Reads Jobs and Pods as dicts in the API's camelCase JSON shape. `job_state` maps the Job's
 conditions to an `Outcome`; `pick_termination` finds the container exit that holds the
-result; `parse_result` turns a termination message into output or a failure reason, never
-an exception; `completion` puts the three together into what the terminal event records.
+result; `parse_result` turns a termination message into output (only what the store can
+keep: `engine.payloads.canonical_json` is the one rule) or a failure reason, never an
+exception; `completion` puts the three together into what the terminal event records.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
+from engine.errors import InputNotSerialisable
+from engine.payloads import canonical_json
 from workers.manifest import CONTAINER_NAME
 
 MAX_RESULT_BYTES = 4096  # the kubelet keeps at most 4 KiB of a container's termination message
@@ -100,8 +103,10 @@ class Result:
 def parse_result(message: str | None, *, exit_ok: bool) -> Result:
     """Turn a container's termination message into the dispatch's output or a failure.
 
-    `exit_ok` says the container exited 0. Then the message must be JSON of at most 4 KiB:
-    otherwise ResultMissing (none or blank), ResultTooLarge or ResultNotJson. A container
+    `exit_ok` says the container exited 0. Then the message must be JSON of at most 4 KiB that
+    the store can keep (`canonical_json`'s rule: no number out of a double's range such as
+    1e400, no lone surrogate such as "\\ud800", nesting bounded): otherwise ResultMissing (none
+    or blank), ResultTooLarge or ResultNotJson, the detail saying why. A container
     that failed gives ContainerFailed, its message (the log tail, with FallbackToLogsOnError)
     as the detail.
     """
@@ -114,6 +119,9 @@ def parse_result(message: str | None, *, exit_ok: bool) -> Result:
         return Result(reason=RESULT_TOO_LARGE, detail=f"the result is {size} bytes, more than {MAX_RESULT_BYTES}")
     try:
         output = json.loads(message, parse_constant=_refuse_constant)
+        canonical_json(output, what="the result")
+    except InputNotSerialisable as e:
+        return Result(reason=RESULT_NOT_JSON, detail=f"{e}: the store keeps only canonical JSON; the message begins {message[:200]!r}")
     except (ValueError, RecursionError) as e:
         return Result(reason=RESULT_NOT_JSON, detail=f"{e}; the message begins {message[:200]!r}")
     return Result(output=output)

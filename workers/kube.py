@@ -37,6 +37,7 @@ from engine.errors import (
     DispatchError,
     InvalidManifest,
     NotFound,
+    QuotaExceeded,
 )
 
 if TYPE_CHECKING:
@@ -429,11 +430,17 @@ def _mapped(e: ApiException, what: str) -> DispatchError:
         return ApiUnavailable(message)
     if status == 410:  # Expired outside a paginated list: a stale read, list again
         return ApiUnavailable(message, reason="Expired")
+    if status == 403 and any(words in (api_message or "") for words in _QUOTA_WAITS):
+        return QuotaExceeded(message)
     # 400 BadRequest, 401 Unauthorized, 403 Forbidden, 422 Invalid and the rest of 4xx.
     return ApiRejected(message, reason=api_reason or _REASON_BY_STATUS.get(status, "ApiRejected"))
 
 
 _REASON_BY_STATUS = {400: "BadRequest", 401: "Unauthorized", 403: "Forbidden", 422: "Invalid"}
+# A 403 from the quota admission that passes: "exceeded quota: NAME, requested: ..., used: ...,
+# limited: ...", and "status unknown for quota" (the quota controller has not counted yet).
+# Its other 403s ("failed quota: NAME: must specify limits.cpu") need a changed spec: permanent.
+_QUOTA_WAITS = ("exceeded quota", "status unknown for quota")
 
 
 def _status_of(e: ApiException) -> tuple[str | None, str | None]:
