@@ -204,3 +204,15 @@ def test_a_key_prefix_that_is_no_label_value_derives_a_distinct_valid_one() -> N
 def test_a_deployment_that_is_no_label_value_stops_the_process_naming_the_variable(bad: str) -> None:
     with pytest.raises(ConfigError, match="K8S_DISPATCH_DEPLOYMENT.*not a valid label value"):
         load_settings({"K8S_DISPATCH_DEPLOYMENT": bad})
+
+
+def test_a_create_meeting_its_own_unlabelled_job_adopts_and_labels_it(deployment, namespace):
+    # Made by the code before the label, which died before marking the row.
+    rt = deployment()
+    [dispatch_id] = schedule(rt, "sim.quick", 1)
+    unlabelled_job(rt, namespace, ref_of(rt, dispatch_id))
+    assert create_jobs_for(rt, [dispatch_id]) == {dispatch_id: CreateOutcome.ADOPTED}
+    job = jobs(rt, namespace)[job_name(dispatch_id)]
+    assert job_labels.deployment_of(job["metadata"]["labels"]) == rt.settings.effective_deployment
+    wait_until(lambda: run_sweep(rt) and not jobs(rt, namespace), timeout=30, what="the Job delivered and gone")
+    assert [t for t, _ in events(rt, [dispatch_id])[dispatch_id]] == [EventType.WORKER_COMPLETED]
