@@ -3,10 +3,10 @@
 (A) pages of our undelivered Jobs (this deployment's label: another deployment's Jobs in the
 same namespace are never listed), each matched with its dispatches: categories 2, 3, 4, 6, and
 5 for the created dispatches whose ids the page covers (the LIST is in name order); then one bulk
-delete of the delivered ones per namespace. Before that, Jobs made before the deployment label
-existed are given ours when their dispatch is in our database, and only reported otherwise; (B) pages of the other pending dispatches, checked
-with one `dispatch-id in (...)` LIST per chunk: 1 and 5; (C) terminal dispatches the engine was
-not told about. Actions run inline through `recovery.delivery`; a page's finished Jobs are
+delete of the delivered ones per namespace; before that, Jobs made before the deployment label
+existed are given ours when their dispatch is in our database, and only reported otherwise.
+(B) pages of the other pending dispatches, checked with one `dispatch-id in (...)` LIST per
+chunk: 1 and 5; (C) terminal dispatches the engine was not told about. Actions run inline through `recovery.delivery`; a page's finished Jobs are
 delivered together (one Pod LIST), except those poll has handed to a queued completion.
 """
 
@@ -298,7 +298,8 @@ def _present_jobs(rt: Runtime, views: Sequence[DispatchView]) -> set[tuple[str, 
     for namespace, ids in sorted(by_namespace.items()):
         for start in range(0, len(ids), SELECTOR_CHUNK):
             chunk = ids[start : start + SELECTOR_CHUNK]
-            selector = f"{job_labels.selector(rt.settings.effective_deployment)},{job_labels.DISPATCH_ID_KEY} in ({','.join(chunk)})"
+            ours = job_labels.selector(rt.settings.effective_deployment)
+            selector = f"{ours},{job_labels.DISPATCH_ID_KEY} in ({','.join(chunk)})"
             for page in rt.kube.iter_jobs(namespace, label_selector=selector, page_size=rt.settings.poll_page_size):
                 present |= present_jobs(page)
     return present

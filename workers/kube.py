@@ -237,10 +237,10 @@ class KubeClient:
         what = f"label job {namespace}/{name} ({label[0]}={label[1]})"
         try:
             self._request(what, "PATCH", JOB_PATH, patch, content_type="application/json-patch+json", namespace=namespace, name=name)
-        except NotFound:
+        except (NotFound, Conflict):
             return False
         except ApiRejected as e:
-            if e.reason != "Invalid":  # a failed uid `test`: re-created since the snapshot
+            if e.reason != "Invalid":  # a failed uid `test` (422, or 409 on some servers): re-created since
                 raise
             return False
         return True

@@ -1,6 +1,7 @@
 """A dispatch's identity as Kubernetes labels and annotations, and back (pure).
 
-Each `DispatchRef` field becomes a label under `k8s-dispatch.io/`. A value that is not a valid
+Each `DispatchRef` field becomes a label under `k8s-dispatch.io/`, beside the deployment's
+(`DEPLOYMENT_LABEL`), which every selector names. A value that is not a valid
 label value (too long, bad characters), or that looks like one of our hashes, is carried as
 `h-` + 40 hex digits of its SHA-256 instead, with the full value in an annotation under the
 same key. `decode` refuses a Job whose labels are missing, malformed or disagree with it.
