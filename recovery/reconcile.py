@@ -6,8 +6,9 @@ same namespace are never listed), each matched with its dispatches: categories 2
 delete of the delivered ones per namespace; before that, Jobs made before the deployment label
 existed are given ours when their dispatch is in our database, and only reported otherwise.
 (B) pages of the other pending dispatches, checked with one `dispatch-id in (...)` LIST per
-chunk: 1 and 5; (C) terminal dispatches the engine was not told about. Actions run inline through `recovery.delivery`; a page's finished Jobs are
-delivered together (one Pod LIST), except those poll has handed to a queued completion.
+chunk: 1 and 5; (C) terminal dispatches the engine was not told about. Actions run inline
+through `recovery.delivery`; a page's finished Jobs are delivered together (one Pod LIST),
+except those poll has handed to a queued completion.
 """
 
 from __future__ import annotations
