@@ -46,9 +46,18 @@ def schedule(d: Deployment, capability: str, count: int) -> dict[str, Any]:
         }  # fmt: skip
 
 
+def job_requests(cluster: LocalCluster, verb: str, code: int | None = None) -> int:
+    """Requests on Jobs the API server answered so far with `verb` (and `code`), in every namespace."""
+    return sum(
+        c.count
+        for c in cluster.request_counts()
+        if c.labels.verb == verb and c.labels.resource == "jobs" and (code is None or c.code == code)
+    )
+
+
 def job_creates(cluster: LocalCluster) -> int:
     """Jobs the API server created so far (successful POSTs), in every namespace."""
-    return sum(c.count for c in cluster.request_counts() if c.labels.verb == "POST" and c.labels.resource == "jobs" and c.code == 201)
+    return job_requests(cluster, "POST", 201)
 
 
 def assert_completed_once(d: Deployment, inputs: dict[str, Any]) -> None:
@@ -73,7 +82,7 @@ def test_two_deployments_on_one_namespace_with_orphan_policy_delete_touch_none_o
         assert_completed_once(d, work[id(d)])
     a.wait_no_jobs(timeout_s=30)  # every deployment's Jobs: none left
     assert job_creates(sim_cluster) - before == 48  # each Job once: none deleted and made again
-    for d in (a, b):
+    for d in (a, b):  # neither ever saw the other's Jobs, so neither could release or delete one
         assert Stats(d.redis, prefix=d.prefix).get(ORPHANS_REPORTED) == 0, d.logs()
         assert "orphan policy" not in d.logs()
 
