@@ -474,8 +474,9 @@ def _ours(ctx: services.BenchContext, knobs: Knobs, n: int, caps: CapabilityReso
             """The rows written while the worker and beat start, the Jobs created once they are
             ready: none finishes before the system can replace it."""
             made = workload.created_dispatches(
-                sessions, caps, count=len(steps), namespace=OURS_NAMESPACE, capability_of=lambda i: capability(steps[i])
-            )
+                sessions, caps, count=len(steps), namespace=OURS_NAMESPACE, deployment=settings.effective_deployment,
+                capability_of=lambda i: capability(steps[i]),
+            )  # fmt: skip
             ready()
             rawhttp.create_jobs(cluster, OURS_NAMESPACE, [body for _, body in made], clients=PRE_CREATE_CLIENTS)
 

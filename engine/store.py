@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Protocol
@@ -45,13 +45,20 @@ from engine.models import (
     EventType,
     utcnow,
 )
+from engine.names import is_dns1123_label
 from engine.payloads import canonical_json, encode_input
 
 QUERY_BATCH = 500  # ids per IN (...) and rows per page: bounded memory, few round trips
 
 
 class CapabilityRouter(Protocol):
-    """Names the worker that serves a capability (implemented by the workers' resolver)."""
+    """Names the worker that serves a capability (implemented by the workers' resolver).
+
+    A router that also has `namespace_for(capability) -> str | None` (the resolver has) names
+    where the capability's Jobs go: `schedule_many` records it in the dispatch, fixed from then
+    on. Without it (or with None) the first worker to create the Job fixes it
+    (`fix_job_namespaces`).
+    """
 
     def worker_for(self, capability: str) -> str:
         """Raises UnknownCapability if no worker serves `capability`."""
@@ -142,6 +149,9 @@ def schedule_many(
     transaction, with a few statements whatever their number: one read of the idempotency
     keys, one of the cases, one multi-row INSERT per table. A result per request, in order.
 
+    Each dispatch's Job namespace is recorded from `router.namespace_for`, when the router
+    has it: a later change of the capability's config moves only new dispatches.
+
     Idempotent on (tenancy_id, idempotency_key): a repeat of a request (an earlier one, or one
     earlier in `requests`) returns the existing dispatch with `created=False` and writes
     nothing for it, also when the first request commits concurrently (the insert skips rows
@@ -155,8 +165,13 @@ def schedule_many(
         UnknownCapability: from `router`.
         UnknownCase, TenancyMismatch: the case is missing or belongs to another tenancy.
         IdempotencyConflict: the key was used for a different case, capability or input.
+        ConfigError: the router names a namespace that is not a DNS-1123 label.
     """
-    prepared = [_prepare(request, router=router, max_input_bytes=max_input_bytes) for request in requests]
+    namespace_for = getattr(router, "namespace_for", None)
+    prepared = [
+        _prepare(request, router=router, namespace_for=namespace_for, max_input_bytes=max_input_bytes)
+        for request in requests
+    ]
     if not prepared:
         return []
     existing = _dispatches_by_key(session, {(p.tenancy_id, p.idempotency_key) for p in prepared})
@@ -189,11 +204,18 @@ class _Prepared:
     idempotency_key: str
     encoded_input: str
     input: Any  # plain JSON types, as stored
+    job_namespace: str | None = None  # where its Job goes, fixed now (None: by the first worker)
     state: DispatchState = DispatchState.SCHEDULED
     repeat: bool = False  # its key is an earlier request's of the same batch
 
 
-def _prepare(request: ScheduleRequest, *, router: CapabilityRouter, max_input_bytes: int) -> _Prepared:
+def _prepare(
+    request: ScheduleRequest,
+    *,
+    router: CapabilityRouter,
+    namespace_for: Callable[[str], str | None] | None,
+    max_input_bytes: int,
+) -> _Prepared:
     """The checks that need no database, in `schedule`'s documented order."""
     check_id("case_id", request.case_id)
     check_id("tenancy_id", request.tenancy_id)
@@ -204,16 +226,21 @@ def _prepare(request: ScheduleRequest, *, router: CapabilityRouter, max_input_by
     capability = request.capability
     if not isinstance(capability, str) or not capability:
         raise UnknownCapability(f"capability must be a non-empty string, got {show_value(capability)}")
+    worker_name = router.worker_for(capability)
+    namespace = namespace_for(capability) if namespace_for is not None else None
+    if namespace is not None and not (isinstance(namespace, str) and is_dns1123_label(namespace)):
+        raise ConfigError(f"capability {capability!r}: namespace {show_value(namespace)} is not a DNS-1123 label")
     return _Prepared(
         dispatch_id=dispatch_id,
         chosen_by_caller=chosen_by_caller,
         case_id=request.case_id,
         tenancy_id=request.tenancy_id,
         capability=capability,
-        worker_name=router.worker_for(capability),
+        worker_name=worker_name,
         idempotency_key=request.idempotency_key,
         encoded_input=encoded,
         input=json.loads(encoded),  # tuples become lists, as on reading
+        job_namespace=namespace,
     )
 
 
@@ -288,6 +315,7 @@ def _dispatch_row(p: _Prepared, now: datetime) -> dict[str, Any]:
         idempotency_key=p.idempotency_key,
         input=p.input,
         state=DispatchState.SCHEDULED,
+        job_namespace=p.job_namespace,
         attempts=0,
         created_at=now,
         updated_at=now,
@@ -375,7 +403,8 @@ def mark_created(
 
 def mark_created_many(session: Session, jobs: Sequence[CreatedJob], *, now: datetime | None = None) -> set[str]:
     """Record that the dispatches' Jobs exist: state CREATED, where each Job is, when it was
-    created; `attempts` becomes at least the Job's `attempt`.
+    created; `attempts` becomes at least the Job's `attempt`. A Job namespace the dispatch
+    recorded already is kept (never overwritten): the caller created the Job there.
 
     Repeating it (a retried create that adopted its Job) is harmless. Returns the ids marked;
     a dispatch that is terminal already is left unchanged (and not returned).
@@ -423,7 +452,9 @@ def _mark_created_statement() -> sa.Update:
         .values(
             state=DispatchState.CREATED,
             job_name=sa.bindparam("m_job_name", type_=table.c.job_name.type),
-            job_namespace=sa.bindparam("m_namespace", type_=table.c.job_namespace.type),
+            job_namespace=sa.func.coalesce(
+                table.c.job_namespace, sa.bindparam("m_namespace", type_=table.c.job_namespace.type)
+            ),
             job_created_at=now,
             attempts=sa.case((table.c.attempts < attempt, attempt), else_=table.c.attempts),
             updated_at=now,
@@ -432,6 +463,33 @@ def _mark_created_statement() -> sa.Update:
 
 
 _MARK_CREATED = _mark_created_statement()
+
+
+def fix_job_namespaces(session: Session, wanted: Mapping[str, str]) -> dict[str, str]:
+    """Fix the Job namespace of the dispatches among `wanted` (dispatch id -> namespace) that
+    recorded none (a row an engine wrote itself), by compare-and-set: a namespace recorded
+    first, by a racing worker, is kept. The namespace each of them now records, by id (a
+    dispatch that does not exist is left out). Two statements, whatever their number.
+    """
+    if not wanted:
+        return {}
+    session.execute(_FIX_NAMESPACE, [{"f_id": d, "f_namespace": ns} for d, ns in sorted(wanted.items())])
+    return {row.dispatch_id: row.job_namespace for row in _by_ids(session, wanted, session.execute, _NAMESPACE_OF)}
+
+
+def _fix_namespace_statement() -> sa.Update:
+    table = Dispatch.__table__
+    return (
+        sa.update(table)
+        .where(
+            table.c.dispatch_id == sa.bindparam("f_id", type_=table.c.dispatch_id.type),
+            table.c.job_namespace.is_(None),
+        )
+        .values(job_namespace=sa.bindparam("f_namespace", type_=table.c.job_namespace.type))
+    )
+
+
+_FIX_NAMESPACE = _fix_namespace_statement()
 
 
 def record_attempt(session: Session, dispatch_id: str, *, now: datetime | None = None) -> int:
@@ -696,6 +754,7 @@ _CREATED_AMONG = _among_ids(sa.select(Dispatch.dispatch_id).where(Dispatch.state
 _DISPATCHES = _among_ids(sa.select(Dispatch))
 _DISPATCH_ROWS = _among_ids(sa.select(Dispatch.__table__))
 _CASE_OF = _among_ids(sa.select(Dispatch.dispatch_id, Dispatch.case_id))
+_NAMESPACE_OF = _among_ids(sa.select(Dispatch.dispatch_id, Dispatch.job_namespace))
 
 
 def iter_dispatches(

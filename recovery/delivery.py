@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
@@ -131,7 +131,7 @@ def create_jobs_for(rt: Runtime, dispatch_ids: Sequence[str]) -> dict[str, Creat
         Transient: the API, database or broker is unavailable; the same call may be retried.
     """
     ids = [store.check_dispatch_id(d) for d in dict.fromkeys(dispatch_ids)]
-    records = load_records(rt, ids)
+    records = _with_namespaces(rt, load_records(rt, ids))
     outcomes: dict[str, CreateOutcome] = {}
     made: list[tuple[DispatchRecord, CreateOutcome, str, str]] = []
     record: DispatchRecord | None = None
@@ -165,15 +165,49 @@ def _note_create_error(rt: Runtime, record: DispatchRecord, error: Transient) ->
         log.warning("dispatch %s: could not record the create error (%s)", record.dispatch_id, e)
 
 
+def _with_namespaces(rt: Runtime, records: dict[str, DispatchRecord]) -> dict[str, DispatchRecord]:
+    """`records`, each with its Job namespace fixed: a row an engine wrote itself records none,
+    and gets its capability's now, by compare-and-set (one transaction for them all), so that
+    every worker creating it, now or later, under any config, uses the same one."""
+    wanted: dict[str, str] = {}
+    for dispatch_id, record in records.items():
+        if record.job_namespace is None and not record.terminal:
+            try:
+                wanted[dispatch_id] = rt.namespace_for(record.capability)
+            except UnknownCapability:
+                continue  # `_create` fails it, with that reason
+    if not wanted:
+        return records
+    with transaction(rt.sessions) as session:
+        fixed = store.fix_job_namespaces(session, wanted)
+    return {
+        d: replace(record, job_namespace=fixed[d]) if d in fixed and fixed[d] is not None else record
+        for d, record in records.items()
+    }
+
+
 def _create(rt: Runtime, record: DispatchRecord) -> tuple[CreateOutcome, tuple[str, str] | None]:
-    """Create (or adopt) one dispatch's Job; the outcome, and where the Job is if it is to be
-    marked created."""
+    """Create (or adopt) one dispatch's Job, in the namespace its row records; the outcome,
+    and where the Job is if it is to be marked created."""
     if record.terminal:
         return CreateOutcome.SKIPPED, None
     try:
         spec = rt.resolver.spec(record.capability)
-        body = build_job(record.ref, input=record.input, spec=spec, namespace=rt.settings.namespace, attempt=record.attempts)
-    except (UnknownCapability, InvalidManifest, InvalidInput) as e:
+        if record.job_namespace is not None:  # fixed when scheduled: the config may have moved since
+            spec = replace(spec, namespace=record.job_namespace)
+        body = build_job(
+            record.ref,
+            input=record.input,
+            spec=spec,
+            namespace=rt.settings.namespace,
+            deployment=rt.settings.effective_deployment,
+            attempt=record.attempts,
+        )
+    except UnknownCapability as e:
+        # Removed from the config since scheduling: a Job made before still runs and is
+        # delivered; with none, the dispatch fails with that reason.
+        return _adopt_or_fail(rt, record, e)
+    except (InvalidManifest, InvalidInput) as e:
         # The config changed since scheduling, or the row holds what no Job can carry.
         return _fail(rt, record, e), None
     namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
@@ -210,8 +244,22 @@ def _mark_created(rt: Runtime, made: list[tuple[DispatchRecord, CreateOutcome, s
             statelog.dispatch_changed(record, DispatchState.CREATED, job=f"{namespace}/{name}", attempt=record.attempts)
 
 
+def _adopt_or_fail(rt: Runtime, record: DispatchRecord, error: UnknownCapability) -> tuple[CreateOutcome, tuple[str, str] | None]:
+    """The capability is gone from the config: adopt the dispatch's Job if one was made where
+    its row records, else fail the dispatch with `error`'s reason."""
+    if record.job_namespace is None:
+        return _fail(rt, record, error), None
+    namespace, name = record.job_namespace, job_name(record.dispatch_id)
+    try:
+        outcome = _adopt(rt, record, namespace=namespace, name=name)
+    except Conflict:  # no such Job: nothing runs it, and no config says how to
+        return _fail(rt, record, error), None
+    return outcome, (None if outcome is CreateOutcome.FAILED else (namespace, name))
+
+
 def _adopt(rt: Runtime, record: DispatchRecord, *, namespace: str, name: str) -> CreateOutcome:
-    """A Job with the dispatch's name exists: adopt it if its labels say it is this dispatch's."""
+    """A Job with the dispatch's name exists: adopt it if its labels say it is this dispatch's
+    (one made before the deployment label existed gets ours: it is this deployment's Job)."""
     try:
         job = rt.kube.get_job(namespace, name)
     except NotFound as e:
@@ -222,6 +270,8 @@ def _adopt(rt: Runtime, record: DispatchRecord, *, namespace: str, name: str) ->
     except (LabelMismatch, TenancyMismatch, UnknownDispatch) as e:
         _refuse(rt, job, e)
         return _fail(rt, record, LabelMismatch(f"a Job named {name} exists but is not this dispatch's: {e}"))
+    if job_labels.deployment_of((job.get("metadata") or {}).get("labels")) is None:
+        label_deployment(rt, namespace, name, snapshot=job)
     log.info("adopted existing job %s/%s for dispatch %s", namespace, name, record.dispatch_id)
     return CreateOutcome.ADOPTED
 
@@ -622,8 +672,17 @@ def release_job(
 
 
 def delete_delivered(rt: Runtime, namespace: str) -> int:
-    """Delete every delivered Job of the namespace, their Pods in the background: ONE request.
+    """Delete every delivered Job of this deployment in the namespace, their Pods in the
+    background: ONE request (another deployment's Jobs are never selected).
 
     A failure here loses nothing: the next batch's bulk delete, or the sweep's, removes them.
     """
-    return rt.kube.delete_jobs(namespace, label_selector=job_labels.delivered_selector(), propagation="Background")
+    selector = job_labels.delivered_selector(rt.settings.effective_deployment)
+    return rt.kube.delete_jobs(namespace, label_selector=selector, propagation="Background")
+
+
+def label_deployment(rt: Runtime, namespace: str, name: str, *, snapshot: Mapping[str, Any]) -> bool:
+    """Put this deployment's label on a Job of its own made before the label existed (one
+    patch, exact by the snapshot's uid): from then on poll, sweep and bulk delete select it."""
+    label = (job_labels.DEPLOYMENT_LABEL, rt.settings.effective_deployment)
+    return rt.kube.label_job(namespace, name, label=label, snapshot=snapshot)

@@ -1,11 +1,14 @@
 """The recovery sweep's executor: walks the cluster and the database page by page, acts on the plan.
 
-(A) pages of our undelivered Jobs, each matched with its dispatches: categories 2, 3, 4, 6, and
+(A) pages of our undelivered Jobs (this deployment's label: another deployment's Jobs in the
+same namespace are never listed), each matched with its dispatches: categories 2, 3, 4, 6, and
 5 for the created dispatches whose ids the page covers (the LIST is in name order); then one bulk
-delete of the delivered ones per namespace; (B) pages of the other pending dispatches, checked
-with one `dispatch-id in (...)` LIST per chunk: 1 and 5; (C) terminal dispatches the engine was
-not told about. Actions run inline through `recovery.delivery`; a page's finished Jobs are
-delivered together (one Pod LIST), except those poll has handed to a queued completion.
+delete of the delivered ones per namespace; before that, Jobs made before the deployment label
+existed are given ours when their dispatch is in our database, and only reported otherwise.
+(B) pages of the other pending dispatches, checked with one `dispatch-id in (...)` LIST per
+chunk: 1 and 5; (C) terminal dispatches the engine was not told about. Actions run inline
+through `recovery.delivery`; a page's finished Jobs are delivered together (one Pod LIST),
+except those poll has handed to a queued completion.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from datetime import datetime
 from enum import Enum
 from typing import Any, TypeVar
@@ -25,6 +29,7 @@ from engine import store
 from engine.db import transaction
 from engine.errors import DispatchError, NotFound
 from engine.models import TERMINAL_STATES, Dispatch, DispatchState, EventType, utcnow
+from engine.settings import OrphanPolicy
 from recovery import delivery, handoff, statelog
 from recovery.crashpoints import Point, crashpoint
 from recovery.metrics import METRICS
@@ -98,8 +103,10 @@ def run_sweep(rt: Runtime, *, dry_run: bool = False, now: datetime | None = None
 
 
 def _namespaces(rt: Runtime, report: SweepReport) -> list[str]:
-    """Where our Jobs may be: the config's namespaces, and any a pending dispatch recorded
-    (its capability may have moved since, and its Job must still be found)."""
+    """Where our Jobs may be: the config's namespaces, and any an open dispatch recorded, created
+    or not yet (its namespace is fixed when it is scheduled, and its capability may have moved
+    or gone since: its Job must still be found). One DISTINCT over the open dispatches, which
+    `ix_dispatches_state` finds."""
     configured = set(rt.namespaces())
     try:
         with transaction(rt.sessions) as session:
@@ -128,13 +135,11 @@ def _sweep_jobs(rt: Runtime, namespace: str, act: Executor, *, now: datetime, po
     namespace's CREATED dispatches (category 5, see `_LostJobs`), and (B) skips those.
     """
     report = act.report
+    _adopt_unlabelled(rt, namespace, act, now=now, policy=policy)
     lost = _LostJobs(rt, namespace, act, now=now, policy=policy)
+    selector = job_labels.undelivered_selector(rt.settings.effective_deployment)
     try:
-        for page in _prefetched(
-            rt.kube.iter_jobs(
-                namespace, label_selector=job_labels.undelivered_selector(), page_size=rt.settings.poll_page_size
-            )
-        ):
+        for page in _prefetched(rt.kube.iter_jobs(namespace, label_selector=selector, page_size=rt.settings.poll_page_size)):
             report.jobs_listed += len(page)
             views = _views_for_jobs(rt, page)
             act.all(plan_jobs(page, views, now=now, policy=policy))
@@ -150,6 +155,28 @@ def _sweep_jobs(rt: Runtime, namespace: str, act: Executor, *, now: datetime, po
             log.warning("sweep: the bulk delete of delivered jobs in %s failed: %s: %s", namespace, e.reason, e)
             report.add_problem(f"deleting delivered jobs in {namespace}: {e.reason}: {e}")
     return lost.matched
+
+
+def _adopt_unlabelled(rt: Runtime, namespace: str, act: Executor, *, now: datetime, policy: Policy) -> None:
+    """Jobs made before the deployment label existed, by this deployment or by another sharing
+    the namespace: one whose dispatch is in our database, with labels that agree, is ours and
+    gets our label (one patch), so the listing that follows handles it like any other; any
+    other is reported and never deleted, whatever `ORPHAN_POLICY` says: it may be another
+    deployment's own."""
+    report = act.report
+    report_only = replace(policy, orphan_policy=OrphanPolicy.REPORT)
+    try:
+        for page in rt.kube.iter_jobs(
+            namespace, label_selector=job_labels.unlabelled_selector(), page_size=rt.settings.poll_page_size
+        ):
+            report.jobs_listed += len(page)
+            actions = plan_jobs(page, _views_for_jobs(rt, page), now=now, policy=report_only)
+            act.all([a for a in actions if isinstance(a, ReportOrphan)])
+            ours = [job for job, a in zip(page, actions) if not isinstance(a, ReportOrphan)]
+            act.label_all(namespace, ours)
+    except DispatchError as e:  # the LIST, or the page's dispatches: the next sweep tries again
+        log.warning("sweep: going through unlabelled jobs in %s stopped: %s: %s", namespace, e.reason, e)
+        report.add_problem(f"unlabelled jobs in {namespace}: {e.reason}: {e}")
 
 
 _END = object()
@@ -272,7 +299,8 @@ def _present_jobs(rt: Runtime, views: Sequence[DispatchView]) -> set[tuple[str, 
     for namespace, ids in sorted(by_namespace.items()):
         for start in range(0, len(ids), SELECTOR_CHUNK):
             chunk = ids[start : start + SELECTOR_CHUNK]
-            selector = f"{job_labels.selector()},{job_labels.DISPATCH_ID_KEY} in ({','.join(chunk)})"
+            ours = job_labels.selector(rt.settings.effective_deployment)
+            selector = f"{ours},{job_labels.DISPATCH_ID_KEY} in ({','.join(chunk)})"
             for page in rt.kube.iter_jobs(namespace, label_selector=selector, page_size=rt.settings.poll_page_size):
                 present |= present_jobs(page)
     return present
@@ -445,6 +473,28 @@ class Executor:
         if self.dry_run:
             return
         self._count(counts, action, lambda: self._carry_out(action))
+
+    def label_all(self, namespace: str, jobs: Sequence[Mapping[str, Any]]) -> None:
+        """Give this deployment's label to Jobs of its own made before the label existed."""
+        if self.dry_run:
+            with self._lock:
+                self.report.jobs_labelled += len(jobs)
+            return
+        self._run([lambda job=job: self._label(namespace, job) for job in jobs])
+
+    def _label(self, namespace: str, job: Mapping[str, Any]) -> None:
+        name = (job.get("metadata") or {}).get("name", "")
+        try:
+            labelled = delivery.label_deployment(self.rt, namespace, name, snapshot=job)
+        except DispatchError as e:
+            log.warning("sweep: labelling job %s/%s failed: %s: %s", namespace, name, e.reason, e)
+            with self._lock:
+                self.report.add_problem(f"labelling job {namespace}/{name}: {e.reason}: {e}")
+            return
+        if labelled:
+            log.info("sweep: job %s/%s predates the deployment label; labelled as ours", namespace, name)
+            with self._lock:
+                self.report.jobs_labelled += 1
 
     def renotify_all(self, dispatch_ids: Sequence[str]) -> None:
         self._run([lambda dispatch_id=dispatch_id: self.renotify(dispatch_id) for dispatch_id in dispatch_ids])

@@ -145,11 +145,10 @@ def poll() -> dict[str, int]:
     lag_s = 0.0
     # A backlog of completions: the markers of Jobs still waiting in it are renewed, not handed again.
     renew = _queued(names.COMPLETE_QUEUE) > 0
+    selector = job_labels.undelivered_selector(rt.settings.effective_deployment)  # never another deployment's
     try:
         for namespace in rt.namespaces():
-            for page in rt.kube.iter_jobs(
-                namespace, label_selector=job_labels.undelivered_selector(), page_size=rt.settings.poll_page_size
-            ):
+            for page in rt.kube.iter_jobs(namespace, label_selector=selector, page_size=rt.settings.poll_page_size):
                 seen += len(page)
                 finished = [job for job in page if job_state(job).terminal]
                 waiting, lag_s = waiting + len(finished), max(lag_s, poll_lag_s(finished, now=utcnow()))

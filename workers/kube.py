@@ -228,6 +228,24 @@ class KubeClient:
                 uid, job = metadata.get("uid"), None
         raise Conflict(f"{what}: the job kept changing over {PATCH_ATTEMPTS} attempts")
 
+    def label_job(self, namespace: str, name: str, *, label: tuple[str, str], snapshot: Mapping[str, Any]) -> bool:
+        """Set one label on the Job `snapshot` shows, in one JSON patch that `test`s its uid (a Job
+        re-created under the same name is never touched); True if this call changed the Job.
+        Already labelled so, gone, or another uid: False."""
+        patch = release_patch(snapshot.get("metadata") or {}, finalizer="", label=label)
+        if not patch:
+            return False
+        what = f"label job {namespace}/{name} ({label[0]}={label[1]})"
+        try:
+            self._request(what, "PATCH", JOB_PATH, patch, content_type="application/json-patch+json", namespace=namespace, name=name)
+        except (NotFound, Conflict):
+            return False
+        except ApiRejected as e:
+            if e.reason != "Invalid":  # a failed uid `test` (422, or 409 on some servers): re-created since
+                raise
+            return False
+        return True
+
     def delete_job(self, namespace: str, name: str, *, propagation: str = "Background") -> bool:
         """Delete a Job (its Pods by `propagation`); False if it was already gone.
 
@@ -457,10 +475,11 @@ def _status_of(e: ApiException) -> tuple[str | None, str | None]:
 
 def release_patch(metadata: Mapping[str, Any], *, finalizer: str, label: tuple[str, str] | None) -> list[JsonDict]:
     """The JSON patch that takes `finalizer` off a Job and puts `label` on it, guarded by `test`s
-    of the uid and of the finalizer's index (pure); [] when there is nothing to change."""
+    of the uid and of the finalizer's index (pure); [] when there is nothing to change. An
+    empty `finalizer` only sets the label."""
     ops: list[JsonDict] = []
     finalizers = metadata.get("finalizers") or []
-    if finalizer in finalizers:
+    if finalizer and finalizer in finalizers:
         index = finalizers.index(finalizer)
         ops += [
             {"op": "test", "path": f"/metadata/finalizers/{index}", "value": finalizer},

@@ -90,15 +90,17 @@ def build_job(
     input: object,  # noqa: A002 - the name the callers use
     spec: CapabilitySpec,
     namespace: str,
+    deployment: str,
     attempt: int = 0,
 ) -> dict[str, Any]:
     """The batch/v1 Job that runs `ref`'s dispatch; `spec.namespace`, if set, wins over `namespace`.
+    `deployment` (`Settings.effective_deployment`) is labelled on the Job and its Pods.
 
     Raises:
         InvalidId, InvalidIdempotencyKey: a field of `ref` is malformed.
         InputNotSerialisable: `input` is not JSON.
-        InvalidManifest: `spec` is invalid or for another capability/worker, the namespace
-            or attempt is invalid, or the annotations exceed the API's size limit.
+        InvalidManifest: `spec` is invalid or for another capability/worker, the namespace,
+            deployment or attempt is invalid, or the annotations exceed the API's size limit.
     """
     check_ref(ref)
     if ref.capability != spec.name:
@@ -113,11 +115,13 @@ def build_job(
     target = spec.namespace or namespace
     if not isinstance(target, str) or not is_dns1123_label(target):
         raise InvalidManifest(f"namespace {target!r} is not a DNS-1123 label")
+    if not isinstance(deployment, str) or not deployment or not is_label_value(deployment):
+        raise InvalidManifest(f"deployment {deployment!r} is not a label value")
     if not _is_int_in(attempt, 0, MAX_INT32):
         raise InvalidManifest(f"attempt {attempt!r} is not a non-negative integer")
     text = encode_input(input)
 
-    our_labels, our_annotations = job_labels.encode(ref)
+    our_labels, our_annotations = job_labels.encode(ref, deployment=deployment)
     our_annotations[job_labels.ATTEMPT_KEY] = str(attempt)
     # Ours last: a capability's labels can add to them, never replace them.
     labels = {**spec.labels, **our_labels}

@@ -512,10 +512,10 @@ def test_a_forged_job_and_a_tenancy_mismatched_job_are_never_delivered(cluster, 
         dispatch_id=str(uuid.uuid4()), case_id="case-x", tenancy_id="tenant-a", capability="sim.ok",  # type: ignore[arg-type]
         worker_name="sim", idempotency_key="forged",  # type: ignore[arg-type]
     )  # fmt: skip
-    forged = forge_job(site.rt.kube, site.namespace, forged_ref)
+    forged = forge_job(site.rt.kube, site.namespace, forged_ref, deployment=site.settings.effective_deployment)
     [victim] = site.schedule([{"victim": 1}], send=False)
     victim_ref = delivery.load_record(site.rt, victim).ref
-    forge_job(site.rt.kube, site.namespace, DispatchRef(**{**victim_ref.__dict__, "tenancy_id": "tenant-b"}))
+    forge_job(site.rt.kube, site.namespace, DispatchRef(**{**victim_ref.__dict__, "tenancy_id": "tenant-b"}), deployment=site.settings.effective_deployment)
     values = [{"honest": i} for i in range(4)]
     honest = site.schedule(values)
 

@@ -206,7 +206,7 @@ def test_a_second_create_adopts_the_job_instead_of_doubling_it(rt):
 
 def listed_finished(rt: Runtime) -> list[dict[str, Any]]:
     """What poll hands off: snapshots of the finished Jobs one LIST of undelivered Jobs shows."""
-    pages = rt.kube.iter_jobs(rt.settings.namespace, label_selector=job_labels.undelivered_selector())
+    pages = rt.kube.iter_jobs(rt.settings.namespace, label_selector=job_labels.undelivered_selector(rt.settings.effective_deployment))
     return [job_snapshot(job) for page in pages for job in page if job_state(job).terminal]
 
 
@@ -282,7 +282,7 @@ def test_a_mixed_batch_gives_each_job_its_own_outcome_in_order(rt, notified):
         job_finished(rt, dispatch_id)
     held = rt.guard.claim(elsewhere)  # another replica is delivering it
     assert held is not None
-    pages = rt.kube.iter_jobs(rt.settings.namespace, label_selector=job_labels.undelivered_selector())
+    pages = rt.kube.iter_jobs(rt.settings.namespace, label_selector=job_labels.undelivered_selector(rt.settings.effective_deployment))
     listed = {j["metadata"]["name"]: job_snapshot(j) for page in pages for j in page}
     batch = [listed[job_name(d)] for d in (running, elsewhere, ok, ok)]  # ok twice: delivered once
 
@@ -310,7 +310,7 @@ def test_a_job_recreated_under_the_same_name_after_the_list_is_left_alone(rt):
     assert complete_jobs(rt, rt.settings.namespace, [stale]).outcomes == [CompleteOutcome.COMPLETED]
     wait_until(lambda: not job_exists(rt, dispatch_id), what="job deleted", timeout=10.0)
     # A Job of the same name and labels appears (another uid); then the old snapshot comes again.
-    name = forge_job(rt.kube, rt.settings.namespace, load_record(rt, dispatch_id).ref)
+    name = forge_job(rt.kube, rt.settings.namespace, load_record(rt, dispatch_id).ref, deployment=rt.settings.effective_deployment)
     uid = rt.kube.get_job(rt.settings.namespace, name)["metadata"]["uid"]
     assert uid != stale["metadata"]["uid"]
 
@@ -420,7 +420,7 @@ def test_a_job_whose_tenancy_disagrees_with_the_db_is_never_delivered(rt, notifi
     dispatch_id = schedule(rt, "sim.ok")
     record = load_record(rt, dispatch_id)
     forged = DispatchRef(**{**record.ref.__dict__, "tenancy_id": "tenant-evil"})
-    name = forge_job(rt.kube, rt.settings.namespace, forged)
+    name = forge_job(rt.kube, rt.settings.namespace, forged, deployment=rt.settings.effective_deployment)
     job_finished(rt, dispatch_id)
     refused_before = rt.stats.get(stats.JOBS_REFUSED)
 
@@ -443,7 +443,7 @@ def test_a_job_naming_a_dispatch_that_does_not_exist_is_never_delivered(rt):
     ref = DispatchRef(
         dispatch_id=str(uuid.uuid4()), case_id="c", tenancy_id="t", capability="sim.ok", worker_name="sim", idempotency_key="k"
     )
-    name = forge_job(rt.kube, rt.settings.namespace, ref)
+    name = forge_job(rt.kube, rt.settings.namespace, ref, deployment=rt.settings.effective_deployment)
     wait_until(lambda: job_state(rt.kube.get_job(rt.settings.namespace, name)).terminal, what="forged job done", timeout=10.0)
     assert complete_job(rt, rt.settings.namespace, name) is CompleteOutcome.REFUSED
     with transaction(rt.sessions) as session:
@@ -456,7 +456,7 @@ def test_a_copy_of_the_job_in_another_namespace_is_never_delivered(rt):
     dispatch_id = schedule(rt, "sim.ok")
     assert create_job_for(rt, dispatch_id) is CreateOutcome.CREATED
     copy_namespace = rt.settings.namespace + "-copy"
-    name = forge_job(rt.kube, copy_namespace, load_record(rt, dispatch_id).ref)
+    name = forge_job(rt.kube, copy_namespace, load_record(rt, dispatch_id).ref, deployment=rt.settings.effective_deployment)
     wait_until(lambda: job_state(rt.kube.get_job(copy_namespace, name)).terminal, what="copy done", timeout=10.0)
     assert complete_job(rt, copy_namespace, name) is CompleteOutcome.REFUSED
     assert events(rt, dispatch_id)[1:] == []

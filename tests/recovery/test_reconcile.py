@@ -250,7 +250,7 @@ def test_running_jobs_are_reported_and_a_job_never_marked_created_is_adopted(rt)
     rec = record(rt, unmarked)
     from workers.manifest import build_job
 
-    body = build_job(rec.ref, input=rec.input, spec=rt.resolver.spec(rec.capability), namespace=rt.settings.namespace)
+    body = build_job(rec.ref, input=rec.input, spec=rt.resolver.spec(rec.capability), namespace=rt.settings.namespace, deployment=rt.settings.effective_deployment)
     rt.kube.create_job(rt.settings.namespace, body)
     assert record(rt, unmarked).state is SCHEDULED
 
@@ -353,10 +353,10 @@ def mismatched(rt: Runtime) -> tuple[str, str, str]:
         dispatch_id=str(uuid.uuid4()), case_id="c", tenancy_id="tenant-a", capability="sim.ok",  # type: ignore[arg-type]
         worker_name="sim", idempotency_key="k",  # type: ignore[arg-type]
     )  # fmt: skip
-    forged = forge_job(rt.kube, rt.settings.namespace, forged_ref)
+    forged = forge_job(rt.kube, rt.settings.namespace, forged_ref, deployment=rt.settings.effective_deployment)
     victim = schedule(rt, "sim.ok", tenancy="tenant-a")
     wrong = DispatchRef(**{**record(rt, victim).ref.__dict__, "tenancy_id": "Tenant-A"})
-    forge_job(rt.kube, rt.settings.namespace, wrong)
+    forge_job(rt.kube, rt.settings.namespace, wrong, deployment=rt.settings.effective_deployment)
     wait_finished(rt, [forged, job_name(victim)])
     return forged_ref.dispatch_id, forged, victim
 

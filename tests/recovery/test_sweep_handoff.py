@@ -111,7 +111,7 @@ def finished_jobs(rt: Runtime, count: int) -> list[str]:
 
 def listed(rt: Runtime) -> dict[str, dict[str, Any]]:
     """Our undelivered Jobs, by name, as poll's LIST reads them."""
-    pages = rt.kube.iter_jobs(rt.settings.namespace, label_selector=job_labels.undelivered_selector())
+    pages = rt.kube.iter_jobs(rt.settings.namespace, label_selector=job_labels.undelivered_selector(rt.settings.effective_deployment))
     return {job["metadata"]["name"]: job for page in pages for job in page}
 
 

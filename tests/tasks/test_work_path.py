@@ -213,7 +213,8 @@ def test_a_forged_job_is_polled_but_never_delivered(deploy, any_cluster):
 
     forged_id = str(uuid.uuid4())
     labels, annotations = job_labels.encode(
-        DispatchRef(forged_id, "case-x", "tenant-a", "demo.wordcount", "demo-text", "k")  # type: ignore[arg-type]
+        DispatchRef(forged_id, "case-x", "tenant-a", "demo.wordcount", "demo-text", "k"),  # type: ignore[arg-type]
+        deployment=d.settings.effective_deployment,
     )
     d.kube.create_job(
         d.namespace,
