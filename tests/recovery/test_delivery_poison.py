@@ -121,7 +121,7 @@ def finished_snapshots(rt: Runtime, ids: list[str]) -> list[dict[str, Any]]:
     names = [job_name(d) for d in ids]
 
     def listed() -> dict[str, dict[str, Any]] | None:
-        pages = rt.kube.iter_jobs(rt.settings.namespace, label_selector=job_labels.undelivered_selector())
+        pages = rt.kube.iter_jobs(rt.settings.namespace, label_selector=job_labels.undelivered_selector(rt.settings.effective_deployment))
         jobs = {j["metadata"]["name"]: j for page in pages for j in page if j["metadata"]["name"] in names}
         return jobs if len(jobs) == len(names) and all(job_state(j).terminal for j in jobs.values()) else None
 
@@ -171,7 +171,7 @@ def test_any_bytes_a_container_writes_end_in_one_terminal_event_and_spare_the_ba
         rows = store.dispatch_rows(session, goods + bads)  # every row readable back, from this deep stack
     assert {DispatchState(row.state) for row in rows.values()} <= {DispatchState.COMPLETED, DispatchState.FAILED}
     # Every Job released: none is left undelivered (with our finalizer).
-    pages = rt.kube.iter_jobs(rt.settings.namespace, label_selector=job_labels.undelivered_selector())
+    pages = rt.kube.iter_jobs(rt.settings.namespace, label_selector=job_labels.undelivered_selector(rt.settings.effective_deployment))
     left = {j["metadata"]["name"] for page in pages for j in page if FINALIZER in j["metadata"].get("finalizers", [])}
     assert left.isdisjoint(job_name(d) for d in goods + bads)
 
