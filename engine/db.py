@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import datetime, timezone
 from typing import Any
 
 import sqlalchemy as sa
@@ -155,6 +156,19 @@ def transaction(factory: sessionmaker[Session]) -> Iterator[Session]:
         raise
     finally:
         session.close()
+
+
+def database_now(session: Session) -> datetime:
+    """The database's clock (aware UTC): the one clock row times are written and compared with.
+
+    Hosts' clocks may disagree by minutes; every timestamp that another process compares (a
+    row's updated_at against the sweep's grace period, finished_at, notified_at, status ages)
+    is taken from here, so none of them depends on two hosts agreeing. PostgreSQL's
+    `statement_timestamp()` (one round trip); SQLite is embedded, so its clock is this process's.
+    """
+    if session.get_bind().dialect.name == "sqlite":
+        return datetime.now(timezone.utc)
+    return session.execute(sa.select(sa.func.statement_timestamp())).scalar_one().astimezone(timezone.utc)
 
 
 def _first_line(error: BaseException) -> str:

@@ -21,7 +21,7 @@ from engine import store
 from engine.db import transaction
 from engine.errors import Transient
 from engine.models import DispatchState, utcnow
-from recovery import delivery, handoff, statelog
+from recovery import delivery, handoff, statelog, supersede
 from recovery.crashpoints import Point, crashpoint
 from recovery.metrics import METRICS, poll_lag_s
 from tasks.app import app, get_runtime
@@ -122,8 +122,11 @@ def complete_batch(self: Task, namespace: str, jobs: list[dict[str, Any]]) -> di
 
 
 @app.task(name=names.CANCEL_TASK, **RETRY)
-def cancel(dispatch_id: str, reason: str = delivery.CANCELLED_REASON) -> bool:
-    return delivery.cancel_dispatch(get_runtime(), dispatch_id, reason=reason)
+def cancel(dispatch_id: str, reason: str = delivery.CANCELLED_REASON, recorded: bool = False) -> bool:
+    """Cancel by task call (the cancel lives only in this message until it runs), or, with
+    `recorded`, `cancel_in_session`'s follow-up: the cancel is in the database already, this
+    deletes the Job at once and notifies the engine (if lost, the sweep deletes the Job)."""
+    return delivery.cancel_dispatch(get_runtime(), dispatch_id, reason=reason, recorded=recorded)
 
 
 # --- poll -----------------------------------------------------------------------------------
@@ -134,9 +137,14 @@ def poll() -> dict[str, int]:
     """List our undelivered Jobs page by page (one LIST per page, no GET per Job); hand the
     finished ones to `complete_batch`, a few messages per page carrying the LIST's snapshots.
 
-    A poll that meets an unavailable API or Redis gives up: the next interval polls again.
+    A poll that meets an unavailable API or Redis gives up: the next interval polls again. One
+    that another poll started shortly before is superseded by it and skips (`recovery.supersede`).
     """
     rt = get_runtime()
+    if not supersede.go_ahead(
+        rt.redis, rt.settings.key_prefix, names.POLL_TASK, window_s=supersede.window_s(rt.settings.poll_interval_s)
+    ):
+        return {"seen": 0, "handed_off": 0, "superseded": 1}
     ttl_s = handoff.ttl_s(rt.settings.poll_interval_s)
     seen = handed = waiting = 0
     lag_s = 0.0
