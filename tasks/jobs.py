@@ -56,7 +56,11 @@ def schedule(
     idempotency_key: str,
     dispatch_id: str | None = None,
 ) -> str:
-    """The engine's entry by task call: write the dispatch, then enqueue its Job's creation."""
+    """The engine's entry by task call: write the dispatch, then enqueue its Job's creation.
+
+    Until this runs the request is only this message (a broker flush loses it): at-least-once
+    only if the engine sends it again with the same idempotency key until the dispatch exists,
+    as `tasks.scheduling.send_schedule_until_recorded` does."""
     rt = get_runtime()
     with transaction(rt.sessions) as session:
         result = store.schedule(
