@@ -159,3 +159,10 @@ class BrokerUnavailable(Transient):
     """The Celery broker could not take a message (an enqueue or a notification)."""
 
     reason = "BrokerUnavailable"
+
+
+class ScheduleNotRecorded(Transient):
+    """A schedule sent by task call was not recorded before the deadline (no worker ran it, or
+    it refused the request): sending again with the same idempotency key is safe."""
+
+    reason = "ScheduleNotRecorded"

@@ -21,6 +21,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.util import identity_key
 
+from engine.db import database_now
 from engine.errors import (
     ConfigError,
     IdempotencyConflict,
@@ -177,7 +178,7 @@ def schedule_many(
     existing = _dispatches_by_key(session, {(p.tenancy_id, p.idempotency_key) for p in prepared})
     new = _new_dispatches(session, prepared, existing)
     if new:
-        existing.update(_insert(session, new, now=now or utcnow()))
+        existing.update(_insert(session, new, now=now or database_now(session)))
     written = {(p.tenancy_id, p.idempotency_key): p for p in new}
     results = []
     for p in prepared:
@@ -412,7 +413,7 @@ def mark_created_many(session: Session, jobs: Sequence[CreatedJob], *, now: date
     Raises:
         UnknownDispatch: one of the dispatches does not exist.
     """
-    now = now or utcnow()
+    now = now or database_now(session)
     by_id = {job.dispatch_id: job for job in jobs}
     if not by_id:
         return set()
@@ -501,7 +502,7 @@ def record_attempt(session: Session, dispatch_id: str, *, now: datetime | None =
     attempts = session.execute(
         sa.update(Dispatch)
         .where(Dispatch.dispatch_id == dispatch_id)
-        .values(attempts=Dispatch.attempts + 1, updated_at=now or utcnow())
+        .values(attempts=Dispatch.attempts + 1, updated_at=now or database_now(session))
         .returning(Dispatch.attempts)
         .execution_options(synchronize_session="fetch")
     ).scalar_one_or_none()
@@ -591,7 +592,7 @@ def record_terminals(session: Session, events: Sequence[TerminalEvent], *, now: 
     if missing:
         raise UnknownDispatch(f"dispatch {missing[0]!r} does not exist")
 
-    now = now or utcnow()
+    now = now or database_now(session)
     ids = sorted(checked)
     # Executemany of one cached statement: SQLAlchemy sends it as one multi-row INSERT.
     won = set(
@@ -726,6 +727,12 @@ def get_dispatch(session: Session, dispatch_id: str) -> Dispatch | None:
     return session.get(Dispatch, dispatch_id)
 
 
+def dispatch_id_for_key(session: Session, *, tenancy_id: str, idempotency_key: str) -> str | None:
+    """The id of the dispatch scheduled with (tenancy, idempotency key), or None."""
+    row = _dispatches_by_key(session, {(tenancy_id, idempotency_key)}).get((tenancy_id, idempotency_key))
+    return None if row is None else str(row.dispatch_id)
+
+
 def get_dispatches(session: Session, ids: Iterable[str]) -> dict[str, Dispatch]:
     """The dispatches among `ids` that exist, by id, read with a few IN (...) queries."""
     return {row.dispatch_id: row for row in _by_ids(session, ids, session.scalars, _DISPATCHES)}
@@ -816,7 +823,7 @@ def mark_notified_many(session: Session, dispatch_ids: Iterable[str], *, now: da
 
     A dispatch notified before, or not terminal, is left unchanged (and not returned).
     """
-    now = now or utcnow()
+    now = now or database_now(session)
     marked: set[str] = set()
     wanted = sorted(set(dispatch_ids))
     for start in range(0, len(wanted), QUERY_BATCH):

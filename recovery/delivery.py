@@ -624,10 +624,12 @@ def fail_dispatch(rt: Runtime, dispatch_id: str, *, reason: str, message: str | 
     return won
 
 
-def cancel_dispatch(rt: Runtime, dispatch_id: str, *, reason: str = CANCELLED_REASON) -> bool:
+def cancel_dispatch(rt: Runtime, dispatch_id: str, *, reason: str = CANCELLED_REASON, recorded: bool = False) -> bool:
     """Record WORKER_CANCELLED and remove the Job; False if the dispatch had ended already.
 
     A completion racing the cancel leaves exactly one terminal event: whichever commits first.
+    `recorded`: the cancel was written already (`tasks.scheduling.cancel_in_session`, whose
+    message this is): only notify the engine, unless it was, and remove the Job.
 
     Raises:
         InvalidId: `dispatch_id` is not a UUID.
@@ -639,9 +641,10 @@ def cancel_dispatch(rt: Runtime, dispatch_id: str, *, reason: str = CANCELLED_RE
         if row is None:
             raise UnknownDispatch(f"dispatch {dispatch_id} does not exist")
         record = DispatchRecord.from_row(row)
-        won = store.record_terminal(session, dispatch_id, EventType.WORKER_CANCELLED, {"reason": reason})
+        won = not recorded and store.record_terminal(session, dispatch_id, EventType.WORKER_CANCELLED, {"reason": reason})
     if won:
         statelog.dispatch_changed(record, DispatchState.CANCELLED, reason=reason)
+    if won or (recorded and record.state is DispatchState.CANCELLED and not record.notified):
         notify_engine(rt, dispatch_id)
     cleanup_job(rt, *job_location(rt, record))
     return won

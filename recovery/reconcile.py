@@ -26,7 +26,7 @@ import redis
 import sqlalchemy as sa
 
 from engine import store
-from engine.db import transaction
+from engine.db import database_now, transaction
 from engine.errors import DispatchError, NotFound
 from engine.models import TERMINAL_STATES, Dispatch, DispatchState, EventType, utcnow
 from engine.settings import OrphanPolicy
@@ -83,12 +83,14 @@ def run_sweep(rt: Runtime, *, dry_run: bool = False, now: datetime | None = None
     action re-reads the state it depends on before its side effect, so a sweep racing normal
     work or another sweep changes nothing twice; the broker is never needed (it may have lost
     every message). `dry_run` plans and counts but changes nothing. `now` is the sweep's
-    clock for grace periods (default: the current time). Failures of single actions or
-    listings are logged and counted in the report's errors; the next sweep tries again.
+    clock for grace periods (default: the database's, the clock the rows' times were written
+    with, so a worker whose clock is off never shortens or stretches a grace period).
+    Failures of single actions or listings are logged and counted in the report's errors;
+    the next sweep tries again.
     """
-    now = now or utcnow()
+    report = SweepReport(dry_run=dry_run, started_at=utcnow())  # this process's clock: the duration
+    now = now or _database_now(rt, report)
     policy = Policy.from_settings(rt.settings)
-    report = SweepReport(dry_run=dry_run, started_at=now)
     report.namespaces = _namespaces(rt, report)
     with Executor(rt, report, dry_run=dry_run, concurrency=rt.settings.sweep_concurrency) as act:
         matched = [ns for ns in report.namespaces if _sweep_jobs(rt, ns, act, now=now, policy=policy)]
@@ -100,6 +102,18 @@ def run_sweep(rt: Runtime, *, dry_run: bool = False, now: datetime | None = None
         rt.stats.incr(SWEEPS_RUN)
     log.info("%s in %.2fs", report.summary(), report.duration_s or 0.0)
     return report
+
+
+def _database_now(rt: Runtime, report: SweepReport) -> datetime:
+    """The database's clock; this process's if the database cannot say (the sweep's reads will
+    fail the same way, and every action re-reads what it depends on anyway)."""
+    try:
+        with transaction(rt.sessions) as session:
+            return database_now(session)
+    except DispatchError as e:
+        log.warning("sweep: reading the database's clock failed: %s: %s", e.reason, e)
+        report.add_problem(f"reading the database's clock: {e.reason}: {e}")
+        return utcnow()
 
 
 def _namespaces(rt: Runtime, report: SweepReport) -> list[str]:

@@ -22,7 +22,7 @@ from engine import store
 from engine.db import transaction
 from engine.errors import Transient
 from engine.models import DispatchState, utcnow
-from recovery import delivery, handoff, statelog
+from recovery import delivery, handoff, statelog, supersede
 from recovery.crashpoints import Point, crashpoint
 from recovery.metrics import METRICS, poll_lag_s
 from tasks.app import app, get_runtime
@@ -57,7 +57,11 @@ def schedule(
     idempotency_key: str,
     dispatch_id: str | None = None,
 ) -> str:
-    """The engine's entry by task call: write the dispatch, then enqueue its Job's creation."""
+    """The engine's entry by task call: write the dispatch, then enqueue its Job's creation.
+
+    Until this runs the request is only this message (a broker flush loses it): at-least-once
+    only if the engine sends it again with the same idempotency key until the dispatch exists,
+    as `tasks.scheduling.send_schedule_until_recorded` does."""
     rt = get_runtime()
     with transaction(rt.sessions) as session:
         result = store.schedule(
@@ -123,8 +127,11 @@ def complete_batch(self: Task, namespace: str, jobs: list[dict[str, Any]]) -> di
 
 
 @app.task(name=names.CANCEL_TASK, **RETRY)
-def cancel(dispatch_id: str, reason: str = delivery.CANCELLED_REASON) -> bool:
-    return delivery.cancel_dispatch(get_runtime(), dispatch_id, reason=reason)
+def cancel(dispatch_id: str, reason: str = delivery.CANCELLED_REASON, recorded: bool = False) -> bool:
+    """Cancel by task call (the cancel lives only in this message until it runs), or, with
+    `recorded`, `cancel_in_session`'s follow-up: the cancel is in the database already, this
+    deletes the Job at once and notifies the engine (if lost, the sweep deletes the Job)."""
+    return delivery.cancel_dispatch(get_runtime(), dispatch_id, reason=reason, recorded=recorded)
 
 
 # --- poll -----------------------------------------------------------------------------------
@@ -137,9 +144,14 @@ def poll() -> dict[str, int]:
     While completions are queued, a Job handed off before is not handed again (its marker is
     renewed instead: `recovery.handoff`).
 
-    A poll that meets an unavailable API or Redis gives up: the next interval polls again.
+    A poll that meets an unavailable API or Redis gives up: the next interval polls again. One
+    that another poll started shortly before is superseded by it and skips (`recovery.supersede`).
     """
     rt = get_runtime()
+    if not supersede.go_ahead(
+        rt.redis, rt.settings.key_prefix, names.POLL_TASK, window_s=supersede.window_s(rt.settings.poll_interval_s)
+    ):
+        return {"seen": 0, "handed_off": 0, "superseded": 1}
     ttl_s = handoff.ttl_s(rt.settings.poll_interval_s)
     seen = handed = waiting = 0
     lag_s = 0.0
