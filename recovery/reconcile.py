@@ -1,8 +1,9 @@
 """The recovery sweep's executor: walks the cluster and the database page by page, acts on the plan.
 
 (A) pages of our undelivered Jobs, each matched with its dispatches: categories 2, 3, 4, 6, and
-5 for the created dispatches whose ids the page covers (the LIST is in name order); then one bulk
-delete of the delivered ones per namespace; (B) pages of the other pending dispatches, checked
+5 for the created dispatches whose ids the page covers (the LIST is in name order); then our
+finished Pods, for 4 (those an ended dispatch left with our finalizer); then one bulk delete of
+the delivered Jobs per namespace; (B) pages of the other pending dispatches, checked
 with one `dispatch-id in (...)` LIST per chunk: 1 and 5; (C) terminal dispatches the engine was
 not told about. Actions run inline through `recovery.delivery`; a page's finished Jobs are
 delivered together (one Pod LIST), except those poll has handed to a queued completion.
@@ -39,6 +40,7 @@ from recovery.sweep import (
     CreateJob,
     DispatchView,
     FailJobLost,
+    FreePod,
     NameOrder,
     Policy,
     RecreateJob,
@@ -47,6 +49,7 @@ from recovery.sweep import (
     named_dispatch_ids,
     plan_dispatches,
     plan_jobs,
+    plan_pods,
     present_jobs,
     refusal,
 )
@@ -57,8 +60,14 @@ log = logging.getLogger(__name__)
 # Dispatch ids per `dispatch-id in (...)` selector: 100 UUIDs make a query string of ~4 KB,
 # well inside what API servers and proxies accept.
 SELECTOR_CHUNK = 100
+# Our Pods that have stopped: the only ones an ended dispatch can leave with our finalizer for
+# long (a running one is stopped by its Job's deletion, then listed here).
+FINISHED_PODS = "status.phase!=Pending,status.phase!=Running"
 ORPHANS_REPORTED = "orphans_reported"  # a Redis stats counter, cluster-wide (see recovery.stats)
 SWEEPS_RUN = "sweeps_run"
+
+# What a completion did that counts as the sweep acting: a terminal event, or a lost result run again.
+_COMPLETE_ACTED = (delivery.CompleteOutcome.COMPLETED, delivery.CompleteOutcome.RERUN)
 
 T = TypeVar("T")
 Deferrable = TypeVar("Deferrable", CompleteJob, CleanUpJob)  # a Job a queued completion may be handling
@@ -143,6 +152,7 @@ def _sweep_jobs(rt: Runtime, namespace: str, act: Executor, *, now: datetime, po
     except DispatchError as e:  # the LIST, or the page's dispatches: the next sweep starts over
         log.warning("sweep: going through the jobs in %s stopped: %s: %s", namespace, e.reason, e)
         report.add_problem(f"jobs in {namespace}: {e.reason}: {e}")
+    _sweep_pods(rt, namespace, act)
     if not act.dry_run:
         try:
             delivery.delete_delivered(rt, namespace)
@@ -150,6 +160,20 @@ def _sweep_jobs(rt: Runtime, namespace: str, act: Executor, *, now: datetime, po
             log.warning("sweep: the bulk delete of delivered jobs in %s failed: %s: %s", namespace, e.reason, e)
             report.add_problem(f"deleting delivered jobs in {namespace}: {e.reason}: {e}")
     return lost.matched
+
+
+def _sweep_pods(rt: Runtime, namespace: str, act: Executor) -> None:
+    """Category 4 for Pods: free every finished Pod of ours that an ended dispatch left with our
+    finalizer, page by page (one LIST per page, each page's dispatches read with one query)."""
+    try:
+        pages = rt.kube.iter_pods(
+            namespace, label_selector=job_labels.selector(), field_selector=FINISHED_PODS, page_size=rt.settings.poll_page_size
+        )
+        for page in pages:
+            act.all(plan_pods(page, _views_for_jobs(rt, page)))
+    except DispatchError as e:
+        log.warning("sweep: going through the pods in %s stopped: %s: %s", namespace, e.reason, e)
+        act.report.add_problem(f"pods in {namespace}: {e.reason}: {e}")
 
 
 _END = object()
@@ -215,8 +239,8 @@ class _LostJobs:
 
 
 def _views_for_jobs(rt: Runtime, jobs: Sequence[dict[str, Any]]) -> dict[str, DispatchView]:
-    """The dispatches the Jobs' labels name, read with one query per page of Jobs (the labels
-    are checked by the plan, which reports a Job whose labels do not hold up)."""
+    """The dispatches the Jobs' (or Pods') labels name, read with one query per page of them
+    (the labels are checked by the plan, which reports a Job whose labels do not hold up)."""
     ids = {dispatch_id for job in jobs for dispatch_id in named_dispatch_ids(job)}
     with transaction(rt.sessions) as session:
         rows = store.dispatch_rows(session, ids)
@@ -395,7 +419,7 @@ class Executor:
                 self._count(counts, action, lambda action=action: self._carry_out(action))
             return
         for action, outcome in zip(actions, done.outcomes):
-            acted = _Outcome.ACTED if outcome is delivery.CompleteOutcome.COMPLETED else _Outcome.SKIPPED
+            acted = _Outcome.ACTED if outcome in _COMPLETE_ACTED else _Outcome.SKIPPED
             self._count(counts, action, lambda acted=acted: acted)
         if done.error is not None:  # the Jobs after the error were not tried: the next sweep does
             log.warning("sweep: completing jobs in %s stopped: %s: %s; %d left",
@@ -405,13 +429,32 @@ class Executor:
 
     def _clean_up_all(self, namespace: str, actions: Sequence[CleanUpJob]) -> None:
         """Category 4 for recorded Jobs of one namespace, as their LIST read them (`job` set):
-        each released as `one` would, but for those a queued completion is releasing."""
+        each released with its Pods (listed once for all) as `one` would, but for those a queued
+        completion is releasing."""
         counts = self.report.categories[Category.CLEANUP]
         with self._lock:
             counts.found += len(actions)
-        for action in self._deferred(namespace, actions):
-            if not self.dry_run:
-                self._count(counts, action, lambda action=action: self._carry_out(action))
+        actions = self._deferred(namespace, actions)
+        if self.dry_run or not actions:
+            return
+        try:
+            pods = delivery.pods_by_job(self.rt, namespace, [action.job_name for action in actions])
+        except DispatchError as e:
+            log.warning("sweep: listing the pods of %d recorded jobs in %s failed: %s: %s",
+                        len(actions), namespace, e.reason, e)  # fmt: skip
+            with self._lock:
+                counts.errors += len(actions)
+            return
+        for action in actions:
+            self._count(counts, action, lambda action=action: self._clean_up(action, pods[action.job_name]))
+
+    def _clean_up(self, action: CleanUpJob, pods: Sequence[Mapping[str, Any]]) -> _Outcome:
+        # A terminal state is final: nothing to re-read; the release itself is idempotent and
+        # exact (by the listed uids). The namespace's bulk delete follows its pages. Pods
+        # first, as the completion path does: the Job's finalizer stands for what is left.
+        delivery.release_pods(self.rt, action.namespace, pods)
+        delivery.release_job(self.rt, action.namespace, action.job_name, snapshot=action.job)
+        return _Outcome.ACTED
 
     def _deferred(self, namespace: str, actions: Sequence[Deferrable]) -> list[Deferrable]:
         """The actions to carry out: all but those whose Job poll handed to a queued completion
@@ -488,7 +531,7 @@ class Executor:
         if isinstance(action, CompleteJob):
             # The namespace's bulk delete follows its pages: none per Job.
             completed = delivery.complete_job(rt, action.namespace, action.job_name, snapshot=action.job, delete=False)
-            return _Outcome.ACTED if completed is delivery.CompleteOutcome.COMPLETED else _Outcome.SKIPPED
+            return _Outcome.ACTED if completed in _COMPLETE_ACTED else _Outcome.SKIPPED
         if isinstance(action, ReportRunning):
             if not action.adopt:
                 return _Outcome.NOTHING
@@ -496,10 +539,10 @@ class Executor:
             adopted = delivery.create_job_for(rt, action.dispatch_id)
             return _Outcome.ACTED if adopted is delivery.CreateOutcome.ADOPTED else _Outcome.SKIPPED
         if isinstance(action, CleanUpJob):
-            # A terminal state is final: nothing to re-read; the release itself is idempotent
-            # and exact (by the listed uid). The namespace's bulk delete follows its pages.
-            delivery.release_job(rt, action.namespace, action.job_name, snapshot=action.job)
-            return _Outcome.ACTED
+            return self._clean_up(action, delivery.pods_by_job(rt, action.namespace, [action.job_name])[action.job_name])
+        if isinstance(action, FreePod):
+            freed = delivery.release_pods(rt, action.namespace, [action.pod])
+            return _Outcome.ACTED if freed else _Outcome.SKIPPED
         if isinstance(action, (RecreateJob, FailJobLost)):
             return self._job_lost(action)
         if isinstance(action, ReportOrphan):

@@ -223,9 +223,10 @@ def test_a_batch_of_listed_jobs_is_delivered_without_a_get_or_a_delete_per_job(c
     assert sorted(j["metadata"]["name"] for j in batch) == names
     done = complete_jobs(rt, rt.settings.namespace, batch)
     assert done.outcomes == [CompleteOutcome.COMPLETED] * len(inputs) and done.error is None
-    # One LIST of Jobs, one of Pods, a patch per Job, one bulk delete: no GET, no DELETE of one Job.
+    # One LIST of Jobs, one of Pods, a patch per Pod and per Job, one bulk delete: no GET, no DELETE of one Job.
     assert cluster.audit() == {
-        ("batch", "jobs", "list"), ("", "pods", "list"), ("batch", "jobs", "patch"), ("batch", "jobs", "deletecollection"),
+        ("batch", "jobs", "list"), ("", "pods", "list"), ("", "pods", "patch"), ("batch", "jobs", "patch"),
+        ("batch", "jobs", "deletecollection"),
     }  # fmt: skip
 
     for dispatch_id, value in inputs.items():
