@@ -320,6 +320,32 @@ def test_a_delivered_job_the_bulk_delete_missed_is_in_no_category_and_the_sweep_
     assert all(len(terminal_events(rt, d)) == 1 for d in ids) and sorted(notified.ids) == sorted(ids)
 
 
+def test_a_pod_an_ended_dispatch_left_held_is_freed_and_one_of_an_open_dispatch_is_kept(cluster, rt, notified):
+    """A Job deleted without its release (our finalizer stripped) leaves its Pods held by ours:
+    freed once the dispatch has ended, kept while it is open (its re-run may still need it)."""
+    ended, open_ = schedule(rt, "sim.ok"), schedule(rt, "sim.ok")
+    for dispatch_id in (ended, open_):
+        delivery.create_job_for(rt, dispatch_id)
+    wait_finished(rt, [job_name(ended), job_name(open_)])
+    with transaction(rt.sessions) as session:  # recorded, then the crash before the release
+        store.record_terminal(session, ended, EventType.WORKER_COMPLETED, {"output": {"by": "test"}})
+    for dispatch_id in (ended, open_):
+        lose_job(rt, dispatch_id)
+    held = {name for name, pod in our_pods(rt).items() if FINALIZER in pod["metadata"].get("finalizers", [])}
+    assert len(held) == 2 and all(pod["metadata"].get("deletionTimestamp") for pod in our_pods(rt).values())
+
+    report = run_sweep(rt)
+    assert counts(report, C4) == (1, 1, 0, 0) and counts(report, C5) == (1, 1, 0, 0), report.to_dict()
+    wait_until(lambda: len(our_pods(rt)) == 2, what="the ended dispatch's pod gone (the re-run's is there)", timeout=15.0)
+    old = [name for name, pod in our_pods(rt).items() if pod["metadata"].get("deletionTimestamp")]
+    assert len(old) == 1 and old[0] in held  # the open dispatch's old Pod, still held
+
+    wait_finished(rt, [job_name(open_)])
+    report = run_sweep(rt)  # the re-run delivered; its old Pod freed in the same sweep
+    assert terminal_events(rt, open_)[0][0] == EventType.WORKER_COMPLETED
+    wait_until(lambda: not our_pods(rt) and not jobs(rt), what="every pod and job gone", timeout=15.0)
+
+
 # --- 5: lost Jobs ----------------------------------------------------------------------------
 
 
