@@ -8,7 +8,8 @@ so any of them may run twice, concurrently, or again after a crash at any line.
 Completions come in batches of Jobs as poll's LIST read them: per Job, one patch of its Pod
 and one of the Job (our finalizer off each, the delivered label on the Job); per batch, one Pod
 LIST, one transaction for the terminal events, a Redis round trip for the guard's claims and one
-bulk delete. A Job that succeeded but whose Pod (and result) is gone is run again, never failed.
+bulk delete (for poll's batches, one per poll interval). A Job that succeeded but whose Pod (and
+result) is gone is run again, never failed.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
+
+import redis
 
 from engine import store
 from engine.db import transaction
@@ -255,6 +258,11 @@ class Completed:
     unavailable: list[Mapping[str, Any]] = field(default_factory=list)
     error: Transient | None = None
 
+    @property
+    def released(self) -> bool:
+        """Whether a Job was released (labelled delivered): a bulk delete has something to remove."""
+        return any(o in (CompleteOutcome.COMPLETED, CompleteOutcome.ALREADY_TERMINAL) for o in self.outcomes)
+
 
 def complete_jobs(
     rt: Runtime, namespace: str, jobs: Sequence[Mapping[str, Any]], *, delete: bool = True
@@ -281,7 +289,7 @@ def complete_jobs(
         done = Completed(batch.outcomes, unavailable=list(jobs[len(batch.outcomes) :]), error=e)
     else:
         done = Completed(batch.outcomes)
-    if delete and any(o in (CompleteOutcome.COMPLETED, CompleteOutcome.ALREADY_TERMINAL) for o in done.outcomes):
+    if delete and done.released:
         try:
             delete_delivered(rt, namespace)
         except Transient as e:
@@ -342,7 +350,8 @@ class _Batch:
         claims: Mapping[str, Claim | None],
     ) -> set[str]:
         """Write the terminal events of the claimed Jobs in one transaction and settle every
-        undecided outcome in `decided`; the dispatch ids this call recorded."""
+        undecided outcome in `decided` but those of lost results (`_lost`, for `_rerun`); the
+        dispatch ids this call recorded."""
         rt = self.rt
         events: dict[int, store.TerminalEvent] = {}
         writing: set[str] = set()
@@ -367,8 +376,11 @@ class _Batch:
             event, payload = terminal_event(done)
             events[i] = store.TerminalEvent(context.dispatch_id, event, payload)
             writing.add(context.dispatch_id)
-        for i in repeats:
-            decided[i] = CompleteOutcome.ALREADY_TERMINAL
+        lost = {contexts[i].dispatch_id for i in self._lost}  # type: ignore[union-attr]
+        for i in repeats:  # a repeat of a lost result is run again once, by its first entry
+            context = contexts[i]
+            assert context is not None
+            decided[i] = CompleteOutcome.RERUN if context.dispatch_id in lost else CompleteOutcome.ALREADY_TERMINAL
         if not events:
             return set()
         crashpoint(Point.BEFORE_COMPLETE_WRITE)
@@ -441,6 +453,13 @@ def pods_by_job(rt: Runtime, namespace: str, names: Sequence[str]) -> dict[str, 
             if owner in by_job:
                 by_job[owner].append(pod)
     return by_job
+
+
+def _controller_uids(pod: Mapping[str, Any]) -> set[str]:
+    """The uids of the Jobs a Pod names as its controller (ownerReference, or the label an orphan keeps)."""
+    metadata = pod.get("metadata") or {}
+    owners = {o.get("uid") for o in metadata.get("ownerReferences") or [] if o.get("controller")}
+    return owners | {v for k, v in (metadata.get("labels") or {}).items() if k == "batch.kubernetes.io/controller-uid"}
 
 
 def _name(job: Mapping[str, Any]) -> str:
@@ -541,9 +560,10 @@ def rerun_lost(
         "dispatch %s: job %s/%s succeeded but its result was lost with its Pod; creating it again (attempt %d)",
         record.dispatch_id, namespace, name, again.attempts,
     )  # fmt: skip
-    release_pods(rt, namespace, pods)
+    uid = metadata.get("uid")
+    release_pods(rt, namespace, [pod for pod in pods if _controller_uids(pod) <= {uid}])  # not a newer attempt's
     release_job(rt, namespace, name, snapshot=snapshot, delivered=False)
-    rt.kube.delete_job(namespace, name, propagation="Background", uid=metadata.get("uid"))
+    rt.kube.delete_job(namespace, name, propagation="Background", uid=uid)
     outcome, where = _create(rt, again)
     if where is not None:
         _mark_created(rt, [(again, outcome, *where)])
@@ -664,3 +684,40 @@ def delete_delivered(rt: Runtime, namespace: str) -> int:
     A failure here loses nothing: the next batch's bulk delete, or the sweep's, removes them.
     """
     return rt.kube.delete_jobs(namespace, label_selector=job_labels.delivered_selector(), propagation="Background")
+
+
+def delete_delivered_later(rt: Runtime, namespace: str) -> None:
+    """Leave the bulk delete of the Jobs just released in `namespace` to the next poll
+    (`delete_noted`), with a note in Redis: one bulk delete per poll interval, not one per
+    batch. Where Redis cannot take the note, the bulk delete is made now (a failure of it only
+    logged: the sweep's removes those Jobs)."""
+    try:
+        rt.redis.set(_noted_key(rt, namespace), "1")
+        return
+    except redis.RedisError as e:
+        log.info("could not note delivered jobs in %s for the next poll (%s); deleting them now", namespace, e)
+    try:
+        delete_delivered(rt, namespace)
+    except Transient as e:
+        log.warning("bulk delete of delivered jobs in %s failed (%s); the sweep's removes them", namespace, e)
+
+
+def delete_noted(rt: Runtime, namespace: str) -> int:
+    """Poll's bulk delete: the delivered Jobs of `namespace`, if any were noted since the last
+    one (`delete_delivered_later`); how many. A failure is logged and the note put back.
+
+    Raises:
+        redis.RedisError: Redis is unavailable (poll stops, as on any Redis error).
+    """
+    if not rt.redis.getdel(_noted_key(rt, namespace)):
+        return 0
+    try:
+        return delete_delivered(rt, namespace)
+    except Transient as e:
+        log.warning("bulk delete of delivered jobs in %s failed (%s); the next poll tries again", namespace, e)
+        rt.redis.set(_noted_key(rt, namespace), "1")
+        return 0
+
+
+def _noted_key(rt: Runtime, namespace: str) -> str:
+    return f"{rt.settings.key_prefix}:delivered:{namespace}"

@@ -34,6 +34,8 @@ from recovery.delivery import (
     complete_jobs,
     create_job_for,
     create_jobs_for,
+    delete_delivered_later,
+    delete_noted,
     job_snapshot,
     load_record,
     notify_engine,
@@ -246,6 +248,31 @@ def test_a_batch_of_listed_jobs_is_delivered_without_a_get_or_a_delete_per_job(c
     assert all(len(events(rt, d)) == 2 for d in inputs) and len(notified.ids) == len(inputs)
 
 
+def test_the_bulk_delete_of_many_batches_is_left_to_the_next_poll_once(cluster, rt, notified):
+    """complete_batch's way: the batches of a poll interval note their released Jobs in Redis,
+    and the next poll removes them all with one bulk delete (none when nothing was noted)."""
+    ids = [schedule(rt, "sim.ok", {"i": i}) for i in range(4)]
+    for dispatch_id in ids:
+        create_job_for(rt, dispatch_id)
+        job_finished(rt, dispatch_id)
+    listed = listed_finished(rt)
+    cluster.audit(clear=True)
+    for batch in (listed[:2], listed[2:]):
+        done = complete_jobs(rt, rt.settings.namespace, batch, delete=False)
+        assert done.outcomes == [CompleteOutcome.COMPLETED] * 2 and done.released
+        delete_delivered_later(rt, rt.settings.namespace)
+    assert ("batch", "jobs", "deletecollection") not in cluster.audit()
+    assert all(job_exists(rt, d) for d in ids)  # released (delivered label on), not yet deleted
+
+    assert delete_noted(rt, rt.settings.namespace) == 4
+    assert ("batch", "jobs", "deletecollection") in cluster.audit()
+    wait_until(lambda: not any(job_exists(rt, d) for d in ids), what="every job deleted", timeout=10.0)
+    cluster.audit(clear=True)
+    assert delete_noted(rt, rt.settings.namespace) == 0  # nothing noted since: no request at all
+    assert cluster.audit() == set()
+    assert held_pods(rt) == []
+
+
 class Statements:
     """Counts the SQL statements sent on an engine (an executemany counts once)."""
 
@@ -434,10 +461,14 @@ def test_a_succeeded_job_whose_pod_is_really_gone_is_run_again_and_completes_on_
     job = rt.kube.get_job(rt.settings.namespace, job_name(dispatch_id))
     assert job["metadata"]["uid"] != stale["metadata"]["uid"]
     assert job["metadata"]["annotations"][job_labels.ATTEMPT_KEY] == "1"
-    # The old snapshot again (a redelivered message): the new attempt is left alone, counted once.
-    assert complete_jobs(rt, rt.settings.namespace, [stale]).outcomes == [CompleteOutcome.RERUN]
+    # The old snapshot again (a redelivered message): the new attempt and its Pod are left alone,
+    # and counted once.
+    [new_pod] = wait_until(lambda: pods_of(rt, dispatch_id), what="the new attempt's pod", timeout=10.0)
+    assert complete_jobs(rt, rt.settings.namespace, [stale, stale]).outcomes == [CompleteOutcome.RERUN] * 2
     assert rt.kube.get_job(rt.settings.namespace, job_name(dispatch_id))["metadata"]["uid"] == job["metadata"]["uid"]
     assert load_record(rt, dispatch_id).attempts == 1
+    [still] = pods_of(rt, dispatch_id)
+    assert still["metadata"]["uid"] == new_pod["metadata"]["uid"] and FINALIZER in still["metadata"]["finalizers"]
 
     job_finished(rt, dispatch_id)
     assert complete_jobs(rt, rt.settings.namespace, listed_finished(rt)).outcomes == [CompleteOutcome.COMPLETED]
