@@ -170,7 +170,7 @@ def _sweep_pods(rt: Runtime, namespace: str, act: Executor) -> None:
             namespace, label_selector=job_labels.selector(), field_selector=FINISHED_PODS, page_size=rt.settings.poll_page_size
         )
         for page in pages:
-            act.all(plan_pods(page, _views_for_jobs(rt, page)))
+            act.all(plan_pods(page, _views_for_jobs(rt, page), releasing=act.releasing))
     except DispatchError as e:
         log.warning("sweep: going through the pods in %s stopped: %s: %s", namespace, e.reason, e)
         act.report.add_problem(f"pods in {namespace}: {e.reason}: {e}")
@@ -363,6 +363,9 @@ class Executor:
         self._pool = ThreadPoolExecutor(concurrency, thread_name_prefix="sweep") if concurrency > 1 else None
         self._lock = threading.Lock()  # the report's counts
         self._handoff_unreadable = False  # Redis failed a marker check (logged once per sweep)
+        # (namespace, name) of the recorded Jobs category 4 met (`CleanUpJob`): their own
+        # clean-up (or a queued completion) frees their Pods, the pass over Pods leaves them.
+        self.releasing: set[tuple[str, str]] = set()
 
     def __enter__(self) -> Executor:
         return self
@@ -388,6 +391,8 @@ class Executor:
             if isinstance(action, ReportRunning) and not action.adopt:
                 running += 1
             elif isinstance(action, (CompleteJob, CleanUpJob)) and action.job is not None:
+                if isinstance(action, CleanUpJob):
+                    self.releasing.add((action.namespace, action.job_name))
                 key = (type(action), action.namespace)
                 if key not in together:
                     together[key] = []

@@ -7,7 +7,7 @@ so the sweep never plans to deliver what the completion path would refuse.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from enum import IntEnum
@@ -289,17 +289,27 @@ def plan_jobs(
     return [_decide_job(job, dispatches, policy=policy) for job in jobs]
 
 
-def plan_pods(pods: Iterable[JobDict], dispatches: Mapping[str, DispatchView]) -> list[Action]:
+def plan_pods(
+    pods: Iterable[JobDict],
+    dispatches: Mapping[str, DispatchView],
+    *,
+    releasing: Container[tuple[str, str]] = frozenset(),
+) -> list[Action]:
     """Category 4 for Pods: each Pod holding our finalizer whose dispatch has ended.
 
     `dispatches` holds the rows for the dispatch ids the Pods' labels (copied from their Job's
     template) name. A Pod of a dispatch still open keeps its finalizer: its result may be
-    wanted (the Job's, or a re-run's); one naming no dispatch is an orphan's, left alone.
+    wanted (the Job's, or a re-run's); one naming no dispatch is an orphan's, left alone. So is
+    one whose Job, (namespace, name) in `releasing`, is being cleaned up (`CleanUpJob`): that
+    frees its Pods, or a queued completion does.
     """
     actions: list[Action] = []
     for pod in pods:
         metadata = _metadata(pod)
         if FINALIZER not in (metadata.get("finalizers") or []):
+            continue
+        owner = next((o for o in metadata.get("ownerReferences") or [] if o.get("controller") and o.get("kind") == "Job"), None)
+        if owner is not None and (metadata.get("namespace", ""), owner.get("name", "")) in releasing:
             continue
         dispatch = next((dispatches[i] for i in named_dispatch_ids(pod) if i in dispatches), None)
         if dispatch is not None and dispatch.terminal:
