@@ -5,20 +5,23 @@ recovery sweep: a completion after a restart takes exactly the path a normal one
 step is idempotent (deterministic Job names, a guarded completion, a unique terminal event),
 so any of them may run twice, concurrently, or again after a crash at any line.
 
-Completions come in batches of Jobs as poll's LIST read them: per Job, one patch (our
-finalizer off, the delivered label on); per batch, one Pod LIST, one transaction for the
-terminal events, a Redis round trip for the guard's claims and one bulk delete.
+Completions come in batches of Jobs as poll's LIST read them: per Job, one patch of its Pod
+and one of the Job (our finalizer off each, the delivered label on the Job); per batch, one Pod
+LIST, one transaction for the terminal events, a Redis round trip for the guard's claims and one
+bulk delete (for poll's batches, one per poll interval). A Job that succeeded but whose Pod (and
+result) is gone is run again, never failed.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
 from sqlalchemy.exc import DBAPIError
+import redis
 
 from engine import store
 from engine.db import transaction
@@ -43,6 +46,7 @@ from recovery.guard import Claim
 from recovery.metrics import METRICS
 from recovery.reconstruct import DeliveryContext, DispatchRecord, context_from_job
 from recovery.runtime import Runtime
+from recovery.sweep import JOB_LOST_REASON, out_of_attempts
 from workers import labels as job_labels
 from workers.job_status import RESULT_NOT_JSON, Completion, completion, job_state
 from workers.manifest import FINALIZER, build_job, job_name
@@ -69,6 +73,7 @@ class CompleteOutcome(StrEnum):
     CLAIMED_ELSEWHERE = "claimed_elsewhere"  # another replica holds the guard for it
     REFUSED = "refused"  # labels unreadable or disagreeing with the DB: never delivered
     GONE = "gone"  # no such Job
+    RERUN = "rerun"  # it succeeded but its result went with its Pod: deleted, created again (next attempt)
 
 
 # --- reading ----------------------------------------------------------------------------
@@ -266,12 +271,17 @@ def _adopt(rt: Runtime, record: DispatchRecord, *, namespace: str, name: str) ->
         # Deleted between our create and our read (a clean-up racing us): create again.
         raise Conflict(f"job {namespace}/{name} existed, then vanished; creating it again") from e
     try:
-        context_from_job(job, record, expected_namespace=namespace)
+        context = context_from_job(job, record, expected_namespace=namespace)
     except (LabelMismatch, TenancyMismatch, UnknownDispatch) as e:
         _refuse(rt, job, e)
         return _fail(rt, record, LabelMismatch(f"a Job named {name} exists but is not this dispatch's: {e}"))
     if job_labels.deployment_of((job.get("metadata") or {}).get("labels")) is None:
         label_deployment(rt, namespace, name, snapshot=job)
+    if context.deleting and context.attempt < record.attempts:
+        # An earlier attempt's Job on its way out (a lost result's re-run deleted it): adopting
+        # it would count an attempt that never ran. Create this one once that one is gone.
+        raise Conflict(f"job {namespace}/{name} of attempt {context.attempt} is being deleted; "
+                       f"attempt {record.attempts} is created once it is gone")  # fmt: skip
     log.info("adopted existing job %s/%s for dispatch %s", namespace, name, record.dispatch_id)
     return CreateOutcome.ADOPTED
 
@@ -314,6 +324,11 @@ class Completed:
     unavailable: list[Mapping[str, Any]] = field(default_factory=list)
     error: Transient | None = None
 
+    @property
+    def released(self) -> bool:
+        """Whether a Job was released (labelled delivered): a bulk delete has something to remove."""
+        return any(o in (CompleteOutcome.COMPLETED, CompleteOutcome.ALREADY_TERMINAL) for o in self.outcomes)
+
 
 def complete_jobs(
     rt: Runtime, namespace: str, jobs: Sequence[Mapping[str, Any]], *, delete: bool = True
@@ -340,7 +355,7 @@ def complete_jobs(
         done = Completed(batch.outcomes, unavailable=list(jobs[len(batch.outcomes) :]), error=e)
     else:
         done = Completed(batch.outcomes)
-    if delete and any(o in (CompleteOutcome.COMPLETED, CompleteOutcome.ALREADY_TERMINAL) for o in done.outcomes):
+    if delete and done.released:
         try:
             delete_delivered(rt, namespace)
         except Transient as e:
@@ -360,6 +375,7 @@ class _Batch:
         self.rt, self.jobs = rt, jobs
         self.outcomes: list[CompleteOutcome] = []
         self._pods = _PodsOf(rt, namespace, [_name(job) for job in jobs if job_state(job).terminal])
+        self._lost: list[int] = []  # the Jobs whose result went with their Pods: run again
 
     def deliver(self) -> None:
         rt = self.rt
@@ -381,9 +397,13 @@ class _Batch:
             won = self._record(contexts, decided, claims)
             if won:
                 notify_engines(rt, sorted(won))
+            self._rerun(contexts, decided)
             for job, context, outcome in zip(self.jobs, contexts, decided):
                 assert outcome is not None
                 if context is not None and outcome in (CompleteOutcome.COMPLETED, CompleteOutcome.ALREADY_TERMINAL):
+                    # The Pods first: while the Job keeps our finalizer, the sweep frees what a
+                    # crash here leaves (category 4), and the bulk delete takes the Pods at once.
+                    release_pods(rt, context.namespace, self._pods.of(context.job_name))
                     release_job(rt, context.namespace, context.job_name, snapshot=job)
                 self.outcomes.append(outcome)
         finally:
@@ -396,7 +416,8 @@ class _Batch:
         claims: Mapping[str, Claim | None],
     ) -> set[str]:
         """Write the terminal events of the claimed Jobs in one transaction and settle every
-        undecided outcome in `decided`; the dispatch ids this call recorded."""
+        undecided outcome in `decided` but those of lost results (`_lost`, for `_rerun`); the
+        dispatch ids this call recorded."""
         rt = self.rt
         events: dict[int, store.TerminalEvent | None] = {}
         writing: set[str] = set()
@@ -414,12 +435,19 @@ class _Batch:
             if done is None:  # not terminal after all (the same rule as job_state): poll again later
                 decided[i] = CompleteOutcome.RUNNING
                 continue
+            if done.lost:  # succeeded, but no Pod holds the result any more: `_rerun` runs it again
+                self._lost.append(i)
+                writing.add(context.dispatch_id)
+                continue
             event, payload = terminal_event(done)
             # A payload the store cannot keep fails its own dispatch here, never the batch.
             events[i] = store.storable_terminal(store.TerminalEvent(context.dispatch_id, event, payload), reason=RESULT_NOT_JSON)
             writing.add(context.dispatch_id)
-        for i in repeats:
-            decided[i] = CompleteOutcome.ALREADY_TERMINAL
+        lost = {contexts[i].dispatch_id for i in self._lost}  # type: ignore[union-attr]
+        for i in repeats:  # a repeat of a lost result is run again once, by its first entry
+            context = contexts[i]
+            assert context is not None
+            decided[i] = CompleteOutcome.RERUN if context.dispatch_id in lost else CompleteOutcome.ALREADY_TERMINAL
         if not events:
             return set()
         crashpoint(Point.BEFORE_COMPLETE_WRITE)
@@ -480,6 +508,29 @@ class _Batch:
         with transaction(self.rt.sessions) as session:
             return store.record_terminals(session, [event])
 
+    def _rerun(self, contexts: Sequence[DeliveryContext | None], decided: list[CompleteOutcome | None]) -> None:
+        """Settle the Jobs whose result was lost (`_record` left them undecided): each run again
+        as a lost Job is (`rerun_lost`), under the claim this batch holds; rows read again now."""
+        if not self._lost:
+            return
+        records = load_records(self.rt, [contexts[i].dispatch_id for i in self._lost])  # type: ignore[union-attr]
+        for i in self._lost:
+            context = contexts[i]
+            assert context is not None
+            record = records.get(context.dispatch_id)
+            if record is None or record.terminal:
+                decided[i] = CompleteOutcome.ALREADY_TERMINAL
+                continue
+            try:
+                decided[i] = rerun_lost(
+                    self.rt, record, snapshot=self.jobs[i], attempt=context.attempt, pods=self._pods.of(context.job_name)
+                )
+            except Transient as e:
+                # Left as it is: the old Job, while it exists, comes back to poll; once gone, the
+                # sweep re-creates it as a lost Job (category 5).
+                log.warning("dispatch %s: running its lost result again stopped (%s); retried later", record.dispatch_id, e)
+                decided[i] = CompleteOutcome.RERUN
+
 
 class _PodsOf:
     """The Pods of some Jobs of one namespace, listed on first need with one
@@ -491,19 +542,30 @@ class _PodsOf:
 
     def of(self, name: str) -> list[dict[str, Any]]:
         if self._by_job is None:
-            self._by_job = self._list(self._names)
+            self._by_job = pods_by_job(self._rt, self._namespace, self._names)
         return self._by_job.get(name, [])
 
-    def _list(self, names: Sequence[str]) -> dict[str, list[dict[str, Any]]]:
-        by_job: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
-        for start in range(0, len(names), SELECTOR_CHUNK):
-            chunk = names[start : start + SELECTOR_CHUNK]
-            selector = f"{JOB_NAME_LABEL} in ({','.join(chunk)})" if len(chunk) > 1 else f"{JOB_NAME_LABEL}={chunk[0]}"
-            for pod in self._rt.kube.list_pods(self._namespace, label_selector=selector):
-                owner = ((pod.get("metadata") or {}).get("labels") or {}).get(JOB_NAME_LABEL)
-                if owner in by_job:
-                    by_job[owner].append(pod)
-        return by_job
+
+def pods_by_job(rt: Runtime, namespace: str, names: Sequence[str]) -> dict[str, list[dict[str, Any]]]:
+    """The Pods of the named Jobs of one namespace, by Job name: one `job-name in (...)` LIST
+    per chunk of names."""
+    names = sorted(set(names))
+    by_job: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    for start in range(0, len(names), SELECTOR_CHUNK):
+        chunk = names[start : start + SELECTOR_CHUNK]
+        selector = f"{JOB_NAME_LABEL} in ({','.join(chunk)})" if len(chunk) > 1 else f"{JOB_NAME_LABEL}={chunk[0]}"
+        for pod in rt.kube.list_pods(namespace, label_selector=selector):
+            owner = ((pod.get("metadata") or {}).get("labels") or {}).get(JOB_NAME_LABEL)
+            if owner in by_job:
+                by_job[owner].append(pod)
+    return by_job
+
+
+def _controller_uids(pod: Mapping[str, Any]) -> set[str]:
+    """The uids of the Jobs a Pod names as its controller (ownerReference, or the label an orphan keeps)."""
+    metadata = pod.get("metadata") or {}
+    owners = {o.get("uid") for o in metadata.get("ownerReferences") or [] if o.get("controller")}
+    return owners | {v for k, v in (metadata.get("labels") or {}).items() if k == "batch.kubernetes.io/controller-uid"}
 
 
 def _name(job: Mapping[str, Any]) -> str:
@@ -573,6 +635,51 @@ def _refuse(rt: Runtime, job: Mapping[str, Any], error: Permanent) -> None:
         "never delivering job %s/%s: %s: %s", metadata.get("namespace"), metadata.get("name"), error.reason, error
     )
     rt.stats.incr(stats.JOBS_REFUSED)
+
+
+# --- a lost result ---------------------------------------------------------------------
+
+
+def rerun_lost(
+    rt: Runtime, record: DispatchRecord, *, snapshot: Mapping[str, Any], attempt: int, pods: Iterable[Mapping[str, Any]] = ()
+) -> CompleteOutcome:
+    """A Job (`snapshot`, of `attempt`) succeeded but no Pod holds its result any more (removed
+    before our finalizer was on Pods, or stripped of it): run the work again as a lost Job is,
+    never record a failure of work that succeeded. The caller holds the dispatch's guard claim
+    and has just read `record`, which is not terminal.
+
+    The Job's attempts used up (`MAX_JOB_ATTEMPTS`): WORKER_FAILED `JobLost`, and COMPLETED (the
+    caller releases the Job as after any end). Else the Job is released and deleted (exact by
+    its uid, with any `pods` of it freed) and created again as the next attempt, counted when
+    it is marked created (`mark_created_many`), so a repeat of this call counts nothing twice.
+    A snapshot of an earlier attempt than the row's is only removed, and the row's attempt
+    created if it is missing. RERUN.
+
+    Raises:
+        Transient: the API or database is unavailable (an AlreadyExists of the old Job still
+            going away, as Conflict): nothing is counted; the old Job, or the sweep, brings it back.
+    """
+    metadata = snapshot.get("metadata") or {}
+    namespace, name = str(metadata.get("namespace", "")), str(metadata.get("name", ""))
+    latest = attempt >= record.attempts
+    if latest and out_of_attempts(attempt, rt.settings.max_job_attempts):
+        message = f"job {namespace}/{name} succeeded but its result was lost with its Pod, after {attempt + 1} attempt(s)"
+        log.warning("dispatch %s: %s", record.dispatch_id, message)
+        won = fail_dispatch(rt, record.dispatch_id, reason=JOB_LOST_REASON, message=message)
+        return CompleteOutcome.COMPLETED if won else CompleteOutcome.ALREADY_TERMINAL
+    again = replace(record, attempts=attempt + 1) if latest else record
+    log.warning(
+        "dispatch %s: job %s/%s succeeded but its result was lost with its Pod; creating it again (attempt %d)",
+        record.dispatch_id, namespace, name, again.attempts,
+    )  # fmt: skip
+    uid = metadata.get("uid")
+    release_pods(rt, namespace, [pod for pod in pods if _controller_uids(pod) <= {uid}])  # not a newer attempt's
+    release_job(rt, namespace, name, snapshot=snapshot, delivered=False)
+    rt.kube.delete_job(namespace, name, propagation="Background", uid=uid)
+    outcome, where = _create(rt, again)
+    if where is not None:
+        _mark_created(rt, [(again, outcome, *where)])
+    return CompleteOutcome.RERUN
 
 
 # --- notify, cancel, clean up -----------------------------------------------------------
@@ -653,10 +760,12 @@ def cancel_dispatch(rt: Runtime, dispatch_id: str, *, reason: str = CANCELLED_RE
 def cleanup_job(
     rt: Runtime, namespace: str, name: str, *, snapshot: Mapping[str, Any] | None = None, delivered: bool = True
 ) -> None:
-    """Release a Job that may still run (a cancelled dispatch's, an orphan) and delete it now,
-    which stops it; idempotent. Released first, so that if the DELETE fails, a delivered Job
-    is left to the next bulk delete (an orphan, `delivered=False`, to the next sweep).
+    """Release a Job that may still run (a cancelled dispatch's, an orphan) and its Pods, and
+    delete it now, which stops it; idempotent. Released first, so that if the DELETE fails, a
+    delivered Job is left to the next bulk delete (an orphan, `delivered=False`, to the next
+    sweep). A Pod the Job controller creates after the Pods' LIST is freed by the sweep.
     """
+    release_pods(rt, namespace, pods_by_job(rt, namespace, [name])[name])
     release_job(rt, namespace, name, snapshot=snapshot, delivered=delivered)
     rt.kube.delete_job(namespace, name, propagation="Background")
 
@@ -674,6 +783,16 @@ def release_job(
     return rt.kube.release_job(namespace, name, finalizer=FINALIZER, label=label, snapshot=snapshot)
 
 
+def release_pods(rt: Runtime, namespace: str, pods: Iterable[Mapping[str, Any]]) -> int:
+    """Take our finalizer off Pods as a LIST read them, one patch per Pod that has it (none for
+    the rest); how many this call freed. Called once their result is recorded, or not wanted."""
+    return sum(
+        rt.kube.release_pod(namespace, pod, finalizer=FINALIZER)
+        for pod in pods
+        if FINALIZER in ((pod.get("metadata") or {}).get("finalizers") or [])
+    )
+
+
 def delete_delivered(rt: Runtime, namespace: str) -> int:
     """Delete every delivered Job of this deployment in the namespace, their Pods in the
     background: ONE request (another deployment's Jobs are never selected).
@@ -689,3 +808,40 @@ def label_deployment(rt: Runtime, namespace: str, name: str, *, snapshot: Mappin
     patch, exact by the snapshot's uid): from then on poll, sweep and bulk delete select it."""
     label = (job_labels.DEPLOYMENT_LABEL, rt.settings.effective_deployment)
     return rt.kube.label_job(namespace, name, label=label, snapshot=snapshot)
+
+
+def delete_delivered_later(rt: Runtime, namespace: str) -> None:
+    """Leave the bulk delete of the Jobs just released in `namespace` to the next poll
+    (`delete_noted`), with a note in Redis: one bulk delete per poll interval, not one per
+    batch. Where Redis cannot take the note, the bulk delete is made now (a failure of it only
+    logged: the sweep's removes those Jobs)."""
+    try:
+        rt.redis.set(_noted_key(rt, namespace), "1")
+        return
+    except redis.RedisError as e:
+        log.info("could not note delivered jobs in %s for the next poll (%s); deleting them now", namespace, e)
+    try:
+        delete_delivered(rt, namespace)
+    except Transient as e:
+        log.warning("bulk delete of delivered jobs in %s failed (%s); the sweep's removes them", namespace, e)
+
+
+def delete_noted(rt: Runtime, namespace: str) -> int:
+    """Poll's bulk delete: the delivered Jobs of `namespace`, if any were noted since the last
+    one (`delete_delivered_later`); how many. A failure is logged and the note put back.
+
+    Raises:
+        redis.RedisError: Redis is unavailable (poll stops, as on any Redis error).
+    """
+    if not rt.redis.getdel(_noted_key(rt, namespace)):
+        return 0
+    try:
+        return delete_delivered(rt, namespace)
+    except Transient as e:
+        log.warning("bulk delete of delivered jobs in %s failed (%s); the next poll tries again", namespace, e)
+        rt.redis.set(_noted_key(rt, namespace), "1")
+        return 0
+
+
+def _noted_key(rt: Runtime, namespace: str) -> str:
+    return f"{rt.settings.key_prefix}:delivered:{namespace}"

@@ -2,9 +2,10 @@
 
 (A) pages of our undelivered Jobs (this deployment's label: another deployment's Jobs in the
 same namespace are never listed), each matched with its dispatches: categories 2, 3, 4, 6, and
-5 for the created dispatches whose ids the page covers (the LIST is in name order); then one bulk
-delete of the delivered ones per namespace; before that, Jobs made before the deployment label
-existed are given ours when their dispatch is in our database, and only reported otherwise.
+5 for the created dispatches whose ids the page covers (the LIST is in name order); then our
+finished Pods, for 4 (those an ended dispatch left with our finalizer); then one bulk delete of
+the delivered Jobs per namespace; before that, Jobs made before the deployment label existed
+are given ours when their dispatch is in our database, and only reported otherwise.
 (B) pages of the other pending dispatches, checked with one `dispatch-id in (...)` LIST per
 chunk: 1 and 5; (C) terminal dispatches the engine was not told about. Actions run inline
 through `recovery.delivery`; a page's finished Jobs are delivered together (one Pod LIST),
@@ -44,6 +45,7 @@ from recovery.sweep import (
     CreateJob,
     DispatchView,
     FailJobLost,
+    FreePod,
     NameOrder,
     Policy,
     RecreateJob,
@@ -52,6 +54,7 @@ from recovery.sweep import (
     named_dispatch_ids,
     plan_dispatches,
     plan_jobs,
+    plan_pods,
     present_jobs,
     refusal,
 )
@@ -62,8 +65,14 @@ log = logging.getLogger(__name__)
 # Dispatch ids per `dispatch-id in (...)` selector: 100 UUIDs make a query string of ~4 KB,
 # well inside what API servers and proxies accept.
 SELECTOR_CHUNK = 100
+# Our Pods that have stopped: the only ones an ended dispatch can leave with our finalizer for
+# long (a running one is stopped by its Job's deletion, then listed here).
+FINISHED_PODS = "status.phase!=Pending,status.phase!=Running"
 ORPHANS_REPORTED = "orphans_reported"  # a Redis stats counter, cluster-wide (see recovery.stats)
 SWEEPS_RUN = "sweeps_run"
+
+# What a completion did that counts as the sweep acting: a terminal event, or a lost result run again.
+_COMPLETE_ACTED = (delivery.CompleteOutcome.COMPLETED, delivery.CompleteOutcome.RERUN)
 
 T = TypeVar("T")
 Deferrable = TypeVar("Deferrable", CompleteJob, CleanUpJob)  # a Job a queued completion may be handling
@@ -162,6 +171,7 @@ def _sweep_jobs(rt: Runtime, namespace: str, act: Executor, *, now: datetime, po
     except DispatchError as e:  # the LIST, or the page's dispatches: the next sweep starts over
         log.warning("sweep: going through the jobs in %s stopped: %s: %s", namespace, e.reason, e)
         report.add_problem(f"jobs in {namespace}: {e.reason}: {e}")
+    _sweep_pods(rt, namespace, act)
     if not act.dry_run:
         try:
             delivery.delete_delivered(rt, namespace)
@@ -191,6 +201,20 @@ def _adopt_unlabelled(rt: Runtime, namespace: str, act: Executor, *, now: dateti
     except DispatchError as e:  # the LIST, or the page's dispatches: the next sweep tries again
         log.warning("sweep: going through unlabelled jobs in %s stopped: %s: %s", namespace, e.reason, e)
         report.add_problem(f"unlabelled jobs in {namespace}: {e.reason}: {e}")
+
+
+def _sweep_pods(rt: Runtime, namespace: str, act: Executor) -> None:
+    """Category 4 for Pods: free every finished Pod of ours that an ended dispatch left with our
+    finalizer, page by page (one LIST per page, each page's dispatches read with one query)."""
+    try:
+        pages = rt.kube.iter_pods(
+            namespace, label_selector=job_labels.selector(rt.settings.effective_deployment), field_selector=FINISHED_PODS, page_size=rt.settings.poll_page_size
+        )
+        for page in pages:
+            act.all(plan_pods(page, _views_for_jobs(rt, page), releasing=act.releasing))
+    except DispatchError as e:
+        log.warning("sweep: going through the pods in %s stopped: %s: %s", namespace, e.reason, e)
+        act.report.add_problem(f"pods in {namespace}: {e.reason}: {e}")
 
 
 _END = object()
@@ -256,8 +280,8 @@ class _LostJobs:
 
 
 def _views_for_jobs(rt: Runtime, jobs: Sequence[dict[str, Any]]) -> dict[str, DispatchView]:
-    """The dispatches the Jobs' labels name, read with one query per page of Jobs (the labels
-    are checked by the plan, which reports a Job whose labels do not hold up)."""
+    """The dispatches the Jobs' (or Pods') labels name, read with one query per page of them
+    (the labels are checked by the plan, which reports a Job whose labels do not hold up)."""
     ids = {dispatch_id for job in jobs for dispatch_id in named_dispatch_ids(job)}
     with transaction(rt.sessions) as session:
         rows = store.dispatch_rows(session, ids)
@@ -381,6 +405,9 @@ class Executor:
         self._pool = ThreadPoolExecutor(concurrency, thread_name_prefix="sweep") if concurrency > 1 else None
         self._lock = threading.Lock()  # the report's counts
         self._handoff_unreadable = False  # Redis failed a marker check (logged once per sweep)
+        # (namespace, name) of the recorded Jobs category 4 met (`CleanUpJob`): their own
+        # clean-up (or a queued completion) frees their Pods, the pass over Pods leaves them.
+        self.releasing: set[tuple[str, str]] = set()
 
     def __enter__(self) -> Executor:
         return self
@@ -406,6 +433,8 @@ class Executor:
             if isinstance(action, ReportRunning) and not action.adopt:
                 running += 1
             elif isinstance(action, (CompleteJob, CleanUpJob)) and action.job is not None:
+                if isinstance(action, CleanUpJob):
+                    self.releasing.add((action.namespace, action.job_name))
                 key = (type(action), action.namespace)
                 if key not in together:
                     together[key] = []
@@ -437,7 +466,7 @@ class Executor:
                 self._count(counts, action, lambda action=action: self._carry_out(action))
             return
         for action, outcome in zip(actions, done.outcomes):
-            acted = _Outcome.ACTED if outcome is delivery.CompleteOutcome.COMPLETED else _Outcome.SKIPPED
+            acted = _Outcome.ACTED if outcome in _COMPLETE_ACTED else _Outcome.SKIPPED
             self._count(counts, action, lambda acted=acted: acted)
         if done.error is not None:  # the Jobs after the error were not tried: the next sweep does
             log.warning("sweep: completing jobs in %s stopped: %s: %s; %d left",
@@ -447,13 +476,32 @@ class Executor:
 
     def _clean_up_all(self, namespace: str, actions: Sequence[CleanUpJob]) -> None:
         """Category 4 for recorded Jobs of one namespace, as their LIST read them (`job` set):
-        each released as `one` would, but for those a queued completion is releasing."""
+        each released with its Pods (listed once for all) as `one` would, but for those a queued
+        completion is releasing."""
         counts = self.report.categories[Category.CLEANUP]
         with self._lock:
             counts.found += len(actions)
-        for action in self._deferred(namespace, actions):
-            if not self.dry_run:
-                self._count(counts, action, lambda action=action: self._carry_out(action))
+        actions = self._deferred(namespace, actions)
+        if self.dry_run or not actions:
+            return
+        try:
+            pods = delivery.pods_by_job(self.rt, namespace, [action.job_name for action in actions])
+        except DispatchError as e:
+            log.warning("sweep: listing the pods of %d recorded jobs in %s failed: %s: %s",
+                        len(actions), namespace, e.reason, e)  # fmt: skip
+            with self._lock:
+                counts.errors += len(actions)
+            return
+        for action in actions:
+            self._count(counts, action, lambda action=action: self._clean_up(action, pods[action.job_name]))
+
+    def _clean_up(self, action: CleanUpJob, pods: Sequence[Mapping[str, Any]]) -> _Outcome:
+        # A terminal state is final: nothing to re-read; the release itself is idempotent and
+        # exact (by the listed uids). The namespace's bulk delete follows its pages. Pods
+        # first, as the completion path does: the Job's finalizer stands for what is left.
+        delivery.release_pods(self.rt, action.namespace, pods)
+        delivery.release_job(self.rt, action.namespace, action.job_name, snapshot=action.job)
+        return _Outcome.ACTED
 
     def _deferred(self, namespace: str, actions: Sequence[Deferrable]) -> list[Deferrable]:
         """The actions to carry out: all but those whose Job poll handed to a queued completion
@@ -552,7 +600,7 @@ class Executor:
         if isinstance(action, CompleteJob):
             # The namespace's bulk delete follows its pages: none per Job.
             completed = delivery.complete_job(rt, action.namespace, action.job_name, snapshot=action.job, delete=False)
-            return _Outcome.ACTED if completed is delivery.CompleteOutcome.COMPLETED else _Outcome.SKIPPED
+            return _Outcome.ACTED if completed in _COMPLETE_ACTED else _Outcome.SKIPPED
         if isinstance(action, ReportRunning):
             if not action.adopt:
                 return _Outcome.NOTHING
@@ -560,10 +608,10 @@ class Executor:
             adopted = delivery.create_job_for(rt, action.dispatch_id)
             return _Outcome.ACTED if adopted is delivery.CreateOutcome.ADOPTED else _Outcome.SKIPPED
         if isinstance(action, CleanUpJob):
-            # A terminal state is final: nothing to re-read; the release itself is idempotent
-            # and exact (by the listed uid). The namespace's bulk delete follows its pages.
-            delivery.release_job(rt, action.namespace, action.job_name, snapshot=action.job)
-            return _Outcome.ACTED
+            return self._clean_up(action, delivery.pods_by_job(rt, action.namespace, [action.job_name])[action.job_name])
+        if isinstance(action, FreePod):
+            freed = delivery.release_pods(rt, action.namespace, [action.pod])
+            return _Outcome.ACTED if freed else _Outcome.SKIPPED
         if isinstance(action, (RecreateJob, FailJobLost)):
             return self._job_lost(action)
         if isinstance(action, ReportOrphan):

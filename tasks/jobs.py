@@ -111,10 +111,14 @@ def complete(namespace: str, job_name: str) -> str:
 @app.task(bind=True, name=names.COMPLETE_BATCH_TASK, **RETRY)
 def complete_batch(self: Task, namespace: str, jobs: list[dict[str, Any]]) -> dict[str, int]:
     """Finished Jobs of one namespace as poll's LIST saw them (`delivery.job_snapshot`): one
-    Pod LIST and one bulk delete for them all, no GET per Job. A Transient error stops the
-    batch; the Jobs it left are retried (with backoff, as RETRY's) in a new message of their own.
+    Pod LIST for them all, no GET per Job, and the bulk delete left to the next poll (one for
+    every batch of a poll interval). A Transient error stops the batch; the Jobs it left are
+    retried (with backoff, as RETRY's) in a new message of their own.
     """
-    done = delivery.complete_jobs(get_runtime(), namespace, jobs)
+    rt = get_runtime()
+    done = delivery.complete_jobs(rt, namespace, jobs, delete=False)
+    if done.released:  # removed by the next poll's one bulk delete for every batch since the last
+        delivery.delete_delivered_later(rt, namespace)
     if done.error is not None:
         countdown = get_exponential_backoff_interval(
             factor=RETRY["retry_backoff"], retries=self.request.retries, maximum=RETRY["retry_backoff_max"], full_jitter=True
@@ -168,6 +172,7 @@ def poll() -> dict[str, int]:
                     rt.redis, rt.settings.key_prefix, namespace, finished,
                     ttl_s=ttl_s, workers=rt.settings.worker_concurrency, renew=renew,
                 )  # fmt: skip
+            delivery.delete_noted(rt, namespace)  # what the batches released since the last poll
     except (Transient, redis.RedisError) as e:
         log.warning("poll stopped early (%s); the next one continues", e)
     else:

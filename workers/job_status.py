@@ -24,7 +24,10 @@ MAX_RESULT_BYTES = 4096  # the kubelet keeps at most 4 KiB of a container's term
 MAX_DETAIL_CHARS = 2048  # failure details (log tails, messages) kept in the terminal event
 
 # Failure reasons of our own, next to the Job controller's (BackoffLimitExceeded, ...).
-RESULT_MISSING = "ResultMissing"
+RESULT_MISSING = "ResultMissing"  # the container exited 0 without writing a result
+# The Job succeeded, but no Pod of it holds the result any more (removed before delivery): not a
+# failure of the work, which is run again (`Completion.lost`); never a terminal event's reason.
+RESULT_LOST = "ResultLost"
 RESULT_NOT_JSON = "ResultNotJson"
 RESULT_TOO_LARGE = "ResultTooLarge"
 CONTAINER_FAILED = "ContainerFailed"
@@ -218,13 +221,19 @@ class Completion:
     reason: str | None = None
     detail: str | None = None
 
+    @property
+    def lost(self) -> bool:
+        """The work succeeded but its result is gone with its Pod: run it again, record nothing."""
+        return self.reason == RESULT_LOST
+
 
 def completion(
     job: Mapping[str, Any], pods: Iterable[Mapping[str, Any]], *, container: str = CONTAINER_NAME
 ) -> Completion | None:
     """The terminal event a Job calls for, or None while it runs.
 
-    Succeeded Job: the chosen pod's result, or ResultMissing/ResultNotJson/ResultTooLarge.
+    Succeeded Job: the chosen pod's result, or ResultMissing/ResultNotJson/ResultTooLarge; with
+    no succeeded pod left (the one that succeeded was removed), ResultLost (`Completion.lost`).
     Failed Job: the condition's reason (BackoffLimitExceeded, DeadlineExceeded, ...), with the
     container's message (its log tail) or else the condition's message as the detail.
     """
@@ -234,14 +243,19 @@ def completion(
     uid = _str(_dict(job.get("metadata")).get("uid"))
     termination = pick_termination(pods, container=container, job_uid=uid)
     if state.outcome is Outcome.SUCCEEDED:
-        # Only a container that exited 0 holds a result; a failed one's message is a log tail.
-        message = termination.message if termination and termination.exit_ok else None
-        result = parse_result(message, exit_ok=True)
+        if termination is None or not termination.exit_ok:
+            # Only a container that exited 0 holds a result (a failed one's message is a log
+            # tail), and the one that did is gone: the result is lost, not missing.
+            return Completion(succeeded=False, reason=RESULT_LOST, detail=_LOST_DETAIL)
+        result = parse_result(termination.message, exit_ok=True)
         if result.ok:
             return Completion(succeeded=True, output=result.output)
         return Completion(succeeded=False, reason=result.reason, detail=result.detail)
     detail = _trim(termination.message) if termination and termination.message else None
     return Completion(succeeded=False, reason=state.reason, detail=detail or _trim(state.message) or None)
+
+
+_LOST_DETAIL = "the Job succeeded but no Pod of it holds the result any more"
 
 
 # --- tolerant readers: the API's JSON may lack any field -------------------------------

@@ -62,6 +62,7 @@ CONNECTION_RETRIES = urllib3.Retry(
 AUTH_REFRESH_S = 1.0
 JOBS_PATH = "/apis/batch/v1/namespaces/{namespace}/jobs"
 JOB_PATH = JOBS_PATH + "/{name}"
+POD_PATH = "/api/v1/namespaces/{namespace}/pods/{name}"
 
 JsonDict = dict[str, Any]
 
@@ -246,11 +247,13 @@ class KubeClient:
             return False
         return True
 
-    def delete_job(self, namespace: str, name: str, *, propagation: str = "Background") -> bool:
-        """Delete a Job (its Pods by `propagation`); False if it was already gone.
+    def delete_job(self, namespace: str, name: str, *, propagation: str = "Background", uid: str | None = None) -> bool:
+        """Delete a Job (its Pods by `propagation`); False if it was already gone, or (with
+        `uid`, a precondition) if the Job of that name is another one.
 
         With finalizers left on it the Job is only marked for deletion.
         """
+        extra = {"body": k8s.V1DeleteOptions(preconditions=k8s.V1Preconditions(uid=uid))} if uid else {}
         try:
             self._call(
                 f"delete job {namespace}/{name}",
@@ -258,9 +261,14 @@ class KubeClient:
                 name,
                 namespace,
                 propagation_policy=propagation,
+                **extra,
             )
         except NotFound:
             return False
+        except Conflict:
+            if uid is None:
+                raise
+            return False  # re-created under the same name: not the Job we were asked about
         return True
 
     def delete_jobs(self, namespace: str, *, label_selector: str, propagation: str = "Background") -> int:
@@ -279,21 +287,59 @@ class KubeClient:
 
     def list_pods(self, namespace: str, *, label_selector: str) -> list[JsonDict]:
         """All Pods matching the selector (a Job's Pods: `batch.kubernetes.io/job-name=NAME`)."""
-        pods: list[JsonDict] = []
+        return [pod for page in self.iter_pods(namespace, label_selector=label_selector) for pod in page]
+
+    def iter_pods(
+        self,
+        namespace: str,
+        *,
+        label_selector: str,
+        field_selector: str | None = None,
+        page_size: int = DEFAULT_PAGE_SIZE,
+    ) -> Iterator[list[JsonDict]]:
+        """Yield the Pods matching the selectors page by page (one LIST per page)."""
         token: str | None = None
+        extra = {"field_selector": field_selector} if field_selector else {}
         while True:
             page = self._call(
                 f"list pods in {namespace}",
                 self._core.list_namespaced_pod,
                 namespace,
                 label_selector=label_selector,
-                limit=DEFAULT_PAGE_SIZE,
+                limit=page_size,
                 _continue=token,
+                **extra,
             )
-            pods.extend(page.get("items") or [])
+            yield page.get("items") or []
             token = (page.get("metadata") or {}).get("continue") or None
             if token is None:
-                return pods
+                return
+
+    def release_pod(self, namespace: str, pod: Mapping[str, Any], *, finalizer: str) -> bool:
+        """Remove `finalizer` from a Pod as a LIST read it, in one JSON patch that `test`s its uid
+        and the finalizer's index (as `release_job`'s); True if this call changed the Pod.
+
+        No GET and no retry (Pods are only ever listed): a Pod gone, or whose finalizers moved
+        under the patch, is left as it is (False), for the sweep's next LIST of Pods.
+        """
+        metadata = pod.get("metadata") or {}
+        name = str(metadata.get("name", ""))
+        patch = release_patch(metadata, finalizer=finalizer, label=None)
+        if not patch:
+            return False
+        what = f"release pod {namespace}/{name} (finalizer {finalizer})"
+        try:
+            self._request(
+                what, "PATCH", POD_PATH, patch, content_type="application/json-patch+json", namespace=namespace, name=name
+            )
+        except NotFound:
+            return False
+        except (Conflict, ApiRejected) as e:
+            if isinstance(e, ApiRejected) and e.reason != "Invalid":
+                raise
+            log.info("%s: the pod changed under the patch (%s); left for the next sweep", what, e.reason)
+            return False
+        return True
 
     # --- the seams every call goes through (`_call`, `_request`) ----------------------------
 
@@ -474,9 +520,9 @@ def _status_of(e: ApiException) -> tuple[str | None, str | None]:
 
 
 def release_patch(metadata: Mapping[str, Any], *, finalizer: str, label: tuple[str, str] | None) -> list[JsonDict]:
-    """The JSON patch that takes `finalizer` off a Job and puts `label` on it, guarded by `test`s
-    of the uid and of the finalizer's index (pure); [] when there is nothing to change. An
-    empty `finalizer` only sets the label."""
+    """The JSON patch that takes `finalizer` off a Job (or a Pod) and puts `label` on it, guarded
+    by `test`s of the uid and of the finalizer's index (pure); [] when there is nothing to change.
+    An empty `finalizer` only sets the label."""
     ops: list[JsonDict] = []
     finalizers = metadata.get("finalizers") or []
     if finalizer and finalizer in finalizers:

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from workers.resolver import CapabilitySpec
 
 JOB_NAME_PREFIX = "kd-"  # + the 36-character dispatch id: 39 characters
-FINALIZER = "k8s-dispatch.io/result-protection"
+FINALIZER = "k8s-dispatch.io/result-protection"  # on the Job and, through its template, on its Pods
 INPUT_ENV = "K8S_DISPATCH_INPUT"
 CONTAINER_NAME = "worker"
 TERMINATION_MESSAGE_PATH = "/dev/termination-log"
@@ -144,7 +144,10 @@ def build_job(
     if spec.active_deadline_seconds is not None:
         job_spec["activeDeadlineSeconds"] = spec.active_deadline_seconds
     job_spec["template"] = {
-        "metadata": {"labels": dict(labels), "annotations": dict(annotations)},
+        # The Job controller copies the template's finalizers to every Pod it creates (next to
+        # its own job-tracking one): ours keeps a finished Pod, and the result it holds, until
+        # the completion is recorded, whatever deletes it (PodGC, a node's loss, a person).
+        "metadata": {"labels": dict(labels), "annotations": dict(annotations), "finalizers": [FINALIZER]},
         "spec": {"restartPolicy": "Never", "containers": [container]},
     }
     return {

@@ -20,6 +20,7 @@ from workers.job_status import (
     JOB_DELETED,
     JOB_FAILED,
     MAX_RESULT_BYTES,
+    RESULT_LOST,
     RESULT_MISSING,
     RESULT_NOT_JSON,
     RESULT_TOO_LARGE,
@@ -35,6 +36,7 @@ from workers.job_status import (
 from workers.manifest import encode_input
 
 JOB_UID = "7d0f4a6e-0000-4000-8000-000000000001"
+LOST = "the Job succeeded but no Pod of it holds the result any more"
 
 
 def condition(kind: str, status: str = "True", reason: str | None = None, message: str | None = None) -> dict[str, Any]:
@@ -354,13 +356,18 @@ def test_pick_termination_reads_what_the_python_client_serialises() -> None:
         ),
         (
             job(condition("Complete")),
-            [],  # the pod is gone: no result to deliver
-            Completion(succeeded=False, reason=RESULT_MISSING, detail="the container exited 0 without writing a result"),
+            [],  # the pod is gone: the result is lost (the work runs again), not missing
+            Completion(succeeded=False, reason=RESULT_LOST, detail=LOST),
         ),
         (
             job(condition("Complete")),
             [pod("a", exit_code=1, message="log tail")],  # only a failed pod left: its log is no result
-            Completion(succeeded=False, reason=RESULT_MISSING, detail="the container exited 0 without writing a result"),
+            Completion(succeeded=False, reason=RESULT_LOST, detail=LOST),
+        ),
+        (
+            job(condition("Complete")),
+            [pod("stale", owner_uid="other-uid")],  # an earlier Job's pod of the same name holds no result of this one
+            Completion(succeeded=False, reason=RESULT_LOST, detail=LOST),
         ),
         (job(condition("Complete")), [pod("a", message="oops")], "ResultNotJson"),
         (
@@ -392,3 +399,5 @@ def test_completion(the_job: dict[str, Any], pods: list[dict[str, Any]], expecte
         assert got is not None and not got.succeeded and got.reason == expected
     else:
         assert got == expected
+    # Only a succeeded Job whose result went with its Pod is re-run; everything else is recorded.
+    assert (got is not None and got.lost) == (isinstance(expected, Completion) and expected.reason == RESULT_LOST)

@@ -51,6 +51,8 @@ def assert_job_valid(job: dict[str, Any]) -> None:
         assert size <= 256 * 1024
     assert template["metadata"]["labels"] == metadata["labels"]
     assert all(is_qualified_name(f) for f in metadata["finalizers"])
+    # Ours on every Pod too (the Job controller copies the template's): the result outlives a delete.
+    assert template["metadata"]["finalizers"] == [manifest.FINALIZER]
     assert template["spec"]["restartPolicy"] == "Never"
     (container,) = template["spec"]["containers"]
     assert is_dns1123_label(container["name"])
@@ -96,6 +98,7 @@ def test_build_job_shape() -> None:
     assert job["spec"]["template"]["metadata"] == {
         "labels": job["metadata"]["labels"],
         "annotations": job["metadata"]["annotations"],
+        "finalizers": ["k8s-dispatch.io/result-protection"],
     }
     assert job["spec"]["template"]["spec"] == {
         "restartPolicy": "Never",
