@@ -5,18 +5,24 @@ delivery path runs against it — create (and adopt), poll's paginated LIST, com
 Pod LIST, the release patch and the bulk delete (deletecollection), cancel with its delete, and
 a recovery sweep that deletes an orphan —
 and the record must equal what the Role grants: nothing missing, nothing granted unused.
+
+The same path then runs on the real control plane as the Role's ServiceAccount (a token from the
+TokenRequest API): there the real RBAC authorizer decides each request, and nothing is refused.
 """
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
-from deploy_files import role_permissions
+from clusters import ClusterHandle
+from deploy_files import DEPLOY, role_permissions
 
 from engine import store
 from engine.db import transaction
+from engine.errors import ApiRejected
 from engine.settings import load_settings
 from localcluster import LocalCluster
 from recovery import delivery
@@ -29,6 +35,7 @@ from workers.resolver import CapabilityResolver
 from workers.types import DispatchRef
 
 SIM = "localcluster.k8s-dispatch.io/"
+RBAC_FILE = DEPLOY / "rbac.yaml"
 CAPABILITIES = {
     "capabilities": {
         "sim.ok": {"worker": "sim", "image": "sim:1", "annotations": {SIM + "duration-ms": "10"}},
@@ -43,21 +50,26 @@ def recorded() -> Iterator[LocalCluster]:
         yield cluster
 
 
-@pytest.fixture
-def rt(recorded: LocalCluster, new_pg_database, redis_url: str, key_prefix: str) -> Iterator[Runtime]:
+def _runtime(database_url: str, redis_url: str, prefix: str, kubeconfig: Path, *, namespace: str = "default") -> Runtime:
     settings = load_settings(
         {
-            "K8S_DISPATCH_DATABASE_URL": _migrated(new_pg_database()),
+            "K8S_DISPATCH_DATABASE_URL": _migrated(database_url),
             "K8S_DISPATCH_REDIS_URL": redis_url,
-            "K8S_DISPATCH_KEY_PREFIX": f"{key_prefix}-rbac",
-            "K8S_DISPATCH_KUBECONFIG": str(recorded.kubeconfig),
+            "K8S_DISPATCH_KEY_PREFIX": prefix,
+            "K8S_DISPATCH_KUBECONFIG": str(kubeconfig),
+            "K8S_DISPATCH_NAMESPACE": namespace,
             "K8S_DISPATCH_ORPHAN_POLICY": "delete",
             "K8S_DISPATCH_SWEEP_GRACE_S": "0",
         }
     )
-    runtime = Runtime.from_settings(
+    return Runtime.from_settings(
         settings, notifier=lambda _id: None, resolver=CapabilityResolver.from_mapping(CAPABILITIES, source="<test>")
     )
+
+
+@pytest.fixture
+def rt(recorded: LocalCluster, new_pg_database, redis_url: str, key_prefix: str) -> Iterator[Runtime]:
+    runtime = _runtime(new_pg_database(), redis_url, f"{key_prefix}-rbac", recorded.kubeconfig)
     yield runtime
     runtime.close()
 
@@ -83,8 +95,9 @@ def _finished(rt: Runtime, namespace: str, name: str) -> bool:
     return job_state(rt.kube.get_job(namespace, name)).terminal
 
 
-def test_the_role_grants_exactly_the_calls_the_delivery_path_makes(recorded: LocalCluster, rt: Runtime) -> None:
-    recorded.audit(clear=True)  # only what the project's code does from here on
+def walk_the_delivery_path(rt: Runtime, *, timeout_s: float = 15) -> None:
+    """Every API call the product makes: create, adopt, poll's LIST, complete (Pod LIST, the
+    Pod's and the Job's release patches, the bulk delete), cancel, and a sweep deleting an orphan."""
     namespace = rt.settings.namespace
     done, running = _schedule(rt, "sim.ok"), _schedule(rt, "sim.hang")
     for dispatch_id in (done, running):
@@ -92,7 +105,7 @@ def test_the_role_grants_exactly_the_calls_the_delivery_path_makes(recorded: Loc
     assert delivery.create_job_for(rt, done) is delivery.CreateOutcome.ADOPTED  # a duplicate message
 
     name = delivery.job_location(rt, delivery.load_record(rt, done))[1]
-    wait_until(lambda: _finished(rt, namespace, name), timeout=15, what="the Job finished")
+    wait_until(lambda: _finished(rt, namespace, name), timeout=timeout_s, what="the Job finished")
     finished = [j["metadata"]["name"] for page in rt.kube.iter_jobs(namespace, label_selector=job_labels.selector(),
                 page_size=rt.settings.poll_page_size) for j in page if job_state(j).terminal]  # fmt: skip
     assert finished == [name]  # what poll does: one paginated LIST
@@ -109,6 +122,26 @@ def test_the_role_grants_exactly_the_calls_the_delivery_path_makes(recorded: Loc
     report = run_sweep(rt)
     assert not report.errors, report.to_dict()
     wait_until(lambda: not list(rt.kube.iter_jobs(namespace, label_selector=job_labels.selector(), page_size=50))[0],
-               timeout=15, what="every Job gone (the orphan deleted by policy)")  # fmt: skip
+               timeout=timeout_s, what="every Job gone (the orphan deleted by policy)")  # fmt: skip
 
+
+def test_the_role_grants_exactly_the_calls_the_delivery_path_makes(recorded: LocalCluster, rt: Runtime) -> None:
+    recorded.audit(clear=True)  # only what the project's code does from here on
+    walk_the_delivery_path(rt)
     assert recorded.audit() == role_permissions()
+
+
+def test_the_real_authorizer_lets_the_roles_service_account_walk_the_whole_path(
+    real_cluster: ClusterHandle, new_pg_database, redis_url: str, key_prefix: str, tmp_path: Path
+) -> None:
+    namespace = f"rbac-{uuid.uuid4().hex[:8]}"
+    kubeconfig = real_cluster.service_account_kubeconfig(namespace, tmp_path / "worker.kubeconfig", rbac_file=RBAC_FILE)
+    runtime = _runtime(new_pg_database(), redis_url, f"{key_prefix}-rbac-real", kubeconfig, namespace=namespace)
+    try:
+        walk_the_delivery_path(runtime, timeout_s=60)  # a refused request raises ApiRejected here
+        assert run_sweep(runtime).errors == 0
+        with pytest.raises(ApiRejected) as e:  # and the authorizer does say no to the rest
+            runtime.kube.list_pods("default", label_selector=job_labels.selector())
+        assert e.value.reason == "Forbidden"
+    finally:
+        runtime.close()
