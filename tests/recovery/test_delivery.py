@@ -22,6 +22,7 @@ from engine.db import transaction
 from engine.errors import ApiUnavailable, BrokerUnavailable, InvalidId, UnknownDispatch
 from engine.models import DispatchState, EventType
 from engine.settings import load_settings
+from clusters import LOCAL, REAL, ClusterHandle
 from localcluster import LocalCluster
 from recovery import stats
 from recovery.delivery import (
@@ -40,6 +41,7 @@ from recovery.delivery import (
     load_record,
     notify_engine,
 )
+from recovery.reconcile import run_sweep
 from recovery.runtime import Runtime
 from tasks.processes import wait_until
 from workers import labels as job_labels
@@ -66,9 +68,21 @@ CAPABILITIES = {
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[LocalCluster]:
+def local_cluster() -> Iterator[LocalCluster]:
     with LocalCluster(mode="simulate") as c:
         yield c
+
+
+@pytest.fixture
+def cluster(request: pytest.FixtureRequest) -> LocalCluster | ClusterHandle:
+    """localcluster; a test marked `ON_BOTH` runs on the real control plane as well."""
+    if getattr(request, "param", LOCAL) == REAL:
+        return request.getfixturevalue("real_cluster")
+    return request.getfixturevalue("local_cluster")
+
+
+# The tests that state what must hold on any Kubernetes: they run on both clusters.
+ON_BOTH = pytest.mark.parametrize("cluster", [LOCAL, REAL], indirect=True)
 
 
 class Notified:
@@ -120,6 +134,8 @@ def make_runtime(cluster, pg_url, redis_url, key_prefix, request) -> Iterator[Ca
         runtimes.append(rt)
         return rt
 
+    if isinstance(cluster, ClusterHandle):
+        cluster.ensure_namespace(namespace)
     yield make
     for rt in runtimes:
         rt.close()
@@ -151,7 +167,7 @@ def job_finished(rt: Runtime, dispatch_id: str) -> dict[str, Any]:
     namespace = rt.settings.namespace
     return wait_until(
         lambda: (lambda j: j if job_state(j).terminal else None)(rt.kube.get_job(namespace, job_name(dispatch_id))),
-        what=f"job of {dispatch_id} finished", timeout=10.0)
+        what=f"job of {dispatch_id} finished", timeout=30.0)
 
 
 def events(rt: Runtime, dispatch_id: str) -> list[tuple[str, Any]]:
@@ -172,6 +188,7 @@ def notified_at(rt: Runtime, dispatch_id: str):
 # --- the happy path ------------------------------------------------------------------------
 
 
+@ON_BOTH
 def test_create_then_complete_delivers_the_output_once_and_leaves_nothing(rt, notified):
     dispatch_id = schedule(rt, "sim.ok", {"text": "hello"})
     assert create_job_for(rt, dispatch_id) is CreateOutcome.CREATED
@@ -197,6 +214,7 @@ def test_create_then_complete_delivers_the_output_once_and_leaves_nothing(rt, no
     assert len(events(rt, dispatch_id)) == 2 and notified.ids == [dispatch_id]
 
 
+@ON_BOTH
 def test_a_second_create_adopts_the_job_instead_of_doubling_it(rt):
     dispatch_id = schedule(rt, "sim.hang")
     assert create_job_for(rt, dispatch_id) is CreateOutcome.CREATED
@@ -307,6 +325,7 @@ def test_a_batchs_database_work_does_not_grow_with_its_jobs(rt, notified, size):
     assert statements.count <= 6
 
 
+@ON_BOTH
 def test_a_mixed_batch_gives_each_job_its_own_outcome_in_order(rt, notified):
     ok, elsewhere, running = schedule(rt, "sim.ok"), schedule(rt, "sim.ok"), schedule(rt, "sim.hang")
     for dispatch_id in (ok, elsewhere, running):
@@ -404,6 +423,7 @@ def finished_pod(rt: Runtime, dispatch_id: str) -> dict[str, Any]:
     return pod
 
 
+@ON_BOTH
 def test_a_succeeded_jobs_pod_deleted_before_poll_sees_it_is_still_delivered_with_its_output(rt, notified, api):
     """`kubectl delete pod`, a drained node or PodGC (grace 0) before delivery: the Pod waits."""
     dispatch_id = schedule(rt, "sim.ok", {"text": "kept"})
@@ -421,6 +441,7 @@ def test_a_succeeded_jobs_pod_deleted_before_poll_sees_it_is_still_delivered_wit
     nothing_left(rt, dispatch_id)
 
 
+@ON_BOTH
 def test_a_succeeded_job_deleted_in_the_foreground_before_delivery_is_delivered_with_its_output(rt, notified, api):
     """`kubectl delete job --cascade=foreground`: the Pods go first, so ours must wait for us."""
     dispatch_id = schedule(rt, "sim.ok", {"text": "fg"})
@@ -448,7 +469,9 @@ def lose_pod(rt: Runtime, api: Any, dispatch_id: str) -> None:
     wait_until(lambda: not pods_of(rt, dispatch_id), what="the pod gone", timeout=10.0)
 
 
-def test_a_succeeded_job_whose_pod_is_really_gone_is_run_again_and_completes_on_the_next_attempt(rt, notified, api):
+@ON_BOTH
+def test_a_succeeded_job_whose_pod_is_really_gone_is_run_again_and_completes_on_the_next_attempt(make_runtime, notified, api):
+    rt = make_runtime(notifier=notified, sweep_grace_s="0")
     dispatch_id = schedule(rt, "sim.ok", {"text": "again"})
     create_job_for(rt, dispatch_id)
     lose_pod(rt, api, dispatch_id)
@@ -456,6 +479,11 @@ def test_a_succeeded_job_whose_pod_is_really_gone_is_run_again_and_completes_on_
 
     assert complete_jobs(rt, rt.settings.namespace, [stale]).outcomes == [CompleteOutcome.RERUN]
     assert events(rt, dispatch_id)[1:] == [] and notified.ids == []  # no failure of work that succeeded
+    if load_record(rt, dispatch_id).attempts == 0:
+        # kube-apiserver can still answer the re-create's POST with the old Job (409) and its GET
+        # with 404: a Transient the caller leaves to the sweep, whose category 5 re-creates it
+        wait_until(lambda: run_sweep(rt) and load_record(rt, dispatch_id).attempts == 1, timeout=30.0,
+                   what="the sweep re-creating the lost Job")
     record = load_record(rt, dispatch_id)
     assert (record.state, record.attempts) == (DispatchState.CREATED, 1)
     job = rt.kube.get_job(rt.settings.namespace, job_name(dispatch_id))
@@ -479,6 +507,7 @@ def test_a_succeeded_job_whose_pod_is_really_gone_is_run_again_and_completes_on_
     nothing_left(rt, dispatch_id)
 
 
+@ON_BOTH
 def test_a_lost_result_past_the_attempts_limit_fails_as_job_lost(make_runtime, notified, api):
     rt = make_runtime(notifier=notified, max_job_attempts="1")
     dispatch_id = schedule(rt, "sim.ok")
@@ -504,6 +533,7 @@ def test_a_lost_result_past_the_attempts_limit_fails_as_job_lost(make_runtime, n
         ("sim.notjson", "ResultNotJson", "this is not JSON"),
     ],
 )
+@ON_BOTH
 def test_a_failed_job_gives_worker_failed_with_its_reason(rt, notified, capability_name, reason, message_part):
     dispatch_id = schedule(rt, capability_name)
     assert create_job_for(rt, dispatch_id) is CreateOutcome.CREATED
@@ -572,6 +602,7 @@ def test_unknown_and_invalid_dispatch_ids_are_typed_errors(rt):
 # --- refusals: a Job is delivered only if it agrees with the DB -------------------------------
 
 
+@ON_BOTH
 def test_a_job_whose_tenancy_disagrees_with_the_db_is_never_delivered(rt, notified):
     dispatch_id = schedule(rt, "sim.ok")
     record = load_record(rt, dispatch_id)
@@ -685,6 +716,7 @@ def test_concurrent_completions_and_cancels_leave_exactly_one_terminal_event(mak
 # --- cancel -------------------------------------------------------------------------------------
 
 
+@ON_BOTH
 def test_cancel_a_running_dispatch_records_cancelled_and_removes_its_job(rt, notified):
     dispatch_id = schedule(rt, "sim.hang")
     create_job_for(rt, dispatch_id)
