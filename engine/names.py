@@ -1,5 +1,6 @@
-"""Kubernetes name and label syntax, shared by the manifest builder, the settings and the
-local cluster's validation (one definition of what Kubernetes accepts)."""
+"""Kubernetes name and label syntax, shared by the manifest builder and the settings (the client's
+one definition of what Kubernetes accepts; localcluster has its own, written apart, and a test
+holds the two to the same table). `fullmatch`: Python's `$` would let a trailing newline by."""
 
 from __future__ import annotations
 
@@ -17,15 +18,15 @@ _LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 
 
 def is_dns1123_label(value: str) -> bool:
-    return len(value) <= DNS1123_LABEL_MAX and bool(_DNS1123_LABEL.match(value))
+    return len(value) <= DNS1123_LABEL_MAX and bool(_DNS1123_LABEL.fullmatch(value))
 
 
 def is_dns1123_subdomain(value: str) -> bool:
-    return len(value) <= DNS1123_SUBDOMAIN_MAX and bool(_DNS1123_SUBDOMAIN.match(value))
+    return len(value) <= DNS1123_SUBDOMAIN_MAX and bool(_DNS1123_SUBDOMAIN.fullmatch(value))
 
 
 def is_label_value(value: str) -> bool:
-    return len(value) <= LABEL_VALUE_MAX and bool(_LABEL_VALUE.match(value))
+    return len(value) <= LABEL_VALUE_MAX and bool(_LABEL_VALUE.fullmatch(value))
 
 
 def is_qualified_name(key: str) -> bool:
@@ -33,4 +34,4 @@ def is_qualified_name(key: str) -> bool:
     prefix, slash, name = key.rpartition("/")
     if slash and (not prefix or not is_dns1123_subdomain(prefix)):
         return False
-    return len(name) <= LABEL_NAME_MAX and bool(_QUALIFIED_NAME.match(name))
+    return len(name) <= LABEL_NAME_MAX and bool(_QUALIFIED_NAME.fullmatch(name))

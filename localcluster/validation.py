@@ -1,6 +1,6 @@
 """Validation of Jobs, Pods and Namespaces as the API server words it (pure): each function
 returns the list of field errors, empty when the object is valid. Name and label syntax come
-from engine/names.py, the project's one definition of what Kubernetes accepts.
+from localcluster/names.py, written from Kubernetes' rules apart from the client's own.
 """
 
 from __future__ import annotations
@@ -10,9 +10,10 @@ import json
 import re
 from typing import Any
 
-from engine.names import is_dns1123_label, is_dns1123_subdomain
-from engine.names import is_label_value as _is_label_value
-from engine.names import is_qualified_name as _is_qualified_name
+from localcluster.names import dns1123_label as is_dns1123_label
+from localcluster.names import dns1123_subdomain as is_dns1123_subdomain
+from localcluster.names import label_value as _is_label_value
+from localcluster.names import qualified_name as _is_qualified_name
 from localcluster.apierrors import (
     FieldError,
     FieldErrorType,
