@@ -2,7 +2,8 @@
 library in the way. Used to measure localcluster itself and to fill it quickly for the other
 benchmarks; the project's own client (`workers.kube.KubeClient`) is measured next to it.
 
-Requests are written and answers read on a plain socket (Content-Length or chunked bodies):
+Requests are written and answers read on a plain socket (TLS-wrapped for the real kube-apiserver;
+Content-Length or chunked bodies):
 about 50 us of client CPU per request where http.client took about 180 us, and the client
 shares the machine's cores with the server it measures.
 """
@@ -16,7 +17,7 @@ import urllib.parse
 from collections.abc import Sequence
 from typing import Any
 
-from bench.services import Cluster
+from bench.services import BENCH_USER_AGENT, Cluster
 from bench.timing import Stopwatch
 
 JsonDict = dict[str, Any]
@@ -35,11 +36,12 @@ class RawApi:
 
     def __init__(self, cluster: Cluster) -> None:
         parsed = urllib.parse.urlsplit(cluster.url)
-        if parsed.scheme != "http" or parsed.hostname is None or parsed.port is None:
-            raise ApiError(f"RawApi speaks plain http to host:port, not {cluster.url}")
+        if parsed.scheme not in ("http", "https") or parsed.hostname is None or parsed.port is None:
+            raise ApiError(f"RawApi speaks http(s) to host:port, not {cluster.url}")
         self._address = (parsed.hostname, parsed.port)
+        self._tls = cluster.ssl_context()  # the real server's https, verified with its CA
         self._head = (f"Host: {parsed.hostname}:{parsed.port}\r\nAuthorization: Bearer {cluster.token}\r\n"
-                      "Accept: application/json\r\n").encode()
+                      f"Accept: application/json\r\nUser-Agent: {BENCH_USER_AGENT}\r\n").encode()
         self._sock: socket.socket | None = None
         self._buffer = bytearray()
         self.http_seconds = 0.0
@@ -86,8 +88,9 @@ class RawApi:
             head += b"Content-Type: application/json\r\nContent-Length: " + str(len(data)).encode() + b"\r\n"
         with Stopwatch() as sw:
             if self._sock is None:
-                self._sock = socket.create_connection(self._address, timeout=30)
-                self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                sock = socket.create_connection(self._address, timeout=30)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                self._sock = self._tls.wrap_socket(sock, server_hostname=self._address[0]) if self._tls else sock
             self._sock.sendall(head + b"\r\n" + data)
             status, headers = self._read_head()
             answer = self._read_body(headers)
