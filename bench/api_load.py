@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import sqlalchemy as sa
 import yaml
@@ -98,9 +98,10 @@ class Knobs:
 
 KNOBS = {
     "smoke": Knobs(jobs=(10,), job_s=4.0, window_s=4.0, real_jobs=(10,)),
-    # where the targets are: ~150 finish
-    "quick": Knobs(jobs=(TARGET_JOBS,), job_s=60.0, window_s=9.0, real_jobs=(TARGET_JOBS,)),
-    "full": Knobs(jobs=(100, 1000, 5000), job_s=60.0, window_s=60.0, real_jobs=(TARGET_JOBS,)),
+    # where the targets are: ~150 finish. The real control plane (its start, and Pods for the first
+    # N Jobs) costs about a minute more at 300 and two at 1,000: 1,000 at full size only.
+    "quick": Knobs(jobs=(TARGET_JOBS,), job_s=60.0, window_s=9.0, real_jobs=(300,)),
+    "full": Knobs(jobs=(100, 1000, 5000), job_s=60.0, window_s=60.0, real_jobs=(300, TARGET_JOBS)),
 }
 # The controller manager's client budget (--kube-api-qps; Kubernetes' default, 20, cannot create
 # and track ~17 Pods/s: each takes about 7 of the Job controller's requests).
@@ -127,6 +128,7 @@ class Window:
     by_actor: dict[str, Counter[Key]] = field(default_factory=dict)
     cpu_s: dict[str, float] = field(default_factory=dict)  # CPU seconds of each process in the window
     pods_behind: int = 0  # the real server: Jobs still without a bound Pod when the window opened
+    server_ms: dict[str, float] = field(default_factory=dict)  # the real server's mean ms per request, by verb
 
     @property
     def total(self) -> int:
@@ -245,13 +247,23 @@ def initial_steps(n: int) -> list[int]:
 
 
 METRIC = "apiserver_request_total"
+# The real server's time per request (localcluster has none): its sum and count, by verb, resource, subresource.
+DURATION = "apiserver_request_duration_seconds"
 SCRAPE: Key = ("GET", "", "/metrics", 200)  # how the real server counts a scrape (localcluster does not)
 
 
-def scrape(cluster: services.Cluster) -> tuple[Counter[Key], float]:
+class Scrape(NamedTuple):
+    requests: Counter[Key]  # apiserver_request_total
+    at: float  # when the server read its counters
+    seconds: Counter[Key]  # apiserver_request_duration_seconds_sum, code 0
+    timed: Counter[Key]  # apiserver_request_duration_seconds_count, code 0
+
+
+def scrape(cluster: services.Cluster) -> Scrape:
     """`apiserver_request_total` from the server's /metrics, by verb, resource, subresource, code
     (the bench's own scrapes left out), and when the server read it: as its answer's head
-    arrives (the real server's body, every metric of it, takes a while longer)."""
+    arrives (the real server's body, every metric of it, takes a while longer); the real one's
+    time spent answering, too."""
     conn = cluster.connection()
     try:
         conn.request("GET", "/metrics", headers=cluster.headers())
@@ -262,15 +274,20 @@ def scrape(cluster: services.Cluster) -> tuple[Counter[Key], float]:
         conn.close()
     if response.status != 200:
         raise RuntimeError(f"GET /metrics answered {response.status}: {body[:200]}")
-    wanted = "\n".join(line for line in body.splitlines() if line.startswith(METRIC))  # the rest is megabytes
+    wanted = "\n".join(line for line in body.splitlines() if line.startswith((METRIC, f"{DURATION}_sum", f"{DURATION}_count")))
     counts: Counter[Key] = Counter()
-    for family in text_string_to_metric_families(wanted):
+    seconds: Counter[Key] = Counter()
+    timed: Counter[Key] = Counter()
+    for family in text_string_to_metric_families(wanted):  # the rest (megabytes, on the real server) left unparsed
         for s in family.samples:
+            labels = s.labels
             if s.name == METRIC:
-                labels = s.labels
                 counts[(labels["verb"], labels["resource"], labels["subresource"], int(labels["code"]))] += int(s.value)
+            elif s.name in (f"{DURATION}_sum", f"{DURATION}_count"):
+                into = seconds if s.name.endswith("_sum") else timed
+                into[(labels["verb"], labels["resource"], labels["subresource"], 0)] += s.value
     del counts[SCRAPE]
-    return counts, at
+    return Scrape(counts, at, seconds, timed)
 
 
 # The audit log's verbs as apiserver_request_total spells them (a deletecollection is a DELETE there).
@@ -528,11 +545,13 @@ def measure(cluster: services.Cluster, watch: JobWatch, window_s: float, *, pids
     the CPU each of `pids` (and the bench) used in it; on the real server, who sent the requests."""
     audit_from = cluster.audit_log.stat().st_size if cluster.audit_log else 0
     cpu_before = _cpu(pids)
-    (before, t0), in_flight_at_start = scrape(cluster), watch.in_flight
+    first, in_flight_at_start = scrape(cluster), watch.in_flight
     time.sleep(window_s)
-    (after, t1), in_flight_at_end = scrape(cluster), watch.in_flight
+    last, in_flight_at_end = scrape(cluster), watch.in_flight
     cpu_after = _cpu(pids)
-    after.subtract(before)
+    t0, t1 = first.at, last.at
+    after = last.requests.copy()
+    after.subtract(first.requests)
     requests = +after
     own_watches = sum(1 for t in watch.ended_at if t0 <= t <= t1)
     for key in [k for k in requests if k[0] == "WATCH"]:
@@ -546,7 +565,21 @@ def measure(cluster: services.Cluster, watch: JobWatch, window_s: float, *, pids
     return Window(seconds=t1 - t0, requests=+requests, finished=finished, in_flight=(in_flight_at_start, in_flight_at_end),
                   watch_lag_p99_s=_percentile(lags, 0.99) if lags else 0.0,
                   by_actor=_audited_window(cluster, offset=audit_from) if cluster.audit_log else {},
-                  cpu_s={name: cpu_after[name] - cpu_before[name] for name in cpu_before})  # fmt: skip
+                  cpu_s={name: cpu_after[name] - cpu_before[name] for name in cpu_before},
+                  server_ms=server_ms(first, last))  # fmt: skip
+
+
+def server_ms(first: Scrape, last: Scrape) -> dict[str, float]:
+    """The server's mean time per request between two scrapes, in ms, by "VERB resource[/sub]"
+    (requests the window timed), slowest first; empty for localcluster, which does not time them."""
+    out = {}
+    for key, count in last.timed.items():
+        n = count - first.timed[key]
+        if n > 0:
+            verb, resource, sub, _ = key
+            name = f"{verb} {resource + ('/' + sub if sub else '') if resource else sub}"
+            out[name] = round(1000 * (last.seconds[key] - first.seconds[key]) / n, 1)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
 def pods_behind(counts: Counter[Key]) -> int:
@@ -564,7 +597,7 @@ def _pods_behind(cluster: services.Cluster, *, slack: int, timeout: float = 120.
     behind = [0]
 
     def caught_up() -> bool:
-        behind[0] = pods_behind(scrape(cluster)[0])
+        behind[0] = pods_behind(scrape(cluster).requests)
         return behind[0] <= slack
 
     try:
@@ -931,6 +964,7 @@ def _report_real(result: BenchResult, n: int, real: Window, knobs: Knobs, *, loc
         "cpu_percent_of_a_core": _cpu_percent(real),
         "unrecorded": real.unrecorded,
         "jobs_without_a_bound_pod_at_start": real.pods_behind,
+        "server_ms_per_request": real.server_ms,
     }
     sustained = min(real.in_flight) >= 0.95 * n and finished >= 0.8 * expected and real.pods_behind <= 0.05 * n
     per_sender = "; ".join(
@@ -942,7 +976,8 @@ def _report_real(result: BenchResult, n: int, real: Window, knobs: Knobs, *, loc
         f"log), {finished} Jobs finished in {real.seconds:.1f}s (~{expected:.0f} expected; {real.in_flight[0]}/"
         f"{real.in_flight[1]} in flight at start/end, {real.pods_behind} without a bound Pod at the start"
         f"{'' if sustained else ': N not sustained'}); by sender: {per_sender}; "
-        f"CPU % of one core in the window: {', '.join(f'{k} {v:g}' for k, v in _cpu_percent(real).items())}"
+        f"CPU % of one core in the window: {', '.join(f'{k} {v:g}' for k, v in _cpu_percent(real).items())}; "
+        f"the server's mean ms per request: {', '.join(f'{k} {v:g}' for k, v in list(real.server_ms.items())[:6])}"
         + (f"; worker tasks over the whole run: {real.tasks}" if real.tasks else "")
     )
     if real.unrecorded:
