@@ -129,6 +129,7 @@ class Window:
     cpu_s: dict[str, float] = field(default_factory=dict)  # CPU seconds of each process in the window
     pods_behind: int = 0  # the real server: Jobs still without a bound Pod when the window opened
     server_ms: dict[str, float] = field(default_factory=dict)  # the real server's mean ms per request, by verb
+    job_bytes: int = 0  # ours: the JSON of one Job in a LIST page, on average (after the window)
 
     @property
     def total(self) -> int:
@@ -607,6 +608,13 @@ def _pods_behind(cluster: services.Cluster, *, slack: int, timeout: float = 120.
     return behind[0]
 
 
+def _listed_bytes_per_job(cluster: services.Cluster, namespace: str) -> int:
+    """The bytes of one Job in a LIST page of PAGE_SIZE (what each poll reads), on average."""
+    status, body = cluster.request("GET", f"/apis/batch/v1/namespaces/{namespace}/jobs?limit={PAGE_SIZE}")
+    items = json.loads(body).get("items") or [] if status == 200 else []
+    return round(len(body) / len(items)) if items else 0
+
+
 def _cpu(pids: dict[str, int | None]) -> dict[str, float]:
     """CPU seconds so far of each process, the bench's own, and the whole machine's (every core's
     busy time, whoever used it: what shows the cores saturated)."""
@@ -712,6 +720,7 @@ def _ours(
                     behind = _pods_behind(cluster, slack=max(2, round(2 * n / knobs.job_s))) if kind == services.REAL else 0
                     window = measure(cluster, watch, knobs.window_s, pids=pids)
                     window.pods_behind = behind
+                    window.job_bytes = _listed_bytes_per_job(cluster, OURS_NAMESPACE)
                 # The window's Jobs get their terminal events a poll or so later.
                 window.latencies_s, window.unrecorded = _latencies(sessions, window.finished)
             window.tasks = task_times((ctx.work_dir / "bench-worker.log").read_text(errors="replace"))
@@ -887,6 +896,7 @@ def _report(result: BenchResult, n: int, ours: Window, baseline: Window, knobs: 
             "watch_lag_p99_s": round(window.watch_lag_p99_s, 3),
             "requests_by_verb": _by_verb(window.requests),
             "cpu_percent_of_a_core": _cpu_percent(window),
+            **({"listed_bytes_per_job": window.job_bytes} if window.job_bytes else {}),
         }
         result.notes.append(
             f"{name}, {n:,} Jobs: {window.total} requests, {len(window.finished)} Jobs finished in {window.seconds:.1f}s "
@@ -965,6 +975,7 @@ def _report_real(result: BenchResult, n: int, real: Window, knobs: Knobs, *, loc
         "unrecorded": real.unrecorded,
         "jobs_without_a_bound_pod_at_start": real.pods_behind,
         "server_ms_per_request": real.server_ms,
+        "listed_bytes_per_job": real.job_bytes,
     }
     sustained = min(real.in_flight) >= 0.95 * n and finished >= 0.8 * expected and real.pods_behind <= 0.05 * n
     per_sender = "; ".join(
