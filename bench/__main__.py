@@ -2,7 +2,7 @@
 
     python -m bench [--smoke | --full] [--only NAME ...] [--cluster local|real|both] [--results PATH] [--json-out PATH]
 
-Sizes (bench/sizes.py): quick by default (`make bench`, under 2 minutes on 2 cores), `--full`
+Sizes (bench/sizes.py): quick by default (`make bench`, about 2 minutes on 2 cores), `--full`
 (`make bench FULL=1`), `--smoke` (seconds, for the test suite; targets not judged). Results go
 to bench/results.json (git-ignored) or --results PATH, and also to --json-out PATH if given.
 Needs PostgreSQL and Redis (`bash tests/services.sh`); starts its own localcluster and Celery
@@ -36,7 +36,7 @@ BENCHMARKS: dict[str, Benchmark] = {
     "localcluster": cluster_speed.run,  # figure 6
     "adapter": adapter.run,
 }
-# Not an issue-8 figure, so not in the quick run (under 2 minutes); `--only adapter` runs it there.
+# Not an issue-8 figure, so not in the quick run (about 2 minutes); `--only adapter` runs it there.
 SKIPPED_AT = {"adapter": {"quick"}}
 DEFAULT_RESULTS = Path(__file__).resolve().parent / "results.json"
 CLUSTERS = {"local": (services.LOCAL,), "real": (services.REAL,), "both": (services.LOCAL, services.REAL)}

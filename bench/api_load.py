@@ -100,12 +100,12 @@ class Knobs:
 KNOBS = {
     "smoke": Knobs(jobs=(10,), job_s=4.0, window_s=4.0, real_jobs=(10,)),
     # where the targets are: ~150 finish. The real control plane (its start, and Pods for the first
-    # N Jobs) costs about a minute more at 300 and two at 1,000: 1,000 at full size only.
+    # N Jobs) adds about 35 s at 300 and 2 minutes at 1,000: 1,000 at full size only.
     "quick": Knobs(jobs=(TARGET_JOBS,), job_s=60.0, window_s=9.0, real_jobs=(300,)),
     "full": Knobs(jobs=(100, 1000, 5000), job_s=60.0, window_s=60.0, real_jobs=(300, TARGET_JOBS)),
 }
 # The controller manager's client budget (--kube-api-qps; Kubernetes' default, 20, cannot create
-# and track ~17 Pods/s: each takes about 7 of the Job controller's requests).
+# and track ~17 Pods/s: each takes about 9 of the Job controller's requests).
 REAL_KUBE_API_QPS = 400
 
 Key = tuple[str, str, str, int]  # verb, resource, subresource, code

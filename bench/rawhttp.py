@@ -3,9 +3,8 @@ library in the way. Used to measure localcluster itself and to fill it quickly f
 benchmarks; the project's own client (`workers.kube.KubeClient`) is measured next to it.
 
 Requests are written and answers read on a plain socket (TLS-wrapped for the real kube-apiserver;
-Content-Length or chunked bodies):
-about 50 us of client CPU per request where http.client took about 180 us, and the client
-shares the machine's cores with the server it measures.
+Content-Length or chunked bodies): about 50 us of client CPU per request where http.client took
+about 180 us, and the client shares the machine's cores with the server it measures.
 """
 
 from __future__ import annotations
