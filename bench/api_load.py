@@ -710,7 +710,10 @@ def _ours(
                 sessions, caps, count=len(steps), namespace=OURS_NAMESPACE, deployment=settings.effective_deployment,
                 capability_of=lambda i: capability(steps[i]),
             )  # fmt: skip
-            rawhttp.create_jobs(cluster, OURS_NAMESPACE, [body for _, body in made], clients=PRE_CREATE_CLIENTS)
+            # exist_ok: on a starved machine the worker's sweep may create a row's Job first (its
+            # grace period over before the bench's creates are), from the same row, under the same name
+            rawhttp.create_jobs(cluster, OURS_NAMESPACE, [body for _, body in made], clients=PRE_CREATE_CLIENTS,
+                                exist_ok=True)  # fmt: skip
 
         def details() -> str:
             return "\n".join(_log_tail(ctx.work_dir / f"{name}.log") for name in ("bench-worker", "bench-beat"))

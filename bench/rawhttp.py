@@ -56,10 +56,11 @@ class RawApi:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def create_job(self, namespace: str, body: JsonDict | str) -> None:
-        """Create a Job from its manifest (a dict, or already serialised JSON)."""
+    def create_job(self, namespace: str, body: JsonDict | str, *, exist_ok: bool = False) -> None:
+        """Create a Job from its manifest (a dict, or already serialised JSON); with `exist_ok`, a
+        409 (one of that name exists) is taken as done."""
         text = body if isinstance(body, str) else json.dumps(body)
-        self._request("POST", f"/apis/batch/v1/namespaces/{namespace}/jobs", text, expect=201)
+        self._request("POST", f"/apis/batch/v1/namespaces/{namespace}/jobs", text, expect=(201, 409) if exist_ok else 201)
 
     def list_jobs_page(
         self, namespace: str, *, label_selector: str, limit: int, continue_token: str | None
@@ -80,7 +81,7 @@ class RawApi:
             if not token:
                 return count
 
-    def _request(self, method: str, path: str, body: str | None, *, expect: int) -> bytes:
+    def _request(self, method: str, path: str, body: str | None, *, expect: int | tuple[int, ...]) -> bytes:
         head = f"{method} {path} HTTP/1.1\r\n".encode() + self._head
         data = body.encode() if body is not None else b""
         if body is not None:
@@ -96,7 +97,7 @@ class RawApi:
         self.http_seconds += sw.seconds
         if headers.get("connection", "").lower() == "close":
             self.close()
-        if status != expect:
+        if status not in (expect if isinstance(expect, tuple) else (expect,)):
             raise ApiError(f"{method} {path}: {status} {answer[:300]!r}")
         return answer
 
@@ -147,10 +148,12 @@ class RawApi:
         return self._take(int(headers.get("content-length", "0")))
 
 
-def create_jobs(cluster: Cluster, namespace: str, bodies: Sequence[JsonDict], *, clients: int) -> float:
+def create_jobs(
+    cluster: Cluster, namespace: str, bodies: Sequence[JsonDict], *, clients: int, exist_ok: bool = False
+) -> float:
     """Create `bodies` from `clients` threads, each with its own connection; the seconds it took
     from the first request to the last answer (bodies are serialised and connections opened
-    before the clock starts)."""
+    before the clock starts). `exist_ok`: a Job already there under its name counts as created."""
     texts = [json.dumps(body) for body in bodies]
     shares = [texts[i::clients] for i in range(clients)]
     apis = [RawApi(cluster) for _ in shares]
@@ -161,7 +164,7 @@ def create_jobs(cluster: Cluster, namespace: str, bodies: Sequence[JsonDict], *,
         start.wait()
         try:
             for body in share:
-                api.create_job(namespace, body)
+                api.create_job(namespace, body, exist_ok=exist_ok)
         except (ApiError, OSError, ValueError) as e:
             errors.append(e)
 
