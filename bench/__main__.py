@@ -1,12 +1,13 @@
 """`python -m bench` (`make bench`): every benchmark, a table of figures and targets, and JSON.
 
-    python -m bench [--smoke | --full] [--only NAME ...] [--results PATH] [--json-out PATH]
+    python -m bench [--smoke | --full] [--only NAME ...] [--cluster local|real|both] [--results PATH] [--json-out PATH]
 
-Sizes (bench/sizes.py): quick by default (`make bench`, under 2 minutes on 2 cores), `--full`
+Sizes (bench/sizes.py): quick by default (`make bench`, about 2 minutes on 2 cores), `--full`
 (`make bench FULL=1`), `--smoke` (seconds, for the test suite; targets not judged). Results go
 to bench/results.json (git-ignored) or --results PATH, and also to --json-out PATH if given.
 Needs PostgreSQL and Redis (`bash tests/services.sh`); starts its own localcluster and Celery
-processes.
+processes, and for `api_load` (unless `--cluster local`) the real control plane of `realcluster`
+(built on first use).
 """
 
 from __future__ import annotations
@@ -35,9 +36,10 @@ BENCHMARKS: dict[str, Benchmark] = {
     "localcluster": cluster_speed.run,  # figure 6
     "adapter": adapter.run,
 }
-# Not an issue-8 figure, so not in the quick run (under 2 minutes); `--only adapter` runs it there.
+# Not an issue-8 figure, so not in the quick run (about 2 minutes); `--only adapter` runs it there.
 SKIPPED_AT = {"adapter": {"quick"}}
 DEFAULT_RESULTS = Path(__file__).resolve().parent / "results.json"
+CLUSTERS = {"local": (services.LOCAL,), "real": (services.REAL,), "both": (services.LOCAL, services.REAL)}
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -50,6 +52,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.set_defaults(size="quick")
     parser.add_argument("--only", nargs="+", choices=sorted(BENCHMARKS), metavar="NAME",
                         help=f"run only these ({', '.join(BENCHMARKS)})")  # fmt: skip
+    parser.add_argument("--cluster", choices=CLUSTERS, default="both",
+                        help="the API servers api_load runs against: localcluster, the real control plane, or both")  # fmt: skip
     parser.add_argument("--results", type=Path, default=DEFAULT_RESULTS, help="where the JSON results go")
     parser.add_argument("--json-out", type=Path, help="also write the JSON results here")
     parser.add_argument("--pg-admin-url", default=services.PG_ADMIN_URL, help="creates and drops the run's database")
@@ -57,12 +61,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def run(names: Sequence[str], size: Size, *, pg_admin_url: str, redis_url: str, console: Console) -> BenchRun:
+def run(
+    names: Sequence[str], size: Size, *, pg_admin_url: str, redis_url: str, console: Console,
+    clusters: tuple[str, ...] = CLUSTERS["both"],
+) -> BenchRun:
     """Run the named benchmarks at `size`, with the run's own databases and Redis prefix."""
     bench_run = BenchRun(
         size=size.name,
         judged=size.check_targets,
-        settings={"benchmarks": list(names), "size": dataclasses.asdict(size)},
+        settings={"benchmarks": list(names), "size": dataclasses.asdict(size), "clusters": list(clusters)},
     )
     started = time.perf_counter()
     services.check_postgres(pg_admin_url)
@@ -71,7 +78,7 @@ def run(names: Sequence[str], size: Size, *, pg_admin_url: str, redis_url: str, 
         services.redis_prefix(redis_url) as prefix,
     ):
         ctx = services.BenchContext(
-            work_dir=Path(tmp), pg_admin_url=pg_admin_url, redis_url=redis_url, key_prefix=prefix
+            work_dir=Path(tmp), pg_admin_url=pg_admin_url, redis_url=redis_url, key_prefix=prefix, clusters=clusters
         )
         for name in names:
             console.print(f"[bold]{name}[/] ...")
@@ -99,7 +106,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in [] if args.only else sorted(set(BENCHMARKS) - set(names)):  # left out by size, not by --only
         console.print(f"[dim]{name}: not run at {size.name} size (--only {name} runs it)[/]")
     try:
-        bench_run = run(names, size, pg_admin_url=args.pg_admin_url, redis_url=args.redis_url, console=console)
+        bench_run = run(names, size, pg_admin_url=args.pg_admin_url, redis_url=args.redis_url, console=console,
+                        clusters=CLUSTERS[args.cluster])  # fmt: skip
     except services.ServiceUnavailable as e:
         console.print(f"[red]bench cannot run:[/] {e}")
         return 2

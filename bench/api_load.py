@@ -20,6 +20,14 @@ window, divided by the Jobs that finished in it. The bench sees Jobs finish thro
 watch on their namespace (`?watch=true`): the instant an event first shows the Complete
 condition. Figure 3 is, for our system, the time from that instant to the terminal event's
 `created_at` in the database (both clocks this machine's; completionTime has whole seconds only).
+
+The same steady state of ours runs on the real control plane too (`--cluster real|both`:
+etcd, kube-apiserver, the real Job controller and garbage collector, our node agent in simulate
+mode, on the same cores). Its `apiserver_request_total` cannot say who sent a request, so the
+server's audit log (Metadata level: user and user agent of every answered request) splits the
+window's requests between ours (the worker and beat: the admin user, but for the bench's own
+user agent), the node agent (`system:node:*`) and each controller (`system:serviceaccount:kube-system:*`).
+The baseline runs on localcluster only.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from __future__ import annotations
 import http.client
 import json
 import math
+import os
 import queue
 import re
 import socket
@@ -36,13 +45,13 @@ import time
 import urllib.parse
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import sqlalchemy as sa
 import yaml
@@ -52,6 +61,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 import celeryconfig
 from bench import baseline_app, rawhttp, services, workload
+from bench.dispatch_throughput import cpu_seconds
 from bench.results import BenchResult, Figure, Ratio, Target
 from bench.sizes import Size
 from engine.db import make_engine, make_sessionmaker, transaction
@@ -84,16 +94,23 @@ class Knobs:
     jobs: tuple[int, ...]  # the N concurrent Jobs, one steady state each
     job_s: float  # how long each Job runs
     window_s: float  # how long requests and completions are counted
+    real_jobs: tuple[int, ...] = ()  # the N concurrent Jobs of ours on the real control plane
 
 
 KNOBS = {
-    "smoke": Knobs(jobs=(10,), job_s=4.0, window_s=4.0),
-    "quick": Knobs(jobs=(TARGET_JOBS,), job_s=60.0, window_s=9.0),  # where the targets are: ~150 finish
-    "full": Knobs(jobs=(100, 1000, 5000), job_s=60.0, window_s=60.0),
+    "smoke": Knobs(jobs=(10,), job_s=4.0, window_s=4.0, real_jobs=(10,)),
+    # where the targets are: ~150 finish. The real control plane (its start, and Pods for the first
+    # N Jobs) adds about 35 s at 300 and 2 minutes at 1,000: 1,000 at full size only.
+    "quick": Knobs(jobs=(TARGET_JOBS,), job_s=60.0, window_s=9.0, real_jobs=(300,)),
+    "full": Knobs(jobs=(100, 1000, 5000), job_s=60.0, window_s=60.0, real_jobs=(300, TARGET_JOBS)),
 }
+# The controller manager's client budget (--kube-api-qps; Kubernetes' default, 20, cannot create
+# and track ~17 Pods/s: each takes about 9 of the Job controller's requests).
+REAL_KUBE_API_QPS = 400
 
 Key = tuple[str, str, str, int]  # verb, resource, subresource, code
 CREATED: Key = ("POST", "jobs", "", 201)
+OURS, NODE, CONTROLLERS, BENCH, OTHER = "ours", "node", "controllers", "bench", "other"  # who sent a request
 
 
 @dataclass
@@ -108,6 +125,12 @@ class Window:
     unrecorded: int = 0  # ours: finished Jobs without a terminal event by `_latencies`' deadline
     tasks: str = ""  # ours: what the worker's tasks took, from its log
     watch_lag_p99_s: float = 0.0  # the bench's watch: seen finished - completionTime (< 1 s: on time)
+    # the real server: the window's requests by who sent them (its audit log), the bench's left out
+    by_actor: dict[str, Counter[Key]] = field(default_factory=dict)
+    cpu_s: dict[str, float] = field(default_factory=dict)  # CPU seconds of each process in the window
+    pods_behind: int = 0  # the real server: Jobs still without a bound Pod when the window opened
+    server_ms: dict[str, float] = field(default_factory=dict)  # the real server's mean ms per request, by verb
+    job_bytes: int = 0  # ours: the JSON of one Job in a LIST page, on average (after the window)
 
     @property
     def total(self) -> int:
@@ -122,9 +145,15 @@ class Window:
         """Requests per Job: in steady state, every request / the Jobs finished. A system that
         falls behind creates fewer Jobs than finish, which would flatter it: so each Job counts
         its one successful create, plus every other request / the Jobs finished."""
-        if not self.created:
-            return self.total / len(self.finished)
-        return 1 + (self.total - self.created) / len(self.finished)
+        return per_finished_job(self.requests, len(self.finished))
+
+    def sent_by(self, group: str) -> Counter[Key]:
+        """The requests of one group of senders (OURS, NODE, CONTROLLERS, ...), from the audit log."""
+        out: Counter[Key] = Counter()
+        for actor, requests in self.by_actor.items():
+            if actor_group(actor) == group:
+                out.update(requests)
+        return out
 
     @property
     def per_s(self) -> float:
@@ -144,16 +173,23 @@ def run(ctx: services.BenchContext, size: Size) -> BenchResult:
             "poll_interval_s": POLL_INTERVAL_S,
             "baseline_countdown_s": COUNTDOWN_S,
             "worker_concurrency": CONCURRENCY,
+            "clusters": list(ctx.clusters),
+            "real_concurrent_jobs": list(knobs.real_jobs) if services.REAL in ctx.clusters else [],
+            "real_kube_api_qps": REAL_KUBE_API_QPS,
         },
     )
     caps_file = ctx.work_dir / "api-load-capabilities.yaml"
     caps_file.write_text(yaml.safe_dump(capability_config(knobs.job_s)))
     caps = CapabilityResolver.from_mapping(capability_config(knobs.job_s), source=str(caps_file))
-    for i, n in enumerate(knobs.jobs):
+    local: dict[int, Window] = {}
+    for i, n in enumerate(knobs.jobs if services.LOCAL in ctx.clusters else ()):
         variants = {"ours": partial(_ours, ctx, knobs, n, caps, caps_file), "baseline": partial(_baseline, ctx, knobs, n)}
         order = list(variants) if i % 2 == 0 else list(reversed(variants))
         windows = {name: variants[name]() for name in order}
         _report(result, n, windows["ours"], windows["baseline"], knobs)
+        local[n] = windows["ours"]
+    for n in knobs.real_jobs if services.REAL in ctx.clusters else ():
+        _report_real(result, n, _ours(ctx, knobs, n, caps, caps_file, kind=services.REAL), knobs, local=local.get(n))
     result.notes.append(
         "requests per Job: every request the server counted in the window (apiserver_request_total, two /metrics "
         "scrapes; the bench's own watch is not in it) / the Jobs seen finishing in it; counted as 1 create + the "
@@ -165,6 +201,15 @@ def run(ctx: services.BenchContext, size: Size) -> BenchResult:
         "latency = the terminal event's created_at in PostgreSQL minus that instant (same machine clock)"
     )
     return result
+
+
+def per_finished_job(requests: Counter[Key], finished: int) -> float:
+    """1 per Job for its create (if these requests create Jobs at all), plus every other request
+    / the Jobs finished (see `Window.per_job`)."""
+    created = requests[CREATED]
+    if not created:
+        return sum(requests.values()) / finished
+    return 1 + (sum(requests.values()) - created) / finished
 
 
 # --- the workload ---------------------------------------------------------------------------
@@ -203,32 +248,123 @@ def initial_steps(n: int) -> list[int]:
 # --- what the server counted -------------------------------------------------------------
 
 
-def scrape(cluster: services.Cluster) -> Counter[Key]:
-    """`apiserver_request_total` from the server's /metrics, by verb, resource, subresource, code."""
-    url = urllib.parse.urlsplit(cluster.url)
-    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
+METRIC = "apiserver_request_total"
+# The real server's time per request (localcluster has none): its sum and count, by verb, resource, subresource.
+DURATION = "apiserver_request_duration_seconds"
+SCRAPE: Key = ("GET", "", "/metrics", 200)  # how the real server counts a scrape (localcluster does not)
+
+
+class Scrape(NamedTuple):
+    requests: Counter[Key]  # apiserver_request_total
+    at: float  # when the server read its counters
+    seconds: Counter[Key]  # apiserver_request_duration_seconds_sum, code 0
+    timed: Counter[Key]  # apiserver_request_duration_seconds_count, code 0
+
+
+def scrape(cluster: services.Cluster) -> Scrape:
+    """`apiserver_request_total` from the server's /metrics, by verb, resource, subresource, code
+    (the bench's own scrapes left out), and when the server read it: as its answer's head
+    arrives (the real server's body, every metric of it, takes a while longer); the real one's
+    time spent answering, too."""
+    conn = cluster.connection()
     try:
-        conn.request("GET", "/metrics", headers={"Authorization": f"Bearer {cluster.token}"})
+        conn.request("GET", "/metrics", headers=cluster.headers())
         response = conn.getresponse()
+        at = time.time()
         body = response.read().decode()
-        if response.status != 200:
-            raise RuntimeError(f"GET /metrics answered {response.status}: {body[:200]}")
     finally:
         conn.close()
+    if response.status != 200:
+        raise RuntimeError(f"GET /metrics answered {response.status}: {body[:200]}")
+    wanted = "\n".join(line for line in body.splitlines() if line.startswith((METRIC, f"{DURATION}_sum", f"{DURATION}_count")))
     counts: Counter[Key] = Counter()
-    for family in text_string_to_metric_families(body):
+    seconds: Counter[Key] = Counter()
+    timed: Counter[Key] = Counter()
+    for family in text_string_to_metric_families(wanted):  # the rest (megabytes, on the real server) left unparsed
         for s in family.samples:
-            if s.name == "apiserver_request_total":
-                labels = s.labels
+            labels = s.labels
+            if s.name == METRIC:
                 counts[(labels["verb"], labels["resource"], labels["subresource"], int(labels["code"]))] += int(s.value)
-    return counts
+            elif s.name in (f"{DURATION}_sum", f"{DURATION}_count"):
+                into = seconds if s.name.endswith("_sum") else timed
+                into[(labels["verb"], labels["resource"], labels["subresource"], 0)] += s.value
+    del counts[SCRAPE]
+    return Scrape(counts, at, seconds, timed)
+
+
+# The audit log's verbs as apiserver_request_total spells them (a deletecollection is a DELETE there).
+METRIC_VERBS = {"get": "GET", "list": "LIST", "watch": "WATCH", "create": "POST", "update": "PUT", "patch": "PATCH",
+                "delete": "DELETE", "deletecollection": "DELETE"}  # fmt: skip
+
+
+def actor(user: str, user_agent: str, *, admin: str) -> str:
+    """Who sent a request, by its user: "node", a controller's ServiceAccount ("job-controller",
+    "generic-garbage-collector", ...), "ours" (the admin's, the worker and beat) or "bench"
+    (the admin's with the bench's user agent); any other user as it is (e.g. system:apiserver)."""
+    if user.startswith("system:node:"):
+        return NODE
+    if user.startswith("system:serviceaccount:kube-system:"):
+        return user.rsplit(":", 1)[1]
+    if user == admin:
+        return BENCH if user_agent.startswith(services.BENCH_USER_AGENT) else OURS
+    return user
+
+
+def actor_group(name: str) -> str:
+    """OURS, NODE, BENCH, CONTROLLERS (a kube-system ServiceAccount or the controller manager
+    itself) or OTHER."""
+    if name in (OURS, NODE, BENCH):
+        return name
+    if name == "system:kube-controller-manager" or not name.startswith("system:"):
+        return CONTROLLERS
+    return OTHER
+
+
+def audited(lines: Iterable[str], *, admin: str) -> dict[str, Counter[Key]]:
+    """The requests of the audit log's JSON `lines` that the server counted between the bench's
+    last two scrapes of /metrics, by sender (`actor`) and verb, resource, subresource, code, as
+    apiserver_request_total counts them: those answered after the first scrape was received and
+    before the second was (the counter is read as a scrape arrives, a request counted once
+    answered). Empty unless the two scrapes are in `lines`."""
+    events, scrapes = [], []
+    for line in lines:
+        try:
+            event = json.loads(line)
+        except ValueError:  # the last line, half-written
+            continue
+        if event.get("stage") != "ResponseComplete":
+            continue
+        who = actor((event.get("user") or {}).get("username", ""), event.get("userAgent", ""), admin=admin)
+        if who == BENCH and event.get("requestURI", "").startswith("/metrics"):
+            scrapes.append(_time(event["requestReceivedTimestamp"]))
+        events.append((who, event))
+    out: dict[str, Counter[Key]] = {}
+    if len(scrapes) < 2:
+        return out
+    since, until = scrapes[-2], scrapes[-1]
+    for who, event in events:
+        if not since < _time(event["stageTimestamp"]) <= until:
+            continue
+        ref, code = event.get("objectRef") or {}, int((event.get("responseStatus") or {}).get("code", 0))
+        if ref.get("resource"):
+            key: Key = (METRIC_VERBS.get(event["verb"], event["verb"].upper()), ref["resource"], ref.get("subresource", ""),
+                        code)  # fmt: skip
+        else:  # a non-resource path (/healthz, /openapi/v3...)
+            key = (event["verb"].upper(), "", urllib.parse.urlsplit(event.get("requestURI", "")).path, code)
+        out.setdefault(who, Counter())[key] += 1
+    return out
+
+
+def _time(stamp: str) -> float:
+    """An audit timestamp (RFC 3339, microseconds) as a Unix time."""
+    return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
 
 
 def breakdown(requests: Counter[Key], *, seconds: float) -> str:
     """"LIST jobs 12 (0.8/s), POST jobs 301 ..." for a note, largest first."""
     parts = []
     for (verb, resource, sub, code), n in requests.most_common():
-        what = f"{verb} {resource}{'/' + sub if sub else ''}{'' if code < 400 else f' [{code}]'}"
+        what = f"{verb} {resource + ('/' + sub if sub else '') if resource else sub}{'' if code < 400 else f' [{code}]'}"
         parts.append(f"{what} {n} ({n / seconds:.1f}/s)")
     return ", ".join(parts)
 
@@ -241,8 +377,7 @@ class JobWatch:
     first seen with a Complete or Failed condition, and the Jobs seen at all."""
 
     def __init__(self, cluster: services.Cluster, namespace: str, on_finished: Callable[[str], None]) -> None:
-        self._url = urllib.parse.urlsplit(cluster.url)
-        self._token = cluster.token
+        self._cluster = cluster
         self._namespace = namespace
         self._on_finished = on_finished
         self.finished_at: dict[str, float] = {}
@@ -285,15 +420,11 @@ class JobWatch:
 
     def _watch(self, rv: str) -> str:
         """One watch request, from `rv` ("" = every Job now, then changes); the last rv seen."""
-        conn = http.client.HTTPConnection(self._url.hostname, self._url.port, timeout=None)
+        conn = self._cluster.connection(timeout=None)
         self._conn = conn
         query = urllib.parse.urlencode({"watch": "true", "timeoutSeconds": "3600", "resourceVersion": rv})
         try:
-            conn.request(
-                "GET",
-                f"/apis/batch/v1/namespaces/{self._namespace}/jobs?{query}",
-                headers={"Authorization": f"Bearer {self._token}"},
-            )
+            conn.request("GET", f"/apis/batch/v1/namespaces/{self._namespace}/jobs?{query}", headers=self._cluster.headers())
             response = conn.getresponse()
             if response.status != 200:
                 raise RuntimeError(f"watch answered {response.status}: {response.read()[:200]!r}")
@@ -411,12 +542,18 @@ def steady(
         watch.stop()
 
 
-def measure(cluster: services.Cluster, watch: JobWatch, window_s: float) -> Window:
-    """Requests and completions over `window_s` seconds (a measurement window, not a wait)."""
-    before, t0, in_flight_at_start = scrape(cluster), time.time(), watch.in_flight
+def measure(cluster: services.Cluster, watch: JobWatch, window_s: float, *, pids: dict[str, int | None]) -> Window:
+    """Requests and completions over `window_s` seconds (a measurement window, not a wait), and
+    the CPU each of `pids` (and the bench) used in it; on the real server, who sent the requests."""
+    audit_from = cluster.audit_log.stat().st_size if cluster.audit_log else 0
+    cpu_before = _cpu(pids)
+    first, in_flight_at_start = scrape(cluster), watch.in_flight
     time.sleep(window_s)
-    after, t1, in_flight_at_end = scrape(cluster), time.time(), watch.in_flight
-    after.subtract(before)
+    last, in_flight_at_end = scrape(cluster), watch.in_flight
+    cpu_after = _cpu(pids)
+    t0, t1 = first.at, last.at
+    after = last.requests.copy()
+    after.subtract(first.requests)
     requests = +after
     own_watches = sum(1 for t in watch.ended_at if t0 <= t <= t1)
     for key in [k for k in requests if k[0] == "WATCH"]:
@@ -428,19 +565,112 @@ def measure(cluster: services.Cluster, watch: JobWatch, window_s: float) -> Wind
     if not finished:
         raise RuntimeError(f"no Job finished in the {window_s:g}s window: nothing to divide the requests by")
     return Window(seconds=t1 - t0, requests=+requests, finished=finished, in_flight=(in_flight_at_start, in_flight_at_end),
-                  watch_lag_p99_s=_percentile(lags, 0.99) if lags else 0.0)
+                  watch_lag_p99_s=_percentile(lags, 0.99) if lags else 0.0,
+                  by_actor=_audited_window(cluster, offset=audit_from) if cluster.audit_log else {},
+                  cpu_s={name: cpu_after[name] - cpu_before[name] for name in cpu_before},
+                  server_ms=server_ms(first, last))  # fmt: skip
+
+
+def server_ms(first: Scrape, last: Scrape) -> dict[str, float]:
+    """The server's mean time per request between two scrapes, in ms, by "VERB resource[/sub]"
+    (requests the window timed), slowest first; empty for localcluster, which does not time them."""
+    out = {}
+    for key, count in last.timed.items():
+        n = count - first.timed[key]
+        if n > 0:
+            verb, resource, sub, _ = key
+            name = f"{verb} {resource + ('/' + sub if sub else '') if resource else sub}"
+            out[name] = round(1000 * (last.seconds[key] - first.seconds[key]) / n, 1)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def pods_behind(counts: Counter[Key]) -> int:
+    """Jobs created so far (the server's counter, every sender's) that have no Pod created and bound
+    yet: in a steady state only the last second or two of creates; many more while the real Job
+    controller and node agent are still working through the first N."""
+    pods = min(counts[("POST", "pods", "", 201)], counts[("POST", "pods", "binding", 201)])
+    return max(0, counts[CREATED] - pods)
+
+
+def _pods_behind(cluster: services.Cluster, *, slack: int, timeout: float = 120.0) -> int:
+    """Wait until at most `slack` Jobs lack a bound Pod (`pods_behind`): the steady state starts
+    there, not when N Jobs exist. How many lacked one then (more than `slack` after `timeout`: not
+    sustained, and measured anyway)."""
+    behind = [0]
+
+    def caught_up() -> bool:
+        behind[0] = pods_behind(scrape(cluster).requests)
+        return behind[0] <= slack
+
+    try:
+        wait_until(caught_up, timeout=timeout, interval=1.0, what=f"Pods for all but {slack} Jobs")
+    except WaitTimeout:
+        pass
+    return behind[0]
+
+
+def _listed_bytes_per_job(cluster: services.Cluster, namespace: str) -> int:
+    """The bytes of one Job in a LIST page of PAGE_SIZE (what each poll reads), on average."""
+    status, body = cluster.request("GET", f"/apis/batch/v1/namespaces/{namespace}/jobs?limit={PAGE_SIZE}")
+    items = json.loads(body).get("items") or [] if status == 200 else []
+    return round(len(body) / len(items)) if items else 0
+
+
+def _cpu(pids: dict[str, int | None]) -> dict[str, float]:
+    """CPU seconds so far of each process, the bench's own, and the whole machine's (every core's
+    busy time, whoever used it: what shows the cores saturated)."""
+    return {"bench": time.process_time(), **{name: cpu_seconds(pid) for name, pid in pids.items()},
+            "machine": _machine_cpu_seconds()}  # fmt: skip
+
+
+def _machine_cpu_seconds() -> float:
+    """Busy CPU seconds of all cores since boot (/proc/stat: all but idle and iowait; 0 if unknown)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return 0.0
+    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def _audited_window(cluster: services.Cluster, *, offset: int) -> dict[str, Counter[Key]]:
+    """The window's requests by sender, from the audit log written after byte `offset` (before the
+    window's first scrape); read once the second scrape is in it (`audited`), or after 10 s."""
+    assert cluster.audit_log is not None and cluster.plane is not None
+    found: dict[str, Counter[Key]] = {}
+
+    def read() -> bool:
+        with open(cluster.audit_log, encoding="utf-8", errors="replace") as f:
+            f.seek(offset)
+            found.update(audited(f.read().splitlines(), admin=cluster.plane.admin.name))
+        return bool(found)
+
+    try:
+        wait_until(read, timeout=10.0, interval=0.2, what="the window's second scrape in the audit log")
+    except WaitTimeout:
+        pass
+    return found
 
 
 # --- ours ----------------------------------------------------------------------------------
 
 
-def _ours(ctx: services.BenchContext, knobs: Knobs, n: int, caps: CapabilityResolver, caps_file: Path) -> Window:
-    with services.database(ctx.pg_admin_url) as database_url, services.cluster(ctx.work_dir, name=f"lc-load-{n}") as cluster:
+def _ours(
+    ctx: services.BenchContext, knobs: Knobs, n: int, caps: CapabilityResolver, caps_file: Path, *, kind: str = services.LOCAL
+) -> Window:
+    """Ours in a steady state of `n` Jobs on a new API server of `kind` (services.LOCAL or REAL)."""
+    name = f"{'lc' if kind == services.LOCAL else 'rc'}-load-{n}"
+    with (
+        services.database(ctx.pg_admin_url) as database_url,
+        services.cluster(ctx.work_dir, name=name, kind=kind, kube_api_qps=REAL_KUBE_API_QPS) as cluster,
+    ):
+        cluster.ensure_namespace(OURS_NAMESPACE)
+        pids = cluster.pids()
         env = services.deployment_env(
             {
                 "database_url": database_url,
                 "redis_url": ctx.redis_url,
-                "key_prefix": f"{ctx.key_prefix}-load-{n}",
+                "key_prefix": f"{ctx.key_prefix}-load-{kind}-{n}",
                 "namespace": OURS_NAMESPACE,
                 "kubeconfig": str(cluster.kubeconfig),
                 "capabilities": str(caps_file),
@@ -471,15 +701,19 @@ def _ours(ctx: services.BenchContext, knobs: Knobs, n: int, caps: CapabilityReso
                         max_input_bytes=settings.max_input_bytes,
                     )
 
-        def pre_create(steps: Sequence[int], ready: Callable[[], None]) -> None:
-            """The rows written while the worker and beat start, the Jobs created once they are
-            ready: none finishes before the system can replace it."""
+        def pre_create(steps: Sequence[int], ready: Callable[[], dict[str, int | None]]) -> None:
+            """The rows and then the Jobs, once the worker and beat are ready: none finishes before
+            the system can replace it, and the sweep's grace period (from the rows' writing) covers
+            the creates even on the real server, a few times slower at them."""
+            pids.update(ready())
             made = workload.created_dispatches(
                 sessions, caps, count=len(steps), namespace=OURS_NAMESPACE, deployment=settings.effective_deployment,
                 capability_of=lambda i: capability(steps[i]),
             )  # fmt: skip
-            ready()
-            rawhttp.create_jobs(cluster, OURS_NAMESPACE, [body for _, body in made], clients=PRE_CREATE_CLIENTS)
+            # exist_ok: on a starved machine the worker's sweep may create a row's Job first (its
+            # grace period over before the bench's creates are), from the same row, under the same name
+            rawhttp.create_jobs(cluster, OURS_NAMESPACE, [body for _, body in made], clients=PRE_CREATE_CLIENTS,
+                                exist_ok=True)  # fmt: skip
 
         def details() -> str:
             return "\n".join(_log_tail(ctx.work_dir / f"{name}.log") for name in ("bench-worker", "bench-beat"))
@@ -488,7 +722,10 @@ def _ours(ctx: services.BenchContext, knobs: Knobs, n: int, caps: CapabilityReso
             with services.worker_and_beat(ctx.work_dir, env, concurrency=CONCURRENCY) as ready:
                 with steady(cluster, OURS_NAMESPACE, n, pre_create=partial(pre_create, ready=ready),
                             start_jobs=start_jobs, details=details) as watch:  # fmt: skip
-                    window = measure(cluster, watch, knobs.window_s)
+                    behind = _pods_behind(cluster, slack=max(2, round(2 * n / knobs.job_s))) if kind == services.REAL else 0
+                    window = measure(cluster, watch, knobs.window_s, pids=pids)
+                    window.pods_behind = behind
+                    window.job_bytes = _listed_bytes_per_job(cluster, OURS_NAMESPACE)
                 # The window's Jobs get their terminal events a poll or so later.
                 window.latencies_s, window.unrecorded = _latencies(sessions, window.finished)
             window.tasks = task_times((ctx.work_dir / "bench-worker.log").read_text(errors="replace"))
@@ -588,7 +825,7 @@ def _baseline(ctx: services.BenchContext, knobs: Knobs, n: int) -> Window:
             worker.start()
             with steady(cluster, BASELINE_NAMESPACE, n, pre_create=pre_create, start_jobs=start_jobs,
                         details=lambda: worker.log_tail(20)) as watch:  # fmt: skip
-                window = measure(cluster, watch, knobs.window_s)
+                window = measure(cluster, watch, knobs.window_s, pids={**cluster.pids(), "worker": worker.pid})
         finally:
             worker.stop()
             producer.close()
@@ -662,7 +899,9 @@ def _report(result: BenchResult, n: int, ours: Window, baseline: Window, knobs: 
             "jobs_finished_expected": round(expected),
             "jobs_in_flight_at_start_and_end": list(window.in_flight),
             "watch_lag_p99_s": round(window.watch_lag_p99_s, 3),
-            "requests_by_verb": {f"{v} {r}{'/' + s if s else ''} {c}": k for (v, r, s, c), k in window.requests.items()},
+            "requests_by_verb": _by_verb(window.requests),
+            "cpu_percent_of_a_core": _cpu_percent(window),
+            **({"listed_bytes_per_job": window.job_bytes} if window.job_bytes else {}),
         }
         result.notes.append(
             f"{name}, {n:,} Jobs: {window.total} requests, {len(window.finished)} Jobs finished in {window.seconds:.1f}s "
@@ -682,4 +921,83 @@ def _report(result: BenchResult, n: int, ours: Window, baseline: Window, knobs: 
             f"baseline, {n:,} Jobs: its worker fell behind, so its figures understate the pattern's load: kept up, it "
             f"would make {demanded:,.0f} requests/s ({n / COUNTDOWN_S:,.0f} GETs/s) and "
             f"{knobs.job_s / COUNTDOWN_S + 2:.0f} requests per Job"
+        )
+
+
+def _by_verb(requests: Counter[Key]) -> dict[str, int]:
+    return {f"{v} {r + ('/' + s if s else '') if r else s} {c}": k for (v, r, s, c), k in requests.items()}
+
+
+def _cpu_percent(window: Window) -> dict[str, float]:
+    return {name: round(100 * cpu / window.seconds, 1) for name, cpu in sorted(window.cpu_s.items(), key=lambda kv: -kv[1])}
+
+
+def _report_real(result: BenchResult, n: int, real: Window, knobs: Knobs, *, local: Window | None) -> None:
+    """Ours on the real control plane: every request its server counted per Job, and the share
+    of each sender (the audit log's), beside localcluster's figures of the same run."""
+    finished = len(real.finished)
+    senders = {group: real.sent_by(group) for group in (OURS, NODE, CONTROLLERS, OTHER)}
+    result.figures += [
+        Figure(f"requests_per_job_real_{n}", f"requests per finished Job, real control plane, every sender, {n:,} Jobs",
+               "requests", [real.per_job], ref="14"),
+        Figure(f"requests_per_job_ours_real_{n}", f"requests per finished Job, real control plane, ours alone "
+               f"(worker + beat), {n:,} Jobs", "requests", [per_finished_job(senders[OURS], finished)], ref="14"),
+        Figure(f"requests_per_job_controllers_real_{n}", f"requests per finished Job, real control plane, "
+               f"kube-controller-manager, {n:,} Jobs", "requests", [per_finished_job(senders[CONTROLLERS], finished)], ref="14"),
+        Figure(f"requests_per_job_node_real_{n}", f"requests per finished Job, real control plane, the node agent, "
+               f"{n:,} Jobs", "requests", [per_finished_job(senders[NODE], finished)], ref="14"),
+        Figure(f"requests_per_s_real_{n}", f"requests/s at the real kube-apiserver, {n:,} Jobs", "requests/s",
+               [real.per_s], ref="14"),
+    ]  # fmt: skip
+    if real.latencies_s:
+        result.figures += [
+            Figure(f"completion_latency_p50_s_real_{n}", f"Job finished -> terminal event, real control plane, p50, "
+                   f"{n:,} Jobs", "s", [_percentile(real.latencies_s, 0.5)], ref="14"),
+            Figure(f"completion_latency_p99_s_real_{n}", f"Job finished -> terminal event, real control plane, p99, "
+                   f"{n:,} Jobs", "s", [_percentile(real.latencies_s, 0.99)], ref="14"),
+        ]  # fmt: skip
+    if local is not None:
+        result.ratios += [
+            Ratio(f"real_vs_local_requests_per_job_{n}", f"requests per finished Job, real control plane (every sender) / "
+                  f"localcluster, {n:,} Jobs", [real.per_job / max(local.per_job, 1e-9)], ref="14"),
+            Ratio(f"real_vs_local_ours_requests_per_job_{n}", f"requests per finished Job of ours alone, real control "
+                  f"plane / localcluster, {n:,} Jobs", [per_finished_job(senders[OURS], finished) / max(local.per_job, 1e-9)],
+                  ref="14"),
+        ]  # fmt: skip
+    expected = knobs.window_s * n / knobs.job_s
+    audited_total = sum(sum(c.values()) for c in real.by_actor.values()) - sum(real.sent_by(BENCH).values())
+    result.params[f"real_{n}"] = {
+        "window_s": round(real.seconds, 2),
+        "requests": real.total,
+        "requests_audited": audited_total,
+        "jobs_finished": finished,
+        "jobs_finished_expected": round(expected),
+        "jobs_in_flight_at_start_and_end": list(real.in_flight),
+        "watch_lag_p99_s": round(real.watch_lag_p99_s, 3),
+        "requests_by_verb": _by_verb(real.requests),
+        "requests_by_sender": {who: _by_verb(c) for who, c in sorted(real.by_actor.items()) if who != BENCH},
+        "cpu_percent_of_a_core": _cpu_percent(real),
+        "unrecorded": real.unrecorded,
+        "jobs_without_a_bound_pod_at_start": real.pods_behind,
+        "server_ms_per_request": real.server_ms,
+        "listed_bytes_per_job": real.job_bytes,
+    }
+    sustained = min(real.in_flight) >= 0.95 * n and finished >= 0.8 * expected and real.pods_behind <= 0.05 * n
+    per_sender = "; ".join(
+        f"{who} {per_finished_job(c, finished):.2f}/Job: {breakdown(c, seconds=real.seconds)}"
+        for who, c in sorted(real.by_actor.items(), key=lambda kv: -sum(kv[1].values())) if who != BENCH
+    )  # fmt: skip
+    result.notes.append(
+        f"real control plane, {n:,} Jobs: {real.total} requests counted by kube-apiserver ({audited_total} in its audit "
+        f"log), {finished} Jobs finished in {real.seconds:.1f}s (~{expected:.0f} expected; {real.in_flight[0]}/"
+        f"{real.in_flight[1]} in flight at start/end, {real.pods_behind} without a bound Pod at the start"
+        f"{'' if sustained else ': N not sustained'}); by sender: {per_sender}; "
+        f"CPU % of one core in the window: {', '.join(f'{k} {v:g}' for k, v in _cpu_percent(real).items())}; "
+        f"the server's mean ms per request: {', '.join(f'{k} {v:g}' for k, v in list(real.server_ms.items())[:6])}"
+        + (f"; worker tasks over the whole run: {real.tasks}" if real.tasks else "")
+    )
+    if real.unrecorded:
+        result.notes.append(
+            f"real control plane, {n:,} Jobs: {real.unrecorded} of {finished} finished Jobs had no terminal event by the "
+            "deadline; their latency counts as the time waited (a lower bound)"
         )

@@ -327,10 +327,10 @@ class _CpuMeter:
             per_process.setdefault(name, []).append(1000 * (after[name] - before[name]) / jobs)
 
     def _now(self) -> dict[str, float]:
-        return {"bench": time.process_time(), **{name: _cpu_seconds(pid) for name, pid in self._pids.items()}}
+        return {"bench": time.process_time(), **{name: cpu_seconds(pid) for name, pid in self._pids.items()}}
 
 
-def _cpu_seconds(pid: int | None) -> float:
+def cpu_seconds(pid: int | None) -> float:
     """User + system CPU seconds of process `pid` (0.0 where /proc cannot tell)."""
     try:
         with open(f"/proc/{pid}/stat") as f:

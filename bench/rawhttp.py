@@ -2,9 +2,9 @@
 library in the way. Used to measure localcluster itself and to fill it quickly for the other
 benchmarks; the project's own client (`workers.kube.KubeClient`) is measured next to it.
 
-Requests are written and answers read on a plain socket (Content-Length or chunked bodies):
-about 50 us of client CPU per request where http.client took about 180 us, and the client
-shares the machine's cores with the server it measures.
+Requests are written and answers read on a plain socket (TLS-wrapped for the real kube-apiserver;
+Content-Length or chunked bodies): about 50 us of client CPU per request where http.client took
+about 180 us, and the client shares the machine's cores with the server it measures.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import urllib.parse
 from collections.abc import Sequence
 from typing import Any
 
-from bench.services import Cluster
+from bench.services import BENCH_USER_AGENT, Cluster
 from bench.timing import Stopwatch
 
 JsonDict = dict[str, Any]
@@ -35,11 +35,12 @@ class RawApi:
 
     def __init__(self, cluster: Cluster) -> None:
         parsed = urllib.parse.urlsplit(cluster.url)
-        if parsed.scheme != "http" or parsed.hostname is None or parsed.port is None:
-            raise ApiError(f"RawApi speaks plain http to host:port, not {cluster.url}")
+        if parsed.scheme not in ("http", "https") or parsed.hostname is None or parsed.port is None:
+            raise ApiError(f"RawApi speaks http(s) to host:port, not {cluster.url}")
         self._address = (parsed.hostname, parsed.port)
+        self._tls = cluster.ssl_context()  # the real server's https, verified with its CA
         self._head = (f"Host: {parsed.hostname}:{parsed.port}\r\nAuthorization: Bearer {cluster.token}\r\n"
-                      "Accept: application/json\r\n").encode()
+                      f"Accept: application/json\r\nUser-Agent: {BENCH_USER_AGENT}\r\n").encode()
         self._sock: socket.socket | None = None
         self._buffer = bytearray()
         self.http_seconds = 0.0
@@ -55,10 +56,11 @@ class RawApi:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def create_job(self, namespace: str, body: JsonDict | str) -> None:
-        """Create a Job from its manifest (a dict, or already serialised JSON)."""
+    def create_job(self, namespace: str, body: JsonDict | str, *, exist_ok: bool = False) -> None:
+        """Create a Job from its manifest (a dict, or already serialised JSON); with `exist_ok`, a
+        409 (one of that name exists) is taken as done."""
         text = body if isinstance(body, str) else json.dumps(body)
-        self._request("POST", f"/apis/batch/v1/namespaces/{namespace}/jobs", text, expect=201)
+        self._request("POST", f"/apis/batch/v1/namespaces/{namespace}/jobs", text, expect=(201, 409) if exist_ok else 201)
 
     def list_jobs_page(
         self, namespace: str, *, label_selector: str, limit: int, continue_token: str | None
@@ -79,22 +81,23 @@ class RawApi:
             if not token:
                 return count
 
-    def _request(self, method: str, path: str, body: str | None, *, expect: int) -> bytes:
+    def _request(self, method: str, path: str, body: str | None, *, expect: int | tuple[int, ...]) -> bytes:
         head = f"{method} {path} HTTP/1.1\r\n".encode() + self._head
         data = body.encode() if body is not None else b""
         if body is not None:
             head += b"Content-Type: application/json\r\nContent-Length: " + str(len(data)).encode() + b"\r\n"
         with Stopwatch() as sw:
             if self._sock is None:
-                self._sock = socket.create_connection(self._address, timeout=30)
-                self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                sock = socket.create_connection(self._address, timeout=30)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                self._sock = self._tls.wrap_socket(sock, server_hostname=self._address[0]) if self._tls else sock
             self._sock.sendall(head + b"\r\n" + data)
             status, headers = self._read_head()
             answer = self._read_body(headers)
         self.http_seconds += sw.seconds
         if headers.get("connection", "").lower() == "close":
             self.close()
-        if status != expect:
+        if status not in (expect if isinstance(expect, tuple) else (expect,)):
             raise ApiError(f"{method} {path}: {status} {answer[:300]!r}")
         return answer
 
@@ -145,10 +148,12 @@ class RawApi:
         return self._take(int(headers.get("content-length", "0")))
 
 
-def create_jobs(cluster: Cluster, namespace: str, bodies: Sequence[JsonDict], *, clients: int) -> float:
+def create_jobs(
+    cluster: Cluster, namespace: str, bodies: Sequence[JsonDict], *, clients: int, exist_ok: bool = False
+) -> float:
     """Create `bodies` from `clients` threads, each with its own connection; the seconds it took
     from the first request to the last answer (bodies are serialised and connections opened
-    before the clock starts)."""
+    before the clock starts). `exist_ok`: a Job already there under its name counts as created."""
     texts = [json.dumps(body) for body in bodies]
     shares = [texts[i::clients] for i in range(clients)]
     apis = [RawApi(cluster) for _ in shares]
@@ -159,7 +164,7 @@ def create_jobs(cluster: Cluster, namespace: str, bodies: Sequence[JsonDict], *,
         start.wait()
         try:
             for body in share:
-                api.create_job(namespace, body)
+                api.create_job(namespace, body, exist_ok=exist_ok)
         except (ApiError, OSError, ValueError) as e:
             errors.append(e)
 

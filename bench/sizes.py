@@ -1,5 +1,5 @@
 """How big each benchmark runs: `smoke` (`--smoke`, seconds: the test suite's; its figures mean
-little), `quick` (the default, `make bench`: everything in under 2 minutes on 2 cores) and
+little), `quick` (the default, `make bench`: everything in about 2 minutes on 2 cores) and
 `full` (`--full`, `make bench FULL=1`: the issues' own sizes where they name one).
 
 Targets are judged at quick and full, never at smoke. A benchmark whose knobs are not listed
