@@ -11,8 +11,12 @@ included), and for a fraction of requests does instead what a failing server or 
 - forwards the request, then cuts the connection instead of answering (the write happened, the
   client cannot know: what a timeout after sending looks like).
 
-Every request can also be delayed. When kube-apiserver itself is down (restarting), the client's
-connection is cut, as it would be without the proxy. Set at runtime, like localcluster's, with
+Every request can also be delayed. With `--health-token-file` it also does what the load balancer
+in front of every HA control plane does: it checks kube-apiserver's `/readyz` twice a second and
+sends nothing to a server that is not ready (the client's connection is cut, as when kube-apiserver
+is down). A kube-apiserver reached directly answers between opening its port and syncing its
+RBAC caches, and refuses ServiceAccount tokens 403 (`clusterrole ... not found`) in that window
+(kubernetes/kubernetes#121635); `/readyz` waits for `informer-sync`. Set at runtime, like localcluster's, with
 `POST /faultproxy/faults {"rate": 0.05, "latency_ms": 20}` (optionally `"kinds": ["503", "reset"]`
 to draw from those alone; GET: the settings and counts), bearer token from `--token-file`.
 
@@ -50,6 +54,8 @@ HOP_BY_HOP = frozenset({
 # the client sent it (no Content-Type on the kubernetes client's creates, no gzip it did not ask for).
 NO_AUTO_HEADERS = ("Content-Type", "Accept-Encoding", "User-Agent")
 UPSTREAM_CONNECT_S = 5.0
+HEALTH_INTERVAL_S = 0.5
+HEALTH_TIMEOUT_S = 2.0
 
 
 class Fault(StrEnum):
@@ -127,8 +133,12 @@ class Proxy:
     upstream: str
     upstream_ssl: ssl.SSLContext
     control_token: str
+    health_token: str | None = None  # None: no readiness checks, every request is forwarded
     faults: Faults = field(default_factory=Faults)
     session: ClientSession | None = None
+    ready: bool = False
+    unready_cuts: int = 0  # connections cut because kube-apiserver was not ready (not a fault)
+    _checks: asyncio.Task[None] | None = None
 
     async def start(self, app: web.Application) -> None:
         self.session = ClientSession(
@@ -136,14 +146,41 @@ class Proxy:
             timeout=ClientTimeout(total=None, sock_connect=UPSTREAM_CONNECT_S),
             auto_decompress=False,  # bytes pass through as kube-apiserver sent them
         )
+        if self.health_token is None:
+            self.ready = True
+        else:
+            await self.check_ready()
+            self._checks = asyncio.create_task(self.keep_checking())
 
     async def close(self, app: web.Application) -> None:
+        if self._checks is not None:
+            self._checks.cancel()
         if self.session is not None:
             await self.session.close()
+
+    async def check_ready(self) -> None:
+        assert self.session is not None
+        try:
+            async with self.session.get(
+                self.upstream + "/readyz", headers={"Authorization": f"Bearer {self.health_token}"},
+                timeout=ClientTimeout(total=HEALTH_TIMEOUT_S),
+            ) as answer:  # fmt: skip
+                await answer.read()
+                self.ready = answer.status == 200
+        except (ClientError, OSError, asyncio.TimeoutError):
+            self.ready = False
+
+    async def keep_checking(self) -> None:
+        while True:
+            await asyncio.sleep(HEALTH_INTERVAL_S)
+            await self.check_ready()
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         if request.path == CONTROL_PATH:
             return await self.control(request)
+        if not self.ready:
+            self.unready_cuts += 1
+            return _cut(request)
         fault = None
         if request.path not in NO_FAULT_PATHS:
             if self.faults.latency_ms:
@@ -178,7 +215,10 @@ class Proxy:
                 await response.write_eof()
                 return response
         except (ClientError, OSError, asyncio.TimeoutError):
-            return _cut(request)  # kube-apiserver down or gone mid-answer: so is the client's connection
+            # kube-apiserver down or gone mid-answer: so is the client's connection
+            if self.health_token is not None:
+                self.ready = False  # until a check says otherwise
+            return _cut(request)
 
     async def control(self, request: web.Request) -> web.Response:
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
@@ -191,21 +231,28 @@ class Proxy:
                                 int(settings.get("latency_ms", self.faults.latency_ms)), settings.get("kinds"))
             except (ValueError, TypeError, AttributeError) as e:
                 return web.json_response({"error": f"invalid fault settings: {e}"}, status=400)
-        return web.json_response(self.faults.report())
+        return web.json_response(self.faults.report() | {"ready": self.ready, "unready_cuts": self.unready_cuts})
 
 
 # --- for the harness: the proxy as a subprocess, and its control endpoint ----------------------
 
 
-def process(plane: Any, *, port: int, token_file: Path, log_dir: Path, name: str = "faultproxy") -> Any:
+def process(plane: Any, *, port: int, token_file: Path, log_dir: Path, ready_gate: bool = True,
+            name: str = "faultproxy") -> Any:  # fmt: skip
     """`python -m realcluster.faultproxy` in front of `plane` (a started ControlPlane), serving with
-    its API server's certificate (CA-signed, loopback names); a ManagedProcess not yet started."""
+    its API server's certificate (CA-signed, loopback names), forwarding only while kube-apiserver
+    is ready unless `ready_gate` is False; a ManagedProcess not yet started."""
     from tasks.processes import ManagedProcess, project_env
 
     keys = plane.directory / "pki"
     argv = [sys.executable, "-m", "realcluster.faultproxy", "--port", str(port), "--upstream", plane.url,
             "--ca", str(keys / "ca.crt"), "--cert", str(keys / "apiserver.crt"), "--key", str(keys / "apiserver.key"),
             "--token-file", str(token_file)]  # fmt: skip
+    if ready_gate:
+        health = log_dir / f"{name}.health-token"
+        health.write_text(plane.token)  # any authenticated user may read /readyz; anonymous access is off
+        health.chmod(0o600)
+        argv += ["--health-token-file", str(health)]
     return ManagedProcess(name, argv, project_env({}), log_dir / f"{name}.log")
 
 
@@ -235,8 +282,9 @@ async def _serve(args: argparse.Namespace) -> None:
     upstream_ssl = ssl.create_default_context(cafile=str(args.ca))
     server_ssl = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     server_ssl.load_cert_chain(str(args.cert), str(args.key))
+    health_token = args.health_token_file.read_text().strip() if args.health_token_file else None
     proxy = Proxy(upstream=args.upstream.rstrip("/"), upstream_ssl=upstream_ssl,
-                  control_token=args.token_file.read_text().strip())  # fmt: skip
+                  control_token=args.token_file.read_text().strip(), health_token=health_token)  # fmt: skip
     proxy.faults.set(args.fault_rate, args.latency_ms)
     runner = web.AppRunner(app_for(proxy), access_log=None, handle_signals=False)
     await runner.setup()
@@ -262,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cert", type=Path, required=True, help="the proxy's serving certificate (CA-signed)")
     parser.add_argument("--key", type=Path, required=True)
     parser.add_argument("--token-file", type=Path, required=True, help="the bearer token of the control endpoint")
+    parser.add_argument("--health-token-file", type=Path, default=None,
+                        help="a token that may GET /readyz: forward only while kube-apiserver is ready")
     parser.add_argument("--fault-rate", type=float, default=0.0)
     parser.add_argument("--latency-ms", type=int, default=0)
     args = parser.parse_args(argv)

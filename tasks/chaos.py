@@ -1,9 +1,9 @@
 """The chaos run: the whole system abused on a seeded schedule, then checked for anything lost,
 doubled, wrong or left over (`k8s-dispatch chaos`, `make chaos`).
 
-`run(options)` creates a PostgreSQL database and a Redis key prefix of its own, starts
-`localcluster serve`, W `celery -A tasks worker` processes and `celery -A tasks beat` as a
-user would, and feeds N dispatches at a steady rate while `tasks.fault_plan` kills processes,
+`run(options)` creates a PostgreSQL database and a Redis key prefix of its own, starts the
+cluster (`localcluster serve`, or the real control plane behind a fault proxy: `tasks.chaos_cluster`),
+W `celery -A tasks worker` processes and `celery -A tasks beat` as a user would, and feeds N dispatches at a steady rate while `tasks.fault_plan` kills processes,
 flushes the broker, breaks and restarts the API server and kills database connections. Then
 it stops the faults, waits for convergence and judges the end state (`tasks.chaos_checks`).
 Every process, the database and the keys are removed at the end, whatever happened.
@@ -11,7 +11,6 @@ Every process, the database and the keys are removed at the end, whatever happen
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -19,7 +18,6 @@ import signal
 import tempfile
 import threading
 import time
-import urllib.request
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -36,28 +34,18 @@ from sqlalchemy.engine import make_url
 
 from engine.errors import DispatchError
 from engine.models import TERMINAL_EVENT_TYPES, CaseEvent, Dispatch
-from tasks import interrupts
+from tasks import chaos_cluster, interrupts
 from tasks.chaos_checks import RowSnapshot, TerminalEvent, Verdict, judge
 from tasks.chaos_workload import Expected, Planned, capabilities_config, expected, workload
 from tasks.fault_plan import BEAT, Fault, FaultKind, FaultPlan, make_plan, worker_names
-from tasks.processes import (
-    LISTENING,
-    ManagedProcess,
-    WaitTimeout,
-    celery_beat,
-    celery_worker,
-    free_port,
-    localcluster_server,
-    wait_for_log,
-    wait_until,
-)
+from tasks.chaos_cluster import CLUSTERS, LOCALCLUSTER, ChaosCluster
+from tasks.processes import ManagedProcess, WaitTimeout, celery_beat, celery_worker, wait_for_log, wait_until
 
 log = logging.getLogger(__name__)
 
 DEFAULT_ADMIN_URL = os.environ.get("K8S_DISPATCH_CHAOS_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 DEFAULT_REDIS_URL = os.environ.get("K8S_DISPATCH_REDIS_URL", "redis://127.0.0.1:6379/0")
 NAMESPACE = "chaos"
-LOCALCLUSTER = "localcluster"
 # The application_name of the workers' database connections: what the DB_KILL fault kills.
 WORKER_DB_APP = "k8s-dispatch-worker"
 HARNESS_DB_APP = "k8s-dispatch-chaos"
@@ -89,6 +77,8 @@ class ChaosOptions:
     workers: int = 3
     seed: int = 0
     mode: str = "simulate"
+    cluster: str = LOCALCLUSTER  # or "realcluster": kube-apiserver, etcd, the real Job controller
+    api_ready_gate: bool = True  # realcluster: the fault proxy forwards only while kube-apiserver is ready
     rate: float = 10.0  # dispatches per second from the feeder
     kills: int = 20
     deadline_s: float = 300.0  # for convergence, once the faults stop
@@ -123,7 +113,8 @@ class ChaosResult:
     work_dir: Path
     verdict: Verdict = field(default_factory=Verdict)
     done: list[FaultDone] = field(default_factory=list)
-    api_faults: int = 0  # error responses the API server injected
+    api_faults: int = 0  # faults the API server (or the proxy in front of it) injected
+    api_faults_by_kind: dict[str, int] = field(default_factory=dict)
     db_connections_killed: int = 0
     converged_s: float | None = None  # None: not converged by the deadline
     feed_s: float = 0.0
@@ -172,6 +163,7 @@ class ChaosResult:
             "kills": self.kills,
             "broker_flushes": self.broker_flushes,
             "api_faults": self.api_faults,
+            "api_faults_by_kind": self.api_faults_by_kind,
             "api_restarts": self.count_done(FaultKind.API_RESTART),
             "db_kills": self.count_done(FaultKind.DB_KILL),
             "db_connections_killed": self.db_connections_killed,
@@ -180,6 +172,7 @@ class ChaosResult:
             "ok": self.ok,
             "error": self.error,
             "mode": self.options.mode,
+            "cluster": self.options.cluster,
             "workers": self.options.workers,
             "rate": self.options.rate,
             "feed_s": round(self.feed_s, 1),
@@ -227,6 +220,8 @@ def run(options: ChaosOptions, *, progress: Callable[[str], None] = lambda _: No
         raise ValueError("dispatches and workers must be >= 1 and rate > 0")
     if options.mode not in ("simulate", "exec"):
         raise ValueError(f"mode must be simulate or exec, got {options.mode!r}")
+    if options.cluster not in CLUSTERS:
+        raise ValueError(f"cluster must be one of {', '.join(CLUSTERS)}, got {options.cluster!r}")
     tag = uuid.uuid4().hex[:8]
     plan = fault_plan(options)
     work_dir = options.work_dir or Path(tempfile.mkdtemp(prefix=f"k8s-dispatch-chaos-{tag}-"))
@@ -268,8 +263,7 @@ class _Run:
         self.sends: Counter[str] = Counter()  # dispatch id -> `schedule` task sends
         self.recorded: set[str] = set()  # task-path dispatch ids seen in the database
         self.ids_lock = threading.Lock()
-        self.api_faults_now = (0.0, 0)
-        self.api_injected_before_restarts = 0
+        self.cluster: ChaosCluster | None = None
         self.feed_error: BaseException | None = None
         self.threads: list[threading.Thread] = []
         self.t0 = 0.0
@@ -310,44 +304,36 @@ class _Run:
 
         caps_path = self.dir / "capabilities.yaml"
         caps_path.write_text(yaml.safe_dump(capabilities_config(options.mode)))
-        self.kubeconfig = self.dir / "kubeconfig"
-        port, tls_port = free_port(), free_port()
+        base_env = {k: v for k, v in os.environ.items() if not k.startswith("K8S_DISPATCH_")}
+        cluster = chaos_cluster.make(options.cluster, directory=self.dir, mode=options.mode, namespace=NAMESPACE,
+                                     env=base_env, ready_gate=options.api_ready_gate)  # fmt: skip
+        self.stack.callback(cluster.stop)
+        cluster.start()
+        self.cluster = cluster
         values = {
             "K8S_DISPATCH_DATABASE_URL": _with_app_name(self.db_url, WORKER_DB_APP),
             "K8S_DISPATCH_REDIS_URL": options.redis_url,
             "K8S_DISPATCH_KEY_PREFIX": self.prefix,
             "K8S_DISPATCH_NAMESPACE": NAMESPACE,
             "K8S_DISPATCH_CAPABILITIES": str(caps_path),
-            "K8S_DISPATCH_KUBECONFIG": str(self.kubeconfig),
+            "K8S_DISPATCH_KUBECONFIG": str(cluster.worker_kubeconfig),
             **{f"K8S_DISPATCH_{k}": v for k, v in DEPLOYMENT_SETTINGS.items()},
         }
-        self.env = {k: v for k, v in os.environ.items() if not k.startswith("K8S_DISPATCH_")} | values
+        self.env = base_env | values
         self.settings = load_settings(values)
-
-        cluster = localcluster_server(
-            log_dir=self.dir, kubeconfig=self.kubeconfig, mode=options.mode,
-            state=self.dir / "cluster-state.jsonl", port=port, tls_port=tls_port, env=self.env,
-        )  # fmt: skip
-        self._add(cluster)
-        cluster.start()
-        wait_for_log(cluster, LISTENING, timeout=START_TIMEOUT_S)
-        self.token = _token(self.kubeconfig)
-        self.api_url = f"http://127.0.0.1:{port}"  # the faults endpoint, on the http listener
-        self.kube = KubeClient(self.kubeconfig, timeout_s=10)
+        self.kube = KubeClient(cluster.harness_kubeconfig, timeout_s=10)
         self.stack.callback(self.kube.close)
 
         self._create_engine_side()
         for name in worker_names(options.workers):
             self._add(celery_worker(name, env=self.env, log_dir=self.dir, concurrency=self.settings.worker_concurrency))
         self._add(celery_beat(env=self.env, log_dir=self.dir, name=BEAT))
+        for proc in self.procs.values():
+            proc.start()
         for name, proc in self.procs.items():
-            if name != LOCALCLUSTER:
-                proc.start()
-        for name, proc in self.procs.items():
-            if name != LOCALCLUSTER:
-                wait_for_log(proc, " ready." if name != BEAT else "beat: Starting", timeout=START_TIMEOUT_S)
+            wait_for_log(proc, " ready." if name != BEAT else "beat: Starting", timeout=START_TIMEOUT_S)
         self.progress(
-            f"chaos: {options.workers} workers, beat and localcluster ({options.mode}) up; "
+            f"chaos: {options.workers} workers, beat and {options.cluster} ({options.mode}) up; "
             f"database {self.result.database}, prefix {self.prefix}, logs in {self.dir}"
         )
 
@@ -447,17 +433,10 @@ class _Run:
                     note = f"{name} exited by itself with code {proc.returncode} (restarted)"
                     log.warning("%s\n%s", note, proc.log_tail(20))
                     self.result.unexpected_exits.append(note)
-                    self._restart(proc)
+                    proc.start()
+            if self.cluster is not None:
+                self.result.unexpected_exits += self.cluster.revive()
         self._resend_unrecorded()
-
-    def _restart(self, proc: ManagedProcess) -> None:
-        proc.start()
-        if proc.name == LOCALCLUSTER:
-            wait_for_log(proc, LISTENING, timeout=START_TIMEOUT_S)
-            try:
-                self._set_api_faults(*self.api_faults_now)  # a new server starts without faults
-            except OSError as e:
-                log.warning("could not set the API faults again after a restart: %s", e)
 
     # --- the feeder (the engine) -----------------------------------------------------------
 
@@ -588,7 +567,7 @@ class _Run:
         if kind is FaultKind.API_FAULTS_ON:
             plan = self.result.plan
             self._set_api_faults(plan.api_fault_rate, plan.api_latency_ms)
-            return f"{plan.api_fault_rate:.0%} of requests fail (500/503/429), +{plan.api_latency_ms} ms each"
+            return f"{plan.api_fault_rate:.0%} of requests fail ({self._cluster.fault_words}), +{plan.api_latency_ms} ms each"
         if kind is FaultKind.API_FAULTS_OFF:
             self._set_api_faults(0.0, 0)
             return "API faults off"
@@ -596,12 +575,9 @@ class _Run:
             with self.proc_lock:
                 if self.stop.is_set():
                     raise _Stop
-                proc = self.procs[LOCALCLUSTER]
-                self.api_injected_before_restarts += self._api_injected()
                 began = time.monotonic()
-                proc.stop()
-                self._restart(proc)
-            return f"stopped and started again on the same state in {time.monotonic() - began:.1f}s"
+                what = self._cluster.restart_api()
+            return f"{what} in {time.monotonic() - began:.1f}s"
         if kind is FaultKind.DB_KILL:
             killed = self._kill_db_connections()
             self.result.db_connections_killed += killed
@@ -630,22 +606,14 @@ class _Run:
             ).fetchall()
         return sum(1 for (killed,) in rows if killed)
 
+    @property
+    def _cluster(self) -> ChaosCluster:
+        assert self.cluster is not None, "the cluster starts in _set_up"
+        return self.cluster
+
     def _set_api_faults(self, rate: float, latency_ms: int) -> None:
-        self.api_faults_now = (rate, latency_ms)
-        self._api_call({"rate": rate, "latency_ms": latency_ms})
-
-    def _api_injected(self) -> int:
-        return int(self._api_call(None).get("injected", 0))
-
-    def _api_call(self, body: dict[str, Any] | None) -> dict[str, Any]:
-        request = urllib.request.Request(
-            f"{self.api_url}/localcluster/faults",
-            data=json.dumps(body).encode() if body is not None else None,
-            method="POST" if body is not None else "GET",
-            headers={"Authorization": f"Bearer {self.token}", "Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(request, timeout=10) as response:
-            return json.loads(response.read())
+        with self.proc_lock:
+            self._cluster.set_faults(rate, latency_ms)
 
     def _sleep_until(self, when: float) -> bool:
         """Wait until `when` (monotonic); False if the run is stopping."""
@@ -734,7 +702,10 @@ class _Run:
         counted = Counter(result.stats)
         counted.update(Stats(self.redis, prefix=self.prefix).all())
         result.stats = dict(sorted(counted.items()))
-        result.api_faults = self.api_injected_before_restarts + self._api_injected()
+        with self.proc_lock:
+            injected = self._cluster.injected()
+        result.api_faults = sum(injected.values())
+        result.api_faults_by_kind = dict(sorted(injected.items()))
 
 
 # --- helpers at the edges ------------------------------------------------------------------------
@@ -775,11 +746,6 @@ def _delete_prefix(client: redis.Redis, prefix: str) -> int:
     return deleted
 
 
-def _token(kubeconfig: Path) -> str:
-    doc = yaml.safe_load(kubeconfig.read_text())
-    return doc["users"][0]["user"]["token"]
-
-
 # --- the report ----------------------------------------------------------------------------------
 
 
@@ -794,7 +760,8 @@ def render(result: ChaosResult, console: Any) -> None:
     for name, value in (
         ("seed", options.seed),
         ("dispatches", f"{options.dispatches} at {options.rate:g}/s (feed {result.feed_s:.1f}s)"),
-        ("processes", f"{options.workers} x celery -A tasks worker, celery -A tasks beat, localcluster serve --mode {options.mode}"),
+        ("processes", f"{options.workers} x celery -A tasks worker, celery -A tasks beat"),
+        ("cluster", _cluster_words(options)),
         ("deployment", ", ".join(f"{k.lower()}={v}" for k, v in DEPLOYMENT_SETTINGS.items())),
         ("database / prefix", f"{result.database} / {result.prefix}"),
         ("converged", f"{result.converged_s:.1f}s after the faults stopped" if result.converged_s is not None
@@ -815,7 +782,8 @@ def render(result: ChaosResult, console: Any) -> None:
             by_target = Counter(d.fault.target for d in done if d.ok)
             what = ", ".join(f"{t} x{n}" for t, n in sorted(by_target.items()))
         elif kind is FaultKind.API_FAULTS_ON:
-            what = f"{done[0].detail if done else ''}; {result.api_faults} error responses injected"
+            kinds = ", ".join(f"{k} x{n}" for k, n in result.api_faults_by_kind.items())
+            what = f"{done[0].detail if done else ''}; {result.api_faults} injected ({kinds})"
         else:
             what = "; ".join(d.detail for d in done)
         failed = [d for d in done if not d.ok]
@@ -855,3 +823,10 @@ def render(result: ChaosResult, console: Any) -> None:
         console.print(f"[red]error: {result.error}[/red]")
     if not result.ok:
         console.print(f"logs and cluster state kept in {result.work_dir}")
+
+
+def _cluster_words(options: ChaosOptions) -> str:
+    if options.cluster == LOCALCLUSTER:
+        return f"localcluster serve --mode {options.mode}"
+    return (f"realcluster: etcd, kube-apiserver, kube-controller-manager, node agent --mode {options.mode}; "
+            "workers through faultproxy as deploy/rbac.yaml's ServiceAccount")  # fmt: skip

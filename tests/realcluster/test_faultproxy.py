@@ -10,6 +10,7 @@ import http.client
 import json
 import secrets
 import threading
+import types
 from collections.abc import Iterator
 from dataclasses import replace
 import pytest
@@ -87,7 +88,8 @@ def test_requests_errors_and_watches_pass_through_as_sent(faults_off: ClusterHan
             client.CoreV1Api(direct).create_namespaced_config_map(ns, config_map("later"))
         assert done.wait(30), "the watch through the proxy never saw the event"
         assert seen == ["ADDED later"]
-    assert set_faults(faults_off)["injected"] == 0
+    report = set_faults(faults_off)
+    assert (report["injected"], report["ready"], report["unready_cuts"]) == (0, True, 0)
 
 
 @pytest.mark.parametrize(("kind", "code", "reason"), [
@@ -139,3 +141,25 @@ def test_the_control_endpoint_wants_its_token_and_valid_settings(faults_off: Clu
             set_faults(faults_off, **bad)
         assert getattr(invalid.value, "code", None) == 400, bad
     assert set_faults(faults_off)["rate"] == 0.0
+
+
+def test_nothing_is_forwarded_while_kube_apiserver_is_not_ready(real_cluster: ClusterHandle, tmp_path) -> None:
+    """The readiness gate, as a load balancer's: a proxy whose /readyz checks fail (here: refused,
+    its token is not one kube-apiserver knows) cuts every connection and forwards nothing."""
+    (tmp_path / "token").write_text("control")
+    port = free_port()
+    plane = real_cluster.backend
+    unknown = types.SimpleNamespace(directory=plane.directory, url=plane.url, token="not-a-token")
+    proc = faultproxy.process(unknown, port=port, token_file=tmp_path / "token", log_dir=tmp_path)
+    proc.start()
+    try:
+        wait_for_log(proc, faultproxy.LISTENING, timeout=60)
+        ns = real_cluster.ensure_namespace("faultproxy-gate")
+        gated = replace(real_cluster, url=f"https://127.0.0.1:{port}", _namespaces=set())
+        with pytest.raises((http.client.HTTPException, ConnectionError)):
+            gated.raw("POST", f"/api/v1/namespaces/{ns}/configmaps", config_map("gated"))
+        report = faultproxy.call(gated.url, token="control", ca_file=real_cluster.ca_file)
+    finally:
+        proc.stop()
+    assert (report["ready"], report["unready_cuts"], report["injected"]) == (False, 1, 0)
+    assert real_cluster.raw("GET", f"/api/v1/namespaces/{ns}/configmaps/gated")[0] == 404
