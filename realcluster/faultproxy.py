@@ -258,6 +258,7 @@ def process(plane: Any, *, port: int, token_file: Path, log_dir: Path, ready_gat
 
 def call(url: str, *, token: str, ca_file: Path, settings: dict[str, Any] | None = None, timeout: float = 10.0) -> dict[str, Any]:
     """GET (settings None) or POST the proxy's fault settings; returns its report. Raises OSError."""
+    import urllib.error
     import urllib.request
 
     request = urllib.request.Request(
@@ -266,8 +267,12 @@ def call(url: str, *, token: str, ca_file: Path, settings: dict[str, Any] | None
         headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
     )  # fmt: skip
     context = ssl.create_default_context(cafile=str(ca_file))
-    with urllib.request.urlopen(request, timeout=timeout, context=context) as response:
-        return dict(json.loads(response.read()))
+    try:
+        with urllib.request.urlopen(request, timeout=timeout, context=context) as response:
+            return dict(json.loads(response.read()))
+    except urllib.error.HTTPError as e:  # an OSError whose open answer holds the connection
+        e.close()
+        raise
 
 
 def app_for(proxy: Proxy) -> web.Application:

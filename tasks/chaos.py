@@ -2,8 +2,9 @@
 doubled, wrong or left over (`k8s-dispatch chaos`, `make chaos`).
 
 `run(options)` creates a PostgreSQL database and a Redis key prefix of its own, starts the
-cluster (`localcluster serve`, or the real control plane behind a fault proxy: `tasks.chaos_cluster`),
-W `celery -A tasks worker` processes and `celery -A tasks beat` as a user would, and feeds N dispatches at a steady rate while `tasks.fault_plan` kills processes,
+cluster (`localcluster serve`, or the real control plane behind a fault proxy:
+`tasks.chaos_cluster`), W `celery -A tasks worker` processes and `celery -A tasks beat` as a
+user would, and feeds N dispatches at a steady rate while `tasks.fault_plan` kills processes,
 flushes the broker, breaks and restarts the API server and kills database connections. Then
 it stops the faults, waits for convergence and judges the end state (`tasks.chaos_checks`).
 Every process, the database and the keys are removed at the end, whatever happened.

@@ -182,7 +182,16 @@ class RealChaosCluster:
 
     def _worker_identity(self) -> str:
         """The namespace, deploy/rbac.yaml's ServiceAccount, Role and RoleBinding in it; the
-        ServiceAccount's token."""
+        ServiceAccount's token. Raises RuntimeError: kube-apiserver refused one of them."""
+        from kubernetes import client
+
+        try:
+            return self._create_worker_identity()
+        except client.ApiException as e:
+            raise RuntimeError(f"setting up the workers' identity in {self.namespace}: {e.status} {e.reason}: "
+                               f"{e.body!r}") from e  # fmt: skip
+
+    def _create_worker_identity(self) -> str:
         from kubernetes import client, config
 
         with config.new_client_from_config(config_file=str(self.plane.kubeconfig)) as api:
