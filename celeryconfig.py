@@ -95,21 +95,22 @@ def config(settings: Settings) -> dict[str, Any]:
         # Every entry is a plain interval, so beat needs no memory of last run times: the
         # in-memory scheduler writes no shelve file (nothing to leave behind, nothing for a
         # SIGTERM to find half-closed).
+        # No `expires` on either: Celery would compare beat's clock with the worker's, and a
+        # worker a few seconds ahead would drop every message. A backlog of polls or sweeps
+        # (workers busy or down) is superseded by the task itself instead: each run skips if
+        # another started within half its interval, by a Redis key's TTL (`recovery.supersede`).
         "beat_scheduler": "celery.beat:Scheduler",
         "beat_schedule": {
             "poll": {
                 "task": POLL_TASK,
                 "schedule": timedelta(seconds=settings.poll_interval_s),
-                # A poll that waited long (workers busy or down) is superseded by later ones:
-                # dropped, so a stall never leaves a backlog of polls behind it.
-                "options": {"queue": SWEEP_QUEUE, "expires": max(2 * settings.poll_interval_s, 5.0)},
+                "options": {"queue": SWEEP_QUEUE},
             },
             "sweep": {
                 "task": SWEEP_TASK,
                 "schedule": timedelta(seconds=settings.sweep_interval_s),
-                # The recovery sweep (workers also run one as they start); a sweep older
-                # than one interval is superseded by the next one.
-                "options": {"queue": SWEEP_QUEUE, "expires": settings.sweep_interval_s},
+                # The recovery sweep (workers also run one as they start, not superseded).
+                "options": {"queue": SWEEP_QUEUE},
             },
         },
     }

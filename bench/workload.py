@@ -28,6 +28,7 @@ from workers.types import CapabilityName, CaseId, DispatchId, DispatchRef, Idemp
 SIM = "localcluster.k8s-dispatch.io/"
 WORKER = "bench"
 TENANCY = "bench-tenant"
+DEPLOYMENT = "bench"  # the deployment label of Jobs no deployment delivers (raw creates and lists)
 DURATIONS_MS = (0, 10, 20, 30, 40, 50)  # one capability each: dispatch i runs DURATIONS_MS[i % 6]
 INSTANT = "bench.d0"
 MAX_INPUT_BYTES = 32 * 1024  # the settings' default
@@ -70,7 +71,9 @@ def input_for(i: int) -> dict[str, Any]:
     return {"n": i, "text": f"bench dispatch {i}"}
 
 
-def job_bodies(count: int, *, namespace: str, caps: CapabilityResolver, suspend: bool = False) -> list[dict[str, Any]]:
+def job_bodies(
+    count: int, *, namespace: str, caps: CapabilityResolver, suspend: bool = False, deployment: str = DEPLOYMENT
+) -> list[dict[str, Any]]:
     """`count` Job manifests of fresh dispatches (not in any database), 0-50 ms each."""
     bodies = []
     for i in range(count):
@@ -84,7 +87,7 @@ def job_bodies(count: int, *, namespace: str, caps: CapabilityResolver, suspend:
             worker_name=WorkerName(WORKER),
             idempotency_key=IdempotencyKey(f"key-{dispatch_id}"),
         )
-        body = build_job(ref, input=input_for(i), spec=caps.spec(cap), namespace=namespace)
+        body = build_job(ref, input=input_for(i), spec=caps.spec(cap), namespace=namespace, deployment=deployment)
         if suspend:
             body["spec"]["suspend"] = True
         bodies.append(body)
@@ -104,13 +107,15 @@ def created_dispatches(
     *,
     count: int,
     namespace: str,
+    deployment: str,
     max_input_bytes: int = MAX_INPUT_BYTES,
     capability_of: Callable[[int], str] = lambda i: INSTANT,
 ) -> list[tuple[DispatchRef, dict[str, Any]]]:
     """`count` dispatches written as an engine would (SCHEDULED), then marked created, in one
     transaction and a few statements (`store.schedule_many`, `store.mark_created_many`): each
-    one's ref and Job manifest (not created in the cluster). Instant Jobs unless
-    `capability_of(i)` names another capability for dispatch i."""
+    one's ref and Job manifest (not created in the cluster), labelled for `deployment` (the
+    settings' `effective_deployment` of the workers that are to deliver them). Instant Jobs
+    unless `capability_of(i)` names another capability for dispatch i."""
     case_id = new_case(sessions)
     requests = [
         store.ScheduleRequest(case_id, TENANCY, capability_of(i), input_for(i), f"key-{uuid.uuid4()}")
@@ -128,7 +133,10 @@ def created_dispatches(
                 worker_name=WorkerName(WORKER),
                 idempotency_key=IdempotencyKey(request.idempotency_key),
             )
-            made.append((ref, build_job(ref, input=request.input, spec=caps.spec(request.capability), namespace=namespace)))
+            body = build_job(
+                ref, input=request.input, spec=caps.spec(request.capability), namespace=namespace, deployment=deployment
+            )
+            made.append((ref, body))
         store.mark_created_many(
             session,
             [store.CreatedJob(ref.dispatch_id, body["metadata"]["name"], namespace, attempt=0) for ref, body in made],

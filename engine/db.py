@@ -8,8 +8,10 @@ session is committed or rolled back, and the one place a lost connection becomes
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import sqlalchemy as sa
@@ -155,6 +157,35 @@ def transaction(factory: sessionmaker[Session]) -> Iterator[Session]:
         raise
     finally:
         session.close()
+
+
+def database_now(session: Session) -> datetime:
+    """The database's clock (aware UTC): the one clock row times are written and compared with.
+
+    Hosts' clocks may disagree by minutes; every timestamp that another process compares (a
+    row's updated_at against the sweep's grace period, finished_at, notified_at, status ages)
+    is taken from here, so none of them depends on two hosts agreeing. This process's clock
+    plus its offset from PostgreSQL's, measured with one `SELECT statement_timestamp()` per
+    engine every DB_CLOCK_REFRESH_S (so a transaction pays no extra round trip); accurate to
+    about half that round trip. SQLite is embedded: its clock is this process's.
+    """
+    bind = session.get_bind()
+    if bind.dialect.name == "sqlite":
+        return datetime.now(timezone.utc)
+    engine = bind.engine if isinstance(bind, sa.Connection) else bind
+    measured = _DB_CLOCK_OFFSETS.get(engine)
+    if measured is None or time.monotonic() - measured[0] > DB_CLOCK_REFRESH_S:
+        before = datetime.now(timezone.utc)
+        theirs = session.execute(sa.select(sa.func.statement_timestamp())).scalar_one()
+        after = datetime.now(timezone.utc)
+        measured = (time.monotonic(), theirs - (before + (after - before) / 2))
+        _DB_CLOCK_OFFSETS[engine] = measured
+    return datetime.now(timezone.utc) + measured[1]
+
+
+DB_CLOCK_REFRESH_S = 60.0  # a clock stepped meanwhile (NTP) is measured again within this
+# engine -> (monotonic time of the measurement, the database's clock minus this process's)
+_DB_CLOCK_OFFSETS: weakref.WeakKeyDictionary[Engine, tuple[float, timedelta]] = weakref.WeakKeyDictionary()
 
 
 def _first_line(error: BaseException) -> str:

@@ -39,6 +39,13 @@ class ApiUnavailable(Transient):
     reason = "ApiUnavailable"
 
 
+class QuotaExceeded(Transient):
+    """The namespace's ResourceQuota has no room for the object now (403 "exceeded quota"):
+    a Job ending or being deleted frees it, so the create is retried, not failed."""
+
+    reason = "QuotaExceeded"
+
+
 class DatabaseUnavailable(Transient):
     """The database could not be reached or dropped the connection."""
 
@@ -152,3 +159,10 @@ class BrokerUnavailable(Transient):
     """The Celery broker could not take a message (an enqueue or a notification)."""
 
     reason = "BrokerUnavailable"
+
+
+class ScheduleNotRecorded(Transient):
+    """A schedule sent by task call was not recorded before the deadline (no worker ran it, or
+    it refused the request): sending again with the same idempotency key is safe."""
+
+    reason = "ScheduleNotRecorded"

@@ -198,6 +198,10 @@ class Dispatch(Base):
     finished_at: Mapped[datetime | None] = mapped_column(nullable=True)
     # Set once the engine's notification was sent (after the terminal event committed).
     notified_at: Mapped[datetime | None] = mapped_column(nullable=True)
+    # Why the last create of its Job failed for now (403 exceeded quota, ...); history once
+    # job_created_at is later.
+    create_error: Mapped[str | None] = mapped_column(sa.Text(), nullable=True)
+    create_error_at: Mapped[datetime | None] = mapped_column(nullable=True)
 
     @property
     def terminal(self) -> bool:

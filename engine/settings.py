@@ -7,6 +7,8 @@ and a first try run with nothing set.
 
 from __future__ import annotations
 
+import hashlib
+import re
 from enum import Enum
 from functools import lru_cache
 from pathlib import Path
@@ -51,6 +53,9 @@ class Settings(BaseSettings):
     notify_task: str = "engine.dispatch_finished"
     notify_queue: str = "engine"
     key_prefix: str = Field(default="k8s-dispatch", min_length=1, max_length=64)  # Redis keys and Celery queues
+    # This deployment's identity, a label on each of its Jobs and in each of its selectors, so
+    # that deployments sharing a namespace never see each other's Jobs; default: from key_prefix.
+    deployment: str | None = None
     metrics_port: int = Field(default=0, ge=0, le=65535)  # 0: no metrics endpoint
     broker_visibility_timeout_s: int = Field(default=3600, gt=0)
     # Threads per worker process: the tasks wait on the API, the DB and Redis, not the CPU.
@@ -64,6 +69,18 @@ class Settings(BaseSettings):
 
         if not is_dns1123_label(value):
             raise ValueError(f"{value!r} is not a valid namespace name (DNS-1123 label)")
+        return value
+
+    @field_validator("deployment")
+    @classmethod
+    def _deployment_is_label_value(cls, value: str | None) -> str | None:
+        from engine.names import is_label_value
+
+        if value is not None and (not value or not is_label_value(value)):
+            raise ValueError(
+                f"{value!r} is not a valid label value (1-63 letters, digits, '-', '_' or '.', "
+                "starting and ending with a letter or digit)"
+            )
         return value
 
     @field_validator("database_url", "redis_url")
@@ -82,6 +99,26 @@ class Settings(BaseSettings):
     @property
     def effective_broker_url(self) -> str:
         return self.broker_url or self.redis_url
+
+    @property
+    def effective_deployment(self) -> str:
+        """The deployment label's value: `deployment`, else derived from `key_prefix`."""
+        return self.deployment or deployment_from_prefix(self.key_prefix)
+
+
+_NOT_IN_LABEL = re.compile(r"[^-A-Za-z0-9_.]+")
+
+
+def deployment_from_prefix(key_prefix: str) -> str:
+    """The default deployment identity (pure): the key prefix when it is a label value, else
+    its label-safe characters (cut to 52) and 10 hex digits of its SHA-256, so that two
+    prefixes never share a default."""
+    from engine.names import is_label_value
+
+    if key_prefix and is_label_value(key_prefix):
+        return key_prefix
+    slug = _NOT_IN_LABEL.sub("-", key_prefix)[:52].strip("-_.") or "kd"
+    return f"{slug}-{hashlib.sha256(key_prefix.encode('utf-8', 'surrogatepass')).hexdigest()[:10]}"
 
 
 def load_settings(environ: Mapping[str, str] | None = None) -> Settings:

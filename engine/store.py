@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Protocol
@@ -21,6 +21,7 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.util import identity_key
 
+from engine.db import database_now
 from engine.errors import (
     ConfigError,
     IdempotencyConflict,
@@ -45,13 +46,20 @@ from engine.models import (
     EventType,
     utcnow,
 )
+from engine.names import is_dns1123_label
 from engine.payloads import canonical_json, encode_input
 
 QUERY_BATCH = 500  # ids per IN (...) and rows per page: bounded memory, few round trips
 
 
 class CapabilityRouter(Protocol):
-    """Names the worker that serves a capability (implemented by the workers' resolver)."""
+    """Names the worker that serves a capability (implemented by the workers' resolver).
+
+    A router that also has `namespace_for(capability) -> str | None` (the resolver has) names
+    where the capability's Jobs go: `schedule_many` records it in the dispatch, fixed from then
+    on. Without it (or with None) the first worker to create the Job fixes it
+    (`fix_job_namespaces`).
+    """
 
     def worker_for(self, capability: str) -> str:
         """Raises UnknownCapability if no worker serves `capability`."""
@@ -142,6 +150,9 @@ def schedule_many(
     transaction, with a few statements whatever their number: one read of the idempotency
     keys, one of the cases, one multi-row INSERT per table. A result per request, in order.
 
+    Each dispatch's Job namespace is recorded from `router.namespace_for`, when the router
+    has it: a later change of the capability's config moves only new dispatches.
+
     Idempotent on (tenancy_id, idempotency_key): a repeat of a request (an earlier one, or one
     earlier in `requests`) returns the existing dispatch with `created=False` and writes
     nothing for it, also when the first request commits concurrently (the insert skips rows
@@ -155,14 +166,19 @@ def schedule_many(
         UnknownCapability: from `router`.
         UnknownCase, TenancyMismatch: the case is missing or belongs to another tenancy.
         IdempotencyConflict: the key was used for a different case, capability or input.
+        ConfigError: the router names a namespace that is not a DNS-1123 label.
     """
-    prepared = [_prepare(request, router=router, max_input_bytes=max_input_bytes) for request in requests]
+    namespace_for = getattr(router, "namespace_for", None)
+    prepared = [
+        _prepare(request, router=router, namespace_for=namespace_for, max_input_bytes=max_input_bytes)
+        for request in requests
+    ]
     if not prepared:
         return []
     existing = _dispatches_by_key(session, {(p.tenancy_id, p.idempotency_key) for p in prepared})
     new = _new_dispatches(session, prepared, existing)
     if new:
-        existing.update(_insert(session, new, now=now or utcnow()))
+        existing.update(_insert(session, new, now=now or database_now(session)))
     written = {(p.tenancy_id, p.idempotency_key): p for p in new}
     results = []
     for p in prepared:
@@ -189,11 +205,18 @@ class _Prepared:
     idempotency_key: str
     encoded_input: str
     input: Any  # plain JSON types, as stored
+    job_namespace: str | None = None  # where its Job goes, fixed now (None: by the first worker)
     state: DispatchState = DispatchState.SCHEDULED
     repeat: bool = False  # its key is an earlier request's of the same batch
 
 
-def _prepare(request: ScheduleRequest, *, router: CapabilityRouter, max_input_bytes: int) -> _Prepared:
+def _prepare(
+    request: ScheduleRequest,
+    *,
+    router: CapabilityRouter,
+    namespace_for: Callable[[str], str | None] | None,
+    max_input_bytes: int,
+) -> _Prepared:
     """The checks that need no database, in `schedule`'s documented order."""
     check_id("case_id", request.case_id)
     check_id("tenancy_id", request.tenancy_id)
@@ -204,16 +227,21 @@ def _prepare(request: ScheduleRequest, *, router: CapabilityRouter, max_input_by
     capability = request.capability
     if not isinstance(capability, str) or not capability:
         raise UnknownCapability(f"capability must be a non-empty string, got {show_value(capability)}")
+    worker_name = router.worker_for(capability)
+    namespace = namespace_for(capability) if namespace_for is not None else None
+    if namespace is not None and not (isinstance(namespace, str) and is_dns1123_label(namespace)):
+        raise ConfigError(f"capability {capability!r}: namespace {show_value(namespace)} is not a DNS-1123 label")
     return _Prepared(
         dispatch_id=dispatch_id,
         chosen_by_caller=chosen_by_caller,
         case_id=request.case_id,
         tenancy_id=request.tenancy_id,
         capability=capability,
-        worker_name=router.worker_for(capability),
+        worker_name=worker_name,
         idempotency_key=request.idempotency_key,
         encoded_input=encoded,
         input=json.loads(encoded),  # tuples become lists, as on reading
+        job_namespace=namespace,
     )
 
 
@@ -259,8 +287,11 @@ def _insert(session: Session, new: list[_Prepared], *, now: datetime) -> dict[tu
     # would compile a new statement of rows x columns parameters for every batch.
     table = Dispatch.__table__
     insert = _insert_for(session)(table).on_conflict_do_nothing().returning(table.c.dispatch_id)
+    # Rows in key order: a concurrent batch with some of the same keys waits on them in the
+    # same order (an insert waits for the other's uncommitted row), so the two never deadlock.
+    rows = [_dispatch_row(p, now) for p in sorted(new, key=lambda p: (p.tenancy_id, p.idempotency_key))]
     with session.begin_nested():
-        inserted = set(session.scalars(insert, [_dispatch_row(p, now) for p in new]))
+        inserted = set(session.scalars(insert, rows))
         lost = [p for p in new if p.dispatch_id not in inserted]
         # Another transaction committed the same key (or took a caller's id) since we read.
         winners = _dispatches_by_key(session, {(p.tenancy_id, p.idempotency_key) for p in lost}) if lost else {}
@@ -285,6 +316,7 @@ def _dispatch_row(p: _Prepared, now: datetime) -> dict[str, Any]:
         idempotency_key=p.idempotency_key,
         input=p.input,
         state=DispatchState.SCHEDULED,
+        job_namespace=p.job_namespace,
         attempts=0,
         created_at=now,
         updated_at=now,
@@ -372,7 +404,8 @@ def mark_created(
 
 def mark_created_many(session: Session, jobs: Sequence[CreatedJob], *, now: datetime | None = None) -> set[str]:
     """Record that the dispatches' Jobs exist: state CREATED, where each Job is, when it was
-    created; `attempts` becomes at least the Job's `attempt`.
+    created; `attempts` becomes at least the Job's `attempt`. A Job namespace the dispatch
+    recorded already is kept (never overwritten): the caller created the Job there.
 
     Repeating it (a retried create that adopted its Job) is harmless. Returns the ids marked;
     a dispatch that is terminal already is left unchanged (and not returned).
@@ -380,7 +413,7 @@ def mark_created_many(session: Session, jobs: Sequence[CreatedJob], *, now: date
     Raises:
         UnknownDispatch: one of the dispatches does not exist.
     """
-    now = now or utcnow()
+    now = now or database_now(session)
     by_id = {job.dispatch_id: job for job in jobs}
     if not by_id:
         return set()
@@ -388,9 +421,9 @@ def mark_created_many(session: Session, jobs: Sequence[CreatedJob], *, now: date
     # where a per-batch `case` of every row was compiled on every call.
     updated = session.execute(
         _MARK_CREATED,
-        [
+        [  # rows in id order, as every writer takes them: two batches never deadlock
             {"m_id": d, "m_job_name": job.job_name, "m_namespace": job.namespace, "m_attempt": job.attempt, "m_now": now}
-            for d, job in by_id.items()
+            for d, job in sorted(by_id.items())
         ],
     ).rowcount
     if updated == len(by_id):  # one row per id at most (the primary key): all were marked
@@ -420,7 +453,9 @@ def _mark_created_statement() -> sa.Update:
         .values(
             state=DispatchState.CREATED,
             job_name=sa.bindparam("m_job_name", type_=table.c.job_name.type),
-            job_namespace=sa.bindparam("m_namespace", type_=table.c.job_namespace.type),
+            job_namespace=sa.func.coalesce(
+                table.c.job_namespace, sa.bindparam("m_namespace", type_=table.c.job_namespace.type)
+            ),
             job_created_at=now,
             attempts=sa.case((table.c.attempts < attempt, attempt), else_=table.c.attempts),
             updated_at=now,
@@ -429,6 +464,33 @@ def _mark_created_statement() -> sa.Update:
 
 
 _MARK_CREATED = _mark_created_statement()
+
+
+def fix_job_namespaces(session: Session, wanted: Mapping[str, str]) -> dict[str, str]:
+    """Fix the Job namespace of the dispatches among `wanted` (dispatch id -> namespace) that
+    recorded none (a row an engine wrote itself), by compare-and-set: a namespace recorded
+    first, by a racing worker, is kept. The namespace each of them now records, by id (a
+    dispatch that does not exist is left out). Two statements, whatever their number.
+    """
+    if not wanted:
+        return {}
+    session.execute(_FIX_NAMESPACE, [{"f_id": d, "f_namespace": ns} for d, ns in sorted(wanted.items())])
+    return {row.dispatch_id: row.job_namespace for row in _by_ids(session, wanted, session.execute, _NAMESPACE_OF)}
+
+
+def _fix_namespace_statement() -> sa.Update:
+    table = Dispatch.__table__
+    return (
+        sa.update(table)
+        .where(
+            table.c.dispatch_id == sa.bindparam("f_id", type_=table.c.dispatch_id.type),
+            table.c.job_namespace.is_(None),
+        )
+        .values(job_namespace=sa.bindparam("f_namespace", type_=table.c.job_namespace.type))
+    )
+
+
+_FIX_NAMESPACE = _fix_namespace_statement()
 
 
 def record_attempt(session: Session, dispatch_id: str, *, now: datetime | None = None) -> int:
@@ -440,13 +502,32 @@ def record_attempt(session: Session, dispatch_id: str, *, now: datetime | None =
     attempts = session.execute(
         sa.update(Dispatch)
         .where(Dispatch.dispatch_id == dispatch_id)
-        .values(attempts=Dispatch.attempts + 1, updated_at=now or utcnow())
+        .values(attempts=Dispatch.attempts + 1, updated_at=now or database_now(session))
         .returning(Dispatch.attempts)
         .execution_options(synchronize_session="fetch")
     ).scalar_one_or_none()
     if attempts is None:
         raise UnknownDispatch(f"dispatch {dispatch_id!r} does not exist")
     return attempts
+
+
+def record_create_error(session: Session, dispatch_id: str, *, message: str, now: datetime | None = None) -> bool:
+    """Record why the dispatch's Job could not be created for now (a create to be retried: 403
+    exceeded quota, the API unavailable), for `status` to show; False, changing nothing, if the
+    dispatch is terminal or does not exist. `updated_at` is left alone: it is not progress.
+    """
+    table = Dispatch.__table__
+    text = message.encode("utf-8", "backslashreplace").decode("utf-8").replace("\x00", "\\x00")[:MAX_CREATE_ERROR_CHARS]
+    return bool(
+        session.execute(
+            sa.update(table)
+            .where(table.c.dispatch_id == dispatch_id, table.c.state.in_([DispatchState.SCHEDULED, DispatchState.CREATED]))
+            .values(create_error=text, create_error_at=now or utcnow())
+        ).rowcount
+    )
+
+
+MAX_CREATE_ERROR_CHARS = 1000
 
 
 # --- the end ---------------------------------------------------------------------------
@@ -491,10 +572,15 @@ def record_terminals(session: Session, events: Sequence[TerminalEvent], *, now: 
     racing on the same dispatches wait for each other and never deadlock. A dispatch named
     twice keeps its first event. A batch costs a handful of statements, whatever its size.
 
+    A caller writing what came from outside (a Job's result) passes each event through
+    `storable_terminal` first, so that one payload the store cannot keep fails its own dispatch
+    instead of the batch.
+
     Raises:
         UnknownDispatch: one of the dispatches does not exist (nothing written).
         InvalidInput: a type is not a terminal event type, or a reason is not a string.
-        InputNotSerialisable: a payload is not a JSON object.
+        InputNotSerialisable: a payload is not a JSON object, or a member of it is not
+            `canonical_json` (nothing written).
     """
     checked: dict[str, tuple[EventType, dict[str, Any]]] = {}
     for event in events:
@@ -506,7 +592,7 @@ def record_terminals(session: Session, events: Sequence[TerminalEvent], *, now: 
     if missing:
         raise UnknownDispatch(f"dispatch {missing[0]!r} does not exist")
 
-    now = now or utcnow()
+    now = now or database_now(session)
     ids = sorted(checked)
     # Executemany of one cached statement: SQLAlchemy sends it as one multi-row INSERT.
     won = set(
@@ -546,21 +632,54 @@ def record_terminals(session: Session, events: Sequence[TerminalEvent], *, now: 
     return won
 
 
+def storable_terminal(event: TerminalEvent, *, reason: str) -> TerminalEvent:
+    """`event` if `record_terminals` can keep its payload, else the dispatch's failure instead
+    (pure): WORKER_FAILED with `reason` and a message saying why the payload was refused.
+
+    Raises:
+        InvalidInput: `event.type` is not a terminal event type (a caller's bug, not the data's).
+    """
+    _checked_type(event)
+    try:
+        _stored_payload(event.payload)
+    except InvalidInput as e:
+        why = str(e).encode("utf-8", "backslashreplace").decode("utf-8")  # never itself unstorable
+        return TerminalEvent(
+            event.dispatch_id, EventType.WORKER_FAILED, {"reason": reason, "message": f"the result cannot be stored: {why}"}
+        )
+    return event
+
+
 def _checked_terminal(event: TerminalEvent) -> tuple[EventType, dict[str, Any]]:
     """The event's type and payload as stored (pure), or the typed error `record_terminals` raises."""
+    return _checked_type(event), _stored_payload(event.payload)
+
+
+def _checked_type(event: TerminalEvent) -> EventType:
     try:
         event_type = EventType(event.type)
     except ValueError as e:
         raise InvalidInput(f"{event.type!r} is not an event type") from e
     if event_type not in TERMINAL_EVENT_TYPES:
         raise InvalidInput(f"{event_type} is not a terminal event type")
-    if not isinstance(event.payload, Mapping):
-        raise InputNotSerialisable(f"payload must be a JSON object, got {show_value(event.payload)}")
-    stored_payload = json.loads(canonical_json(dict(event.payload), what="payload"))
-    reason = stored_payload.get("reason")
+    return event_type
+
+
+def _stored_payload(payload: Any) -> dict[str, Any]:
+    """A terminal payload as stored: a JSON object whose every member is held to `canonical_json`
+    by itself, so an output passes here exactly when it passes `workers.job_status.parse_result`."""
+    if not isinstance(payload, Mapping):
+        raise InputNotSerialisable(f"payload must be a JSON object, got {show_value(payload)}")
+    stored: dict[str, Any] = {}
+    for key, value in payload.items():
+        if not isinstance(key, str):
+            raise InputNotSerialisable(f"payload has a non-string key {key!r}")
+        canonical_json(key, what=f"payload key {key!r}")
+        stored[key] = json.loads(canonical_json(value, what=f"payload {key!r}"))
+    reason = stored.get("reason")
     if reason is not None and not isinstance(reason, str):
         raise InvalidInput(f"payload reason must be a string, got {show_value(reason)}")
-    return event_type, stored_payload
+    return stored
 
 
 def _insert_terminal(session: Session) -> Any:
@@ -608,6 +727,12 @@ def get_dispatch(session: Session, dispatch_id: str) -> Dispatch | None:
     return session.get(Dispatch, dispatch_id)
 
 
+def dispatch_id_for_key(session: Session, *, tenancy_id: str, idempotency_key: str) -> str | None:
+    """The id of the dispatch scheduled with (tenancy, idempotency key), or None."""
+    row = _dispatches_by_key(session, {(tenancy_id, idempotency_key)}).get((tenancy_id, idempotency_key))
+    return None if row is None else str(row.dispatch_id)
+
+
 def get_dispatches(session: Session, ids: Iterable[str]) -> dict[str, Dispatch]:
     """The dispatches among `ids` that exist, by id, read with a few IN (...) queries."""
     return {row.dispatch_id: row for row in _by_ids(session, ids, session.scalars, _DISPATCHES)}
@@ -636,6 +761,7 @@ _CREATED_AMONG = _among_ids(sa.select(Dispatch.dispatch_id).where(Dispatch.state
 _DISPATCHES = _among_ids(sa.select(Dispatch))
 _DISPATCH_ROWS = _among_ids(sa.select(Dispatch.__table__))
 _CASE_OF = _among_ids(sa.select(Dispatch.dispatch_id, Dispatch.case_id))
+_NAMESPACE_OF = _among_ids(sa.select(Dispatch.dispatch_id, Dispatch.job_namespace))
 
 
 def iter_dispatches(
@@ -697,7 +823,7 @@ def mark_notified_many(session: Session, dispatch_ids: Iterable[str], *, now: da
 
     A dispatch notified before, or not terminal, is left unchanged (and not returned).
     """
-    now = now or utcnow()
+    now = now or database_now(session)
     marked: set[str] = set()
     wanted = sorted(set(dispatch_ids))
     for start in range(0, len(wanted), QUERY_BATCH):

@@ -1,8 +1,8 @@
 """The Job controller: keeps each Job's Pods and status in line with its spec by applying the
 decisions of jobsync.plan_job: counts finished Pods (then drops their tracking finalizer),
-creates Pods from the template (generateName, ownerReferences, finalizer), deletes Pods that
-must stop, writes status, deletes Jobs whose TTL ran out, and looks again when a deadline,
-backoff or TTL falls due (loop.call_at, one timer per Job).
+creates Pods from the template (generateName, ownerReferences, the template's finalizers and
+its own tracking one), deletes Pods that must stop, writes status, deletes Jobs whose TTL ran
+out, and looks again when a deadline, backoff or TTL falls due (loop.call_at, one timer per Job).
 
 It also releases the tracking finalizer of finished Pods whose Job is gone (orphans).
 """
@@ -41,7 +41,8 @@ def pod_from_template(job: Entry) -> dict[str, Any]:
             "apiVersion": "batch/v1", "kind": "Job", "name": job.name, "uid": job.uid,
             "controller": True, "blockOwnerDeletion": True,
         }],
-        "finalizers": [TRACKING_FINALIZER],
+        # the template's finalizers, then the controller's own (pkg/controller/job appends it)
+        "finalizers": [*(f for f in tmeta.get("finalizers") or [] if f != TRACKING_FINALIZER), TRACKING_FINALIZER],
     }
     if tmeta.get("annotations"):
         meta["annotations"] = dict(tmeta["annotations"])

@@ -12,7 +12,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from localcluster import apierrors, defaults, schema, validation
+from localcluster import apierrors, defaults, quota, schema, validation
 from localcluster.apierrors import ApiError
 from localcluster.patching import PatchError, json_patch, merge_patch, strategic_merge_patch
 from localcluster.resources import JOBS, NAMESPACES, PODS, Resource
@@ -148,7 +148,15 @@ class Registry:
             return obj, warnings
         if resource.namespaced:
             self.ensure_namespace(namespace)
+        if resource is JOBS:
+            self._check_job_quota(namespace, meta.get("name") or meta.get("generateName") or "")
         return self._insert_new(resource, obj), warnings
+
+    def _check_job_quota(self, namespace: str, name: str) -> None:
+        entry = self.store.get(NAMESPACES, "", namespace)
+        refusal = quota.job_create_refusal(entry.meta, name=name, used=len(self.store.list(JOBS, namespace))) if entry else None
+        if refusal is not None:
+            raise refusal
 
     def create_internal(self, resource: Resource, obj: dict[str, Any]) -> Entry:
         """Create from a controller: no decoding, and no validation (it builds from validated objects)."""

@@ -4,12 +4,16 @@ so tens of thousands of pods cost a dict entry and a timer handle each.
 
 Annotations (on the Job's pod template): localcluster.k8s-dispatch.io/duration-ms (default 50),
 /outcome succeed|fail|hang, /exit-code (default 1 on fail), /result (the termination message;
-default {"simulated":true,"input":<parsed K8S_DISPATCH_INPUT or null>}).
+default {"simulated":true,"input":<parsed K8S_DISPATCH_INPUT or null>}), /result-base64 (the
+termination message as the bytes a container wrote, read as the exec runner reads its file: the
+first 4 KiB, invalid UTF-8 replaced, as the API server's JSON does).
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -22,6 +26,7 @@ DURATION = PREFIX + "duration-ms"
 OUTCOME = PREFIX + "outcome"
 EXIT_CODE = PREFIX + "exit-code"
 RESULT = PREFIX + "result"
+RESULT_BASE64 = PREFIX + "result-base64"
 INPUT_ENV = "K8S_DISPATCH_INPUT"
 MAX_MESSAGE = 4096
 
@@ -57,6 +62,12 @@ def plan(pod: dict[str, Any]) -> Plan:
         exit_code = 0
     elif exit_code == 0:
         exit_code = 1
+    if RESULT_BASE64 in ann:
+        try:
+            written = base64.b64decode(ann[RESULT_BASE64], validate=True)
+        except (binascii.Error, ValueError):
+            written = b""
+        return Plan(duration, outcome, exit_code, written[:MAX_MESSAGE].decode(errors="replace"))
     if RESULT in ann:
         message = ann[RESULT]
     else:

@@ -5,18 +5,23 @@ recovery sweep: a completion after a restart takes exactly the path a normal one
 step is idempotent (deterministic Job names, a guarded completion, a unique terminal event),
 so any of them may run twice, concurrently, or again after a crash at any line.
 
-Completions come in batches of Jobs as poll's LIST read them: per Job, one patch (our
-finalizer off, the delivered label on); per batch, one Pod LIST, one transaction for the
-terminal events, a Redis round trip for the guard's claims and one bulk delete.
+Completions come in batches of Jobs as poll's LIST read them: per Job, one patch of its Pod
+and one of the Job (our finalizer off each, the delivered label on the Job); per batch, one Pod
+LIST, one transaction for the terminal events, a Redis round trip for the guard's claims and one
+bulk delete (for poll's batches, one per poll interval). A Job that succeeded but whose Pod (and
+result) is gone is run again, never failed.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
+
+from sqlalchemy.exc import DBAPIError
+import redis
 
 from engine import store
 from engine.db import transaction
@@ -41,8 +46,9 @@ from recovery.guard import Claim
 from recovery.metrics import METRICS
 from recovery.reconstruct import DeliveryContext, DispatchRecord, context_from_job
 from recovery.runtime import Runtime
+from recovery.sweep import JOB_LOST_REASON, out_of_attempts
 from workers import labels as job_labels
-from workers.job_status import Completion, completion, job_state
+from workers.job_status import RESULT_NOT_JSON, Completion, completion, job_state
 from workers.manifest import FINALIZER, build_job, job_name
 
 log = logging.getLogger(__name__)
@@ -67,6 +73,7 @@ class CompleteOutcome(StrEnum):
     CLAIMED_ELSEWHERE = "claimed_elsewhere"  # another replica holds the guard for it
     REFUSED = "refused"  # labels unreadable or disagreeing with the DB: never delivered
     GONE = "gone"  # no such Job
+    RERUN = "rerun"  # it succeeded but its result went with its Pod: deleted, created again (next attempt)
 
 
 # --- reading ----------------------------------------------------------------------------
@@ -120,17 +127,19 @@ def create_jobs_for(rt: Runtime, dispatch_ids: Sequence[str]) -> dict[str, Creat
 
     Per Job as for one: a terminal dispatch is skipped, a Job that exists is adopted (if its
     labels say it is this dispatch's), a permanent refusal fails that dispatch only. A
-    Transient error stops the batch, but the Jobs created before it are marked first; the
-    retry runs the whole batch again, and adopts those (AlreadyExists).
+    Transient error (a 403 "exceeded quota" is one: `QuotaExceeded`) stops the batch, but the
+    Jobs created before it are marked first, and the error is recorded on the row it stopped at
+    (`status` shows it); the retry runs the whole batch again, and adopts those (AlreadyExists).
 
     Raises:
         InvalidId: one of `dispatch_ids` is not a UUID (before anything is done).
         Transient: the API, database or broker is unavailable; the same call may be retried.
     """
     ids = [store.check_dispatch_id(d) for d in dict.fromkeys(dispatch_ids)]
-    records = load_records(rt, ids)
+    records = _with_namespaces(rt, load_records(rt, ids))
     outcomes: dict[str, CreateOutcome] = {}
     made: list[tuple[DispatchRecord, CreateOutcome, str, str]] = []
+    record: DispatchRecord | None = None
     try:
         for dispatch_id in ids:
             record = records.get(dispatch_id)
@@ -141,22 +150,69 @@ def create_jobs_for(rt: Runtime, dispatch_ids: Sequence[str]) -> dict[str, Creat
             outcomes[dispatch_id] = outcome
             if where is not None:
                 made.append((record, outcome, *where))
-    except Transient:
+    except Transient as e:
         _mark_created(rt, made)
+        if record is not None:
+            _note_create_error(rt, record, e)
         raise
     _mark_created(rt, made)
     return outcomes
 
 
+def _note_create_error(rt: Runtime, record: DispatchRecord, error: Transient) -> None:
+    """Record on the row why its create must wait (403 exceeded quota, ...), for `status`; the
+    dispatch stays as it is and the create is retried. Best effort: the database may be down too."""
+    log.warning("dispatch %s: its job cannot be created yet (%s): %s", record.dispatch_id, error.reason, error)
+    try:
+        with transaction(rt.sessions) as session:
+            store.record_create_error(session, record.dispatch_id, message=f"{error.reason}: {error}")
+    except Transient as e:
+        log.warning("dispatch %s: could not record the create error (%s)", record.dispatch_id, e)
+
+
+def _with_namespaces(rt: Runtime, records: dict[str, DispatchRecord]) -> dict[str, DispatchRecord]:
+    """`records`, each with its Job namespace fixed: a row an engine wrote itself records none,
+    and gets its capability's now, by compare-and-set (one transaction for them all), so that
+    every worker creating it, now or later, under any config, uses the same one."""
+    wanted: dict[str, str] = {}
+    for dispatch_id, record in records.items():
+        if record.job_namespace is None and not record.terminal:
+            try:
+                wanted[dispatch_id] = rt.namespace_for(record.capability)
+            except UnknownCapability:
+                continue  # `_create` fails it, with that reason
+    if not wanted:
+        return records
+    with transaction(rt.sessions) as session:
+        fixed = store.fix_job_namespaces(session, wanted)
+    return {
+        d: replace(record, job_namespace=fixed[d]) if d in fixed and fixed[d] is not None else record
+        for d, record in records.items()
+    }
+
+
 def _create(rt: Runtime, record: DispatchRecord) -> tuple[CreateOutcome, tuple[str, str] | None]:
-    """Create (or adopt) one dispatch's Job; the outcome, and where the Job is if it is to be
-    marked created."""
+    """Create (or adopt) one dispatch's Job, in the namespace its row records; the outcome,
+    and where the Job is if it is to be marked created."""
     if record.terminal:
         return CreateOutcome.SKIPPED, None
     try:
         spec = rt.resolver.spec(record.capability)
-        body = build_job(record.ref, input=record.input, spec=spec, namespace=rt.settings.namespace, attempt=record.attempts)
-    except (UnknownCapability, InvalidManifest, InvalidInput) as e:
+        if record.job_namespace is not None:  # fixed when scheduled: the config may have moved since
+            spec = replace(spec, namespace=record.job_namespace)
+        body = build_job(
+            record.ref,
+            input=record.input,
+            spec=spec,
+            namespace=rt.settings.namespace,
+            deployment=rt.settings.effective_deployment,
+            attempt=record.attempts,
+        )
+    except UnknownCapability as e:
+        # Removed from the config since scheduling: a Job made before still runs and is
+        # delivered; with none, the dispatch fails with that reason.
+        return _adopt_or_fail(rt, record, e)
+    except (InvalidManifest, InvalidInput) as e:
         # The config changed since scheduling, or the row holds what no Job can carry.
         return _fail(rt, record, e), None
     namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
@@ -193,18 +249,39 @@ def _mark_created(rt: Runtime, made: list[tuple[DispatchRecord, CreateOutcome, s
             statelog.dispatch_changed(record, DispatchState.CREATED, job=f"{namespace}/{name}", attempt=record.attempts)
 
 
+def _adopt_or_fail(rt: Runtime, record: DispatchRecord, error: UnknownCapability) -> tuple[CreateOutcome, tuple[str, str] | None]:
+    """The capability is gone from the config: adopt the dispatch's Job if one was made where
+    its row records, else fail the dispatch with `error`'s reason."""
+    if record.job_namespace is None:
+        return _fail(rt, record, error), None
+    namespace, name = record.job_namespace, job_name(record.dispatch_id)
+    try:
+        outcome = _adopt(rt, record, namespace=namespace, name=name)
+    except Conflict:  # no such Job: nothing runs it, and no config says how to
+        return _fail(rt, record, error), None
+    return outcome, (None if outcome is CreateOutcome.FAILED else (namespace, name))
+
+
 def _adopt(rt: Runtime, record: DispatchRecord, *, namespace: str, name: str) -> CreateOutcome:
-    """A Job with the dispatch's name exists: adopt it if its labels say it is this dispatch's."""
+    """A Job with the dispatch's name exists: adopt it if its labels say it is this dispatch's
+    (one made before the deployment label existed gets ours: it is this deployment's Job)."""
     try:
         job = rt.kube.get_job(namespace, name)
     except NotFound as e:
         # Deleted between our create and our read (a clean-up racing us): create again.
         raise Conflict(f"job {namespace}/{name} existed, then vanished; creating it again") from e
     try:
-        context_from_job(job, record, expected_namespace=namespace)
+        context = context_from_job(job, record, expected_namespace=namespace)
     except (LabelMismatch, TenancyMismatch, UnknownDispatch) as e:
         _refuse(rt, job, e)
         return _fail(rt, record, LabelMismatch(f"a Job named {name} exists but is not this dispatch's: {e}"))
+    if job_labels.deployment_of((job.get("metadata") or {}).get("labels")) is None:
+        label_deployment(rt, namespace, name, snapshot=job)
+    if context.deleting and context.attempt < record.attempts:
+        # An earlier attempt's Job on its way out (a lost result's re-run deleted it): adopting
+        # it would count an attempt that never ran. Create this one once that one is gone.
+        raise Conflict(f"job {namespace}/{name} of attempt {context.attempt} is being deleted; "
+                       f"attempt {record.attempts} is created once it is gone")  # fmt: skip
     log.info("adopted existing job %s/%s for dispatch %s", namespace, name, record.dispatch_id)
     return CreateOutcome.ADOPTED
 
@@ -247,6 +324,11 @@ class Completed:
     unavailable: list[Mapping[str, Any]] = field(default_factory=list)
     error: Transient | None = None
 
+    @property
+    def released(self) -> bool:
+        """Whether a Job was released (labelled delivered): a bulk delete has something to remove."""
+        return any(o in (CompleteOutcome.COMPLETED, CompleteOutcome.ALREADY_TERMINAL) for o in self.outcomes)
+
 
 def complete_jobs(
     rt: Runtime, namespace: str, jobs: Sequence[Mapping[str, Any]], *, delete: bool = True
@@ -273,7 +355,7 @@ def complete_jobs(
         done = Completed(batch.outcomes, unavailable=list(jobs[len(batch.outcomes) :]), error=e)
     else:
         done = Completed(batch.outcomes)
-    if delete and any(o in (CompleteOutcome.COMPLETED, CompleteOutcome.ALREADY_TERMINAL) for o in done.outcomes):
+    if delete and done.released:
         try:
             delete_delivered(rt, namespace)
         except Transient as e:
@@ -293,6 +375,7 @@ class _Batch:
         self.rt, self.jobs = rt, jobs
         self.outcomes: list[CompleteOutcome] = []
         self._pods = _PodsOf(rt, namespace, [_name(job) for job in jobs if job_state(job).terminal])
+        self._lost: list[int] = []  # the Jobs whose result went with their Pods: run again
 
     def deliver(self) -> None:
         rt = self.rt
@@ -314,9 +397,13 @@ class _Batch:
             won = self._record(contexts, decided, claims)
             if won:
                 notify_engines(rt, sorted(won))
+            self._rerun(contexts, decided)
             for job, context, outcome in zip(self.jobs, contexts, decided):
                 assert outcome is not None
                 if context is not None and outcome in (CompleteOutcome.COMPLETED, CompleteOutcome.ALREADY_TERMINAL):
+                    # The Pods first: while the Job keeps our finalizer, the sweep frees what a
+                    # crash here leaves (category 4), and the bulk delete takes the Pods at once.
+                    release_pods(rt, context.namespace, self._pods.of(context.job_name))
                     release_job(rt, context.namespace, context.job_name, snapshot=job)
                 self.outcomes.append(outcome)
         finally:
@@ -329,9 +416,10 @@ class _Batch:
         claims: Mapping[str, Claim | None],
     ) -> set[str]:
         """Write the terminal events of the claimed Jobs in one transaction and settle every
-        undecided outcome in `decided`; the dispatch ids this call recorded."""
+        undecided outcome in `decided` but those of lost results (`_lost`, for `_rerun`); the
+        dispatch ids this call recorded."""
         rt = self.rt
-        events: dict[int, store.TerminalEvent] = {}
+        events: dict[int, store.TerminalEvent | None] = {}
         writing: set[str] = set()
         repeats: list[int] = []  # a Job listed twice in the batch: its first entry delivers it
         for i, (job, context) in enumerate(zip(self.jobs, contexts)):
@@ -347,17 +435,27 @@ class _Batch:
             if done is None:  # not terminal after all (the same rule as job_state): poll again later
                 decided[i] = CompleteOutcome.RUNNING
                 continue
+            if done.lost:  # succeeded, but no Pod holds the result any more: `_rerun` runs it again
+                self._lost.append(i)
+                writing.add(context.dispatch_id)
+                continue
             event, payload = terminal_event(done)
-            events[i] = store.TerminalEvent(context.dispatch_id, event, payload)
+            # A payload the store cannot keep fails its own dispatch here, never the batch.
+            events[i] = store.storable_terminal(store.TerminalEvent(context.dispatch_id, event, payload), reason=RESULT_NOT_JSON)
             writing.add(context.dispatch_id)
-        for i in repeats:
-            decided[i] = CompleteOutcome.ALREADY_TERMINAL
+        lost = {contexts[i].dispatch_id for i in self._lost}  # type: ignore[union-attr]
+        for i in repeats:  # a repeat of a lost result is run again once, by its first entry
+            context = contexts[i]
+            assert context is not None
+            decided[i] = CompleteOutcome.RERUN if context.dispatch_id in lost else CompleteOutcome.ALREADY_TERMINAL
         if not events:
             return set()
         crashpoint(Point.BEFORE_COMPLETE_WRITE)
-        with transaction(rt.sessions) as session:
-            won = store.record_terminals(session, list(events.values()))
+        won = self._write(events)
         crashpoint(Point.AFTER_COMPLETE_WRITE)
+        for i in [i for i, event in events.items() if event is None]:
+            decided[i] = CompleteOutcome.REFUSED
+            del events[i]
         for i, event in events.items():
             context = contexts[i]
             assert context is not None
@@ -373,6 +471,66 @@ class _Batch:
             rt.stats.incr(stats.COMPLETIONS_WRITTEN, len(won))
         return won
 
+    def _write(self, events: dict[int, store.TerminalEvent | None]) -> set[str]:
+        """Write the events in ONE transaction; the ids won. Should the store or the database
+        refuse the batch (what `storable_terminal` did not foresee, a row deleted meanwhile),
+        each event is written alone, so only the one refused fails: it is recorded as
+        WORKER_FAILED ResultNotJson instead, or, if even that is refused, set to None in
+        `events` (its Job is then never delivered: logged and counted as refused)."""
+        try:
+            with transaction(self.rt.sessions) as session:
+                return store.record_terminals(session, [e for e in events.values() if e is not None])
+        except (Permanent, DBAPIError) as e:  # DatabaseUnavailable (Transient) stops the batch
+            log.warning("the batch's terminal events were refused (%s); writing each alone", _why(e))
+        won: set[str] = set()
+        for i, event in events.items():
+            assert event is not None
+            try:
+                won |= self._write_alone(event)
+                continue
+            except (Permanent, DBAPIError) as e:
+                why = _why(e)
+            log.warning("the terminal event of dispatch %s was refused (%s); failing it instead", event.dispatch_id, why)
+            failure = store.TerminalEvent(
+                event.dispatch_id, EventType.WORKER_FAILED,
+                {"reason": RESULT_NOT_JSON, "message": f"the database refused the result: {why}"},
+            )  # fmt: skip
+            try:
+                won |= self._write_alone(failure)
+                events[i] = failure
+            except (Permanent, DBAPIError) as e:
+                log.warning("dispatch %s: its failure was refused too (%s); its job is not delivered", event.dispatch_id, _why(e))
+                events[i] = None
+                self.rt.stats.incr(stats.JOBS_REFUSED)
+        return won
+
+    def _write_alone(self, event: store.TerminalEvent) -> set[str]:
+        with transaction(self.rt.sessions) as session:
+            return store.record_terminals(session, [event])
+
+    def _rerun(self, contexts: Sequence[DeliveryContext | None], decided: list[CompleteOutcome | None]) -> None:
+        """Settle the Jobs whose result was lost (`_record` left them undecided): each run again
+        as a lost Job is (`rerun_lost`), under the claim this batch holds; rows read again now."""
+        if not self._lost:
+            return
+        records = load_records(self.rt, [contexts[i].dispatch_id for i in self._lost])  # type: ignore[union-attr]
+        for i in self._lost:
+            context = contexts[i]
+            assert context is not None
+            record = records.get(context.dispatch_id)
+            if record is None or record.terminal:
+                decided[i] = CompleteOutcome.ALREADY_TERMINAL
+                continue
+            try:
+                decided[i] = rerun_lost(
+                    self.rt, record, snapshot=self.jobs[i], attempt=context.attempt, pods=self._pods.of(context.job_name)
+                )
+            except Transient as e:
+                # Left as it is: the old Job, while it exists, comes back to poll; once gone, the
+                # sweep re-creates it as a lost Job (category 5).
+                log.warning("dispatch %s: running its lost result again stopped (%s); retried later", record.dispatch_id, e)
+                decided[i] = CompleteOutcome.RERUN
+
 
 class _PodsOf:
     """The Pods of some Jobs of one namespace, listed on first need with one
@@ -384,19 +542,30 @@ class _PodsOf:
 
     def of(self, name: str) -> list[dict[str, Any]]:
         if self._by_job is None:
-            self._by_job = self._list(self._names)
+            self._by_job = pods_by_job(self._rt, self._namespace, self._names)
         return self._by_job.get(name, [])
 
-    def _list(self, names: Sequence[str]) -> dict[str, list[dict[str, Any]]]:
-        by_job: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
-        for start in range(0, len(names), SELECTOR_CHUNK):
-            chunk = names[start : start + SELECTOR_CHUNK]
-            selector = f"{JOB_NAME_LABEL} in ({','.join(chunk)})" if len(chunk) > 1 else f"{JOB_NAME_LABEL}={chunk[0]}"
-            for pod in self._rt.kube.list_pods(self._namespace, label_selector=selector):
-                owner = ((pod.get("metadata") or {}).get("labels") or {}).get(JOB_NAME_LABEL)
-                if owner in by_job:
-                    by_job[owner].append(pod)
-        return by_job
+
+def pods_by_job(rt: Runtime, namespace: str, names: Sequence[str]) -> dict[str, list[dict[str, Any]]]:
+    """The Pods of the named Jobs of one namespace, by Job name: one `job-name in (...)` LIST
+    per chunk of names."""
+    names = sorted(set(names))
+    by_job: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    for start in range(0, len(names), SELECTOR_CHUNK):
+        chunk = names[start : start + SELECTOR_CHUNK]
+        selector = f"{JOB_NAME_LABEL} in ({','.join(chunk)})" if len(chunk) > 1 else f"{JOB_NAME_LABEL}={chunk[0]}"
+        for pod in rt.kube.list_pods(namespace, label_selector=selector):
+            owner = ((pod.get("metadata") or {}).get("labels") or {}).get(JOB_NAME_LABEL)
+            if owner in by_job:
+                by_job[owner].append(pod)
+    return by_job
+
+
+def _controller_uids(pod: Mapping[str, Any]) -> set[str]:
+    """The uids of the Jobs a Pod names as its controller (ownerReference, or the label an orphan keeps)."""
+    metadata = pod.get("metadata") or {}
+    owners = {o.get("uid") for o in metadata.get("ownerReferences") or [] if o.get("controller")}
+    return owners | {v for k, v in (metadata.get("labels") or {}).items() if k == "batch.kubernetes.io/controller-uid"}
 
 
 def _name(job: Mapping[str, Any]) -> str:
@@ -454,12 +623,63 @@ def _contexts(rt: Runtime, jobs: Sequence[Mapping[str, Any]]) -> list[DeliveryCo
     return contexts
 
 
+def _why(error: BaseException) -> str:
+    """The first line of an error's text (a driver's error: its own message, not the statement)."""
+    text = str(getattr(error, "orig", None) or error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
 def _refuse(rt: Runtime, job: Mapping[str, Any], error: Permanent) -> None:
     metadata = job.get("metadata") or {}
     log.warning(
         "never delivering job %s/%s: %s: %s", metadata.get("namespace"), metadata.get("name"), error.reason, error
     )
     rt.stats.incr(stats.JOBS_REFUSED)
+
+
+# --- a lost result ---------------------------------------------------------------------
+
+
+def rerun_lost(
+    rt: Runtime, record: DispatchRecord, *, snapshot: Mapping[str, Any], attempt: int, pods: Iterable[Mapping[str, Any]] = ()
+) -> CompleteOutcome:
+    """A Job (`snapshot`, of `attempt`) succeeded but no Pod holds its result any more (removed
+    before our finalizer was on Pods, or stripped of it): run the work again as a lost Job is,
+    never record a failure of work that succeeded. The caller holds the dispatch's guard claim
+    and has just read `record`, which is not terminal.
+
+    The Job's attempts used up (`MAX_JOB_ATTEMPTS`): WORKER_FAILED `JobLost`, and COMPLETED (the
+    caller releases the Job as after any end). Else the Job is released and deleted (exact by
+    its uid, with any `pods` of it freed) and created again as the next attempt, counted when
+    it is marked created (`mark_created_many`), so a repeat of this call counts nothing twice.
+    A snapshot of an earlier attempt than the row's is only removed, and the row's attempt
+    created if it is missing. RERUN.
+
+    Raises:
+        Transient: the API or database is unavailable (an AlreadyExists of the old Job still
+            going away, as Conflict): nothing is counted; the old Job, or the sweep, brings it back.
+    """
+    metadata = snapshot.get("metadata") or {}
+    namespace, name = str(metadata.get("namespace", "")), str(metadata.get("name", ""))
+    latest = attempt >= record.attempts
+    if latest and out_of_attempts(attempt, rt.settings.max_job_attempts):
+        message = f"job {namespace}/{name} succeeded but its result was lost with its Pod, after {attempt + 1} attempt(s)"
+        log.warning("dispatch %s: %s", record.dispatch_id, message)
+        won = fail_dispatch(rt, record.dispatch_id, reason=JOB_LOST_REASON, message=message)
+        return CompleteOutcome.COMPLETED if won else CompleteOutcome.ALREADY_TERMINAL
+    again = replace(record, attempts=attempt + 1) if latest else record
+    log.warning(
+        "dispatch %s: job %s/%s succeeded but its result was lost with its Pod; creating it again (attempt %d)",
+        record.dispatch_id, namespace, name, again.attempts,
+    )  # fmt: skip
+    uid = metadata.get("uid")
+    release_pods(rt, namespace, [pod for pod in pods if _controller_uids(pod) <= {uid}])  # not a newer attempt's
+    release_job(rt, namespace, name, snapshot=snapshot, delivered=False)
+    rt.kube.delete_job(namespace, name, propagation="Background", uid=uid)
+    outcome, where = _create(rt, again)
+    if where is not None:
+        _mark_created(rt, [(again, outcome, *where)])
+    return CompleteOutcome.RERUN
 
 
 # --- notify, cancel, clean up -----------------------------------------------------------
@@ -511,10 +731,12 @@ def fail_dispatch(rt: Runtime, dispatch_id: str, *, reason: str, message: str | 
     return won
 
 
-def cancel_dispatch(rt: Runtime, dispatch_id: str, *, reason: str = CANCELLED_REASON) -> bool:
+def cancel_dispatch(rt: Runtime, dispatch_id: str, *, reason: str = CANCELLED_REASON, recorded: bool = False) -> bool:
     """Record WORKER_CANCELLED and remove the Job; False if the dispatch had ended already.
 
     A completion racing the cancel leaves exactly one terminal event: whichever commits first.
+    `recorded`: the cancel was written already (`tasks.scheduling.cancel_in_session`, whose
+    message this is): only notify the engine, unless it was, and remove the Job.
 
     Raises:
         InvalidId: `dispatch_id` is not a UUID.
@@ -526,9 +748,10 @@ def cancel_dispatch(rt: Runtime, dispatch_id: str, *, reason: str = CANCELLED_RE
         if row is None:
             raise UnknownDispatch(f"dispatch {dispatch_id} does not exist")
         record = DispatchRecord.from_row(row)
-        won = store.record_terminal(session, dispatch_id, EventType.WORKER_CANCELLED, {"reason": reason})
+        won = not recorded and store.record_terminal(session, dispatch_id, EventType.WORKER_CANCELLED, {"reason": reason})
     if won:
         statelog.dispatch_changed(record, DispatchState.CANCELLED, reason=reason)
+    if won or (recorded and record.state is DispatchState.CANCELLED and not record.notified):
         notify_engine(rt, dispatch_id)
     cleanup_job(rt, *job_location(rt, record))
     return won
@@ -537,10 +760,12 @@ def cancel_dispatch(rt: Runtime, dispatch_id: str, *, reason: str = CANCELLED_RE
 def cleanup_job(
     rt: Runtime, namespace: str, name: str, *, snapshot: Mapping[str, Any] | None = None, delivered: bool = True
 ) -> None:
-    """Release a Job that may still run (a cancelled dispatch's, an orphan) and delete it now,
-    which stops it; idempotent. Released first, so that if the DELETE fails, a delivered Job
-    is left to the next bulk delete (an orphan, `delivered=False`, to the next sweep).
+    """Release a Job that may still run (a cancelled dispatch's, an orphan) and its Pods, and
+    delete it now, which stops it; idempotent. Released first, so that if the DELETE fails, a
+    delivered Job is left to the next bulk delete (an orphan, `delivered=False`, to the next
+    sweep). A Pod the Job controller creates after the Pods' LIST is freed by the sweep.
     """
+    release_pods(rt, namespace, pods_by_job(rt, namespace, [name])[name])
     release_job(rt, namespace, name, snapshot=snapshot, delivered=delivered)
     rt.kube.delete_job(namespace, name, propagation="Background")
 
@@ -558,9 +783,65 @@ def release_job(
     return rt.kube.release_job(namespace, name, finalizer=FINALIZER, label=label, snapshot=snapshot)
 
 
+def release_pods(rt: Runtime, namespace: str, pods: Iterable[Mapping[str, Any]]) -> int:
+    """Take our finalizer off Pods as a LIST read them, one patch per Pod that has it (none for
+    the rest); how many this call freed. Called once their result is recorded, or not wanted."""
+    return sum(
+        rt.kube.release_pod(namespace, pod, finalizer=FINALIZER)
+        for pod in pods
+        if FINALIZER in ((pod.get("metadata") or {}).get("finalizers") or [])
+    )
+
+
 def delete_delivered(rt: Runtime, namespace: str) -> int:
-    """Delete every delivered Job of the namespace, their Pods in the background: ONE request.
+    """Delete every delivered Job of this deployment in the namespace, their Pods in the
+    background: ONE request (another deployment's Jobs are never selected).
 
     A failure here loses nothing: the next batch's bulk delete, or the sweep's, removes them.
     """
-    return rt.kube.delete_jobs(namespace, label_selector=job_labels.delivered_selector(), propagation="Background")
+    selector = job_labels.delivered_selector(rt.settings.effective_deployment)
+    return rt.kube.delete_jobs(namespace, label_selector=selector, propagation="Background")
+
+
+def label_deployment(rt: Runtime, namespace: str, name: str, *, snapshot: Mapping[str, Any]) -> bool:
+    """Put this deployment's label on a Job of its own made before the label existed (one
+    patch, exact by the snapshot's uid): from then on poll, sweep and bulk delete select it."""
+    label = (job_labels.DEPLOYMENT_LABEL, rt.settings.effective_deployment)
+    return rt.kube.label_job(namespace, name, label=label, snapshot=snapshot)
+
+
+def delete_delivered_later(rt: Runtime, namespace: str) -> None:
+    """Leave the bulk delete of the Jobs just released in `namespace` to the next poll
+    (`delete_noted`), with a note in Redis: one bulk delete per poll interval, not one per
+    batch. Where Redis cannot take the note, the bulk delete is made now (a failure of it only
+    logged: the sweep's removes those Jobs)."""
+    try:
+        rt.redis.set(_noted_key(rt, namespace), "1")
+        return
+    except redis.RedisError as e:
+        log.info("could not note delivered jobs in %s for the next poll (%s); deleting them now", namespace, e)
+    try:
+        delete_delivered(rt, namespace)
+    except Transient as e:
+        log.warning("bulk delete of delivered jobs in %s failed (%s); the sweep's removes them", namespace, e)
+
+
+def delete_noted(rt: Runtime, namespace: str) -> int:
+    """Poll's bulk delete: the delivered Jobs of `namespace`, if any were noted since the last
+    one (`delete_delivered_later`); how many. A failure is logged and the note put back.
+
+    Raises:
+        redis.RedisError: Redis is unavailable (poll stops, as on any Redis error).
+    """
+    if not rt.redis.getdel(_noted_key(rt, namespace)):
+        return 0
+    try:
+        return delete_delivered(rt, namespace)
+    except Transient as e:
+        log.warning("bulk delete of delivered jobs in %s failed (%s); the next poll tries again", namespace, e)
+        rt.redis.set(_noted_key(rt, namespace), "1")
+        return 0
+
+
+def _noted_key(rt: Runtime, namespace: str) -> str:
+    return f"{rt.settings.key_prefix}:delivered:{namespace}"

@@ -94,6 +94,15 @@ class Metrics:
             namespace=NAMESPACE,
             registry=registry,
         )
+        self.tasks_discarded = Counter(
+            "tasks_discarded",
+            "Task messages this worker dropped without running them, by task and reason: expired (an "
+            "`expires` this worker's clock said had passed), revoked, terminated, or superseded (a poll "
+            "or sweep that another one started shortly before).",
+            ["task", "reason"],
+            namespace=NAMESPACE,
+            registry=registry,
+        )
         self.last_poll = Gauge(
             "poll_last_timestamp_seconds",
             "When the latest poll of this process finished (Unix time).",
@@ -110,6 +119,9 @@ class Metrics:
 
     def duplicate_prevented(self, *, by: str) -> None:
         self.duplicates_prevented.labels(by=by).inc()
+
+    def task_discarded(self, *, task: str, reason: str) -> None:
+        self.tasks_discarded.labels(task=task, reason=reason).inc()
 
     def sweep_done(self, report: SweepReport) -> None:
         """Count one finished sweep's findings (a dry run counts nothing)."""

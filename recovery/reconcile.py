@@ -1,11 +1,15 @@
 """The recovery sweep's executor: walks the cluster and the database page by page, acts on the plan.
 
-(A) pages of our undelivered Jobs, each matched with its dispatches: categories 2, 3, 4, 6, and
-5 for the created dispatches whose ids the page covers (the LIST is in name order); then one bulk
-delete of the delivered ones per namespace; (B) pages of the other pending dispatches, checked
-with one `dispatch-id in (...)` LIST per chunk: 1 and 5; (C) terminal dispatches the engine was
-not told about. Actions run inline through `recovery.delivery`; a page's finished Jobs are
-delivered together (one Pod LIST), except those poll has handed to a queued completion.
+(A) pages of our undelivered Jobs (this deployment's label: another deployment's Jobs in the
+same namespace are never listed), each matched with its dispatches: categories 2, 3, 4, 6, and
+5 for the created dispatches whose ids the page covers (the LIST is in name order); then our
+finished Pods, for 4 (those an ended dispatch left with our finalizer); then one bulk delete of
+the delivered Jobs per namespace; before that, Jobs made before the deployment label existed
+are given ours when their dispatch is in our database, and only reported otherwise.
+(B) pages of the other pending dispatches, checked with one `dispatch-id in (...)` LIST per
+chunk: 1 and 5; (C) terminal dispatches the engine was not told about. Actions run inline
+through `recovery.delivery`; a page's finished Jobs are delivered together (one Pod LIST),
+except those poll has handed to a queued completion.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from datetime import datetime
 from enum import Enum
 from typing import Any, TypeVar
@@ -22,9 +27,10 @@ import redis
 import sqlalchemy as sa
 
 from engine import store
-from engine.db import transaction
+from engine.db import database_now, transaction
 from engine.errors import DispatchError, NotFound
 from engine.models import TERMINAL_STATES, Dispatch, DispatchState, EventType, utcnow
+from engine.settings import OrphanPolicy
 from recovery import delivery, handoff, statelog
 from recovery.crashpoints import Point, crashpoint
 from recovery.metrics import METRICS
@@ -39,6 +45,7 @@ from recovery.sweep import (
     CreateJob,
     DispatchView,
     FailJobLost,
+    FreePod,
     NameOrder,
     Policy,
     RecreateJob,
@@ -47,6 +54,7 @@ from recovery.sweep import (
     named_dispatch_ids,
     plan_dispatches,
     plan_jobs,
+    plan_pods,
     present_jobs,
     refusal,
 )
@@ -57,8 +65,14 @@ log = logging.getLogger(__name__)
 # Dispatch ids per `dispatch-id in (...)` selector: 100 UUIDs make a query string of ~4 KB,
 # well inside what API servers and proxies accept.
 SELECTOR_CHUNK = 100
+# Our Pods that have stopped: the only ones an ended dispatch can leave with our finalizer for
+# long (a running one is stopped by its Job's deletion, then listed here).
+FINISHED_PODS = "status.phase!=Pending,status.phase!=Running"
 ORPHANS_REPORTED = "orphans_reported"  # a Redis stats counter, cluster-wide (see recovery.stats)
 SWEEPS_RUN = "sweeps_run"
+
+# What a completion did that counts as the sweep acting: a terminal event, or a lost result run again.
+_COMPLETE_ACTED = (delivery.CompleteOutcome.COMPLETED, delivery.CompleteOutcome.RERUN)
 
 T = TypeVar("T")
 Deferrable = TypeVar("Deferrable", CompleteJob, CleanUpJob)  # a Job a queued completion may be handling
@@ -78,12 +92,14 @@ def run_sweep(rt: Runtime, *, dry_run: bool = False, now: datetime | None = None
     action re-reads the state it depends on before its side effect, so a sweep racing normal
     work or another sweep changes nothing twice; the broker is never needed (it may have lost
     every message). `dry_run` plans and counts but changes nothing. `now` is the sweep's
-    clock for grace periods (default: the current time). Failures of single actions or
-    listings are logged and counted in the report's errors; the next sweep tries again.
+    clock for grace periods (default: the database's, the clock the rows' times were written
+    with, so a worker whose clock is off never shortens or stretches a grace period).
+    Failures of single actions or listings are logged and counted in the report's errors;
+    the next sweep tries again.
     """
-    now = now or utcnow()
+    report = SweepReport(dry_run=dry_run, started_at=utcnow())  # this process's clock: the duration
+    now = now or _database_now(rt, report)
     policy = Policy.from_settings(rt.settings)
-    report = SweepReport(dry_run=dry_run, started_at=now)
     report.namespaces = _namespaces(rt, report)
     with Executor(rt, report, dry_run=dry_run, concurrency=rt.settings.sweep_concurrency) as act:
         matched = [ns for ns in report.namespaces if _sweep_jobs(rt, ns, act, now=now, policy=policy)]
@@ -97,9 +113,23 @@ def run_sweep(rt: Runtime, *, dry_run: bool = False, now: datetime | None = None
     return report
 
 
+def _database_now(rt: Runtime, report: SweepReport) -> datetime:
+    """The database's clock; this process's if the database cannot say (the sweep's reads will
+    fail the same way, and every action re-reads what it depends on anyway)."""
+    try:
+        with transaction(rt.sessions) as session:
+            return database_now(session)
+    except DispatchError as e:
+        log.warning("sweep: reading the database's clock failed: %s: %s", e.reason, e)
+        report.add_problem(f"reading the database's clock: {e.reason}: {e}")
+        return utcnow()
+
+
 def _namespaces(rt: Runtime, report: SweepReport) -> list[str]:
-    """Where our Jobs may be: the config's namespaces, and any a pending dispatch recorded
-    (its capability may have moved since, and its Job must still be found)."""
+    """Where our Jobs may be: the config's namespaces, and any an open dispatch recorded, created
+    or not yet (its namespace is fixed when it is scheduled, and its capability may have moved
+    or gone since: its Job must still be found). One DISTINCT over the open dispatches, which
+    `ix_dispatches_state` finds."""
     configured = set(rt.namespaces())
     try:
         with transaction(rt.sessions) as session:
@@ -128,13 +158,11 @@ def _sweep_jobs(rt: Runtime, namespace: str, act: Executor, *, now: datetime, po
     namespace's CREATED dispatches (category 5, see `_LostJobs`), and (B) skips those.
     """
     report = act.report
+    _adopt_unlabelled(rt, namespace, act, now=now, policy=policy)
     lost = _LostJobs(rt, namespace, act, now=now, policy=policy)
+    selector = job_labels.undelivered_selector(rt.settings.effective_deployment)
     try:
-        for page in _prefetched(
-            rt.kube.iter_jobs(
-                namespace, label_selector=job_labels.undelivered_selector(), page_size=rt.settings.poll_page_size
-            )
-        ):
+        for page in _prefetched(rt.kube.iter_jobs(namespace, label_selector=selector, page_size=rt.settings.poll_page_size)):
             report.jobs_listed += len(page)
             views = _views_for_jobs(rt, page)
             act.all(plan_jobs(page, views, now=now, policy=policy))
@@ -143,6 +171,7 @@ def _sweep_jobs(rt: Runtime, namespace: str, act: Executor, *, now: datetime, po
     except DispatchError as e:  # the LIST, or the page's dispatches: the next sweep starts over
         log.warning("sweep: going through the jobs in %s stopped: %s: %s", namespace, e.reason, e)
         report.add_problem(f"jobs in {namespace}: {e.reason}: {e}")
+    _sweep_pods(rt, namespace, act)
     if not act.dry_run:
         try:
             delivery.delete_delivered(rt, namespace)
@@ -150,6 +179,42 @@ def _sweep_jobs(rt: Runtime, namespace: str, act: Executor, *, now: datetime, po
             log.warning("sweep: the bulk delete of delivered jobs in %s failed: %s: %s", namespace, e.reason, e)
             report.add_problem(f"deleting delivered jobs in {namespace}: {e.reason}: {e}")
     return lost.matched
+
+
+def _adopt_unlabelled(rt: Runtime, namespace: str, act: Executor, *, now: datetime, policy: Policy) -> None:
+    """Jobs made before the deployment label existed, by this deployment or by another sharing
+    the namespace: one whose dispatch is in our database, with labels that agree, is ours and
+    gets our label (one patch), so the listing that follows handles it like any other; any
+    other is reported and never deleted, whatever `ORPHAN_POLICY` says: it may be another
+    deployment's own."""
+    report = act.report
+    report_only = replace(policy, orphan_policy=OrphanPolicy.REPORT)
+    try:
+        for page in rt.kube.iter_jobs(
+            namespace, label_selector=job_labels.unlabelled_selector(), page_size=rt.settings.poll_page_size
+        ):
+            report.jobs_listed += len(page)
+            actions = plan_jobs(page, _views_for_jobs(rt, page), now=now, policy=report_only)
+            act.all([a for a in actions if isinstance(a, ReportOrphan)])
+            ours = [job for job, a in zip(page, actions) if not isinstance(a, ReportOrphan)]
+            act.label_all(namespace, ours)
+    except DispatchError as e:  # the LIST, or the page's dispatches: the next sweep tries again
+        log.warning("sweep: going through unlabelled jobs in %s stopped: %s: %s", namespace, e.reason, e)
+        report.add_problem(f"unlabelled jobs in {namespace}: {e.reason}: {e}")
+
+
+def _sweep_pods(rt: Runtime, namespace: str, act: Executor) -> None:
+    """Category 4 for Pods: free every finished Pod of ours that an ended dispatch left with our
+    finalizer, page by page (one LIST per page, each page's dispatches read with one query)."""
+    try:
+        pages = rt.kube.iter_pods(
+            namespace, label_selector=job_labels.selector(rt.settings.effective_deployment), field_selector=FINISHED_PODS, page_size=rt.settings.poll_page_size
+        )
+        for page in pages:
+            act.all(plan_pods(page, _views_for_jobs(rt, page), releasing=act.releasing))
+    except DispatchError as e:
+        log.warning("sweep: going through the pods in %s stopped: %s: %s", namespace, e.reason, e)
+        act.report.add_problem(f"pods in {namespace}: {e.reason}: {e}")
 
 
 _END = object()
@@ -215,8 +280,8 @@ class _LostJobs:
 
 
 def _views_for_jobs(rt: Runtime, jobs: Sequence[dict[str, Any]]) -> dict[str, DispatchView]:
-    """The dispatches the Jobs' labels name, read with one query per page of Jobs (the labels
-    are checked by the plan, which reports a Job whose labels do not hold up)."""
+    """The dispatches the Jobs' (or Pods') labels name, read with one query per page of them
+    (the labels are checked by the plan, which reports a Job whose labels do not hold up)."""
     ids = {dispatch_id for job in jobs for dispatch_id in named_dispatch_ids(job)}
     with transaction(rt.sessions) as session:
         rows = store.dispatch_rows(session, ids)
@@ -272,7 +337,8 @@ def _present_jobs(rt: Runtime, views: Sequence[DispatchView]) -> set[tuple[str, 
     for namespace, ids in sorted(by_namespace.items()):
         for start in range(0, len(ids), SELECTOR_CHUNK):
             chunk = ids[start : start + SELECTOR_CHUNK]
-            selector = f"{job_labels.selector()},{job_labels.DISPATCH_ID_KEY} in ({','.join(chunk)})"
+            ours = job_labels.selector(rt.settings.effective_deployment)
+            selector = f"{ours},{job_labels.DISPATCH_ID_KEY} in ({','.join(chunk)})"
             for page in rt.kube.iter_jobs(namespace, label_selector=selector, page_size=rt.settings.poll_page_size):
                 present |= present_jobs(page)
     return present
@@ -339,6 +405,9 @@ class Executor:
         self._pool = ThreadPoolExecutor(concurrency, thread_name_prefix="sweep") if concurrency > 1 else None
         self._lock = threading.Lock()  # the report's counts
         self._handoff_unreadable = False  # Redis failed a marker check (logged once per sweep)
+        # (namespace, name) of the recorded Jobs category 4 met (`CleanUpJob`): their own
+        # clean-up (or a queued completion) frees their Pods, the pass over Pods leaves them.
+        self.releasing: set[tuple[str, str]] = set()
 
     def __enter__(self) -> Executor:
         return self
@@ -364,6 +433,8 @@ class Executor:
             if isinstance(action, ReportRunning) and not action.adopt:
                 running += 1
             elif isinstance(action, (CompleteJob, CleanUpJob)) and action.job is not None:
+                if isinstance(action, CleanUpJob):
+                    self.releasing.add((action.namespace, action.job_name))
                 key = (type(action), action.namespace)
                 if key not in together:
                     together[key] = []
@@ -395,7 +466,7 @@ class Executor:
                 self._count(counts, action, lambda action=action: self._carry_out(action))
             return
         for action, outcome in zip(actions, done.outcomes):
-            acted = _Outcome.ACTED if outcome is delivery.CompleteOutcome.COMPLETED else _Outcome.SKIPPED
+            acted = _Outcome.ACTED if outcome in _COMPLETE_ACTED else _Outcome.SKIPPED
             self._count(counts, action, lambda acted=acted: acted)
         if done.error is not None:  # the Jobs after the error were not tried: the next sweep does
             log.warning("sweep: completing jobs in %s stopped: %s: %s; %d left",
@@ -405,13 +476,32 @@ class Executor:
 
     def _clean_up_all(self, namespace: str, actions: Sequence[CleanUpJob]) -> None:
         """Category 4 for recorded Jobs of one namespace, as their LIST read them (`job` set):
-        each released as `one` would, but for those a queued completion is releasing."""
+        each released with its Pods (listed once for all) as `one` would, but for those a queued
+        completion is releasing."""
         counts = self.report.categories[Category.CLEANUP]
         with self._lock:
             counts.found += len(actions)
-        for action in self._deferred(namespace, actions):
-            if not self.dry_run:
-                self._count(counts, action, lambda action=action: self._carry_out(action))
+        actions = self._deferred(namespace, actions)
+        if self.dry_run or not actions:
+            return
+        try:
+            pods = delivery.pods_by_job(self.rt, namespace, [action.job_name for action in actions])
+        except DispatchError as e:
+            log.warning("sweep: listing the pods of %d recorded jobs in %s failed: %s: %s",
+                        len(actions), namespace, e.reason, e)  # fmt: skip
+            with self._lock:
+                counts.errors += len(actions)
+            return
+        for action in actions:
+            self._count(counts, action, lambda action=action: self._clean_up(action, pods[action.job_name]))
+
+    def _clean_up(self, action: CleanUpJob, pods: Sequence[Mapping[str, Any]]) -> _Outcome:
+        # A terminal state is final: nothing to re-read; the release itself is idempotent and
+        # exact (by the listed uids). The namespace's bulk delete follows its pages. Pods
+        # first, as the completion path does: the Job's finalizer stands for what is left.
+        delivery.release_pods(self.rt, action.namespace, pods)
+        delivery.release_job(self.rt, action.namespace, action.job_name, snapshot=action.job)
+        return _Outcome.ACTED
 
     def _deferred(self, namespace: str, actions: Sequence[Deferrable]) -> list[Deferrable]:
         """The actions to carry out: all but those whose Job poll handed to a queued completion
@@ -445,6 +535,28 @@ class Executor:
         if self.dry_run:
             return
         self._count(counts, action, lambda: self._carry_out(action))
+
+    def label_all(self, namespace: str, jobs: Sequence[Mapping[str, Any]]) -> None:
+        """Give this deployment's label to Jobs of its own made before the label existed."""
+        if self.dry_run:
+            with self._lock:
+                self.report.jobs_labelled += len(jobs)
+            return
+        self._run([lambda job=job: self._label(namespace, job) for job in jobs])
+
+    def _label(self, namespace: str, job: Mapping[str, Any]) -> None:
+        name = (job.get("metadata") or {}).get("name", "")
+        try:
+            labelled = delivery.label_deployment(self.rt, namespace, name, snapshot=job)
+        except DispatchError as e:
+            log.warning("sweep: labelling job %s/%s failed: %s: %s", namespace, name, e.reason, e)
+            with self._lock:
+                self.report.add_problem(f"labelling job {namespace}/{name}: {e.reason}: {e}")
+            return
+        if labelled:
+            log.info("sweep: job %s/%s predates the deployment label; labelled as ours", namespace, name)
+            with self._lock:
+                self.report.jobs_labelled += 1
 
     def renotify_all(self, dispatch_ids: Sequence[str]) -> None:
         self._run([lambda dispatch_id=dispatch_id: self.renotify(dispatch_id) for dispatch_id in dispatch_ids])
@@ -488,7 +600,7 @@ class Executor:
         if isinstance(action, CompleteJob):
             # The namespace's bulk delete follows its pages: none per Job.
             completed = delivery.complete_job(rt, action.namespace, action.job_name, snapshot=action.job, delete=False)
-            return _Outcome.ACTED if completed is delivery.CompleteOutcome.COMPLETED else _Outcome.SKIPPED
+            return _Outcome.ACTED if completed in _COMPLETE_ACTED else _Outcome.SKIPPED
         if isinstance(action, ReportRunning):
             if not action.adopt:
                 return _Outcome.NOTHING
@@ -496,10 +608,10 @@ class Executor:
             adopted = delivery.create_job_for(rt, action.dispatch_id)
             return _Outcome.ACTED if adopted is delivery.CreateOutcome.ADOPTED else _Outcome.SKIPPED
         if isinstance(action, CleanUpJob):
-            # A terminal state is final: nothing to re-read; the release itself is idempotent
-            # and exact (by the listed uid). The namespace's bulk delete follows its pages.
-            delivery.release_job(rt, action.namespace, action.job_name, snapshot=action.job)
-            return _Outcome.ACTED
+            return self._clean_up(action, delivery.pods_by_job(rt, action.namespace, [action.job_name])[action.job_name])
+        if isinstance(action, FreePod):
+            freed = delivery.release_pods(rt, action.namespace, [action.pod])
+            return _Outcome.ACTED if freed else _Outcome.SKIPPED
         if isinstance(action, (RecreateJob, FailJobLost)):
             return self._job_lost(action)
         if isinstance(action, ReportOrphan):

@@ -39,6 +39,8 @@ class SweepReport:
     # the completion poll queued for them (a live hand-off marker, see recovery.handoff):
     # neither acted on nor skipped by this sweep.
     completions_deferred: int = 0
+    # Jobs of ours made before the deployment label existed, given it (dry run: to be given).
+    jobs_labelled: int = 0
     # Failures that are not one action's: a namespace that could not be listed, a page of
     # the database that could not be read. Each also counts as an error.
     problems: list[str] = field(default_factory=list)
@@ -76,6 +78,7 @@ class SweepReport:
             "categories": {c.label: asdict(counts) for c, counts in sorted(self.categories.items())},
             UNNOTIFIED_ROW: asdict(self.unnotified),
             "completions_deferred": self.completions_deferred,
+            "jobs_labelled": self.jobs_labelled,
             "errors": self.errors,
             "problems": list(self.problems),
         }

@@ -61,6 +61,8 @@ class Runtime:
                 file, capability and field).
         """
         resolver = resolver if resolver is not None else CapabilityResolver.from_settings(settings)
+        if resolver.default_namespace is None:  # so that scheduling with it records every namespace
+            resolver = resolver.with_default_namespace(settings.namespace)
         kube = kube if kube is not None else KubeClient.from_settings(settings)
         engine = make_engine(settings.database_url)
         client = redis.Redis.from_url(
@@ -79,8 +81,9 @@ class Runtime:
         )
 
     def namespace_for(self, capability: str) -> str:
-        """Where a capability's Jobs are created. Raises: UnknownCapability."""
-        return self.resolver.spec(capability).namespace or self.settings.namespace
+        """Where a capability's new dispatches' Jobs go (a dispatch's own is fixed when it is
+        scheduled: `DispatchRecord.job_namespace`). Raises: UnknownCapability."""
+        return self.resolver.namespace_for(capability) or self.settings.namespace
 
     def namespaces(self) -> list[str]:
         """Every namespace our Jobs may be in, sorted: what poll and sweep list."""

@@ -7,7 +7,7 @@ so the sweep never plans to deliver what the completion path would refuse.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from enum import IntEnum
@@ -33,7 +33,7 @@ class Category(IntEnum):
     SCHEDULED_WITHOUT_JOB = 1  # dispatch scheduled, no Job, older than the grace period
     FINISHED_UNRECORDED = 2  # Job finished, no terminal event yet
     RUNNING = 3  # Job running: the poller will pick it up
-    CLEANUP = 4  # terminal event recorded, Job or our finalizer still there
+    CLEANUP = 4  # terminal event recorded, Job or our finalizer (on it or its Pods) still there
     JOB_LOST = 5  # dispatch marked created, its Job gone without a result
     ORPHAN = 6  # Job of ours with no dispatch, or labels disagreeing with the DB
 
@@ -146,6 +146,19 @@ class CleanUpJob:
 
 
 @dataclass(frozen=True)
+class FreePod:
+    """Category 4 for a Pod: its dispatch has ended, yet it holds our finalizer (its Job was
+    deleted before it was released, or a Pod came after the release): take the finalizer off,
+    one patch exact by `pod`'s uid, so that no Pod of ours is kept for ever."""
+
+    dispatch_id: str
+    namespace: str
+    pod_name: str
+    pod: JobDict = field(compare=False, repr=False)
+    category: ClassVar[Category] = Category.CLEANUP
+
+
+@dataclass(frozen=True)
 class RecreateJob:
     """Category 5: the Job vanished without a result; create it again.
 
@@ -189,7 +202,7 @@ class ReportOrphan:
     category: ClassVar[Category] = Category.ORPHAN
 
 
-Action = Union[CreateJob, CompleteJob, ReportRunning, CleanUpJob, RecreateJob, FailJobLost, ReportOrphan]
+Action = Union[CreateJob, CompleteJob, ReportRunning, CleanUpJob, FreePod, RecreateJob, FailJobLost, ReportOrphan]
 
 
 # --- decisions -------------------------------------------------------------------------
@@ -276,6 +289,34 @@ def plan_jobs(
     return [_decide_job(job, dispatches, policy=policy) for job in jobs]
 
 
+def plan_pods(
+    pods: Iterable[JobDict],
+    dispatches: Mapping[str, DispatchView],
+    *,
+    releasing: Container[tuple[str, str]] = frozenset(),
+) -> list[Action]:
+    """Category 4 for Pods: each Pod holding our finalizer whose dispatch has ended.
+
+    `dispatches` holds the rows for the dispatch ids the Pods' labels (copied from their Job's
+    template) name. A Pod of a dispatch still open keeps its finalizer: its result may be
+    wanted (the Job's, or a re-run's); one naming no dispatch is an orphan's, left alone. So is
+    one whose Job, (namespace, name) in `releasing`, is being cleaned up (`CleanUpJob`): that
+    frees its Pods, or a queued completion does.
+    """
+    actions: list[Action] = []
+    for pod in pods:
+        metadata = _metadata(pod)
+        if FINALIZER not in (metadata.get("finalizers") or []):
+            continue
+        owner = next((o for o in metadata.get("ownerReferences") or [] if o.get("controller") and o.get("kind") == "Job"), None)
+        if owner is not None and (metadata.get("namespace", ""), owner.get("name", "")) in releasing:
+            continue
+        dispatch = next((dispatches[i] for i in named_dispatch_ids(pod) if i in dispatches), None)
+        if dispatch is not None and dispatch.terminal:
+            actions.append(FreePod(dispatch.dispatch_id, metadata.get("namespace", ""), metadata.get("name", ""), pod))
+    return actions
+
+
 def plan_dispatches(
     dispatches: Iterable[DispatchView],
     present: Iterable[tuple[str, str]],
@@ -358,9 +399,15 @@ def _decide_missing_job(dispatch: DispatchView, *, now: datetime, policy: Policy
         return CreateJob(**where)
     # CREATED: the Job existed (it is created before the row is marked), so it was lost.
     attempts = dispatch.record.attempts  # re-creations so far: attempts + 1 Jobs were made
-    if attempts + 1 >= policy.max_job_attempts:
+    if out_of_attempts(attempts, policy.max_job_attempts):
         return FailJobLost(**where, attempts=attempts)
     return RecreateJob(**where, attempts=attempts)
+
+
+def out_of_attempts(attempts: int, max_job_attempts: int) -> bool:
+    """Whether a dispatch whose Job of attempt `attempts` (re-creations before it) was lost, or
+    lost its result, fails `JobLost` rather than runs again: `max_job_attempts` counts Jobs."""
+    return attempts + 1 >= max_job_attempts
 
 
 def by_category(actions: Sequence[Action]) -> dict[Category, list[Action]]:

@@ -90,6 +90,28 @@ def _serve_metrics(**_: Any) -> None:
             log.error("metrics endpoint not started on port %d: %s", port, e)
 
 
+@signals.task_revoked.connect
+def _count_discarded(sender: Any = None, request: Any = None, terminated: bool = False, expired: bool = False, **_: Any) -> None:
+    """A message this worker dropped unrun: logged as a warning and counted, never silent.
+
+    Expired ones are the danger: an `expires` is an absolute time from the sender's clock that
+    Celery compares with this worker's, so a skewed clock drops every such message. Our beat
+    entries carry none (`recovery.supersede` replaces it); one sent by anyone else still may.
+    """
+    from recovery.metrics import METRICS
+
+    task = getattr(sender, "name", None) or getattr(request, "task", None) or "unknown"
+    reason = "expired" if expired else "terminated" if terminated else "revoked"
+    log.warning(
+        "discarded task %s[%s]: %s%s",
+        task,
+        getattr(request, "id", "?"),
+        reason,
+        " (its expires has passed by this worker's clock)" if expired else "",
+    )
+    METRICS.task_discarded(task=task, reason=reason)
+
+
 @signals.worker_shutdown.connect
 def _close_runtime(**_: Any) -> None:
     global _runtime

@@ -100,19 +100,27 @@ def schedule(
 @click.option("--reason", default="Cancelled", show_default=True, help="The reason the event records.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def cancel(dispatch_id: str, reason: str, as_json: bool) -> None:
-    """Cancel a dispatch: record WORKER_CANCELLED (unless it ended already) and delete its Job."""
+    """Cancel a dispatch: record WORKER_CANCELLED (unless it ended already); a worker then deletes its Job.
+
+    Durable once this returns: the cancel is in the database, and if the message to a worker
+    is lost, the recovery sweep deletes the Job.
+    """
     import json
 
+    from engine import store
+    from engine.db import make_engine, make_sessionmaker, transaction
     from engine.settings import get_settings
-    from recovery.delivery import cancel_dispatch, load_record
-    from recovery.runtime import Runtime
-    from tasks.app import celery_notifier
+    from tasks.scheduling import cancel_in_session
 
-    settings = get_settings()
-    with Runtime.from_settings(settings, notifier=celery_notifier(settings)) as runtime:
-        cancelled = cancel_dispatch(runtime, dispatch_id, reason=reason)
-        record = load_record(runtime, dispatch_id)
-    state = record.state.value if record is not None else None
+    engine = make_engine(get_settings().database_url)
+    try:
+        with transaction(make_sessionmaker(engine)) as session:
+            cancelled = cancel_in_session(session, dispatch_id, reason=reason)
+        with transaction(make_sessionmaker(engine)) as session:
+            row = store.get_dispatch(session, dispatch_id)
+            state = row.state.value if row is not None else None
+    finally:
+        engine.dispose()
     if as_json:
         click.echo(json.dumps({"dispatch_id": dispatch_id, "cancelled": cancelled, "state": state}))
     else:
@@ -150,15 +158,15 @@ def status(failures: int, as_json: bool) -> None:
 
     from rich.console import Console
 
-    from engine.db import make_engine, make_sessionmaker, transaction
-    from engine.models import utcnow
+    from engine.db import database_now, make_engine, make_sessionmaker, transaction
     from engine.settings import get_settings
     from tasks.status import read_status, render
 
     engine = make_engine(get_settings().database_url)
     try:
         with transaction(make_sessionmaker(engine)) as session:
-            report = read_status(session, now=utcnow(), failures=failures)
+            # Ages on the clock the rows were written with, not this host's.
+            report = read_status(session, now=database_now(session), failures=failures)
     finally:
         engine.dispose()
     if as_json:

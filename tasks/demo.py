@@ -510,7 +510,7 @@ class _Demo:
         """(running, finished) Jobs of ours in the cluster."""
         running = finished = 0
         try:
-            for page in self.kube.iter_jobs(NAMESPACE, label_selector=job_labels.selector()):
+            for page in self.kube.iter_jobs(NAMESPACE, label_selector=job_labels.selector(self.settings.effective_deployment)):
                 for job in page:
                     if job_state(job).terminal:
                         finished += 1

@@ -15,13 +15,14 @@ from typing import Any, TypeVar
 import redis
 from celery import Task
 from celery.utils.time import get_exponential_backoff_interval
+from kombu.exceptions import ChannelError, LimitExceeded, OperationalError
 
 import celeryconfig as names
 from engine import store
 from engine.db import transaction
 from engine.errors import Transient
 from engine.models import DispatchState, utcnow
-from recovery import delivery, handoff, statelog
+from recovery import delivery, handoff, statelog, supersede
 from recovery.crashpoints import Point, crashpoint
 from recovery.metrics import METRICS, poll_lag_s
 from tasks.app import app, get_runtime
@@ -56,7 +57,11 @@ def schedule(
     idempotency_key: str,
     dispatch_id: str | None = None,
 ) -> str:
-    """The engine's entry by task call: write the dispatch, then enqueue its Job's creation."""
+    """The engine's entry by task call: write the dispatch, then enqueue its Job's creation.
+
+    Until this runs the request is only this message (a broker flush loses it): at-least-once
+    only if the engine sends it again with the same idempotency key until the dispatch exists,
+    as `tasks.scheduling.send_schedule_until_recorded` does."""
     rt = get_runtime()
     with transaction(rt.sessions) as session:
         result = store.schedule(
@@ -106,10 +111,14 @@ def complete(namespace: str, job_name: str) -> str:
 @app.task(bind=True, name=names.COMPLETE_BATCH_TASK, **RETRY)
 def complete_batch(self: Task, namespace: str, jobs: list[dict[str, Any]]) -> dict[str, int]:
     """Finished Jobs of one namespace as poll's LIST saw them (`delivery.job_snapshot`): one
-    Pod LIST and one bulk delete for them all, no GET per Job. A Transient error stops the
-    batch; the Jobs it left are retried (with backoff, as RETRY's) in a new message of their own.
+    Pod LIST for them all, no GET per Job, and the bulk delete left to the next poll (one for
+    every batch of a poll interval). A Transient error stops the batch; the Jobs it left are
+    retried (with backoff, as RETRY's) in a new message of their own.
     """
-    done = delivery.complete_jobs(get_runtime(), namespace, jobs)
+    rt = get_runtime()
+    done = delivery.complete_jobs(rt, namespace, jobs, delete=False)
+    if done.released:  # removed by the next poll's one bulk delete for every batch since the last
+        delivery.delete_delivered_later(rt, namespace)
     if done.error is not None:
         countdown = get_exponential_backoff_interval(
             factor=RETRY["retry_backoff"], retries=self.request.retries, maximum=RETRY["retry_backoff_max"], full_jitter=True
@@ -122,8 +131,11 @@ def complete_batch(self: Task, namespace: str, jobs: list[dict[str, Any]]) -> di
 
 
 @app.task(name=names.CANCEL_TASK, **RETRY)
-def cancel(dispatch_id: str, reason: str = delivery.CANCELLED_REASON) -> bool:
-    return delivery.cancel_dispatch(get_runtime(), dispatch_id, reason=reason)
+def cancel(dispatch_id: str, reason: str = delivery.CANCELLED_REASON, recorded: bool = False) -> bool:
+    """Cancel by task call (the cancel lives only in this message until it runs), or, with
+    `recorded`, `cancel_in_session`'s follow-up: the cancel is in the database already, this
+    deletes the Job at once and notifies the engine (if lost, the sweep deletes the Job)."""
+    return delivery.cancel_dispatch(get_runtime(), dispatch_id, reason=reason, recorded=recorded)
 
 
 # --- poll -----------------------------------------------------------------------------------
@@ -133,24 +145,34 @@ def cancel(dispatch_id: str, reason: str = delivery.CANCELLED_REASON) -> bool:
 def poll() -> dict[str, int]:
     """List our undelivered Jobs page by page (one LIST per page, no GET per Job); hand the
     finished ones to `complete_batch`, a few messages per page carrying the LIST's snapshots.
+    While completions are queued, a Job handed off before is not handed again (its marker is
+    renewed instead: `recovery.handoff`).
 
-    A poll that meets an unavailable API or Redis gives up: the next interval polls again.
+    A poll that meets an unavailable API or Redis gives up: the next interval polls again. One
+    that another poll started shortly before is superseded by it and skips (`recovery.supersede`).
     """
     rt = get_runtime()
+    if not supersede.go_ahead(
+        rt.redis, rt.settings.key_prefix, names.POLL_TASK, window_s=supersede.window_s(rt.settings.poll_interval_s)
+    ):
+        return {"seen": 0, "handed_off": 0, "superseded": 1}
     ttl_s = handoff.ttl_s(rt.settings.poll_interval_s)
     seen = handed = waiting = 0
     lag_s = 0.0
+    # A backlog of completions: the markers of Jobs still waiting in it are renewed, not handed again.
+    renew = _queued(names.COMPLETE_QUEUE) > 0
+    selector = job_labels.undelivered_selector(rt.settings.effective_deployment)  # never another deployment's
     try:
         for namespace in rt.namespaces():
-            for page in rt.kube.iter_jobs(
-                namespace, label_selector=job_labels.undelivered_selector(), page_size=rt.settings.poll_page_size
-            ):
+            for page in rt.kube.iter_jobs(namespace, label_selector=selector, page_size=rt.settings.poll_page_size):
                 seen += len(page)
                 finished = [job for job in page if job_state(job).terminal]
                 waiting, lag_s = waiting + len(finished), max(lag_s, poll_lag_s(finished, now=utcnow()))
                 handed += _hand_off(
-                    rt.redis, rt.settings.key_prefix, namespace, finished, ttl_s=ttl_s, workers=rt.settings.worker_concurrency
-                )
+                    rt.redis, rt.settings.key_prefix, namespace, finished,
+                    ttl_s=ttl_s, workers=rt.settings.worker_concurrency, renew=renew,
+                )  # fmt: skip
+            delivery.delete_noted(rt, namespace)  # what the batches released since the last poll
     except (Transient, redis.RedisError) as e:
         log.warning("poll stopped early (%s); the next one continues", e)
     else:
@@ -159,16 +181,37 @@ def poll() -> dict[str, int]:
 
 
 def _hand_off(
-    client: redis.Redis, prefix: str, namespace: str, jobs: list[dict[str, Any]], *, ttl_s: float, workers: int
+    client: redis.Redis,
+    prefix: str,
+    namespace: str,
+    jobs: list[dict[str, Any]],
+    *,
+    ttl_s: float,
+    workers: int,
+    renew: bool = False,
 ) -> int:
     """Send `complete_batch` for the Jobs not handed off within `ttl_s` (one Redis round trip
     per page, a marker per Job: `recovery.handoff`, which the sweep reads to leave these Jobs
-    to their queued message); the number of Jobs handed off."""
-    marked = handoff.mark(client, prefix, namespace, jobs, ttl_s)
+    to their queued message; with `renew`, the markers of those handed off before are renewed);
+    the number of Jobs handed off."""
+    marked = handoff.mark(client, prefix, namespace, jobs, ttl_s, renew=renew)
     fresh = [delivery.job_snapshot(job) for job, is_new in zip(jobs, marked) if is_new]
     for batch in batches(fresh, workers=workers):
         complete_batch.delay(namespace, batch)
     return len(fresh)
+
+
+def _queued(queue: str) -> int:
+    """How many messages wait in `queue` on the broker (one round trip); 0 if it cannot say (an
+    unreachable broker): poll then renews nothing. Not `passive=True`: kombu's Redis transport
+    checks a queue's existence with an EXISTS it does not prefix with `global_keyprefix`, so a
+    passive declare never finds ours; declaring our own declared queue again changes nothing."""
+    try:
+        with app.pool.acquire(block=True, timeout=5) as connection:  # the producers' pooled connections
+            return connection.default_channel.queue_declare(queue=queue).message_count
+    except (ChannelError, LimitExceeded, OperationalError, redis.RedisError, OSError) as e:
+        log.warning("could not read the length of %s (%s); renewing no hand-off", queue, e)
+        return 0
 
 
 def batches(items: list[T], *, workers: int, least: int = HANDOFF_BATCH_MIN, most: int = HANDOFF_BATCH_MAX) -> list[list[T]]:

@@ -14,6 +14,7 @@ from celery import signals
 
 import celeryconfig as names
 from engine.errors import DispatchError
+from recovery import supersede
 from recovery.reconcile import run_sweep
 from tasks.app import app, get_runtime
 
@@ -24,8 +25,14 @@ STARTUP_SWEEP_DONE = "start-up sweep done"  # the log line the start-up tests wa
 
 @app.task(name=names.SWEEP_TASK)
 def sweep() -> dict[str, Any]:
-    """One recovery sweep (beat sends this every `sweep_interval_s`)."""
-    return run_sweep(get_runtime()).to_dict()
+    """One recovery sweep (beat sends this every `sweep_interval_s`); skipped if another started
+    within half that interval (`recovery.supersede`), so a backlog of sweeps runs once."""
+    rt = get_runtime()
+    if not supersede.go_ahead(
+        rt.redis, rt.settings.key_prefix, names.SWEEP_TASK, window_s=supersede.window_s(rt.settings.sweep_interval_s)
+    ):
+        return {"superseded": True}
+    return run_sweep(rt).to_dict()
 
 
 @signals.worker_ready.connect

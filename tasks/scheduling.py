@@ -1,16 +1,20 @@
-"""The engine's in-transaction entry: schedule dispatches inside the caller's own transaction.
+"""The engine's entries: schedule and cancel dispatches inside the caller's own transaction.
 
 `schedule_in_session` / `schedule_many_in_session` write the dispatches with
 `engine.store.schedule_many` and send `create_jobs` only once that transaction commits (nothing
 if it rolls back): every dispatch the transaction wrote, by any number of calls, in messages of
 up to CREATE_BATCH ids, so a worker pays its per-message and per-transaction costs once per
-batch. Light on purpose: an engine process or the CLI imports it without the Kubernetes client
-or the delivery machinery.
+batch. `cancel_in_session` records the cancel itself in the transaction (durable: the sweep
+honours it if its message is lost) and sends `cancel` after commit to delete the Job at once.
+`send_schedule_until_recorded` is the task-call path made safe against a broker that loses
+messages. Light on purpose: an engine process or the CLI imports it without the Kubernetes
+client or the delivery machinery.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -18,11 +22,13 @@ from typing import Any
 from celery import Celery
 from kombu.exceptions import OperationalError
 from sqlalchemy import event
-from sqlalchemy.orm import Session, SessionTransaction
+from sqlalchemy.orm import Session, SessionTransaction, sessionmaker
 
 import celeryconfig as names
 from engine import store
-from engine.models import DispatchState
+from engine.db import transaction
+from engine.errors import DatabaseUnavailable, ScheduleNotRecorded
+from engine.models import DispatchState, EventType
 from recovery import statelog
 from recovery.crashpoints import Point, crashpoint
 from tasks.app import app
@@ -38,6 +44,7 @@ _HOOKED_KEY = "k8s_dispatch.hooked"
 # transactions of 50, side by side): messages of 50 cost the worker 0.9-1.2 ms CPU per Job,
 # messages of 25 1.4-1.55 ms.
 CREATE_BATCH = 50
+CANCELLED_REASON = "Cancelled"  # as recovery.delivery's, the reason a cancel records by default
 
 
 def schedule_in_session(
@@ -88,11 +95,119 @@ def schedule_many_in_session(
     return results
 
 
-def _after_commit_send(session: Session, dispatch_ids: list[str], sender: Celery) -> None:
+def cancel_in_session(
+    session: Session, dispatch_id: str, *, reason: str = CANCELLED_REASON, via: Celery | None = None
+) -> bool:
+    """Cancel a dispatch inside the caller's transaction; True if this call ended it, False if
+    it had ended already (completed, failed or cancelled).
+
+    The WORKER_CANCELLED event and the CANCELLED state are written here, so the cancel is as
+    durable as the caller's commit: no broker message is needed for it to hold. A completion
+    racing it leaves exactly one terminal event (the unique index on terminal events decides:
+    whichever commits first). After the outermost commit, `cancel` is sent to delete the Job at
+    once and notify the engine; if that message is lost (a broker flush, no worker), the
+    recovery sweep finds the recorded end with a Job still there and deletes the Job, and a
+    create still queued for the dispatch skips it (or deletes the Job it made meanwhile).
+
+    Raises:
+        InvalidId: `dispatch_id` is not a UUID.
+        UnknownDispatch: no such dispatch (nothing written).
+    """
+    store.check_dispatch_id(dispatch_id)
+    won = store.record_terminal(session, dispatch_id, EventType.WORKER_CANCELLED, {"reason": reason})
+    if won:
+        row = store.get_dispatch(session, dispatch_id)
+        assert row is not None  # record_terminal raised UnknownDispatch otherwise
+        statelog.on_commit(
+            session,
+            DispatchState.CANCELLED,
+            dispatch_id=dispatch_id,
+            case_id=row.case_id,
+            tenancy_id=row.tenancy_id,
+            capability=row.capability,
+            reason=reason,
+        )
+        _after_commit_send(session, [dispatch_id], via if via is not None else app, task=names.CANCEL_TASK)
+    return won
+
+
+def send_schedule_until_recorded(
+    sessions: sessionmaker[Session],
+    *,
+    case_id: str,
+    tenancy_id: str,
+    capability: str,
+    input: Any,  # noqa: A002 - the engine's word
+    idempotency_key: str,
+    dispatch_id: str | None = None,
+    timeout_s: float = 120.0,
+    resend_s: float = 10.0,
+    check_s: float = 0.25,
+    via: Celery | None = None,
+) -> str:
+    """Schedule by task call, at least once: send `k8s-dispatch.schedule`, and send it again with
+    the same idempotency key every `resend_s` until the dispatch is in the database (read with
+    `sessions`, every `check_s`); its dispatch id.
+
+    A task message lives only in the broker until a worker runs it, so one send can be lost (a
+    broker flush, a failover); re-sending with the same key is safe, since a repeat is the same
+    dispatch. A request the worker refuses (unknown capability, bad input: its typed error is
+    in the worker's log) is never recorded and ends in the timeout; `schedule_in_session` raises
+    such errors at once.
+
+    Raises:
+        ScheduleNotRecorded: no dispatch with that key after `timeout_s` (no worker running, or
+            the request refused); sending again later with the same key is still safe.
+    """
+    sender = via if via is not None else app
+    kwargs = dict(
+        case_id=case_id,
+        tenancy_id=tenancy_id,
+        capability=capability,
+        input=input,
+        idempotency_key=idempotency_key,
+        dispatch_id=dispatch_id,
+    )
+    deadline = time.monotonic() + timeout_s
+    sends = 0
+    while True:
+        try:
+            sender.send_task(names.SCHEDULE_TASK, kwargs=kwargs, queue=names.JOBS_QUEUE)
+            sends += 1
+        except OperationalError as e:
+            log.warning("sending %s for key %r failed (%s); trying again", names.SCHEDULE_TASK, idempotency_key, e)
+        resend_at = min(time.monotonic() + resend_s, deadline)
+        while True:
+            found = _recorded(sessions, tenancy_id, idempotency_key)
+            if found is not None:
+                return found
+            now = time.monotonic()
+            if now >= resend_at:
+                break
+            time.sleep(min(check_s, resend_at - now))
+        if time.monotonic() >= deadline:
+            raise ScheduleNotRecorded(
+                f"no dispatch for tenancy {tenancy_id!r} and idempotency key {idempotency_key!r} after "
+                f"{timeout_s:g}s and {sends} sends of {names.SCHEDULE_TASK}: is a worker running, and "
+                "does its log show the request refused?"
+            )
+
+
+def _recorded(sessions: sessionmaker[Session], tenancy_id: str, idempotency_key: str) -> str | None:
+    """The dispatch id recorded for the key, or None (also while the database is unreachable)."""
+    try:
+        with transaction(sessions) as session:
+            return store.dispatch_id_for_key(session, tenancy_id=tenancy_id, idempotency_key=idempotency_key)
+    except DatabaseUnavailable as e:
+        log.warning("looking up the dispatch for key %r failed (%s); trying again", idempotency_key, e)
+        return None
+
+
+def _after_commit_send(session: Session, dispatch_ids: list[str], sender: Celery, *, task: str = names.CREATE_JOBS_TASK) -> None:
     # Remember the innermost SAVEPOINT the dispatches were written in: rolling that one back
     # takes them with it; releasing it hands them to the enclosing one.
     savepoint = session.get_nested_transaction()
-    session.info.setdefault(_PENDING_KEY, []).extend(_Pending(d, sender, savepoint) for d in dispatch_ids)
+    session.info.setdefault(_PENDING_KEY, []).extend(_Pending(d, sender, savepoint, task) for d in dispatch_ids)
     if not session.info.get(_HOOKED_KEY):
         session.info[_HOOKED_KEY] = True
         event.listen(session, "after_commit", _on_commit)
@@ -104,6 +219,7 @@ class _Pending:
     dispatch_id: str
     sender: Celery
     savepoint: SessionTransaction | None  # None: written outside any SAVEPOINT
+    task: str = names.CREATE_JOBS_TASK  # or CANCEL_TASK, for a cancel_in_session
 
 
 def _on_commit(session: Session) -> None:
@@ -116,7 +232,13 @@ def _on_commit(session: Session) -> None:
             if pending.savepoint is released:
                 pending.savepoint = enclosing
         return
-    for sender, ids in _by_sender(session.info.pop(_PENDING_KEY, [])):
+    pending = session.info.pop(_PENDING_KEY, [])
+    for p in [p for p in pending if p.task == names.CANCEL_TASK]:
+        try:
+            p.sender.send_task(names.CANCEL_TASK, args=[p.dispatch_id], kwargs={"recorded": True}, queue=names.JOBS_QUEUE)
+        except OperationalError as e:
+            log.warning("dispatch %s is cancelled but cancel was not sent (%s); the sweep will delete its Job", p.dispatch_id, e)
+    for sender, ids in _by_sender([p for p in pending if p.task == names.CREATE_JOBS_TASK]):
         for start in range(0, len(ids), CREATE_BATCH):
             batch = ids[start : start + CREATE_BATCH]
             crashpoint(Point.AFTER_SCHEDULE_COMMIT)

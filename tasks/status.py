@@ -1,5 +1,6 @@
-"""The `status` command's report: dispatches by state, the oldest one still pending and the
-latest failures with their reasons, read from the database in one short transaction.
+"""The `status` command's report: dispatches by state, the oldest one still pending, the latest
+failures with their reasons and the dispatches whose Job cannot be created yet (and why), read
+from the database in one short transaction.
 
 `read_status` does the reading; `StatusReport.to_dict` (for `--json`) and `render` (rich
 tables for the terminal) are pure, so what an operator sees is tested without a database.
@@ -7,7 +8,7 @@ tables for the terminal) are pure, so what an operator sees is tested without a 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -49,12 +50,24 @@ class Failure:
 
 
 @dataclass(frozen=True)
+class CreateWait:
+    """A pending dispatch whose last create was refused for now (403 exceeded quota, ...): retried."""
+
+    dispatch_id: str
+    capability: str
+    error: str
+    since: datetime
+
+
+@dataclass(frozen=True)
 class StatusReport:
     generated_at: datetime
     counts: dict[str, int]  # every DispatchState, zero if none
     oldest_pending: Pending | None
     recent_failures: list[Failure]  # newest first
     unnotified: int  # ended, the engine not told yet (the sweep retries)
+    create_waits: list[CreateWait] = field(default_factory=list)  # newest first
+    create_waiting: int = 0  # how many pending dispatches wait for their Job's create
 
     @property
     def total(self) -> int:
@@ -95,6 +108,11 @@ class StatusReport:
                 }
                 for f in self.recent_failures
             ],
+            "create_waiting": self.create_waiting,
+            "create_waits": [
+                {"dispatch_id": w.dispatch_id, "capability": w.capability, "error": w.error, "since": w.since.isoformat()}
+                for w in self.create_waits
+            ],
         }
 
 
@@ -123,6 +141,11 @@ def read_status(session: Session, *, now: datetime, failures: int = DEFAULT_FAIL
         .select_from(Dispatch)
         .where(Dispatch.notified_at.is_(None), Dispatch.state.in_(terminal_states))
     )
+    waiting = _waiting_to_create(pending_states)
+    wait_rows = session.scalars(
+        sa.select(Dispatch).where(waiting).order_by(Dispatch.create_error_at.desc(), Dispatch.dispatch_id).limit(failures)
+    ).all()
+    create_waiting = session.scalar(sa.select(sa.func.count()).select_from(Dispatch).where(waiting))
     return StatusReport(
         generated_at=now,
         counts=store.counts_by_state(session),
@@ -150,6 +173,19 @@ def read_status(session: Session, *, now: datetime, failures: int = DEFAULT_FAIL
             for row in failed_rows
         ],
         unnotified=int(unnotified or 0),
+        create_waits=[
+            CreateWait(row.dispatch_id, row.capability, row.create_error or "", row.create_error_at) for row in wait_rows
+        ],
+        create_waiting=int(create_waiting or 0),
+    )
+
+
+def _waiting_to_create(pending_states: list[DispatchState]) -> sa.ColumnElement[bool]:
+    """Pending, and the last create failed after the last one that worked."""
+    return sa.and_(
+        Dispatch.state.in_(pending_states),
+        Dispatch.create_error_at.is_not(None),
+        sa.or_(Dispatch.job_created_at.is_(None), Dispatch.create_error_at > Dispatch.job_created_at),
     )
 
 
@@ -199,6 +235,12 @@ def render(report: StatusReport) -> Group:
         )
     if report.unnotified:
         lines.append(f"ended but the engine not told yet: {report.unnotified} (the sweep retries)")
+    if report.create_waiting:
+        lines.append(Text(f"waiting for their Job to be created: {report.create_waiting} (retried)", style="italic"))
+        for w in report.create_waits:
+            line = Text(f"  {w.since.strftime('%Y-%m-%d %H:%M:%S')}  {w.capability}  {w.dispatch_id}")
+            lines.append(line)
+            lines.append(Text(f"      {_trim(w.error)}", style="dim"))
     if report.recent_failures:
         # Lines, not a table: a UUID and a reason side by side leave no room in 80 columns.
         lines.append(Text(f"latest {len(report.recent_failures)} failures", style="italic"))

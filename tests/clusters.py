@@ -55,6 +55,42 @@ class ClusterHandle:
         self._namespaces.add(name)
         return name
 
+    def service_account_kubeconfig(self, namespace: str, path: Path, *, rbac_file: Path) -> Path:
+        """A kubeconfig for `namespace`'s worker ServiceAccount, bound to the Role in `rbac_file`
+        (deploy/rbac.yaml, moved to `namespace`), with a token from the TokenRequest API: on the
+        real control plane every request it makes is then decided by the real RBAC authorizer."""
+        import yaml
+
+        self.ensure_namespace(namespace)
+        docs = [d for d in yaml.safe_load_all(rbac_file.read_text()) if d]
+        with self.api_client() as api:
+            core, rbac = client.CoreV1Api(api), client.RbacAuthorizationV1Api(api)
+            account = ""
+            for doc in docs:
+                doc["metadata"]["namespace"] = namespace
+                for subject in doc.get("subjects") or []:
+                    subject["namespace"] = namespace
+                create = {"ServiceAccount": core.create_namespaced_service_account,
+                          "Role": rbac.create_namespaced_role,
+                          "RoleBinding": rbac.create_namespaced_role_binding}[doc["kind"]]
+                try:
+                    create(namespace, doc)
+                except client.ApiException as e:
+                    if e.status != 409:
+                        raise
+                if doc["kind"] == "ServiceAccount":
+                    account = doc["metadata"]["name"]
+            token = core.create_namespaced_service_account_token(
+                account, namespace, {"spec": {"expirationSeconds": 3600}}).status.token
+        doc = yaml.safe_load(self.kubeconfig.read_text())
+        for user in doc["users"]:
+            user["user"] = {"token": token}
+        for context in doc["contexts"]:
+            context["context"]["namespace"] = namespace
+        path.write_text(yaml.safe_dump(doc, sort_keys=False))
+        path.chmod(0o600)
+        return path
+
     def raw(self, method: str, path: str, body: Any = None, *, content_type: str = "application/json",
             token: str | None = None, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
         """One request as sent, answered as received: (status, headers lower-cased, body)."""

@@ -27,16 +27,17 @@ ensure_postgres() {
     if command -v pg_isready >/dev/null && pg_up && pg_login >/dev/null 2>&1; then
         log "postgresql ok"; return
     fi
-    local installed_now=0
     if ! ls /etc/postgresql/*/main >/dev/null 2>&1; then
-        log "installing postgresql"; apt_install postgresql postgresql-client; installed_now=1
+        log "installing postgresql"; apt_install postgresql postgresql-client
     fi
     local version; version=$(ls /etc/postgresql | sort -V | tail -n 1)
-    if [ "$installed_now" = 1 ]; then
-        # A fresh cluster asks for passwords on TCP; the tests connect as postgres with trust
-        # on loopback only, as the CI machine is set up.
-        local hba=/etc/postgresql/$version/main/pg_hba.conf
+    # A fresh cluster (ours, or one the image came with) asks for passwords on TCP; the tests
+    # connect as postgres with trust on loopback only, as the CI machine is set up.
+    local hba=/etc/postgresql/$version/main/pg_hba.conf
+    if as_root grep -qE '^host\s+all\s+all\s+(127\.0\.0\.1/32|::1/128)\s+(md5|scram-sha-256|password)' "$hba"; then
+        log "postgresql: trust on loopback"
         as_root sed -i -E 's/^(host\s+all\s+all\s+(127\.0\.0\.1\/32|::1\/128)\s+)\S+/\1trust/' "$hba"
+        pg_up && as_root pg_ctlcluster --skip-systemctl-redirect "$version" main reload || true
     fi
     if ! pg_up; then
         log "starting postgresql $version"
@@ -65,6 +66,8 @@ ensure_tools() {
     # over https); kubectl itself is needed by the kubectl tests.
     command -v openssl >/dev/null || { log "installing openssl"; apt_install openssl; }
     command -v kubectl >/dev/null || log "WARNING: kubectl is not installed: the kubectl tests will fail"
+    # faketime runs a worker with its clock skewed (tests/tasks/test_clock_skew.py).
+    command -v faketime >/dev/null || { log "installing faketime"; apt_install faketime; }
 }
 
 ensure_tools

@@ -2,8 +2,9 @@
 
 Reads Jobs and Pods as dicts in the API's camelCase JSON shape. `job_state` maps the Job's
 conditions to an `Outcome`; `pick_termination` finds the container exit that holds the
-result; `parse_result` turns a termination message into output or a failure reason, never
-an exception; `completion` puts the three together into what the terminal event records.
+result; `parse_result` turns a termination message into output (only what the store can
+keep: `engine.payloads.canonical_json` is the one rule) or a failure reason, never an
+exception; `completion` puts the three together into what the terminal event records.
 """
 
 from __future__ import annotations
@@ -15,13 +16,18 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
+from engine.errors import InputNotSerialisable
+from engine.payloads import canonical_json
 from workers.manifest import CONTAINER_NAME
 
 MAX_RESULT_BYTES = 4096  # the kubelet keeps at most 4 KiB of a container's termination message
 MAX_DETAIL_CHARS = 2048  # failure details (log tails, messages) kept in the terminal event
 
 # Failure reasons of our own, next to the Job controller's (BackoffLimitExceeded, ...).
-RESULT_MISSING = "ResultMissing"
+RESULT_MISSING = "ResultMissing"  # the container exited 0 without writing a result
+# The Job succeeded, but no Pod of it holds the result any more (removed before delivery): not a
+# failure of the work, which is run again (`Completion.lost`); never a terminal event's reason.
+RESULT_LOST = "ResultLost"
 RESULT_NOT_JSON = "ResultNotJson"
 RESULT_TOO_LARGE = "ResultTooLarge"
 CONTAINER_FAILED = "ContainerFailed"
@@ -100,8 +106,10 @@ class Result:
 def parse_result(message: str | None, *, exit_ok: bool) -> Result:
     """Turn a container's termination message into the dispatch's output or a failure.
 
-    `exit_ok` says the container exited 0. Then the message must be JSON of at most 4 KiB:
-    otherwise ResultMissing (none or blank), ResultTooLarge or ResultNotJson. A container
+    `exit_ok` says the container exited 0. Then the message must be JSON of at most 4 KiB that
+    the store can keep (`canonical_json`'s rule: no number out of a double's range such as
+    1e400, no lone surrogate such as "\\ud800", nesting bounded): otherwise ResultMissing (none
+    or blank), ResultTooLarge or ResultNotJson, the detail saying why. A container
     that failed gives ContainerFailed, its message (the log tail, with FallbackToLogsOnError)
     as the detail.
     """
@@ -114,6 +122,9 @@ def parse_result(message: str | None, *, exit_ok: bool) -> Result:
         return Result(reason=RESULT_TOO_LARGE, detail=f"the result is {size} bytes, more than {MAX_RESULT_BYTES}")
     try:
         output = json.loads(message, parse_constant=_refuse_constant)
+        canonical_json(output, what="the result")
+    except InputNotSerialisable as e:
+        return Result(reason=RESULT_NOT_JSON, detail=f"{e}: the store keeps only canonical JSON; the message begins {message[:200]!r}")
     except (ValueError, RecursionError) as e:
         return Result(reason=RESULT_NOT_JSON, detail=f"{e}; the message begins {message[:200]!r}")
     return Result(output=output)
@@ -210,13 +221,19 @@ class Completion:
     reason: str | None = None
     detail: str | None = None
 
+    @property
+    def lost(self) -> bool:
+        """The work succeeded but its result is gone with its Pod: run it again, record nothing."""
+        return self.reason == RESULT_LOST
+
 
 def completion(
     job: Mapping[str, Any], pods: Iterable[Mapping[str, Any]], *, container: str = CONTAINER_NAME
 ) -> Completion | None:
     """The terminal event a Job calls for, or None while it runs.
 
-    Succeeded Job: the chosen pod's result, or ResultMissing/ResultNotJson/ResultTooLarge.
+    Succeeded Job: the chosen pod's result, or ResultMissing/ResultNotJson/ResultTooLarge; with
+    no succeeded pod left (the one that succeeded was removed), ResultLost (`Completion.lost`).
     Failed Job: the condition's reason (BackoffLimitExceeded, DeadlineExceeded, ...), with the
     container's message (its log tail) or else the condition's message as the detail.
     """
@@ -226,14 +243,19 @@ def completion(
     uid = _str(_dict(job.get("metadata")).get("uid"))
     termination = pick_termination(pods, container=container, job_uid=uid)
     if state.outcome is Outcome.SUCCEEDED:
-        # Only a container that exited 0 holds a result; a failed one's message is a log tail.
-        message = termination.message if termination and termination.exit_ok else None
-        result = parse_result(message, exit_ok=True)
+        if termination is None or not termination.exit_ok:
+            # Only a container that exited 0 holds a result (a failed one's message is a log
+            # tail), and the one that did is gone: the result is lost, not missing.
+            return Completion(succeeded=False, reason=RESULT_LOST, detail=_LOST_DETAIL)
+        result = parse_result(termination.message, exit_ok=True)
         if result.ok:
             return Completion(succeeded=True, output=result.output)
         return Completion(succeeded=False, reason=result.reason, detail=result.detail)
     detail = _trim(termination.message) if termination and termination.message else None
     return Completion(succeeded=False, reason=state.reason, detail=detail or _trim(state.message) or None)
+
+
+_LOST_DETAIL = "the Job succeeded but no Pod of it holds the result any more"
 
 
 # --- tolerant readers: the API's JSON may lack any field -------------------------------

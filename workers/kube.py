@@ -37,6 +37,7 @@ from engine.errors import (
     DispatchError,
     InvalidManifest,
     NotFound,
+    QuotaExceeded,
 )
 
 if TYPE_CHECKING:
@@ -61,6 +62,7 @@ CONNECTION_RETRIES = urllib3.Retry(
 AUTH_REFRESH_S = 1.0
 JOBS_PATH = "/apis/batch/v1/namespaces/{namespace}/jobs"
 JOB_PATH = JOBS_PATH + "/{name}"
+POD_PATH = "/api/v1/namespaces/{namespace}/pods/{name}"
 
 JsonDict = dict[str, Any]
 
@@ -227,11 +229,31 @@ class KubeClient:
                 uid, job = metadata.get("uid"), None
         raise Conflict(f"{what}: the job kept changing over {PATCH_ATTEMPTS} attempts")
 
-    def delete_job(self, namespace: str, name: str, *, propagation: str = "Background") -> bool:
-        """Delete a Job (its Pods by `propagation`); False if it was already gone.
+    def label_job(self, namespace: str, name: str, *, label: tuple[str, str], snapshot: Mapping[str, Any]) -> bool:
+        """Set one label on the Job `snapshot` shows, in one JSON patch that `test`s its uid (a Job
+        re-created under the same name is never touched); True if this call changed the Job.
+        Already labelled so, gone, or another uid: False."""
+        patch = release_patch(snapshot.get("metadata") or {}, finalizer="", label=label)
+        if not patch:
+            return False
+        what = f"label job {namespace}/{name} ({label[0]}={label[1]})"
+        try:
+            self._request(what, "PATCH", JOB_PATH, patch, content_type="application/json-patch+json", namespace=namespace, name=name)
+        except (NotFound, Conflict):
+            return False
+        except ApiRejected as e:
+            if e.reason != "Invalid":  # a failed uid `test` (422, or 409 on some servers): re-created since
+                raise
+            return False
+        return True
+
+    def delete_job(self, namespace: str, name: str, *, propagation: str = "Background", uid: str | None = None) -> bool:
+        """Delete a Job (its Pods by `propagation`); False if it was already gone, or (with
+        `uid`, a precondition) if the Job of that name is another one.
 
         With finalizers left on it the Job is only marked for deletion.
         """
+        extra = {"body": k8s.V1DeleteOptions(preconditions=k8s.V1Preconditions(uid=uid))} if uid else {}
         try:
             self._call(
                 f"delete job {namespace}/{name}",
@@ -239,9 +261,14 @@ class KubeClient:
                 name,
                 namespace,
                 propagation_policy=propagation,
+                **extra,
             )
         except NotFound:
             return False
+        except Conflict:
+            if uid is None:
+                raise
+            return False  # re-created under the same name: not the Job we were asked about
         return True
 
     def delete_jobs(self, namespace: str, *, label_selector: str, propagation: str = "Background") -> int:
@@ -260,21 +287,59 @@ class KubeClient:
 
     def list_pods(self, namespace: str, *, label_selector: str) -> list[JsonDict]:
         """All Pods matching the selector (a Job's Pods: `batch.kubernetes.io/job-name=NAME`)."""
-        pods: list[JsonDict] = []
+        return [pod for page in self.iter_pods(namespace, label_selector=label_selector) for pod in page]
+
+    def iter_pods(
+        self,
+        namespace: str,
+        *,
+        label_selector: str,
+        field_selector: str | None = None,
+        page_size: int = DEFAULT_PAGE_SIZE,
+    ) -> Iterator[list[JsonDict]]:
+        """Yield the Pods matching the selectors page by page (one LIST per page)."""
         token: str | None = None
+        extra = {"field_selector": field_selector} if field_selector else {}
         while True:
             page = self._call(
                 f"list pods in {namespace}",
                 self._core.list_namespaced_pod,
                 namespace,
                 label_selector=label_selector,
-                limit=DEFAULT_PAGE_SIZE,
+                limit=page_size,
                 _continue=token,
+                **extra,
             )
-            pods.extend(page.get("items") or [])
+            yield page.get("items") or []
             token = (page.get("metadata") or {}).get("continue") or None
             if token is None:
-                return pods
+                return
+
+    def release_pod(self, namespace: str, pod: Mapping[str, Any], *, finalizer: str) -> bool:
+        """Remove `finalizer` from a Pod as a LIST read it, in one JSON patch that `test`s its uid
+        and the finalizer's index (as `release_job`'s); True if this call changed the Pod.
+
+        No GET and no retry (Pods are only ever listed): a Pod gone, or whose finalizers moved
+        under the patch, is left as it is (False), for the sweep's next LIST of Pods.
+        """
+        metadata = pod.get("metadata") or {}
+        name = str(metadata.get("name", ""))
+        patch = release_patch(metadata, finalizer=finalizer, label=None)
+        if not patch:
+            return False
+        what = f"release pod {namespace}/{name} (finalizer {finalizer})"
+        try:
+            self._request(
+                what, "PATCH", POD_PATH, patch, content_type="application/json-patch+json", namespace=namespace, name=name
+            )
+        except NotFound:
+            return False
+        except (Conflict, ApiRejected) as e:
+            if isinstance(e, ApiRejected) and e.reason != "Invalid":
+                raise
+            log.info("%s: the pod changed under the patch (%s); left for the next sweep", what, e.reason)
+            return False
+        return True
 
     # --- the seams every call goes through (`_call`, `_request`) ----------------------------
 
@@ -429,11 +494,17 @@ def _mapped(e: ApiException, what: str) -> DispatchError:
         return ApiUnavailable(message)
     if status == 410:  # Expired outside a paginated list: a stale read, list again
         return ApiUnavailable(message, reason="Expired")
+    if status == 403 and any(words in (api_message or "") for words in _QUOTA_WAITS):
+        return QuotaExceeded(message)
     # 400 BadRequest, 401 Unauthorized, 403 Forbidden, 422 Invalid and the rest of 4xx.
     return ApiRejected(message, reason=api_reason or _REASON_BY_STATUS.get(status, "ApiRejected"))
 
 
 _REASON_BY_STATUS = {400: "BadRequest", 401: "Unauthorized", 403: "Forbidden", 422: "Invalid"}
+# A 403 from the quota admission that passes: "exceeded quota: NAME, requested: ..., used: ...,
+# limited: ...", and "status unknown for quota" (the quota controller has not counted yet).
+# Its other 403s ("failed quota: NAME: must specify limits.cpu") need a changed spec: permanent.
+_QUOTA_WAITS = ("exceeded quota", "status unknown for quota")
 
 
 def _status_of(e: ApiException) -> tuple[str | None, str | None]:
@@ -449,11 +520,12 @@ def _status_of(e: ApiException) -> tuple[str | None, str | None]:
 
 
 def release_patch(metadata: Mapping[str, Any], *, finalizer: str, label: tuple[str, str] | None) -> list[JsonDict]:
-    """The JSON patch that takes `finalizer` off a Job and puts `label` on it, guarded by `test`s
-    of the uid and of the finalizer's index (pure); [] when there is nothing to change."""
+    """The JSON patch that takes `finalizer` off a Job (or a Pod) and puts `label` on it, guarded
+    by `test`s of the uid and of the finalizer's index (pure); [] when there is nothing to change.
+    An empty `finalizer` only sets the label."""
     ops: list[JsonDict] = []
     finalizers = metadata.get("finalizers") or []
-    if finalizer in finalizers:
+    if finalizer and finalizer in finalizers:
         index = finalizers.index(finalizer)
         ops += [
             {"op": "test", "path": f"/metadata/finalizers/{index}", "value": finalizer},

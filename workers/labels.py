@@ -1,6 +1,7 @@
 """A dispatch's identity as Kubernetes labels and annotations, and back (pure).
 
-Each `DispatchRef` field becomes a label under `k8s-dispatch.io/`. A value that is not a valid
+Each `DispatchRef` field becomes a label under `k8s-dispatch.io/`, beside the deployment's
+(`DEPLOYMENT_LABEL`), which every selector names. A value that is not a valid
 label value (too long, bad characters), or that looks like one of our hashes, is carried as
 `h-` + 40 hex digits of its SHA-256 instead, with the full value in an annotation under the
 same key. `decode` refuses a Job whose labels are missing, malformed or disagree with it.
@@ -37,6 +38,9 @@ TENANCY_ID_KEY = PREFIX + "tenancy-id"
 CAPABILITY_KEY = PREFIX + "capability"
 WORKER_KEY = PREFIX + "worker"
 IDEMPOTENCY_KEY_KEY = PREFIX + "idempotency-key"
+# Which deployment (database and key prefix) made the Job: every selector names it, so two
+# deployments sharing a namespace never list, deliver or delete each other's Jobs.
+DEPLOYMENT_LABEL = PREFIX + "deployment"
 ATTEMPT_KEY = PREFIX + "attempt"  # annotation: which re-creation of the Job this is
 # Set (with our finalizer removed, in the same patch) once the Job's dispatch has its terminal
 # event: nothing is left to do but delete it, which one bulk delete does for every such Job.
@@ -82,13 +86,16 @@ def needs_hash(value: str) -> bool:
     return not value or not is_label_value(value) or is_hashed(value)
 
 
-def encode(ref: DispatchRef) -> tuple[dict[str, str], dict[str, str]]:
-    """The labels and annotations that identify `ref`'s Job.
+def encode(ref: DispatchRef, *, deployment: str | None = None) -> tuple[dict[str, str], dict[str, str]]:
+    """The labels and annotations that identify `ref`'s Job, made by `deployment` (None: no
+    deployment label, as Jobs were before it existed).
 
     Values are not validated here (see `workers.types.check_ref`); any string encodes to a
     valid label value.
     """
     labels = {MANAGED_BY_LABEL: MANAGED_BY}
+    if deployment is not None:
+        labels[DEPLOYMENT_LABEL] = deployment
     annotations: dict[str, str] = {}
     for field, key in FIELD_KEYS.items():
         value: str = getattr(ref, field)
@@ -144,19 +151,33 @@ def _decode_one(key: str, labels: Mapping[str, object], annotations: Mapping[str
     return label
 
 
-def selector() -> str:
-    """The label selector of every Job this project manages."""
-    return f"{MANAGED_BY_LABEL}={MANAGED_BY}"
+def selector(deployment: str | None = None) -> str:
+    """The label selector of the Jobs `deployment` made; None: of every deployment's (what a
+    test or a leftover count lists, never what a deployment acts on)."""
+    managed = f"{MANAGED_BY_LABEL}={MANAGED_BY}"
+    return managed if deployment is None else f"{managed},{DEPLOYMENT_LABEL}={deployment}"
 
 
-def undelivered_selector() -> str:
-    """Our Jobs still to be delivered or cleaned up: what poll and the sweep list."""
-    return f"{selector()},!{DELIVERED_LABEL}"
+def undelivered_selector(deployment: str) -> str:
+    """The deployment's Jobs still to be delivered or cleaned up: what poll and the sweep list."""
+    return f"{selector(deployment)},!{DELIVERED_LABEL}"
 
 
-def delivered_selector() -> str:
-    """Our Jobs whose dispatch is recorded as ended: what the bulk delete removes."""
-    return f"{selector()},{DELIVERED_LABEL}={DELIVERED}"
+def delivered_selector(deployment: str) -> str:
+    """The deployment's Jobs whose dispatch is recorded as ended: what the bulk delete removes."""
+    return f"{selector(deployment)},{DELIVERED_LABEL}={DELIVERED}"
+
+
+def unlabelled_selector() -> str:
+    """Our Jobs made before the deployment label existed, whoever made them: what the sweep
+    adopts when their dispatch is its own (and otherwise only reports, never deletes)."""
+    return f"{selector()},!{DEPLOYMENT_LABEL}"
+
+
+def deployment_of(labels: Mapping[str, object] | None) -> str | None:
+    """The deployment a Job's labels name; None for a Job made before the label existed."""
+    value = (labels or {}).get(DEPLOYMENT_LABEL)
+    return value if isinstance(value, str) else None
 
 
 def is_delivered(labels: Mapping[str, object] | None) -> bool:

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from workers.resolver import CapabilitySpec
 
 JOB_NAME_PREFIX = "kd-"  # + the 36-character dispatch id: 39 characters
-FINALIZER = "k8s-dispatch.io/result-protection"
+FINALIZER = "k8s-dispatch.io/result-protection"  # on the Job and, through its template, on its Pods
 INPUT_ENV = "K8S_DISPATCH_INPUT"
 CONTAINER_NAME = "worker"
 TERMINATION_MESSAGE_PATH = "/dev/termination-log"
@@ -90,15 +90,17 @@ def build_job(
     input: object,  # noqa: A002 - the name the callers use
     spec: CapabilitySpec,
     namespace: str,
+    deployment: str,
     attempt: int = 0,
 ) -> dict[str, Any]:
     """The batch/v1 Job that runs `ref`'s dispatch; `spec.namespace`, if set, wins over `namespace`.
+    `deployment` (`Settings.effective_deployment`) is labelled on the Job and its Pods.
 
     Raises:
         InvalidId, InvalidIdempotencyKey: a field of `ref` is malformed.
         InputNotSerialisable: `input` is not JSON.
-        InvalidManifest: `spec` is invalid or for another capability/worker, the namespace
-            or attempt is invalid, or the annotations exceed the API's size limit.
+        InvalidManifest: `spec` is invalid or for another capability/worker, the namespace,
+            deployment or attempt is invalid, or the annotations exceed the API's size limit.
     """
     check_ref(ref)
     if ref.capability != spec.name:
@@ -113,11 +115,13 @@ def build_job(
     target = spec.namespace or namespace
     if not isinstance(target, str) or not is_dns1123_label(target):
         raise InvalidManifest(f"namespace {target!r} is not a DNS-1123 label")
+    if not isinstance(deployment, str) or not deployment or not is_label_value(deployment):
+        raise InvalidManifest(f"deployment {deployment!r} is not a label value")
     if not _is_int_in(attempt, 0, MAX_INT32):
         raise InvalidManifest(f"attempt {attempt!r} is not a non-negative integer")
     text = encode_input(input)
 
-    our_labels, our_annotations = job_labels.encode(ref)
+    our_labels, our_annotations = job_labels.encode(ref, deployment=deployment)
     our_annotations[job_labels.ATTEMPT_KEY] = str(attempt)
     # Ours last: a capability's labels can add to them, never replace them.
     labels = {**spec.labels, **our_labels}
@@ -140,7 +144,10 @@ def build_job(
     if spec.active_deadline_seconds is not None:
         job_spec["activeDeadlineSeconds"] = spec.active_deadline_seconds
     job_spec["template"] = {
-        "metadata": {"labels": dict(labels), "annotations": dict(annotations)},
+        # The Job controller copies the template's finalizers to every Pod it creates (next to
+        # its own job-tracking one): ours keeps a finished Pod, and the result it holds, until
+        # the completion is recorded, whatever deletes it (PodGC, a node's loss, a person).
+        "metadata": {"labels": dict(labels), "annotations": dict(annotations), "finalizers": [FINALIZER]},
         "spec": {"restartPolicy": "Never", "containers": [container]},
     }
     return {

@@ -83,8 +83,12 @@ _JSON_SUFFIXES = (".json",)
 class CapabilityResolver:
     """The validated capability table. Build it with `from_file`, `from_mapping` or `demo_resolver`."""
 
-    def __init__(self, specs: Mapping[str, CapabilitySpec], *, source: str) -> None:
-        """Prefer the `from_*` constructors; this one checks the specs but not the raw config."""
+    def __init__(self, specs: Mapping[str, CapabilitySpec], *, source: str, default_namespace: str | None = None) -> None:
+        """Prefer the `from_*` constructors; this one checks the specs but not the raw config.
+
+        `default_namespace` is where a capability that names none runs (the settings'
+        namespace; `from_settings` and `Runtime` set it): what `namespace_for` answers.
+        """
         problems = [] if specs else [f"{source}: no capability is defined"]
         for name, spec in specs.items():
             if spec.name != name:
@@ -93,6 +97,7 @@ class CapabilityResolver:
         if problems:
             raise ConfigError("invalid capability config:\n" + "\n".join(problems))
         self.source = source
+        self.default_namespace = default_namespace
         self._specs: dict[str, CapabilitySpec] = dict(specs)
 
     @classmethod
@@ -146,9 +151,12 @@ class CapabilityResolver:
     @classmethod
     def from_settings(cls, settings: Settings) -> CapabilityResolver:
         """The file named by `K8S_DISPATCH_CAPABILITIES`, else the demo capabilities."""
-        if settings.capabilities is None:
-            return demo_resolver()
-        return cls.from_file(settings.capabilities)
+        resolver = demo_resolver() if settings.capabilities is None else cls.from_file(settings.capabilities)
+        return resolver.with_default_namespace(settings.namespace)
+
+    def with_default_namespace(self, namespace: str) -> CapabilityResolver:
+        """The same table, with `namespace` for the capabilities that name none."""
+        return type(self)(self._specs, source=self.source, default_namespace=namespace)
 
     def spec(self, capability: str) -> CapabilitySpec:
         """Raises: UnknownCapability."""
@@ -161,6 +169,14 @@ class CapabilityResolver:
     def worker_for(self, capability: str) -> WorkerName:
         """Raises: UnknownCapability."""
         return self.spec(capability).worker_name
+
+    def namespace_for(self, capability: str) -> str | None:
+        """Where the capability's Jobs go now (None: it names none and there is no default):
+        what `engine.store.schedule` records in the dispatch, fixed from then on.
+
+        Raises: UnknownCapability.
+        """
+        return self.spec(capability).namespace or self.default_namespace
 
     def capabilities(self) -> frozenset[CapabilityName]:
         return frozenset(CapabilityName(name) for name in self._specs)

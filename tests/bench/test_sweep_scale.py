@@ -38,8 +38,9 @@ def test_smoke_sweep_figures(tmp_path: Path, redis_url: str, key_prefix: str) ->
         assert len(f.samples) == rounds and all(s > 0 for s in f.samples), name
     assert 0 < figures["sweep_s"].median < 120 and 0 < figures["client_list_s"].median < 120
     # One LIST per page of Jobs (here one page), none per dispatch.
-    assert figures["sweep_job_lists"].samples == [float(result.params["list_pages"])] * result.rounds
+    assert figures["sweep_job_lists"].samples == [float(result.params["job_lists_expected"])] * result.rounds
     assert result.params["list_pages"] == 1
+    assert result.params["job_lists_expected"] == 2  # the page, and the one namespace's unlabelled Jobs
     # A completion and a re-creation take a few requests each, not one per listed Job.
     assert 1 <= figures["sweep_requests_per_action"].median <= 6
     for n in (small, big):

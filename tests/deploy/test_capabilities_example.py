@@ -54,7 +54,7 @@ def _run(capability: str, value: Any, tmp_path: Path) -> tuple[Any, str]:
         worker_name=WorkerName(spec.worker_name),
         idempotency_key=IdempotencyKey(f"key-{uuid.uuid4()}"),
     )
-    job = build_job(ref, input=value, spec=spec, namespace="k8s-dispatch")
+    job = build_job(ref, input=value, spec=spec, namespace="k8s-dispatch", deployment="k8s-dispatch")
     (container,) = job["spec"]["template"]["spec"]["containers"]
     argv = [*container["command"], *container.get("args", [])]
     argv[0] = LOCAL[argv[0]]

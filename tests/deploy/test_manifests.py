@@ -49,8 +49,8 @@ KEDA = {("keda.sh/v1alpha1", "ScaledObject"), ("keda.sh/v1alpha1", "TriggerAuthe
 
 # Exactly the API calls workers/kube.py (the only module that talks to the API) makes:
 # create/read/patch/delete/list_namespaced_job, delete_collection_namespaced_job (the bulk
-# delete of delivered Jobs) and list_namespaced_pod. The RBAC test that
-# records the calls made against localcluster holds the Role to the same set.
+# delete of delivered Jobs), list_namespaced_pod and the patch that takes our finalizer off a
+# Pod. The RBAC test that records the calls made against localcluster holds the Role to the same set.
 EXPECTED_PERMISSIONS = {
     ("batch", "jobs", "create"),
     ("batch", "jobs", "get"),
@@ -59,6 +59,7 @@ EXPECTED_PERMISSIONS = {
     ("batch", "jobs", "delete"),
     ("batch", "jobs", "deletecollection"),
     ("", "pods", "list"),
+    ("", "pods", "patch"),
 }
 
 

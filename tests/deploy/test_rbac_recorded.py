@@ -100,7 +100,7 @@ def test_the_role_grants_exactly_the_calls_the_delivery_path_makes(recorded: Loc
     assert delivery.cancel_dispatch(rt, running, reason="UserCancelled")
 
     forged = DispatchRef(str(uuid.uuid4()), "case-x", "tenant-a", "sim.ok", "sim", "key-x")
-    labels, annotations = job_labels.encode(forged)
+    labels, annotations = job_labels.encode(forged, deployment=rt.settings.effective_deployment)
     rt.kube.create_job(namespace, {
         "apiVersion": "batch/v1", "kind": "Job",
         "metadata": {"name": f"forged-{uuid.uuid4().hex[:6]}", "labels": labels, "annotations": annotations},

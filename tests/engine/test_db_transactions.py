@@ -4,6 +4,7 @@ connections turned into `DatabaseUnavailable` (against real PostgreSQL and SQLit
 from __future__ import annotations
 
 import uuid
+from datetime import timedelta, timezone
 
 import psycopg
 import pytest
@@ -11,7 +12,7 @@ import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 
 from engine import store
-from engine.db import make_sessionmaker, normalise_url, transaction
+from engine.db import database_now, make_sessionmaker, normalise_url, transaction
 from engine.errors import DatabaseUnavailable, Transient
 from engine.models import CaseInstance
 
@@ -88,3 +89,25 @@ def test_a_dropped_connection_is_database_unavailable_and_the_pool_recovers(pg_u
     with transaction(sm) as session:  # the pool replaced the dead connection
         assert session.execute(sa.text("SELECT pg_backend_pid()")).scalar_one() != pid
 
+
+
+def test_the_database_clock_is_aware_utc_and_what_rows_are_written_with(db_sessionmaker) -> None:
+    """Row times default to the database's clock (the one the sweep's grace compares with)."""
+    case_id = f"case-{uuid.uuid4().hex[:8]}"
+    with transaction(db_sessionmaker) as session:
+        before = database_now(session)
+        store.create_case(session, case_id=case_id, tenancy_id="t")
+    with transaction(db_sessionmaker) as session:
+        dispatch_id = store.schedule(
+            session, case_id=case_id, tenancy_id="t", capability="demo.sha256", input={"text": "x"},
+            idempotency_key="k", router=_Router(), max_input_bytes=1024,
+        ).dispatch_id  # fmt: skip
+        row = store.get_dispatch(session, dispatch_id)
+        after = database_now(session)
+    assert before.tzinfo is timezone.utc and after.tzinfo is timezone.utc
+    assert before <= row.created_at == row.updated_at <= after < before + timedelta(seconds=30)
+
+
+class _Router:
+    def worker_for(self, capability: str) -> str:
+        return "w"

@@ -34,6 +34,7 @@ from engine.db import transaction
 from engine.errors import ApiUnavailable
 from engine.models import DispatchState, EventType
 from engine.settings import Settings, load_settings
+from clusters import LOCAL, REAL, ClusterHandle, local_handle
 from localcluster import LocalCluster
 from localcluster.cluster import token_from_kubeconfig
 from recovery import delivery, stats
@@ -209,9 +210,17 @@ class Site:
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[LocalCluster]:
+def local_cluster() -> Iterator[LocalCluster]:
     with LocalCluster(mode="simulate") as c:
         yield c
+
+
+@pytest.fixture(params=[LOCAL, REAL])
+def cluster(request: pytest.FixtureRequest) -> ClusterHandle:
+    """The matrix runs on localcluster and on the real control plane (the real Job controller)."""
+    if request.param == LOCAL:
+        return local_handle(request.getfixturevalue("local_cluster"))
+    return request.getfixturevalue("real_cluster")
 
 
 def site_env(database_url: str, redis_url: str, prefix: str, kubeconfig: Path, tmp: Path) -> dict[str, str]:
@@ -238,7 +247,8 @@ def site_env(database_url: str, redis_url: str, prefix: str, kubeconfig: Path, t
 def make_site(new_pg_database, redis_url, key_prefix, tmp_path) -> Iterator[Callable[..., Site]]:
     made: list[Site] = []
 
-    def make(kubeconfig: Path, **overrides: str) -> Site:
+    def make(cluster: ClusterHandle | Path, **overrides: str) -> Site:
+        kubeconfig = cluster.kubeconfig if isinstance(cluster, ClusterHandle) else cluster
         database_url = new_pg_database()
         migrate.upgrade(database_url)
         tmp = tmp_path / f"site-{len(made)}"
@@ -246,6 +256,8 @@ def make_site(new_pg_database, redis_url, key_prefix, tmp_path) -> Iterator[Call
         values = site_env(database_url, redis_url, key_prefix, kubeconfig, tmp)
         values.update({f"K8S_DISPATCH_{k.upper()}": v for k, v in overrides.items()})
         settings = load_settings(values)
+        if isinstance(cluster, ClusterHandle):
+            cluster.ensure_namespace(settings.namespace)
         producer = Celery("test-producer", set_as_current=False)
         producer.conf.update(names.config(settings))
         site = Site(values=values, settings=settings, tmp=tmp, rt=Runtime.from_settings(settings), producer=producer)
@@ -325,11 +337,11 @@ def test_a_worker_killed_at_each_crash_point_loses_nothing_and_doubles_nothing(p
 
     if arrives == "rows":
         # A backlog the start-up sweep must work through (rows only, grace 0), one action at a time.
-        site = make_site(cluster.kubeconfig, sweep_grace_s="0")
+        site = make_site(cluster, sweep_grace_s="0")
         ids = site.schedule(values, send=False)
         doomed = site.worker("doomed", crash_at=crash_at, concurrency=concurrency, sweep_concurrency="1")
     else:
-        site = make_site(cluster.kubeconfig)
+        site = make_site(cluster)
         doomed = site.worker("doomed", crash_at=crash_at, concurrency=concurrency)
         site.beat()
         ids = site.schedule_by_task(values) if arrives == "task" else site.schedule(values)
@@ -353,7 +365,7 @@ def broker_keys(site: Site) -> list[bytes]:
 
 
 def test_a_flushed_broker_loses_nothing(cluster, make_site):
-    site = make_site(cluster.kubeconfig)
+    site = make_site(cluster)
     values = [{"flush": i} for i in range(12)]
     ids = site.schedule(values[:8])  # one create_jobs message queued (one transaction), nobody consuming
     finished = site.schedule(values[8:], send=False)
@@ -376,7 +388,7 @@ def test_a_flushed_broker_loses_nothing(cluster, make_site):
 def test_three_replicas_starting_at_once_on_300_finished_jobs_deliver_each_once(cluster, make_site):
     # Pages of 10: a sweep delivers a page's Jobs as one batch, 300 at once in well under a
     # second, so with one page the first replica up could finish before the others list.
-    site = make_site(cluster.kubeconfig, sweep_grace_s="0", poll_page_size="10")
+    site = make_site(cluster, sweep_grace_s="0", poll_page_size="10")
     values = [{"replica": i} for i in range(300)]
     ids = site.schedule(values, send=False)
     with ThreadPoolExecutor(8) as pool:
@@ -495,15 +507,15 @@ def test_an_api_server_with_5_percent_errors_that_restarts_during_recovery_still
 
 
 def test_a_forged_job_and_a_tenancy_mismatched_job_are_never_delivered(cluster, make_site):
-    site = make_site(cluster.kubeconfig)
+    site = make_site(cluster)
     forged_ref = DispatchRef(
         dispatch_id=str(uuid.uuid4()), case_id="case-x", tenancy_id="tenant-a", capability="sim.ok",  # type: ignore[arg-type]
         worker_name="sim", idempotency_key="forged",  # type: ignore[arg-type]
     )  # fmt: skip
-    forged = forge_job(site.rt.kube, site.namespace, forged_ref)
+    forged = forge_job(site.rt.kube, site.namespace, forged_ref, deployment=site.settings.effective_deployment)
     [victim] = site.schedule([{"victim": 1}], send=False)
     victim_ref = delivery.load_record(site.rt, victim).ref
-    forge_job(site.rt.kube, site.namespace, DispatchRef(**{**victim_ref.__dict__, "tenancy_id": "tenant-b"}))
+    forge_job(site.rt.kube, site.namespace, DispatchRef(**{**victim_ref.__dict__, "tenancy_id": "tenant-b"}), deployment=site.settings.effective_deployment)
     values = [{"honest": i} for i in range(4)]
     honest = site.schedule(values)
 
@@ -528,7 +540,7 @@ def test_a_forged_job_and_a_tenancy_mismatched_job_are_never_delivered(cluster, 
 def test_a_fresh_worker_recovers_its_backlog_at_start_before_running_any_task(cluster, make_site):
     """No beat: a worker process that never ran, with a resolver it never used, recovers the
     backlog in its start-up sweep, before it handles a single message (a queued poll included)."""
-    site = make_site(cluster.kubeconfig, sweep_grace_s="0")
+    site = make_site(cluster, sweep_grace_s="0")
     unscheduled = site.schedule([{"row": i} for i in range(5)], send=False)  # category 1
     finished = site.schedule([{"done": i} for i in range(5)], send=False)  # category 2
     recorded = site.schedule([{"recorded": i} for i in range(3)], send=False)  # category 4

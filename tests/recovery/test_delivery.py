@@ -34,6 +34,8 @@ from recovery.delivery import (
     complete_jobs,
     create_job_for,
     create_jobs_for,
+    delete_delivered_later,
+    delete_noted,
     job_snapshot,
     load_record,
     notify_engine,
@@ -95,7 +97,11 @@ def make_runtime(cluster, pg_url, redis_url, key_prefix, request) -> Iterator[Ca
     namespace = f"dl-{uuid.uuid4().hex[:8]}"
 
     def make(
-        *, notifier: Callable[[str], None] | None = None, capabilities: dict[str, Any] = CAPABILITIES, kubeconfig: Any = None
+        *,
+        notifier: Callable[[str], None] | None = None,
+        capabilities: dict[str, Any] = CAPABILITIES,
+        kubeconfig: Any = None,
+        **overrides: str,
     ) -> Runtime:
         settings = load_settings(
             {
@@ -105,6 +111,7 @@ def make_runtime(cluster, pg_url, redis_url, key_prefix, request) -> Iterator[Ca
                 "K8S_DISPATCH_NAMESPACE": namespace,
                 "K8S_DISPATCH_KUBECONFIG": str(kubeconfig or cluster.kubeconfig),
                 "K8S_DISPATCH_GUARD_LEASE_MS": "10000",
+                **{f"K8S_DISPATCH_{k.upper()}": v for k, v in overrides.items()},
             }
         )
         rt = Runtime.from_settings(
@@ -206,7 +213,7 @@ def test_a_second_create_adopts_the_job_instead_of_doubling_it(rt):
 
 def listed_finished(rt: Runtime) -> list[dict[str, Any]]:
     """What poll hands off: snapshots of the finished Jobs one LIST of undelivered Jobs shows."""
-    pages = rt.kube.iter_jobs(rt.settings.namespace, label_selector=job_labels.undelivered_selector())
+    pages = rt.kube.iter_jobs(rt.settings.namespace, label_selector=job_labels.undelivered_selector(rt.settings.effective_deployment))
     return [job_snapshot(job) for page in pages for job in page if job_state(job).terminal]
 
 
@@ -223,9 +230,10 @@ def test_a_batch_of_listed_jobs_is_delivered_without_a_get_or_a_delete_per_job(c
     assert sorted(j["metadata"]["name"] for j in batch) == names
     done = complete_jobs(rt, rt.settings.namespace, batch)
     assert done.outcomes == [CompleteOutcome.COMPLETED] * len(inputs) and done.error is None
-    # One LIST of Jobs, one of Pods, a patch per Job, one bulk delete: no GET, no DELETE of one Job.
+    # One LIST of Jobs, one of Pods, a patch per Pod and per Job, one bulk delete: no GET, no DELETE of one Job.
     assert cluster.audit() == {
-        ("batch", "jobs", "list"), ("", "pods", "list"), ("batch", "jobs", "patch"), ("batch", "jobs", "deletecollection"),
+        ("batch", "jobs", "list"), ("", "pods", "list"), ("", "pods", "patch"), ("batch", "jobs", "patch"),
+        ("batch", "jobs", "deletecollection"),
     }  # fmt: skip
 
     for dispatch_id, value in inputs.items():
@@ -238,6 +246,31 @@ def test_a_batch_of_listed_jobs_is_delivered_without_a_get_or_a_delete_per_job(c
     # The same message again (a redelivery): nothing more happens.
     assert complete_jobs(rt, rt.settings.namespace, batch).outcomes == [CompleteOutcome.ALREADY_TERMINAL] * len(inputs)
     assert all(len(events(rt, d)) == 2 for d in inputs) and len(notified.ids) == len(inputs)
+
+
+def test_the_bulk_delete_of_many_batches_is_left_to_the_next_poll_once(cluster, rt, notified):
+    """complete_batch's way: the batches of a poll interval note their released Jobs in Redis,
+    and the next poll removes them all with one bulk delete (none when nothing was noted)."""
+    ids = [schedule(rt, "sim.ok", {"i": i}) for i in range(4)]
+    for dispatch_id in ids:
+        create_job_for(rt, dispatch_id)
+        job_finished(rt, dispatch_id)
+    listed = listed_finished(rt)
+    cluster.audit(clear=True)
+    for batch in (listed[:2], listed[2:]):
+        done = complete_jobs(rt, rt.settings.namespace, batch, delete=False)
+        assert done.outcomes == [CompleteOutcome.COMPLETED] * 2 and done.released
+        delete_delivered_later(rt, rt.settings.namespace)
+    assert ("batch", "jobs", "deletecollection") not in cluster.audit()
+    assert all(job_exists(rt, d) for d in ids)  # released (delivered label on), not yet deleted
+
+    assert delete_noted(rt, rt.settings.namespace) == 4
+    assert ("batch", "jobs", "deletecollection") in cluster.audit()
+    wait_until(lambda: not any(job_exists(rt, d) for d in ids), what="every job deleted", timeout=10.0)
+    cluster.audit(clear=True)
+    assert delete_noted(rt, rt.settings.namespace) == 0  # nothing noted since: no request at all
+    assert cluster.audit() == set()
+    assert held_pods(rt) == []
 
 
 class Statements:
@@ -282,7 +315,7 @@ def test_a_mixed_batch_gives_each_job_its_own_outcome_in_order(rt, notified):
         job_finished(rt, dispatch_id)
     held = rt.guard.claim(elsewhere)  # another replica is delivering it
     assert held is not None
-    pages = rt.kube.iter_jobs(rt.settings.namespace, label_selector=job_labels.undelivered_selector())
+    pages = rt.kube.iter_jobs(rt.settings.namespace, label_selector=job_labels.undelivered_selector(rt.settings.effective_deployment))
     listed = {j["metadata"]["name"]: job_snapshot(j) for page in pages for j in page}
     batch = [listed[job_name(d)] for d in (running, elsewhere, ok, ok)]  # ok twice: delivered once
 
@@ -310,7 +343,7 @@ def test_a_job_recreated_under_the_same_name_after_the_list_is_left_alone(rt):
     assert complete_jobs(rt, rt.settings.namespace, [stale]).outcomes == [CompleteOutcome.COMPLETED]
     wait_until(lambda: not job_exists(rt, dispatch_id), what="job deleted", timeout=10.0)
     # A Job of the same name and labels appears (another uid); then the old snapshot comes again.
-    name = forge_job(rt.kube, rt.settings.namespace, load_record(rt, dispatch_id).ref)
+    name = forge_job(rt.kube, rt.settings.namespace, load_record(rt, dispatch_id).ref, deployment=rt.settings.effective_deployment)
     uid = rt.kube.get_job(rt.settings.namespace, name)["metadata"]["uid"]
     assert uid != stale["metadata"]["uid"]
 
@@ -335,6 +368,129 @@ def test_a_job_snapshot_keeps_what_delivery_reads_and_drops_the_rest(rt):
     # It delivers exactly as the whole Job does.
     assert complete_job(rt, rt.settings.namespace, job_name(dispatch_id), snapshot=snapshot) is CompleteOutcome.COMPLETED
     assert events(rt, dispatch_id)[1][0] == EventType.WORKER_COMPLETED
+
+
+# --- a finished Pod removed before delivery -------------------------------------------------------
+
+
+@pytest.fixture
+def api(cluster) -> Iterator[kubernetes.client.ApiClient]:
+    """The official client, for what a person or a controller does to our Jobs and Pods."""
+    client = kubernetes.config.new_client_from_config(config_file=str(cluster.kubeconfig))
+    yield client
+    client.close()
+
+
+def pods_of(rt: Runtime, dispatch_id: str) -> list[dict[str, Any]]:
+    return rt.kube.list_pods(rt.settings.namespace, label_selector=f"{JOB_NAME_LABEL}={job_name(dispatch_id)}")
+
+
+def held_pods(rt: Runtime) -> list[str]:
+    """Every Pod of ours in the namespace that our finalizer still holds."""
+    pods = rt.kube.list_pods(rt.settings.namespace, label_selector=job_labels.selector())
+    return [p["metadata"]["name"] for p in pods if FINALIZER in (p["metadata"].get("finalizers") or [])]
+
+
+def nothing_left(rt: Runtime, dispatch_id: str) -> None:
+    """The Job and its Pods gone, and no Pod of ours held by our finalizer: nothing leaks."""
+    wait_until(lambda: not job_exists(rt, dispatch_id) and not pods_of(rt, dispatch_id), what="job and pods gone", timeout=10.0)
+    assert held_pods(rt) == []
+
+
+def finished_pod(rt: Runtime, dispatch_id: str) -> dict[str, Any]:
+    job_finished(rt, dispatch_id)
+    [pod] = pods_of(rt, dispatch_id)
+    assert FINALIZER in pod["metadata"]["finalizers"]  # copied from the Job's template
+    return pod
+
+
+def test_a_succeeded_jobs_pod_deleted_before_poll_sees_it_is_still_delivered_with_its_output(rt, notified, api):
+    """`kubectl delete pod`, a drained node or PodGC (grace 0) before delivery: the Pod waits."""
+    dispatch_id = schedule(rt, "sim.ok", {"text": "kept"})
+    create_job_for(rt, dispatch_id)
+    pod = finished_pod(rt, dispatch_id)
+    kubernetes.client.CoreV1Api(api).delete_namespaced_pod(pod["metadata"]["name"], rt.settings.namespace, grace_period_seconds=0)
+    [marked] = pods_of(rt, dispatch_id)
+    assert marked["metadata"].get("deletionTimestamp")
+
+    assert complete_jobs(rt, rt.settings.namespace, listed_finished(rt)).outcomes == [CompleteOutcome.COMPLETED]
+    assert events(rt, dispatch_id)[1:] == [
+        (EventType.WORKER_COMPLETED, {"output": {"simulated": True, "input": {"text": "kept"}}})
+    ]
+    assert notified.ids == [dispatch_id]
+    nothing_left(rt, dispatch_id)
+
+
+def test_a_succeeded_job_deleted_in_the_foreground_before_delivery_is_delivered_with_its_output(rt, notified, api):
+    """`kubectl delete job --cascade=foreground`: the Pods go first, so ours must wait for us."""
+    dispatch_id = schedule(rt, "sim.ok", {"text": "fg"})
+    create_job_for(rt, dispatch_id)
+    finished_pod(rt, dispatch_id)
+    kubernetes.client.BatchV1Api(api).delete_namespaced_job(
+        job_name(dispatch_id), rt.settings.namespace, propagation_policy="Foreground"
+    )
+    wait_until(lambda: pods_of(rt, dispatch_id)[0]["metadata"].get("deletionTimestamp"), what="pod deleted", timeout=10.0)
+
+    [listed] = listed_finished(rt)  # deleting, and still to deliver
+    assert listed["metadata"].get("deletionTimestamp")
+    assert complete_jobs(rt, rt.settings.namespace, [listed]).outcomes == [CompleteOutcome.COMPLETED]
+    assert events(rt, dispatch_id)[1:] == [(EventType.WORKER_COMPLETED, {"output": {"simulated": True, "input": {"text": "fg"}}})]
+    nothing_left(rt, dispatch_id)  # the Pods freed, the Job then went with the foreground deletion
+
+
+def lose_pod(rt: Runtime, api: Any, dispatch_id: str) -> None:
+    """Strip our finalizer off the finished Pod and delete it, as a person might: its result is gone."""
+    core = kubernetes.client.CoreV1Api(api)
+    pod = finished_pod(rt, dispatch_id)
+    name, index = pod["metadata"]["name"], pod["metadata"]["finalizers"].index(FINALIZER)
+    core.patch_namespaced_pod(name, rt.settings.namespace, [{"op": "remove", "path": f"/metadata/finalizers/{index}"}])
+    core.delete_namespaced_pod(name, rt.settings.namespace)
+    wait_until(lambda: not pods_of(rt, dispatch_id), what="the pod gone", timeout=10.0)
+
+
+def test_a_succeeded_job_whose_pod_is_really_gone_is_run_again_and_completes_on_the_next_attempt(rt, notified, api):
+    dispatch_id = schedule(rt, "sim.ok", {"text": "again"})
+    create_job_for(rt, dispatch_id)
+    lose_pod(rt, api, dispatch_id)
+    [stale] = listed_finished(rt)
+
+    assert complete_jobs(rt, rt.settings.namespace, [stale]).outcomes == [CompleteOutcome.RERUN]
+    assert events(rt, dispatch_id)[1:] == [] and notified.ids == []  # no failure of work that succeeded
+    record = load_record(rt, dispatch_id)
+    assert (record.state, record.attempts) == (DispatchState.CREATED, 1)
+    job = rt.kube.get_job(rt.settings.namespace, job_name(dispatch_id))
+    assert job["metadata"]["uid"] != stale["metadata"]["uid"]
+    assert job["metadata"]["annotations"][job_labels.ATTEMPT_KEY] == "1"
+    # The old snapshot again (a redelivered message): the new attempt and its Pod are left alone,
+    # and counted once.
+    [new_pod] = wait_until(lambda: pods_of(rt, dispatch_id), what="the new attempt's pod", timeout=10.0)
+    assert complete_jobs(rt, rt.settings.namespace, [stale, stale]).outcomes == [CompleteOutcome.RERUN] * 2
+    assert rt.kube.get_job(rt.settings.namespace, job_name(dispatch_id))["metadata"]["uid"] == job["metadata"]["uid"]
+    assert load_record(rt, dispatch_id).attempts == 1
+    [still] = pods_of(rt, dispatch_id)
+    assert still["metadata"]["uid"] == new_pod["metadata"]["uid"] and FINALIZER in still["metadata"]["finalizers"]
+
+    job_finished(rt, dispatch_id)
+    assert complete_jobs(rt, rt.settings.namespace, listed_finished(rt)).outcomes == [CompleteOutcome.COMPLETED]
+    assert events(rt, dispatch_id)[1:] == [
+        (EventType.WORKER_COMPLETED, {"output": {"simulated": True, "input": {"text": "again"}}})
+    ]
+    assert notified.ids == [dispatch_id]
+    nothing_left(rt, dispatch_id)
+
+
+def test_a_lost_result_past_the_attempts_limit_fails_as_job_lost(make_runtime, notified, api):
+    rt = make_runtime(notifier=notified, max_job_attempts="1")
+    dispatch_id = schedule(rt, "sim.ok")
+    create_job_for(rt, dispatch_id)
+    lose_pod(rt, api, dispatch_id)
+
+    assert complete_jobs(rt, rt.settings.namespace, listed_finished(rt)).outcomes == [CompleteOutcome.COMPLETED]
+    [(event_type, payload)] = events(rt, dispatch_id)[1:]
+    assert (event_type, payload["reason"]) == (EventType.WORKER_FAILED, "JobLost")
+    assert "result was lost" in payload["message"] and "1 attempt(s)" in payload["message"]
+    assert notified.ids == [dispatch_id]
+    nothing_left(rt, dispatch_id)
 
 
 # --- failures, with the reason the engine sees ----------------------------------------------------
@@ -420,7 +576,7 @@ def test_a_job_whose_tenancy_disagrees_with_the_db_is_never_delivered(rt, notifi
     dispatch_id = schedule(rt, "sim.ok")
     record = load_record(rt, dispatch_id)
     forged = DispatchRef(**{**record.ref.__dict__, "tenancy_id": "tenant-evil"})
-    name = forge_job(rt.kube, rt.settings.namespace, forged)
+    name = forge_job(rt.kube, rt.settings.namespace, forged, deployment=rt.settings.effective_deployment)
     job_finished(rt, dispatch_id)
     refused_before = rt.stats.get(stats.JOBS_REFUSED)
 
@@ -443,7 +599,7 @@ def test_a_job_naming_a_dispatch_that_does_not_exist_is_never_delivered(rt):
     ref = DispatchRef(
         dispatch_id=str(uuid.uuid4()), case_id="c", tenancy_id="t", capability="sim.ok", worker_name="sim", idempotency_key="k"
     )
-    name = forge_job(rt.kube, rt.settings.namespace, ref)
+    name = forge_job(rt.kube, rt.settings.namespace, ref, deployment=rt.settings.effective_deployment)
     wait_until(lambda: job_state(rt.kube.get_job(rt.settings.namespace, name)).terminal, what="forged job done", timeout=10.0)
     assert complete_job(rt, rt.settings.namespace, name) is CompleteOutcome.REFUSED
     with transaction(rt.sessions) as session:
@@ -456,7 +612,7 @@ def test_a_copy_of_the_job_in_another_namespace_is_never_delivered(rt):
     dispatch_id = schedule(rt, "sim.ok")
     assert create_job_for(rt, dispatch_id) is CreateOutcome.CREATED
     copy_namespace = rt.settings.namespace + "-copy"
-    name = forge_job(rt.kube, copy_namespace, load_record(rt, dispatch_id).ref)
+    name = forge_job(rt.kube, copy_namespace, load_record(rt, dispatch_id).ref, deployment=rt.settings.effective_deployment)
     wait_until(lambda: job_state(rt.kube.get_job(copy_namespace, name)).terminal, what="copy done", timeout=10.0)
     assert complete_job(rt, copy_namespace, name) is CompleteOutcome.REFUSED
     assert events(rt, dispatch_id)[1:] == []
@@ -536,6 +692,7 @@ def test_cancel_a_running_dispatch_records_cancelled_and_removes_its_job(rt, not
     assert events(rt, dispatch_id)[1:] == [(EventType.WORKER_CANCELLED, {"reason": "UserCancelled"})]
     assert load_record(rt, dispatch_id).state is DispatchState.CANCELLED
     wait_until(lambda: not job_exists(rt, dispatch_id), what="job deleted", timeout=10.0)
+    wait_until(lambda: not pods_of(rt, dispatch_id), what="its running pod freed and deleted", timeout=10.0)
     assert notified.ids == [dispatch_id]
     # A second cancel, and a late completion, change nothing.
     assert cancel_dispatch(rt, dispatch_id) is False

@@ -53,6 +53,15 @@ def test_mark_marks_each_job_once_per_ttl_and_pending_sees_it(client: redis.Redi
     assert 0 < client.pttl(handoff.key(prefix, "ns", a)) <= 60_000
 
 
+def test_renew_keeps_a_marker_alive_without_handing_its_job_off_again(client: redis.Redis, prefix: str) -> None:
+    a, b = job("a"), job("b")
+    assert handoff.mark(client, prefix, "ns", [a], 0.5) == [True]
+    assert handoff.mark(client, prefix, "ns", [a, b], 60.0, renew=True) == [False, True]  # a: renewed, not new
+    assert client.pttl(handoff.key(prefix, "ns", a)) > 50_000 and client.pttl(handoff.key(prefix, "ns", b)) > 50_000
+    assert handoff.mark(client, prefix, "ns", [a], 0.5) == [False]  # without renew: left as it is
+    assert client.pttl(handoff.key(prefix, "ns", a)) > 50_000
+
+
 def test_a_marker_is_the_jobs_own_not_its_namesakes(client: redis.Redis, prefix: str) -> None:
     first = job("same-name")
     handoff.mark(client, prefix, "ns", [first], 60.0)

@@ -260,3 +260,15 @@ def test_a_change_in_a_callers_transaction_is_logged_when_it_commits_and_never_i
         assert state_lines(caplog) == []
     [record] = state_lines(caplog)
     assert f"dispatch_id={dispatch_id} case_id={case_id} tenancy_id=acme" in record.getMessage()
+
+
+def test_discarded_task_messages_are_counted_by_task_and_reason() -> None:
+    registry = CollectorRegistry()
+    m = Metrics(registry)
+    m.task_discarded(task="k8s-dispatch.poll", reason="expired")
+    m.task_discarded(task="k8s-dispatch.poll", reason="superseded")
+    m.task_discarded(task="k8s-dispatch.poll", reason="superseded")
+    name = "k8s_dispatch_tasks_discarded_total"
+    assert value(registry, name, task="k8s-dispatch.poll", reason="expired") == 1
+    assert value(registry, name, task="k8s-dispatch.poll", reason="superseded") == 2
+    assert value(registry, name, task="k8s-dispatch.sweep", reason="expired") == 0

@@ -153,6 +153,12 @@ def jobs(rt: Runtime, namespace: str | None = None) -> dict[str, dict[str, Any]]
     return {j["metadata"]["name"]: j for page in rt.kube.iter_jobs(ns, label_selector=job_labels.selector()) for j in page}
 
 
+def our_pods(rt: Runtime, namespace: str | None = None) -> dict[str, dict[str, Any]]:
+    """Our Pods in the namespace (their Jobs' template labels), by name."""
+    ns = namespace or rt.settings.namespace
+    return {p["metadata"]["name"]: p for p in rt.kube.list_pods(ns, label_selector=job_labels.selector())}
+
+
 def wait_finished(rt: Runtime, names: list[str], namespace: str | None = None) -> None:
     def done() -> bool:
         current = jobs(rt, namespace)
@@ -250,7 +256,7 @@ def test_running_jobs_are_reported_and_a_job_never_marked_created_is_adopted(rt)
     rec = record(rt, unmarked)
     from workers.manifest import build_job
 
-    body = build_job(rec.ref, input=rec.input, spec=rt.resolver.spec(rec.capability), namespace=rt.settings.namespace)
+    body = build_job(rec.ref, input=rec.input, spec=rt.resolver.spec(rec.capability), namespace=rt.settings.namespace, deployment=rt.settings.effective_deployment)
     rt.kube.create_job(rt.settings.namespace, body)
     assert record(rt, unmarked).state is SCHEDULED
 
@@ -279,8 +285,13 @@ def test_jobs_whose_end_is_recorded_are_cleaned_up_including_a_cancelled_running
     report = run_sweep(rt)
     assert counts(report, C4) == (2, 2, 0, 0) and found(report) == {4: 2}
     wait_until(lambda: not jobs(rt), what="both jobs deleted", timeout=15.0)
-    # Released from the LIST's snapshots (a patch each), removed by one bulk delete, the running one too.
-    assert cluster.audit() == {("batch", "jobs", "list"), ("batch", "jobs", "patch"), ("batch", "jobs", "deletecollection")}
+    # Released from the LIST's snapshots (a patch each, their Pods listed once and a patch each),
+    # removed by one bulk delete, the running one too; and no Pod is kept by our finalizer.
+    assert cluster.audit() == {
+        ("batch", "jobs", "list"), ("batch", "jobs", "patch"), ("batch", "jobs", "deletecollection"),
+        ("", "pods", "list"), ("", "pods", "patch"),
+    }  # fmt: skip
+    wait_until(lambda: not our_pods(rt), what="their pods deleted", timeout=15.0)
     assert terminal_events(rt, done) == [(EventType.WORKER_COMPLETED, {"output": {"by": "test"}})]
     assert terminal_events(rt, running) == [(EventType.WORKER_CANCELLED, {"reason": "Cancelled"})]
     # Their notifications were never sent (the crash): the sweep sent them.
@@ -304,8 +315,35 @@ def test_a_delivered_job_the_bulk_delete_missed_is_in_no_category_and_the_sweep_
     report = run_sweep(rt)
     assert found(report) == {} and report.errors == 0 and report.jobs_listed == 0  # not orphans, not unrecorded
     wait_until(lambda: not jobs(rt), what="the delivered jobs deleted", timeout=15.0)
-    assert cluster.audit() == {("batch", "jobs", "list"), ("batch", "jobs", "deletecollection")}
+    # And one LIST of our finished Pods: the delivery freed them, so nothing more.
+    assert cluster.audit() == {("batch", "jobs", "list"), ("batch", "jobs", "deletecollection"), ("", "pods", "list")}
     assert all(len(terminal_events(rt, d)) == 1 for d in ids) and sorted(notified.ids) == sorted(ids)
+
+
+def test_a_pod_an_ended_dispatch_left_held_is_freed_and_one_of_an_open_dispatch_is_kept(cluster, rt, notified):
+    """A Job deleted without its release (our finalizer stripped) leaves its Pods held by ours:
+    freed once the dispatch has ended, kept while it is open (its re-run may still need it)."""
+    ended, open_ = schedule(rt, "sim.ok"), schedule(rt, "sim.ok")
+    for dispatch_id in (ended, open_):
+        delivery.create_job_for(rt, dispatch_id)
+    wait_finished(rt, [job_name(ended), job_name(open_)])
+    with transaction(rt.sessions) as session:  # recorded, then the crash before the release
+        store.record_terminal(session, ended, EventType.WORKER_COMPLETED, {"output": {"by": "test"}})
+    for dispatch_id in (ended, open_):
+        lose_job(rt, dispatch_id)
+    held = {name for name, pod in our_pods(rt).items() if FINALIZER in pod["metadata"].get("finalizers", [])}
+    assert len(held) == 2 and all(pod["metadata"].get("deletionTimestamp") for pod in our_pods(rt).values())
+
+    report = run_sweep(rt)
+    assert counts(report, C4) == (1, 1, 0, 0) and counts(report, C5) == (1, 1, 0, 0), report.to_dict()
+    wait_until(lambda: len(our_pods(rt)) == 2, what="the ended dispatch's pod gone (the re-run's is there)", timeout=15.0)
+    old = [name for name, pod in our_pods(rt).items() if pod["metadata"].get("deletionTimestamp")]
+    assert len(old) == 1 and old[0] in held  # the open dispatch's old Pod, still held
+
+    wait_finished(rt, [job_name(open_)])
+    report = run_sweep(rt)  # the re-run delivered; its old Pod freed in the same sweep
+    assert terminal_events(rt, open_)[0][0] == EventType.WORKER_COMPLETED
+    wait_until(lambda: not our_pods(rt) and not jobs(rt), what="every pod and job gone", timeout=15.0)
 
 
 # --- 5: lost Jobs ----------------------------------------------------------------------------
@@ -353,10 +391,10 @@ def mismatched(rt: Runtime) -> tuple[str, str, str]:
         dispatch_id=str(uuid.uuid4()), case_id="c", tenancy_id="tenant-a", capability="sim.ok",  # type: ignore[arg-type]
         worker_name="sim", idempotency_key="k",  # type: ignore[arg-type]
     )  # fmt: skip
-    forged = forge_job(rt.kube, rt.settings.namespace, forged_ref)
+    forged = forge_job(rt.kube, rt.settings.namespace, forged_ref, deployment=rt.settings.effective_deployment)
     victim = schedule(rt, "sim.ok", tenancy="tenant-a")
     wrong = DispatchRef(**{**record(rt, victim).ref.__dict__, "tenancy_id": "Tenant-A"})
-    forge_job(rt.kube, rt.settings.namespace, wrong)
+    forge_job(rt.kube, rt.settings.namespace, wrong, deployment=rt.settings.effective_deployment)
     wait_finished(rt, [forged, job_name(victim)])
     return forged_ref.dispatch_id, forged, victim
 

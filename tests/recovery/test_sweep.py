@@ -18,6 +18,7 @@ from recovery.sweep import (
     CreateJob,
     DispatchView,
     FailJobLost,
+    FreePod,
     Policy,
     RecreateJob,
     ReportOrphan,
@@ -26,6 +27,7 @@ from recovery.sweep import (
     plan,
     plan_dispatches,
     plan_jobs,
+    plan_pods,
     present_jobs,
 )
 from workers import labels as job_labels
@@ -330,3 +332,35 @@ def test_policy_from_settings() -> None:
     assert Policy.from_settings(settings) == Policy(
         grace=timedelta(seconds=2.5), max_job_attempts=5, orphan_policy=OrphanPolicy.DELETE
     )
+
+
+# --- category 4 for Pods ------------------------------------------------------------------
+
+
+def pod(ref: DispatchRef = REF, *, finalizer: bool = True, owner: str | None = NAME) -> dict[str, Any]:
+    """A finished Pod of `ref`'s Job: its template's labels, our finalizer, its Job as controller."""
+    labels, annotations = job_labels.encode(ref)
+    metadata: dict[str, Any] = {"name": f"{NAME}-x1y2z", "namespace": NS, "labels": labels, "annotations": annotations}
+    if finalizer:
+        metadata["finalizers"] = [FINALIZER]
+    if owner is not None:
+        metadata["ownerReferences"] = [{"kind": "Job", "name": owner, "uid": "u", "controller": True}]
+    return {"metadata": metadata, "status": {"phase": "Succeeded"}}
+
+
+@pytest.mark.parametrize(
+    ("the_pod", "rows", "releasing", "freed"),
+    [
+        (pod(), {DID: dispatch(DispatchState.COMPLETED)}, set(), True),  # its Job gone unreleased
+        (pod(owner=None), {DID: dispatch(DispatchState.CANCELLED)}, set(), True),  # orphaned
+        (pod(), {DID: dispatch(DispatchState.CREATED)}, set(), False),  # open: its result may be wanted
+        (pod(), {}, set(), False),  # no dispatch: an orphan's, reported with its Job
+        (pod(finalizer=False), {DID: dispatch(DispatchState.COMPLETED)}, set(), False),  # nothing to free
+        (pod(), {DID: dispatch(DispatchState.FAILED)}, {(NS, NAME)}, False),  # its Job's clean-up frees it
+    ],
+)
+def test_plan_pods(the_pod: dict[str, Any], rows: dict[str, DispatchView], releasing: set, freed: bool) -> None:
+    actions = plan_pods([the_pod], rows, releasing=releasing)
+    expected = [FreePod(DID, NS, the_pod["metadata"]["name"], the_pod)] if freed else []
+    assert actions == expected
+    assert all(a.category is Category.CLEANUP for a in actions)

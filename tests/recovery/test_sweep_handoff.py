@@ -111,7 +111,7 @@ def finished_jobs(rt: Runtime, count: int) -> list[str]:
 
 def listed(rt: Runtime) -> dict[str, dict[str, Any]]:
     """Our undelivered Jobs, by name, as poll's LIST reads them."""
-    pages = rt.kube.iter_jobs(rt.settings.namespace, label_selector=job_labels.undelivered_selector())
+    pages = rt.kube.iter_jobs(rt.settings.namespace, label_selector=job_labels.undelivered_selector(rt.settings.effective_deployment))
     return {job["metadata"]["name"]: job for page in pages for job in page}
 
 
@@ -244,7 +244,8 @@ def test_a_pages_finished_jobs_are_delivered_with_one_pod_list(cluster, make_run
     after = Counter({(r.labels.verb, r.labels.resource): r.count for r in cluster.request_counts()})
     after.subtract(before)
     assert counts(report) == (5, 5, 0, 0) and report.jobs_listed == 5
-    assert after[("LIST", "pods")] == 1  # one per Job without the batch
+    # One for the batch (one per Job without it), one for the pass over our finished Pods.
+    assert after[("LIST", "pods")] == 2
     assert after[("GET", "jobs")] == 0  # the LIST's snapshots, no fresh read per Job
     assert all(terminal_events(rt, d) == [EventType.WORKER_COMPLETED] for d in ids)
     wait_until(lambda: not listed(rt), what="the delivered jobs released", timeout=15.0)

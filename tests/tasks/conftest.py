@@ -1,7 +1,8 @@
 """Real Celery processes for the task tests: `deploy(cluster, ...)` builds a `Deployment` per call
 with its own Redis key prefix (its queues meet no other test's), its own namespace, its own
 PostgreSQL database (a sweep acts on the whole database, so no test may see another's rows)
-and a localcluster. Workers and beat are `celery -A tasks worker|beat`
+and a cluster: localcluster, or with `any_cluster` each of localcluster and the real control
+plane in turn (the namespace is created first where the API server requires it). Workers and beat are `celery -A tasks worker|beat`
 subprocesses (started with `tasks.processes`) configured only through K8S_DISPATCH_* variables,
 as in production, and stopped with SIGTERM at the end; one that needs SIGKILL fails the test.
 """
@@ -28,6 +29,7 @@ from engine import migrate, store
 from engine.db import make_engine, make_sessionmaker, transaction
 from engine.models import Dispatch, EventType
 from engine.settings import Settings, load_settings
+from clusters import LOCAL, REAL, ClusterHandle, local_handle
 from localcluster import LocalCluster
 from tasks import processes
 from workers import labels as job_labels
@@ -77,7 +79,7 @@ class Deployment:
 
     settings: Settings
     env: dict[str, str]
-    cluster: LocalCluster
+    cluster: LocalCluster | ClusterHandle
     tmp: Path
     producer: Celery
     sessions: Any
@@ -198,12 +200,22 @@ def sim_cluster() -> Iterator[LocalCluster]:
         yield cluster
 
 
+@pytest.fixture(params=[LOCAL, REAL])
+def any_cluster(request: pytest.FixtureRequest) -> ClusterHandle:
+    """Simulate mode on each cluster in turn: localcluster (this module's) and the real control
+    plane (the session's): the end-to-end suites that must hold on both ask for this."""
+    if request.param == LOCAL:
+        return local_handle(request.getfixturevalue("sim_cluster"))
+    return request.getfixturevalue("real_cluster")
+
+
 @pytest.fixture
 def deploy(new_pg_database, redis_url, key_prefix, tmp_path) -> Iterator[Callable[..., Deployment]]:
     """`deploy(cluster, capabilities=None, **settings)`: a Deployment; stopped cleanly at the end."""
     made: list[tuple[Deployment, Any]] = []
 
-    def make(cluster: LocalCluster, *, capabilities: dict[str, Any] | None = None, **overrides: str) -> Deployment:
+    def make(cluster: LocalCluster | ClusterHandle, *, capabilities: dict[str, Any] | None = None,
+             **overrides: str) -> Deployment:
         pg_url = new_pg_database()
         migrate.upgrade(pg_url)
         values = {
@@ -220,6 +232,10 @@ def deploy(new_pg_database, redis_url, key_prefix, tmp_path) -> Iterator[Callabl
             values["K8S_DISPATCH_CAPABILITIES"] = str(capabilities_file(tmp_path / f"caps-{len(made)}.yaml", capabilities))
         values.update({f"K8S_DISPATCH_{k.upper()}": v for k, v in overrides.items()})
         settings = load_settings(values)
+        if isinstance(cluster, ClusterHandle):
+            for spec in [{"namespace": settings.namespace}, *(capabilities or {}).values()]:
+                if isinstance(spec, dict) and spec.get("namespace"):
+                    cluster.ensure_namespace(spec["namespace"])
         env = processes.project_env(values)
         producer = Celery("test-producer", set_as_current=False)
         producer.conf.update(celeryconfig.config(settings))

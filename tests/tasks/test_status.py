@@ -5,6 +5,7 @@ and its tables; and the command itself as a script would run it (exit 0, JSON on
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -19,7 +20,7 @@ from rich.console import Console
 from engine import migrate, store
 from engine.db import make_engine, make_sessionmaker, transaction
 from engine.models import EventType
-from tasks.status import Failure, Pending, StatusReport, format_age, read_status, render
+from tasks.status import CreateWait, Failure, Pending, StatusReport, format_age, read_status, render
 
 NOW = datetime(2025, 6, 1, 12, 0, 0, tzinfo=timezone.utc)
 REPO = Path(__file__).resolve().parents[2]
@@ -206,3 +207,17 @@ def test_the_command_prints_json_for_scripts_and_tables_for_people(fresh_db_url)
     assert result.returncode == 0, result.stderr
     assert "dispatches by state" in result.stdout and ids["old-scheduled"] in result.stdout
     assert "DeadlineExceeded" in result.stdout and "JobLost" not in result.stdout
+
+
+def test_dispatches_waiting_for_their_create_are_shown_with_why() -> None:
+    quota = 'QuotaExceeded: create job in ns: 403 Forbidden: jobs.batch "kd-w" is forbidden: exceeded quota: q'
+    report = dataclasses.replace(
+        sample_report(), create_waiting=3, create_waits=[CreateWait("d-wait", "demo.x", quota, NOW - timedelta(seconds=9))]
+    )
+    text = rendered(report)
+    assert "waiting for their Job to be created: 3 (retried)" in text
+    assert "d-wait" in text and "exceeded quota: q" in text
+    assert report.to_dict()["create_waits"] == [
+        {"dispatch_id": "d-wait", "capability": "demo.x", "error": quota, "since": (NOW - timedelta(seconds=9)).isoformat()}
+    ]
+    assert "waiting for their Job" not in rendered(sample_report())

@@ -64,8 +64,8 @@ def schedule_many(d, requests: list[tuple[str, dict]], *, by_task_every: int = 2
     return ids
 
 
-def test_a_hundred_dispatches_across_three_capabilities_complete_once_each(deploy, sim_cluster):
-    d = deploy(sim_cluster)
+def test_a_hundred_dispatches_across_three_capabilities_complete_once_each(deploy, any_cluster):
+    d = deploy(any_cluster)
     d.start_worker("w1")
     d.start_beat()
     requests = [(DEMO[i % 3], demo_input(DEMO[i % 3], i)) for i in range(100)]
@@ -113,8 +113,8 @@ FAILING = {
 }
 
 
-def test_failure_timeout_bad_result_and_cancel_each_give_their_event_and_reason(deploy, sim_cluster):
-    d = deploy(sim_cluster, capabilities=FAILING)
+def test_failure_timeout_bad_result_and_cancel_each_give_their_event_and_reason(deploy, any_cluster):
+    d = deploy(any_cluster, capabilities=FAILING)
     d.start_worker("w1")
     d.start_beat()
     fail_id, slow_id, hang_id, notjson_id = schedule_many(
@@ -137,8 +137,8 @@ def test_failure_timeout_bad_result_and_cancel_each_give_their_event_and_reason(
     assert Counter(d.notifications()) == Counter([fail_id, slow_id, hang_id, notjson_id])
 
 
-def test_two_worker_processes_polling_at_once_deliver_each_dispatch_once(deploy, sim_cluster):
-    d = deploy(sim_cluster)
+def test_two_worker_processes_polling_at_once_deliver_each_dispatch_once(deploy, any_cluster):
+    d = deploy(any_cluster)
     d.start_worker("w1")
     d.start_worker("w2")
     ids = schedule_many(d, [(DEMO[i % 3], {"text": str(i), "limit": i}) for i in range(60)])
@@ -166,8 +166,8 @@ def test_two_worker_processes_polling_at_once_deliver_each_dispatch_once(deploy,
     print(f"duplicates prevented by the guard: {guard.duplicates_prevented()}")
 
 
-def test_bad_requests_to_the_schedule_task_write_nothing(deploy, sim_cluster):
-    d = deploy(sim_cluster)
+def test_bad_requests_to_the_schedule_task_write_nothing(deploy, any_cluster):
+    d = deploy(any_cluster)
     worker = d.start_worker("w1")
     case_id = d.new_case()
     bad = {
@@ -187,8 +187,8 @@ def test_bad_requests_to_the_schedule_task_write_nothing(deploy, sim_cluster):
     assert "Retry in" not in worker.log()
 
 
-def test_a_worker_with_a_broken_capability_file_stops_at_start_naming_the_problem(deploy, sim_cluster):
-    d = deploy(sim_cluster, capabilities={"demo.good": {"worker": "w", "image": "x"}, "demo.bad": {"worker": "Not A Label", "image": "x"}})
+def test_a_worker_with_a_broken_capability_file_stops_at_start_naming_the_problem(deploy, any_cluster):
+    d = deploy(any_cluster, capabilities={"demo.good": {"worker": "w", "image": "x"}, "demo.bad": {"worker": "Not A Label", "image": "x"}})
     proc = d.start_worker("w-broken", wait=False)
     code = proc.popen.wait(timeout=30)
     d.procs.remove(proc)
@@ -200,8 +200,8 @@ def test_a_worker_with_a_broken_capability_file_stops_at_start_naming_the_proble
     assert " ready." not in output
 
 
-def test_a_forged_job_is_polled_but_never_delivered(deploy, sim_cluster):
-    d = deploy(sim_cluster)
+def test_a_forged_job_is_polled_but_never_delivered(deploy, any_cluster):
+    d = deploy(any_cluster)
     d.start_worker("w1")
     d.start_beat()
     [dispatch_id] = schedule_many(d, [("demo.wordcount", {"text": "mine"})], by_task_every=99)
@@ -213,7 +213,8 @@ def test_a_forged_job_is_polled_but_never_delivered(deploy, sim_cluster):
 
     forged_id = str(uuid.uuid4())
     labels, annotations = job_labels.encode(
-        DispatchRef(forged_id, "case-x", "tenant-a", "demo.wordcount", "demo-text", "k")  # type: ignore[arg-type]
+        DispatchRef(forged_id, "case-x", "tenant-a", "demo.wordcount", "demo-text", "k"),  # type: ignore[arg-type]
+        deployment=d.settings.effective_deployment,
     )
     d.kube.create_job(
         d.namespace,
@@ -242,11 +243,11 @@ def test_a_forged_job_is_polled_but_never_delivered(deploy, sim_cluster):
     (["--capability", "demo.wordcount", "--input", '{"text": "' + "x" * 40_000 + '"}'], "InputTooLarge"),
     (["--capability", "demo.wordcount", "--dispatch-id", "not-a-uuid"], "InvalidId"),
 ])  # fmt: skip
-def test_the_cli_schedule_refuses_bad_input_with_its_typed_error(deploy, sim_cluster, cli_args, reason):
+def test_the_cli_schedule_refuses_bad_input_with_its_typed_error(deploy, any_cluster, cli_args, reason):
     import subprocess
     import sys
 
-    d = deploy(sim_cluster)
+    d = deploy(any_cluster)
     key = f"cli-{uuid.uuid4()}"
     result = subprocess.run(
         [sys.executable, "-m", "tasks.cli", "schedule", "--case", "c-cli", "--tenancy", "tenant-a", "--create-case",
@@ -261,12 +262,12 @@ def test_the_cli_schedule_refuses_bad_input_with_its_typed_error(deploy, sim_clu
     assert d.dispatch_by_key("tenant-a", key) is None
 
 
-def test_the_cli_schedules_and_cancels(deploy, sim_cluster):
+def test_the_cli_schedules_and_cancels(deploy, any_cluster):
     import json
     import subprocess
     import sys
 
-    d = deploy(sim_cluster, capabilities=FAILING)
+    d = deploy(any_cluster, capabilities=FAILING)
     d.start_worker("w1")
 
     def cli(*args: str) -> dict:

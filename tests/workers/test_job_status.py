@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import re
 from typing import Any
 
 import pytest
@@ -11,12 +12,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 from kubernetes import client as k8s
 
+from engine import store
+from engine.models import EventType
 from tests.workers import strategies as S
 from workers.job_status import (
     CONTAINER_FAILED,
     JOB_DELETED,
     JOB_FAILED,
     MAX_RESULT_BYTES,
+    RESULT_LOST,
     RESULT_MISSING,
     RESULT_NOT_JSON,
     RESULT_TOO_LARGE,
@@ -32,6 +36,7 @@ from workers.job_status import (
 from workers.manifest import encode_input
 
 JOB_UID = "7d0f4a6e-0000-4000-8000-000000000001"
+LOST = "the Job succeeded but no Pod of it holds the result any more"
 
 
 def condition(kind: str, status: str = "True", reason: str | None = None, message: str | None = None) -> dict[str, Any]:
@@ -175,6 +180,59 @@ def test_what_the_runner_writes_parses_back(value: object) -> None:
         assert result.reason == RESULT_TOO_LARGE
 
 
+@pytest.mark.parametrize(
+    ("message", "why"),
+    [
+        ("1e400", "Out of range float"),
+        ("-1e400", "Out of range float"),
+        ('{"a": [1, 2e999]}', "Out of range float"),
+        ('"\\ud800"', "surrogates not allowed"),  # what JavaScript writes when it cuts a string mid-emoji
+        ('{"\\udfff": 1}', "surrogates not allowed"),
+        ("[" * 101 + "]" * 101, "nested more than 100 deep"),
+        ('{"a":' * 101 + "1" + "}" * 101, "nested more than 100 deep"),
+        # Python's json reads this from a shallow stack, not from a deep one: refused either way.
+        ("[" * 990 + "]" * 990, "nested more than 100 deep|maximum recursion depth"),
+    ],
+    ids=["1e400", "-1e400", "inf-inside", "lone-surrogate", "surrogate-key", "deep-101", "deep-objects", "deep-990"],
+)
+def test_a_result_the_store_cannot_keep_is_not_json(message: str, why: str) -> None:
+    result = parse_result(message, exit_ok=True)
+    assert (result.reason, result.output) == (RESULT_NOT_JSON, None)
+    assert result.detail is not None and re.search(why, result.detail)
+    assert store.storable_terminal(terminal(result), reason=RESULT_NOT_JSON) == terminal(result)  # its failure is storable
+
+
+def terminal(result: Result) -> store.TerminalEvent:
+    payload = {"output": result.output} if result.ok else {"reason": result.reason, "message": result.detail}
+    return store.TerminalEvent(JOB_UID, EventType.WORKER_COMPLETED if result.ok else EventType.WORKER_FAILED, payload)
+
+
+@pytest.mark.parametrize("message", ["[" * 100 + "]" * 100, "1e308", '"\\u0000"', '"\\ud83d\\ude00"'])
+def test_a_result_the_store_can_keep_is_output(message: str) -> None:
+    result = parse_result(message, exit_ok=True)
+    assert result.ok and result.output == json.loads(message)
+
+
+# Text that is, or is near, JSON: any text, JSON documents, numbers past a double's range,
+# escaped surrogates (lone or paired), nesting around the limit.
+NEAR_JSON = st.one_of(
+    st.text(max_size=300),
+    S.json_values.map(json.dumps),
+    st.from_regex(r"\A-?[0-9]{1,3}(\.[0-9]{1,3})?[eE][+-]?[0-9]{1,4}\Z"),
+    st.from_regex(r'\A"(\\u[dD][89abAB][0-9a-fA-F]{2})?(\\u[dD][c-fC-F][0-9a-fA-F]{2})?"\Z'),
+    st.integers(95, 105).map(lambda n: "[" * n + "]" * n),
+)
+
+
+@given(NEAR_JSON)
+def test_the_parser_accepts_exactly_what_the_store_keeps(message: str) -> None:
+    """One rule, not two: an output the parser gives is kept by the store as it is, and a
+    failure it gives is storable too."""
+    result = parse_result(message, exit_ok=True)
+    event = terminal(result)
+    assert store.storable_terminal(event, reason="Unstorable") == event
+
+
 @given(st.text(max_size=300), st.booleans())
 def test_parse_result_never_raises(message: str, exit_ok: bool) -> None:
     result = parse_result(message, exit_ok=exit_ok)
@@ -298,13 +356,18 @@ def test_pick_termination_reads_what_the_python_client_serialises() -> None:
         ),
         (
             job(condition("Complete")),
-            [],  # the pod is gone: no result to deliver
-            Completion(succeeded=False, reason=RESULT_MISSING, detail="the container exited 0 without writing a result"),
+            [],  # the pod is gone: the result is lost (the work runs again), not missing
+            Completion(succeeded=False, reason=RESULT_LOST, detail=LOST),
         ),
         (
             job(condition("Complete")),
             [pod("a", exit_code=1, message="log tail")],  # only a failed pod left: its log is no result
-            Completion(succeeded=False, reason=RESULT_MISSING, detail="the container exited 0 without writing a result"),
+            Completion(succeeded=False, reason=RESULT_LOST, detail=LOST),
+        ),
+        (
+            job(condition("Complete")),
+            [pod("stale", owner_uid="other-uid")],  # an earlier Job's pod of the same name holds no result of this one
+            Completion(succeeded=False, reason=RESULT_LOST, detail=LOST),
         ),
         (job(condition("Complete")), [pod("a", message="oops")], "ResultNotJson"),
         (
@@ -336,3 +399,5 @@ def test_completion(the_job: dict[str, Any], pods: list[dict[str, Any]], expecte
         assert got is not None and not got.succeeded and got.reason == expected
     else:
         assert got == expected
+    # Only a succeeded Job whose result went with its Pod is re-run; everything else is recorded.
+    assert (got is not None and got.lost) == (isinstance(expected, Completion) and expected.reason == RESULT_LOST)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import threading
 import time
@@ -11,6 +12,7 @@ from typing import Any
 
 import kubernetes
 import pytest
+from kubernetes.client.exceptions import ApiException
 import yaml
 
 from engine.errors import (
@@ -20,8 +22,12 @@ from engine.errors import (
     ConfigError,
     InvalidManifest,
     NotFound,
+    QuotaExceeded,
+    Transient,
 )
 from localcluster import LocalCluster
+from localcluster.quota import QUOTA_JOBS
+from workers import kube as kube_module
 from tasks.processes import wait_until
 from workers.job_status import job_state
 from workers.kube import KubeClient, release_patch
@@ -108,6 +114,46 @@ def test_an_invalid_job_is_rejected_with_the_apis_reason_and_message(kube, ns):
     assert raised.value.reason == "Invalid"
     assert "Not_A_Valid_Name" in str(raised.value)
     assert "422" in str(raised.value)
+
+
+def set_job_quota(cluster, namespace: str, limit: int | None) -> None:
+    """localcluster's stand-in for a ResourceQuota `count/jobs.batch: limit` (None: removed)."""
+    api = kubernetes.config.new_client_from_config(config_file=str(cluster.kubeconfig))
+    try:
+        body = {"metadata": {"annotations": {QUOTA_JOBS: None if limit is None else str(limit)}}}
+        kubernetes.client.CoreV1Api(api).patch_namespace(namespace, body)
+    finally:
+        api.close()
+
+
+def test_a_create_past_the_namespaces_quota_is_passing_not_a_refusal(cluster, kube, ns):
+    kube.create_job(ns, job("q-1"))
+    set_job_quota(cluster, ns, 1)
+    with pytest.raises(QuotaExceeded) as raised:
+        kube.create_job(ns, job("q-2"))
+    assert isinstance(raised.value, Transient) and raised.value.reason == "QuotaExceeded"
+    assert 'jobs.batch "q-2" is forbidden: exceeded quota: ' in str(raised.value) and "403 Forbidden" in str(raised.value)
+    kube.delete_job(ns, "q-1")  # no finalizer: gone at once, and the quota has room again
+    assert kube.create_job(ns, job("q-2"))["metadata"]["name"] == "q-2"
+    set_job_quota(cluster, ns, None)
+
+
+@pytest.mark.parametrize(
+    ("status", "message", "error", "reason"),
+    [
+        (403, 'jobs.batch "kd-1" is forbidden: exceeded quota: q, requested: count/jobs.batch=1, used: '
+              "count/jobs.batch=5, limited: count/jobs.batch=5", QuotaExceeded, "QuotaExceeded"),
+        (403, 'jobs.batch "kd-1" is forbidden: status unknown for quota: q, resource: count/jobs.batch',
+         QuotaExceeded, "QuotaExceeded"),
+        (403, 'jobs.batch "kd-1" is forbidden: failed quota: q: must specify limits.cpu', ApiRejected, "Forbidden"),
+        (403, 'jobs.batch is forbidden: User "system:serviceaccount:x:y" cannot create resource "jobs"', ApiRejected,
+         "Forbidden"),
+    ],
+)
+def test_which_403_is_passing(status, message, error, reason):
+    body = json.dumps({"kind": "Status", "status": "Failure", "reason": "Forbidden", "message": message, "code": status})
+    mapped = kube_module._mapped(ApiException(status=status, reason="Forbidden", body=body), "create job in ns")
+    assert type(mapped) is error and mapped.reason == reason and message in str(mapped)
 
 
 def test_a_body_the_client_schema_refuses_never_reaches_the_server(kube, ns):

@@ -26,6 +26,7 @@ from workers.resolver import demo_resolver
 from workers.types import DispatchRef
 
 SPEC = demo_resolver().spec("demo.wordcount")
+DEPLOYMENT = "prod-eu"
 REF = DispatchRef(
     dispatch_id="0b8e2f1c-4f5a-4d0e-9a3b-2c1d0e9f8a7b",
     case_id="case-42",
@@ -50,6 +51,8 @@ def assert_job_valid(job: dict[str, Any]) -> None:
         assert size <= 256 * 1024
     assert template["metadata"]["labels"] == metadata["labels"]
     assert all(is_qualified_name(f) for f in metadata["finalizers"])
+    # Ours on every Pod too (the Job controller copies the template's): the result outlives a delete.
+    assert template["metadata"]["finalizers"] == [manifest.FINALIZER]
     assert template["spec"]["restartPolicy"] == "Never"
     (container,) = template["spec"]["containers"]
     assert is_dns1123_label(container["name"])
@@ -79,9 +82,10 @@ def test_build_job_shape() -> None:
         active_deadline_seconds=30,
         backoff_limit=2,
     )
-    job = build_job(REF, input={"text": "a b"}, spec=spec, namespace="jobs", attempt=1)
+    job = build_job(REF, input={"text": "a b"}, spec=spec, namespace="jobs", attempt=1, deployment=DEPLOYMENT)
     assert_job_valid(job)
-    our_labels, our_annotations = labels.encode(REF)
+    our_labels, our_annotations = labels.encode(REF, deployment=DEPLOYMENT)
+    assert our_labels[labels.DEPLOYMENT_LABEL] == DEPLOYMENT
     assert job["metadata"] == {
         "name": "kd-0b8e2f1c-4f5a-4d0e-9a3b-2c1d0e9f8a7b",
         "namespace": "jobs",
@@ -94,6 +98,7 @@ def test_build_job_shape() -> None:
     assert job["spec"]["template"]["metadata"] == {
         "labels": job["metadata"]["labels"],
         "annotations": job["metadata"]["annotations"],
+        "finalizers": ["k8s-dispatch.io/result-protection"],
     }
     assert job["spec"]["template"]["spec"] == {
         "restartPolicy": "Never",
@@ -118,10 +123,10 @@ def test_build_job_shape() -> None:
 
 
 def test_build_job_returns_fresh_dicts_each_time() -> None:
-    first = build_job(REF, input={}, spec=SPEC, namespace="default")
+    first = build_job(REF, input={}, spec=SPEC, namespace="default", deployment=DEPLOYMENT)
     first["metadata"]["labels"]["x"] = "y"
     first["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["memory"] = "1Gi"
-    second = build_job(REF, input={}, spec=SPEC, namespace="default")
+    second = build_job(REF, input={}, spec=SPEC, namespace="default", deployment=DEPLOYMENT)
     assert "x" not in second["metadata"]["labels"]
     assert "x" not in second["spec"]["template"]["metadata"]["labels"]
     assert SPEC.resources["limits"]["memory"] == "128Mi"
@@ -129,7 +134,7 @@ def test_build_job_returns_fresh_dicts_each_time() -> None:
 
 def test_spec_namespace_wins_and_optional_fields_are_left_out() -> None:
     spec = replace(SPEC, namespace="batch", command=(), args=(), active_deadline_seconds=None)
-    job = build_job(REF, input=None, spec=spec, namespace="default")
+    job = build_job(REF, input=None, spec=spec, namespace="default", deployment=DEPLOYMENT)
     container = job["spec"]["template"]["spec"]["containers"][0]
     assert job["metadata"]["namespace"] == "batch"
     assert "command" not in container and "args" not in container
@@ -145,7 +150,7 @@ def test_job_name_is_stable_and_a_dns_label() -> None:
 
 def test_input_with_dollar_syntax_is_carried_verbatim() -> None:
     value = {"cmd": "echo $(HOME) $$ $x", "$(KEY)": ["$"]}
-    job = build_job(REF, input=value, spec=SPEC, namespace="default")
+    job = build_job(REF, input=value, spec=SPEC, namespace="default", deployment=DEPLOYMENT)
     assert input_of(job) == value
 
 
@@ -163,7 +168,7 @@ def test_input_with_dollar_syntax_is_carried_verbatim() -> None:
 )
 def test_build_job_refuses_bad_refs(change: dict[str, str], error: type[Exception], complaint: str) -> None:
     with pytest.raises(error, match=complaint):
-        build_job(replace(REF, **change), input={}, spec=SPEC, namespace="default")
+        build_job(replace(REF, **change), input={}, spec=SPEC, namespace="default", deployment=DEPLOYMENT)
 
 
 @pytest.mark.parametrize(
@@ -199,7 +204,7 @@ def test_build_job_refuses_bad_refs(change: dict[str, str], error: type[Exceptio
 def test_build_job_refuses_bad_specs(change: dict[str, Any], field: str) -> None:
     spec = replace(SPEC, **change)
     with pytest.raises(InvalidManifest, match=f"{field}: "):
-        build_job(REF, input={}, spec=spec, namespace="default")
+        build_job(REF, input={}, spec=spec, namespace="default", deployment=DEPLOYMENT)
     assert [f for f, _ in manifest.spec_problems(spec)] == [field]
 
 
@@ -211,10 +216,14 @@ def test_build_job_refuses_bad_specs(change: dict[str, Any], field: str) -> None
         ({"namespace": "n" * 64}, "namespace"),
         ({"attempt": -1}, "attempt"),
         ({"attempt": True}, "attempt"),
+        ({"deployment": ""}, "deployment"),
+        ({"deployment": "two words"}, "deployment"),
+        ({"deployment": "d" * 64}, "deployment"),
+        ({"deployment": None}, "deployment"),
     ],
 )
-def test_build_job_refuses_bad_namespace_or_attempt(kwargs: dict[str, Any], complaint: str) -> None:
-    args: dict[str, Any] = {"input": {}, "spec": SPEC, "namespace": "default", **kwargs}
+def test_build_job_refuses_bad_namespace_deployment_or_attempt(kwargs: dict[str, Any], complaint: str) -> None:
+    args: dict[str, Any] = {"input": {}, "spec": SPEC, "namespace": "default", "deployment": DEPLOYMENT, **kwargs}
     with pytest.raises(InvalidManifest, match=complaint):
         build_job(REF, **args)
 
@@ -222,7 +231,7 @@ def test_build_job_refuses_bad_namespace_or_attempt(kwargs: dict[str, Any], comp
 def test_build_job_refuses_annotations_over_the_api_limit() -> None:
     spec = replace(SPEC, annotations={"example.com/blob": "x" * (256 * 1024)})
     with pytest.raises(InvalidManifest, match="annotations are"):
-        build_job(REF, input={}, spec=spec, namespace="default")
+        build_job(REF, input={}, spec=spec, namespace="default", deployment=DEPLOYMENT)
 
 
 @pytest.mark.parametrize(
@@ -291,7 +300,7 @@ def test_build_job_is_valid_or_raises_a_typed_error(ref: DispatchRef, value: obj
     spec = data.draw(S.capability_specs(name=ref.capability, worker_name=ref.worker_name))
     namespace = data.draw(S.namespaces_any)
     try:
-        job = build_job(ref, input=value, spec=spec, namespace=namespace)
+        job = build_job(ref, input=value, spec=spec, namespace=namespace, deployment=DEPLOYMENT)
     except _TYPED as e:
         event(f"refused: {type(e).__name__}")
         return
@@ -307,7 +316,7 @@ def test_build_job_is_valid_or_raises_a_typed_error(ref: DispatchRef, value: obj
 @given(ref=S.refs, value=S.json_values, data=st.data())
 def test_valid_values_always_build(ref: DispatchRef, value: object, data: st.DataObject) -> None:
     spec = data.draw(S.capability_specs(name=ref.capability, worker_name=ref.worker_name, valid=True))
-    job = build_job(ref, input=value, spec=spec, namespace=data.draw(S.namespaces))
+    job = build_job(ref, input=value, spec=spec, namespace=data.draw(S.namespaces), deployment=DEPLOYMENT)
     assert_job_valid(job)
     assert labels.decode(job["metadata"]["labels"], job["metadata"]["annotations"]) == ref
     assert input_of(job) == json.loads(json.dumps(value))

@@ -45,7 +45,7 @@ def test_a_built_job_is_accepted_by_the_cluster_and_reads_back_whole(
     spec = data.draw(S.capability_specs(name=ref.capability, worker_name=ref.worker_name))
     namespace = data.draw(S.namespaces)
     try:
-        job = build_job(ref, input=value, spec=spec, namespace=namespace)
+        job = build_job(ref, input=value, spec=spec, namespace=namespace, deployment="test")
     except TYPED as e:
         event(f"refused: {type(e).__name__}")
         return

@@ -130,7 +130,7 @@ def test_a_built_job_runs_as_its_container_would(tmp_path: Path) -> None:
     resolver = demo_resolver(python=sys.executable)
     ref = DispatchRef(new_dispatch_id(), "case-1", "tenant one", "demo.wordcount", "demo-text", "key-1")
     text = "Dollars: $(HOME) and $$x\nsecond line"
-    job = build_job(ref, input={"text": text}, spec=resolver.spec("demo.wordcount"), namespace="default")
+    job = build_job(ref, input={"text": text}, spec=resolver.spec("demo.wordcount"), namespace="default", deployment="test")
     (container,) = job["spec"]["template"]["spec"]["containers"]
     result_path = tmp_path / "termination-log"
     env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(ROOT), "TERMINATION_MESSAGE_PATH": str(result_path)}
