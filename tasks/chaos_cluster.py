@@ -11,7 +11,7 @@ switch the API faults on and off, count them, and bring back a component that di
   authorizer judges every call they make. The harness's own reads go straight to kube-apiserver
   as the admin, never through the faults.
 
-The `_Run` of `tasks.chaos` holds its process lock around every call here.
+The `_Run` of `tasks.chaos` holds its cluster lock around every call here.
 """
 
 from __future__ import annotations
@@ -57,14 +57,14 @@ class ChaosCluster(Protocol):
     def revive(self) -> list[str]: ...
 
 
-def make(kind: str, *, directory: Path, mode: str, namespace: str, env: Mapping[str, str],
+def make(kind: str, *, directory: Path, mode: str, namespaces: tuple[str, ...], env: Mapping[str, str],
          ready_gate: bool = True) -> ChaosCluster:  # fmt: skip
     """The run's cluster of `kind` (not started); `ready_gate` False lets the real one's workers reach
     a kube-apiserver that is not ready yet. Raises ValueError for an unknown kind."""
     if kind == LOCALCLUSTER:
         return LocalChaosCluster(directory=directory, mode=mode, env=env)
     if kind == REALCLUSTER:
-        return RealChaosCluster(directory=directory, mode=mode, namespace=namespace, ready_gate=ready_gate)
+        return RealChaosCluster(directory=directory, mode=mode, namespaces=namespaces, ready_gate=ready_gate)
     raise ValueError(f"cluster must be one of {', '.join(CLUSTERS)}, got {kind!r}")
 
 
@@ -144,12 +144,13 @@ class RealChaosCluster:
     kind = REALCLUSTER
     fault_words = "500/503/429, connection reset, response lost after forwarding"
 
-    def __init__(self, *, directory: Path, mode: str, namespace: str, ready_gate: bool = True) -> None:
+    def __init__(self, *, directory: Path, mode: str, namespaces: tuple[str, ...], ready_gate: bool = True) -> None:
         from realcluster.controlplane import ControlPlane
 
         self.mode = mode
         self.ready_gate = ready_gate
-        self.namespace = namespace
+        self.namespaces = namespaces
+        self.namespace = namespaces[0]  # the workers' ServiceAccount lives here
         self.directory = directory
         self.plane = ControlPlane(directory=directory / "realcluster", mode=mode, apiserver_args=APISERVER_ARGS)
         self.harness_kubeconfig = self.plane.kubeconfig
@@ -181,8 +182,9 @@ class RealChaosCluster:
         wait_for_log(self.proxy, faultproxy.LISTENING, timeout=START_TIMEOUT_S)
 
     def _worker_identity(self) -> str:
-        """The namespace, deploy/rbac.yaml's ServiceAccount, Role and RoleBinding in it; the
-        ServiceAccount's token. Raises RuntimeError: kube-apiserver refused one of them."""
+        """The namespaces; deploy/rbac.yaml's ServiceAccount in the first, its Role and RoleBinding
+        (to that ServiceAccount) in each; the ServiceAccount's token. Raises RuntimeError:
+        kube-apiserver refused one of them."""
         from kubernetes import client
 
         try:
@@ -196,20 +198,23 @@ class RealChaosCluster:
 
         with config.new_client_from_config(config_file=str(self.plane.kubeconfig)) as api:
             core, rbac = client.CoreV1Api(api), client.RbacAuthorizationV1Api(api)
-            core.create_namespace({"metadata": {"name": self.namespace}})
             account = ""
-            for doc in yaml.safe_load_all(RBAC_FILE.read_text()):
-                doc["metadata"]["namespace"] = self.namespace
-                for subject in doc.get("subjects") or []:
-                    subject["namespace"] = self.namespace
-                create = {
-                    "ServiceAccount": core.create_namespaced_service_account,
-                    "Role": rbac.create_namespaced_role,
-                    "RoleBinding": rbac.create_namespaced_role_binding,
-                }[doc["kind"]]
-                create(self.namespace, doc)
-                if doc["kind"] == "ServiceAccount":
-                    account = doc["metadata"]["name"]
+            for namespace in self.namespaces:
+                core.create_namespace({"metadata": {"name": namespace}})
+                for doc in yaml.safe_load_all(RBAC_FILE.read_text()):
+                    if doc["kind"] == "ServiceAccount" and namespace != self.namespace:
+                        continue
+                    doc["metadata"]["namespace"] = namespace
+                    for subject in doc.get("subjects") or []:
+                        subject["namespace"] = self.namespace
+                    create = {
+                        "ServiceAccount": core.create_namespaced_service_account,
+                        "Role": rbac.create_namespaced_role,
+                        "RoleBinding": rbac.create_namespaced_role_binding,
+                    }[doc["kind"]]
+                    create(namespace, doc)
+                    if doc["kind"] == "ServiceAccount":
+                        account = doc["metadata"]["name"]
             request = {"spec": {"expirationSeconds": WORKER_TOKEN_S}}
             return str(core.create_namespaced_service_account_token(account, self.namespace, request).status.token)
 

@@ -26,6 +26,7 @@ CLI = [sys.executable, "-c", "import sys; from tasks.cli import main; sys.exit(m
 FINAL_LINE = re.compile(
     r"^chaos: dispatched=(?P<dispatched>\d+) terminal=(?P<terminal>\d+) lost=(?P<lost>\d+) "
     r"duplicates=(?P<duplicates>\d+) wrong_output=(?P<wrong_output>\d+) leftover_jobs=(?P<leftover_jobs>\d+) "
+    r"second_jobs=(?P<second_jobs>\d+) "
     r"kills=(?P<kills>\d+) broker_flushes=(?P<broker_flushes>\d+) api_faults=(?P<api_faults>\d+) "
     r"converged_s=(?P<converged_s>[\d.]+) seed=(?P<seed>\d+)$"
 )
@@ -93,8 +94,9 @@ def test_a_short_chaos_run_loses_nothing_doubles_nothing_and_leaves_nothing(redi
     match = FINAL_LINE.match(lines[-1])
     assert match, f"the last line is not the chaos line:\n{output}"
     numbers = {k: float(v) if k == "converged_s" else int(v) for k, v in match.groupdict().items()}
-    assert numbers["dispatched"] == 300 and numbers["terminal"] == 300, output
+    assert numbers["dispatched"] == 330 and numbers["terminal"] == 330, output  # 300, and 30 of the second deployment
     assert (numbers["lost"], numbers["duplicates"], numbers["wrong_output"], numbers["leftover_jobs"]) == (0, 0, 0, 0), output
+    assert numbers["second_jobs"] == 0, output
     assert numbers["kills"] == 8 and numbers["broker_flushes"] == 1 and numbers["seed"] == 11, output
     assert numbers["api_faults"] > 0, "the API server injected no error at all"
     assert done.returncode == 0, output
@@ -106,10 +108,17 @@ def test_a_short_chaos_run_loses_nothing_doubles_nothing_and_leaves_nothing(redi
     assert result["ok"] and result["held_claims"] == 0 and result["api_restarts"] == 1 and result["db_kills"] == 1
     assert result["db_connections_killed"] > 0, "the database kill found no worker connection"
     assert result["unexpected_exits"] == [], result["unexpected_exits"]
-    assert sum(result["outcomes"].values()) == 300
+    assert sum(result["outcomes"].values()) == 330
     assert set(result["outcomes"]) == {
         "WORKER_COMPLETED", "WORKER_FAILED:BackoffLimitExceeded", "WORKER_FAILED:DeadlineExceeded",
+        "WORKER_FAILED:ResultNotJson",  # the poison results: intended
     }  # fmt: skip
+    assert result["wrong_namespace"] == 0 and result["neighbour"]["ok"], result["neighbour"]
+    assert result["jobs_seen"] >= 300, "the observer saw too few Jobs to judge"
+    assert set(result["by_namespace"]) == {"chaos", "chaos-moved"}, result["by_namespace"]  # before and after
+    done_faults = {f["kind"] for f in result["faults"] if f["ok"]}
+    assert {"pod_delete", "namespace_change"} <= done_faults, result["faults"]
+    assert any(f["kind"] == "pod_delete" and not f["detail"].startswith("deleted 0 ") for f in result["faults"])
 
     # Nothing of the run is left: processes, database, keys.
     assert not database_exists(result["database"])
