@@ -1,8 +1,9 @@
 """The chaos run: the whole system abused on a seeded schedule, then checked for anything lost,
 doubled, wrong or left over (`k8s-dispatch chaos`, `make chaos`).
 
-`run(options)` creates a PostgreSQL database and a Redis key prefix of its own, starts
-`localcluster serve`, W `celery -A tasks worker` processes and `celery -A tasks beat` as a
+`run(options)` creates a PostgreSQL database and a Redis key prefix of its own, starts the
+cluster (`localcluster serve`, or the real control plane behind a fault proxy:
+`tasks.chaos_cluster`), W `celery -A tasks worker` processes and `celery -A tasks beat` as a
 user would, and feeds N dispatches at a steady rate while `tasks.fault_plan` kills processes,
 flushes the broker, breaks and restarts the API server and kills database connections. Then
 it stops the faults, waits for convergence and judges the end state (`tasks.chaos_checks`).
@@ -11,7 +12,6 @@ Every process, the database and the keys are removed at the end, whatever happen
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -19,7 +19,6 @@ import signal
 import tempfile
 import threading
 import time
-import urllib.request
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -36,28 +35,23 @@ from sqlalchemy.engine import make_url
 
 from engine.errors import DispatchError
 from engine.models import TERMINAL_EVENT_TYPES, CaseEvent, Dispatch
-from tasks import interrupts
+from workers.manifest import FINALIZER
+from tasks import chaos_cluster, interrupts
 from tasks.chaos_checks import RowSnapshot, TerminalEvent, Verdict, judge
 from tasks.chaos_workload import Expected, Planned, capabilities_config, expected, workload
 from tasks.fault_plan import BEAT, Fault, FaultKind, FaultPlan, make_plan, worker_names
-from tasks.processes import (
-    LISTENING,
-    ManagedProcess,
-    WaitTimeout,
-    celery_beat,
-    celery_worker,
-    free_port,
-    localcluster_server,
-    wait_for_log,
-    wait_until,
-)
+from tasks.chaos_cluster import CLUSTERS, LOCALCLUSTER, ChaosCluster
+from tasks.processes import ManagedProcess, WaitTimeout, celery_beat, celery_worker, wait_for_log, wait_until
 
 log = logging.getLogger(__name__)
 
 DEFAULT_ADMIN_URL = os.environ.get("K8S_DISPATCH_CHAOS_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 DEFAULT_REDIS_URL = os.environ.get("K8S_DISPATCH_REDIS_URL", "redis://127.0.0.1:6379/0")
 NAMESPACE = "chaos"
-LOCALCLUSTER = "localcluster"
+# Where the capabilities move at the NAMESPACE_CHANGE fault: work scheduled before stays where it was.
+MOVED_NAMESPACE = "chaos-moved"
+NAMESPACES = (NAMESPACE, MOVED_NAMESPACE)
+SKEW = "+60s"  # the clock of the first worker (faketime), against every other host's
 # The application_name of the workers' database connections: what the DB_KILL fault kills.
 WORKER_DB_APP = "k8s-dispatch-worker"
 HARNESS_DB_APP = "k8s-dispatch-chaos"
@@ -71,6 +65,9 @@ DEPLOYMENT_SETTINGS = {
     "GUARD_LEASE_MS": "15000",
     "BROKER_VISIBILITY_TIMEOUT_S": "60",
     "WORKER_CONCURRENCY": "8",
+    # A Job of ours with no dispatch is deleted: were the second deployment's Jobs not invisible
+    # to this one (and the other way round), its running work would end JobLost.
+    "ORPHAN_POLICY": "delete",
 }
 START_TIMEOUT_S = 90.0  # a process's start on a busy 2-core machine
 # The engine's side of the `schedule` task: a call whose dispatch is not in the database after
@@ -80,6 +77,7 @@ RESEND_AFTER_S = 15.0
 TICK_S = 0.5
 THREAD_JOIN_S = 60.0
 PROGRESS_EVERY_S = 10.0
+POD_DELETE_TRIES = 30  # a second apart: through an API server restart
 ID_CHUNK = 500
 
 
@@ -89,6 +87,10 @@ class ChaosOptions:
     workers: int = 3
     seed: int = 0
     mode: str = "simulate"
+    cluster: str = LOCALCLUSTER  # or "realcluster": kube-apiserver, etcd, the real Job controller
+    api_ready_gate: bool = True  # realcluster: the fault proxy forwards only while kube-apiserver is ready
+    skewed_workers: int = 1  # workers run under faketime, SKEW off the true clock
+    neighbour_share: float = 0.1  # the second deployment's dispatches, as a share of the first's (0: none)
     rate: float = 10.0  # dispatches per second from the feeder
     kills: int = 20
     deadline_s: float = 300.0  # for convergence, once the faults stop
@@ -123,7 +125,8 @@ class ChaosResult:
     work_dir: Path
     verdict: Verdict = field(default_factory=Verdict)
     done: list[FaultDone] = field(default_factory=list)
-    api_faults: int = 0  # error responses the API server injected
+    api_faults: int = 0  # faults the API server (or the proxy in front of it) injected
+    api_faults_by_kind: dict[str, int] = field(default_factory=dict)
     db_connections_killed: int = 0
     converged_s: float | None = None  # None: not converged by the deadline
     feed_s: float = 0.0
@@ -132,6 +135,9 @@ class ChaosResult:
     unexpected_exits: list[str] = field(default_factory=list)
     stats: dict[str, int] = field(default_factory=dict)
     error: str | None = None
+    neighbour: Verdict | None = None  # the second deployment's own verdict (also in `verdict`)
+    jobs_seen: int = 0  # distinct Jobs the observer saw
+    by_namespace: dict[str, int] = field(default_factory=dict)  # dispatches by recorded namespace
 
     def count_done(self, kind: FaultKind) -> int:
         return sum(1 for d in self.done if d.fault.kind is kind and d.ok)
@@ -153,7 +159,7 @@ class ChaosResult:
         converged = f"{self.converged_s:.1f}" if self.converged_s is not None else "timeout"
         return (
             f"chaos: dispatched={v.dispatched} terminal={v.terminal} lost={v.lost} duplicates={v.duplicates} "
-            f"wrong_output={v.wrong_output} leftover_jobs={v.leftover_jobs} kills={self.kills} "
+            f"wrong_output={v.wrong_output} leftover_jobs={v.leftover_jobs} second_jobs={v.second_jobs} kills={self.kills} "
             f"broker_flushes={self.broker_flushes} api_faults={self.api_faults} converged_s={converged} "
             f"seed={self.options.seed}"
         )
@@ -167,11 +173,14 @@ class ChaosResult:
             "duplicates": v.duplicates,
             "wrong_output": v.wrong_output,
             "leftover_jobs": v.leftover_jobs,
+            "second_jobs": v.second_jobs,
+            "wrong_namespace": v.wrong_namespace,
             "held_claims": v.held_claims,
             "unnotified": v.unnotified,
             "kills": self.kills,
             "broker_flushes": self.broker_flushes,
             "api_faults": self.api_faults,
+            "api_faults_by_kind": self.api_faults_by_kind,
             "api_restarts": self.count_done(FaultKind.API_RESTART),
             "db_kills": self.count_done(FaultKind.DB_KILL),
             "db_connections_killed": self.db_connections_killed,
@@ -180,11 +189,18 @@ class ChaosResult:
             "ok": self.ok,
             "error": self.error,
             "mode": self.options.mode,
+            "cluster": self.options.cluster,
             "workers": self.options.workers,
             "rate": self.options.rate,
             "feed_s": round(self.feed_s, 1),
             "wall_s": round(self.wall_s, 1),
             "schedule_resends": self.resends,
+            "jobs_seen": self.jobs_seen,
+            "by_namespace": self.by_namespace,
+            "neighbour": None if self.neighbour is None else {
+                "dispatched": self.neighbour.dispatched, "ok": self.neighbour.ok,
+                "outcomes": dict(sorted(self.neighbour.outcomes.items())), "problems": self.neighbour.problems,
+            },  # fmt: skip
             "unexpected_exits": self.unexpected_exits,
             "outcomes": dict(sorted(v.outcomes.items())),
             "stats": self.stats,
@@ -227,6 +243,8 @@ def run(options: ChaosOptions, *, progress: Callable[[str], None] = lambda _: No
         raise ValueError("dispatches and workers must be >= 1 and rate > 0")
     if options.mode not in ("simulate", "exec"):
         raise ValueError(f"mode must be simulate or exec, got {options.mode!r}")
+    if options.cluster not in CLUSTERS:
+        raise ValueError(f"cluster must be one of {', '.join(CLUSTERS)}, got {options.cluster!r}")
     tag = uuid.uuid4().hex[:8]
     plan = fault_plan(options)
     work_dir = options.work_dir or Path(tempfile.mkdtemp(prefix=f"k8s-dispatch-chaos-{tag}-"))
@@ -261,6 +279,9 @@ class _Run:
         self.stack = ExitStack()
         self.stop = threading.Event()
         self.proc_lock = threading.RLock()
+        # The cluster's own lock: a kube-apiserver restart takes seconds, and the other faults
+        # (kills, the rolling restart of the namespace change) go on meanwhile, on schedule.
+        self.cluster_lock = threading.RLock()
         self.procs: dict[str, ManagedProcess] = {}
         self.planned = workload(options.seed, options.dispatches, tag=tag)
         self.ids: dict[int, str] = {}  # planned index -> dispatch id, once scheduled
@@ -268,8 +289,10 @@ class _Run:
         self.sends: Counter[str] = Counter()  # dispatch id -> `schedule` task sends
         self.recorded: set[str] = set()  # task-path dispatch ids seen in the database
         self.ids_lock = threading.Lock()
-        self.api_faults_now = (0.0, 0)
-        self.api_injected_before_restarts = 0
+        self.cluster: ChaosCluster | None = None
+        self.neighbour: Any = None  # tasks.chaos_neighbour.Neighbour, when the run has one
+        self.observer: Any = None  # tasks.chaos_observer.JobObserver
+        self.caps_now: Path | None = None  # the capability file the workers run on
         self.feed_error: BaseException | None = None
         self.threads: list[threading.Thread] = []
         self.t0 = 0.0
@@ -290,7 +313,7 @@ class _Run:
         self.stop.set()
         for thread in self.threads:
             thread.join(timeout=THREAD_JOIN_S)
-        with self.proc_lock:
+        with self.proc_lock, self.cluster_lock:
             self.stack.close()
 
     def _set_up(self) -> None:
@@ -310,44 +333,55 @@ class _Run:
 
         caps_path = self.dir / "capabilities.yaml"
         caps_path.write_text(yaml.safe_dump(capabilities_config(options.mode)))
-        self.kubeconfig = self.dir / "kubeconfig"
-        port, tls_port = free_port(), free_port()
+        base_env = {k: v for k, v in os.environ.items() if not k.startswith("K8S_DISPATCH_")}
+        cluster = chaos_cluster.make(options.cluster, directory=self.dir, mode=options.mode, namespaces=NAMESPACES,
+                                     env=base_env, ready_gate=options.api_ready_gate)  # fmt: skip
+        self.stack.callback(cluster.stop)
+        cluster.start()
+        self.cluster = cluster
         values = {
             "K8S_DISPATCH_DATABASE_URL": _with_app_name(self.db_url, WORKER_DB_APP),
             "K8S_DISPATCH_REDIS_URL": options.redis_url,
             "K8S_DISPATCH_KEY_PREFIX": self.prefix,
             "K8S_DISPATCH_NAMESPACE": NAMESPACE,
             "K8S_DISPATCH_CAPABILITIES": str(caps_path),
-            "K8S_DISPATCH_KUBECONFIG": str(self.kubeconfig),
+            "K8S_DISPATCH_KUBECONFIG": str(cluster.worker_kubeconfig),
             **{f"K8S_DISPATCH_{k}": v for k, v in DEPLOYMENT_SETTINGS.items()},
         }
-        self.env = {k: v for k, v in os.environ.items() if not k.startswith("K8S_DISPATCH_")} | values
+        self.env = base_env | values
+        self.values = values
+        self.caps_now = caps_path
         self.settings = load_settings(values)
-
-        cluster = localcluster_server(
-            log_dir=self.dir, kubeconfig=self.kubeconfig, mode=options.mode,
-            state=self.dir / "cluster-state.jsonl", port=port, tls_port=tls_port, env=self.env,
-        )  # fmt: skip
-        self._add(cluster)
-        cluster.start()
-        wait_for_log(cluster, LISTENING, timeout=START_TIMEOUT_S)
-        self.token = _token(self.kubeconfig)
-        self.api_url = f"http://127.0.0.1:{port}"  # the faults endpoint, on the http listener
-        self.kube = KubeClient(self.kubeconfig, timeout_s=10)
+        self.kube = KubeClient(cluster.harness_kubeconfig, timeout_s=10)
         self.stack.callback(self.kube.close)
 
         self._create_engine_side()
+        skewed = set(worker_names(options.workers)[: options.skewed_workers])
+        skew_env = _faketime_env(SKEW) if skewed else {}
         for name in worker_names(options.workers):
-            self._add(celery_worker(name, env=self.env, log_dir=self.dir, concurrency=self.settings.worker_concurrency))
+            env = self.env | (skew_env if name in skewed else {})
+            self._add(celery_worker(name, env=env, log_dir=self.dir, concurrency=self.settings.worker_concurrency))
         self._add(celery_beat(env=self.env, log_dir=self.dir, name=BEAT))
+        for proc in self.procs.values():
+            proc.start()
         for name, proc in self.procs.items():
-            if name != LOCALCLUSTER:
-                proc.start()
-        for name, proc in self.procs.items():
-            if name != LOCALCLUSTER:
-                wait_for_log(proc, " ready." if name != BEAT else "beat: Starting", timeout=START_TIMEOUT_S)
+            wait_for_log(proc, " ready." if name != BEAT else "beat: Starting", timeout=START_TIMEOUT_S)
+        if options.neighbour_share > 0:
+            from tasks.chaos_neighbour import Neighbour
+
+            self.neighbour = Neighbour(
+                options, tag=self.tag, directory=self.dir / "neighbour", env=base_env, values=values,
+                count=max(10, round(options.dispatches * options.neighbour_share)), stack=self.stack,
+            )  # fmt: skip
+            self.neighbour.start()
+        from tasks.chaos_observer import JobObserver
+
+        self.observer = JobObserver(cluster.harness_kubeconfig)
+        self.stack.callback(self.observer.stop)
+        self.observer.start()
         self.progress(
-            f"chaos: {options.workers} workers, beat and localcluster ({options.mode}) up; "
+            f"chaos: {options.workers} workers ({len(skewed)} at {SKEW} under faketime), beat, "
+            f"{'a second deployment, ' if self.neighbour else ''}{options.cluster} ({options.mode}) up; "
             f"database {self.result.database}, prefix {self.prefix}, logs in {self.dir}"
         )
 
@@ -396,8 +430,11 @@ class _Run:
         feeder = threading.Thread(target=self._feed, name="chaos-feeder", daemon=True)
         faults = threading.Thread(target=self._inject_faults, name="chaos-faults", daemon=True)
         self.threads = [feeder, faults]
-        feeder.start()
-        faults.start()
+        if self.neighbour is not None:
+            self.threads.append(threading.Thread(target=self.neighbour.feed, args=(self.stop, self.options.window_s),
+                                                 name="chaos-neighbour", daemon=True))  # fmt: skip
+        for thread in self.threads:
+            thread.start()
         next_report = time.monotonic() + PROGRESS_EVERY_S
         while feeder.is_alive() or faults.is_alive():
             self._tick()
@@ -420,7 +457,7 @@ class _Run:
         next_report = time.monotonic() + PROGRESS_EVERY_S
         while time.monotonic() < deadline:
             self._tick()
-            pending, jobs = self._pending(), self._jobs_left()
+            pending, jobs = self._pending() + (self.neighbour.pending() if self.neighbour else 0), self._jobs_left()
             if pending == 0 and jobs == 0:
                 converged = True
                 break
@@ -447,17 +484,15 @@ class _Run:
                     note = f"{name} exited by itself with code {proc.returncode} (restarted)"
                     log.warning("%s\n%s", note, proc.log_tail(20))
                     self.result.unexpected_exits.append(note)
-                    self._restart(proc)
+                    proc.start()
+            if self.cluster is not None and self.cluster_lock.acquire(blocking=False):  # not while it restarts
+                try:
+                    self.result.unexpected_exits += self.cluster.revive()
+                finally:
+                    self.cluster_lock.release()
+            if self.neighbour is not None:
+                self.result.unexpected_exits += self.neighbour.revive()
         self._resend_unrecorded()
-
-    def _restart(self, proc: ManagedProcess) -> None:
-        proc.start()
-        if proc.name == LOCALCLUSTER:
-            wait_for_log(proc, LISTENING, timeout=START_TIMEOUT_S)
-            try:
-                self._set_api_faults(*self.api_faults_now)  # a new server starts without faults
-            except OSError as e:
-                log.warning("could not set the API faults again after a restart: %s", e)
 
     # --- the feeder (the engine) -----------------------------------------------------------
 
@@ -488,7 +523,7 @@ class _Run:
                 log.warning("schedule task for %s not sent (%s); sent again later", dispatch_id, e)
             return
         resolver = getattr(self, "_resolver", None) or CapabilityResolver.from_settings(self.settings)
-        self._resolver = resolver
+        self._resolver = resolver  # the engine's router: replaced when the capability file changes
         while not self.stop.is_set():
             try:
                 with transaction(self.sessions) as session:
@@ -558,19 +593,33 @@ class _Run:
     # --- the faults ------------------------------------------------------------------------
 
     def _inject_faults(self) -> None:
-        for fault in self.result.plan.faults:
-            if not self._sleep_until(self.t0 + fault.at_s):
-                return
-            at_s = time.monotonic() - self.t0
-            try:
-                detail, ok = self._inject(fault), True
-            except _Stop:
-                return
-            except (DispatchError, OSError, redis.RedisError, psycopg.Error, WaitTimeout, RuntimeError) as e:
-                detail, ok = f"failed: {e.__class__.__name__}: {e}", False
-                log.warning("fault %s failed: %s", fault.describe(), detail)
-            self.result.done.append(FaultDone(fault=fault, at_s=at_s, detail=detail, ok=ok))
-            log.info("fault %s: %s", fault.describe(), detail)
+        restarts: list[threading.Thread] = []
+        try:
+            for fault in self.result.plan.faults:
+                if not self._sleep_until(self.t0 + fault.at_s):
+                    return
+                if fault.kind in (FaultKind.API_RESTART, FaultKind.POD_DELETE):  # may take long: beside the others
+                    restarts.append(threading.Thread(target=self._do, args=(fault,), name="chaos-restart", daemon=True))
+                    restarts[-1].start()
+                elif not self._do(fault):
+                    return
+        finally:
+            for thread in restarts:
+                thread.join(timeout=THREAD_JOIN_S)
+
+    def _do(self, fault: Fault) -> bool:
+        """Carry out one fault and record it; False if the run is stopping."""
+        at_s = time.monotonic() - self.t0
+        try:
+            detail, ok = self._inject(fault), True
+        except _Stop:
+            return False
+        except (DispatchError, OSError, redis.RedisError, psycopg.Error, WaitTimeout, RuntimeError) as e:
+            detail, ok = f"failed: {e.__class__.__name__}: {e}", False
+            log.warning("fault %s failed: %s", fault.describe(), detail)
+        self.result.done.append(FaultDone(fault=fault, at_s=at_s, detail=detail, ok=ok))
+        log.info("fault %s: %s", fault.describe(), detail)
+        return True
 
     def _inject(self, fault: Fault) -> str:
         kind = fault.kind
@@ -588,25 +637,99 @@ class _Run:
         if kind is FaultKind.API_FAULTS_ON:
             plan = self.result.plan
             self._set_api_faults(plan.api_fault_rate, plan.api_latency_ms)
-            return f"{plan.api_fault_rate:.0%} of requests fail (500/503/429), +{plan.api_latency_ms} ms each"
+            return f"{plan.api_fault_rate:.0%} of requests fail ({self._cluster.fault_words}), +{plan.api_latency_ms} ms each"
         if kind is FaultKind.API_FAULTS_OFF:
             self._set_api_faults(0.0, 0)
             return "API faults off"
         if kind is FaultKind.API_RESTART:
-            with self.proc_lock:
+            with self.cluster_lock:
                 if self.stop.is_set():
                     raise _Stop
-                proc = self.procs[LOCALCLUSTER]
-                self.api_injected_before_restarts += self._api_injected()
                 began = time.monotonic()
-                proc.stop()
-                self._restart(proc)
-            return f"stopped and started again on the same state in {time.monotonic() - began:.1f}s"
+                what = self._cluster.restart_api()
+            return f"{what} in {time.monotonic() - began:.1f}s"
         if kind is FaultKind.DB_KILL:
             killed = self._kill_db_connections()
             self.result.db_connections_killed += killed
             return f"pg_terminate_backend on {killed} worker connections"
+        if kind is FaultKind.POD_DELETE:
+            return self._delete_finished_pods()
+        if kind is FaultKind.NAMESPACE_CHANGE:
+            return self._change_namespace()
         raise AssertionError(f"unknown fault {fault!r}")
+
+    def _delete_finished_pods(self) -> str:
+        """`kubectl delete pod` of every finished Pod of ours, delivered or not: our finalizer must
+        keep each result until it is recorded (what PodGC or a node scale-down would do). Tried
+        again while the API server is restarting or answering errors.
+
+        Raises:
+            RuntimeError: the API server refused every try.
+        """
+        import urllib3
+        from kubernetes import client
+
+        for attempt in range(POD_DELETE_TRIES):
+            try:
+                return self._delete_finished_pods_once()
+            except (client.ApiException, urllib3.exceptions.HTTPError) as e:
+                if attempt == POD_DELETE_TRIES - 1 or self.stop.wait(1.0):
+                    raise RuntimeError(f"deleting finished pods: {e.__class__.__name__}: {e}") from e
+        raise AssertionError("unreachable")
+
+    def _delete_finished_pods_once(self) -> str:
+        from kubernetes import client, config
+
+        from concurrent.futures import ThreadPoolExecutor
+
+        with config.new_client_from_config(config_file=str(self._cluster.harness_kubeconfig)) as api:
+            core = client.CoreV1Api(api)
+            finished = [
+                pod
+                for namespace in NAMESPACES
+                for pod in core.list_namespaced_pod(namespace, label_selector="batch.kubernetes.io/job-name").items
+                if pod.status.phase in ("Succeeded", "Failed") and not pod.metadata.deletion_timestamp
+            ]
+
+            def delete(pod: Any) -> int:
+                try:
+                    core.delete_namespaced_pod(pod.metadata.name, pod.metadata.namespace, _request_timeout=10)
+                except client.ApiException as e:
+                    if e.status != 404:
+                        log.warning("could not delete pod %s: %s", pod.metadata.name, e.status)
+                    return 0
+                return 1
+
+            with ThreadPoolExecutor(max_workers=8) as pool:
+                deleted = sum(pool.map(delete, finished))
+        held = sum(FINALIZER in (pod.metadata.finalizers or []) for pod in finished)
+        return f"deleted {deleted} of {len(finished)} finished pods ({held} held by our finalizer until delivered)"
+
+    def _change_namespace(self) -> str:
+        """A rolling deploy onto a capability file that moves every capability to another
+        namespace: each worker in turn, then beat, restarted on it; the engine's router too."""
+        from engine.settings import load_settings
+        from workers.resolver import CapabilityResolver
+
+        config = capabilities_config(self.options.mode)
+        for spec in config["capabilities"].values():
+            spec["namespace"] = MOVED_NAMESPACE
+        moved = self.dir / "capabilities-moved.yaml"
+        moved.write_text(yaml.safe_dump(config))
+        settings = load_settings(self.values | {"K8S_DISPATCH_CAPABILITIES": str(moved)})
+        self._resolver = CapabilityResolver.from_settings(settings)
+        self.caps_now = moved
+        restarted = []
+        for name in [*worker_names(self.options.workers), BEAT]:
+            with self.proc_lock:
+                if self.stop.is_set():
+                    raise _Stop
+                proc = self.procs[name]
+                proc.env["K8S_DISPATCH_CAPABILITIES"] = str(moved)
+                proc.stop()
+                proc.start()
+                restarted.append(name)
+        return f"capabilities moved to namespace {MOVED_NAMESPACE}; restarted {', '.join(restarted)} in turn"
 
     def _flush_broker(self) -> str:
         """Every key under the run's prefix: queued and unacknowledged messages, bindings, claims."""
@@ -630,22 +753,14 @@ class _Run:
             ).fetchall()
         return sum(1 for (killed,) in rows if killed)
 
+    @property
+    def _cluster(self) -> ChaosCluster:
+        assert self.cluster is not None, "the cluster starts in _set_up"
+        return self.cluster
+
     def _set_api_faults(self, rate: float, latency_ms: int) -> None:
-        self.api_faults_now = (rate, latency_ms)
-        self._api_call({"rate": rate, "latency_ms": latency_ms})
-
-    def _api_injected(self) -> int:
-        return int(self._api_call(None).get("injected", 0))
-
-    def _api_call(self, body: dict[str, Any] | None) -> dict[str, Any]:
-        request = urllib.request.Request(
-            f"{self.api_url}/localcluster/faults",
-            data=json.dumps(body).encode() if body is not None else None,
-            method="POST" if body is not None else "GET",
-            headers={"Authorization": f"Bearer {self.token}", "Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(request, timeout=10) as response:
-            return json.loads(response.read())
+        with self.cluster_lock:
+            self._cluster.set_faults(rate, latency_ms)
 
     def _sleep_until(self, when: float) -> bool:
         """Wait until `when` (monotonic); False if the run is stopping."""
@@ -668,27 +783,10 @@ class _Run:
 
     def _pending(self) -> int:
         """Dispatches the engine asked for that have not ended and been notified yet."""
-        from engine.db import transaction
-        from engine.models import TERMINAL_STATES
-
-        ids = self._dispatch_ids()
-        try:
-            with transaction(self.sessions) as session:
-                done = 0
-                for chunk in _chunks(ids):
-                    done += session.scalar(
-                        sa.select(sa.func.count()).where(
-                            Dispatch.dispatch_id.in_(chunk),
-                            Dispatch.state.in_(sorted(TERMINAL_STATES)),
-                            Dispatch.notified_at.is_not(None),
-                        )
-                    ) or 0
-        except DispatchError:
-            return len(ids)
-        return len(self.planned) - done
+        return pending(self.sessions, self._dispatch_ids(), planned=len(self.planned))
 
     def _all_jobs(self) -> list[dict[str, Any]]:
-        return [job for page in self.kube.iter_jobs(NAMESPACE, label_selector="") for job in page]
+        return [job for ns in NAMESPACES for page in self.kube.iter_jobs(ns, label_selector="") for job in page]
 
     def _jobs_left(self) -> int:
         try:
@@ -701,7 +799,6 @@ class _Run:
         return [(k.decode(), int(self.redis.pttl(k))) for k in keys]
 
     def _judge(self) -> None:
-        from engine.db import transaction
         from recovery.stats import Stats
 
         result = self.result
@@ -711,30 +808,91 @@ class _Run:
             for planned in self.planned:
                 dispatch_id = self.ids.get(planned.index, f"never-scheduled-{planned.index}")
                 wanted[dispatch_id] = expected(planned.kind, planned.input, mode=mode)
-        rows: dict[str, RowSnapshot] = {}
-        events: dict[str, list[TerminalEvent]] = {}
-        terminal_types = sorted(t.value for t in TERMINAL_EVENT_TYPES)
-        with transaction(self.sessions) as session:
-            for chunk in _chunks(list(wanted)):
-                for row in session.execute(
-                    sa.select(
-                        Dispatch.dispatch_id, Dispatch.state, Dispatch.output, Dispatch.reason, Dispatch.notified_at
-                    ).where(Dispatch.dispatch_id.in_(chunk))
-                ):
-                    rows[row.dispatch_id] = RowSnapshot(
-                        state=str(row.state.value), output=row.output, reason=row.reason, notified=row.notified_at is not None
-                    )
-                for event in session.execute(
-                    sa.select(CaseEvent.dispatch_id, CaseEvent.type, CaseEvent.payload)
-                    .where(CaseEvent.dispatch_id.in_(chunk), CaseEvent.type.in_(terminal_types))
-                    .order_by(CaseEvent.id)
-                ):
-                    events.setdefault(event.dispatch_id, []).append(TerminalEvent(event.type, event.payload))
-        result.verdict = judge(wanted, rows=rows, events=events, jobs=self._all_jobs(), claims=self._claims())
+        seen = self.observer.seen() if self.observer is not None else {}
+        result.jobs_seen = sum(len(jobs) for jobs in seen.values())
+        rows, events, namespaces = read_ends(self.sessions, list(wanted))
+        result.by_namespace = dict(sorted(Counter(str(ns) for ns in namespaces.values()).items()))
+        result.verdict = judge(wanted, rows=rows, events=events, jobs=self._all_jobs(), claims=self._claims(),
+                               namespaces=namespaces, jobs_seen=seen)  # fmt: skip
+        if self.neighbour is not None:
+            result.neighbour = self.neighbour.judge(jobs_seen=seen)
+            result.verdict = result.verdict.merged(result.neighbour)
         counted = Counter(result.stats)
         counted.update(Stats(self.redis, prefix=self.prefix).all())
         result.stats = dict(sorted(counted.items()))
-        result.api_faults = self.api_injected_before_restarts + self._api_injected()
+        with self.cluster_lock:
+            injected = self._cluster.injected()
+        result.api_faults = sum(injected.values())
+        result.api_faults_by_kind = dict(sorted(injected.items()))
+
+
+def read_ends(
+    sessions: Any, ids: list[str]
+) -> tuple[dict[str, RowSnapshot], dict[str, list[TerminalEvent]], dict[str, str | None]]:
+    """What the database says of `ids`: each row's end, each dispatch's terminal events in order,
+    and the namespace each recorded for its Job."""
+    from engine.db import transaction
+
+    rows: dict[str, RowSnapshot] = {}
+    events: dict[str, list[TerminalEvent]] = {}
+    namespaces: dict[str, str | None] = {}
+    terminal_types = sorted(t.value for t in TERMINAL_EVENT_TYPES)
+    with transaction(sessions) as session:
+        for chunk in _chunks(ids):
+            for row in session.execute(
+                sa.select(
+                    Dispatch.dispatch_id, Dispatch.state, Dispatch.output, Dispatch.reason, Dispatch.notified_at,
+                    Dispatch.job_namespace,
+                ).where(Dispatch.dispatch_id.in_(chunk))
+            ):  # fmt: skip
+                rows[row.dispatch_id] = RowSnapshot(
+                    state=str(row.state.value), output=row.output, reason=row.reason, notified=row.notified_at is not None
+                )
+                namespaces[row.dispatch_id] = row.job_namespace
+            for event in session.execute(
+                sa.select(CaseEvent.dispatch_id, CaseEvent.type, CaseEvent.payload)
+                .where(CaseEvent.dispatch_id.in_(chunk), CaseEvent.type.in_(terminal_types))
+                .order_by(CaseEvent.id)
+            ):
+                events.setdefault(event.dispatch_id, []).append(TerminalEvent(event.type, event.payload))
+    return rows, events, namespaces
+
+
+def pending(sessions: Any, ids: list[str], *, planned: int) -> int:
+    """Of `planned` dispatches (`ids` those scheduled so far), how many have not ended and been
+    notified yet (all of them when the database cannot say)."""
+    from engine.db import transaction
+    from engine.models import TERMINAL_STATES
+
+    try:
+        with transaction(sessions) as session:
+            done = 0
+            for chunk in _chunks(ids):
+                done += session.scalar(
+                    sa.select(sa.func.count()).where(
+                        Dispatch.dispatch_id.in_(chunk),
+                        Dispatch.state.in_(sorted(TERMINAL_STATES)),
+                        Dispatch.notified_at.is_not(None),
+                    )
+                ) or 0
+    except DispatchError:
+        return planned
+    return planned - done
+
+
+def _faketime_env(offset: str) -> dict[str, str]:
+    """What runs a process `offset` off the true clock: libfaketime's multithreaded variant
+    preloaded, the monotonic clocks left true (every timeout and sleep would misbehave otherwise).
+
+    Raises:
+        RuntimeError: faketime is not installed (tests/services.sh installs it).
+    """
+    import glob
+
+    found = sorted(glob.glob("/usr/lib/*/faketime/libfaketimeMT.so.1"))
+    if not found:
+        raise RuntimeError("libfaketime is not installed: run tests/services.sh (apt-get install faketime)")
+    return {"LD_PRELOAD": found[0], "FAKETIME": offset, "DONT_FAKE_MONOTONIC": "1"}
 
 
 # --- helpers at the edges ------------------------------------------------------------------------
@@ -775,11 +933,6 @@ def _delete_prefix(client: redis.Redis, prefix: str) -> int:
     return deleted
 
 
-def _token(kubeconfig: Path) -> str:
-    doc = yaml.safe_load(kubeconfig.read_text())
-    return doc["users"][0]["user"]["token"]
-
-
 # --- the report ----------------------------------------------------------------------------------
 
 
@@ -794,7 +947,8 @@ def render(result: ChaosResult, console: Any) -> None:
     for name, value in (
         ("seed", options.seed),
         ("dispatches", f"{options.dispatches} at {options.rate:g}/s (feed {result.feed_s:.1f}s)"),
-        ("processes", f"{options.workers} x celery -A tasks worker, celery -A tasks beat, localcluster serve --mode {options.mode}"),
+        ("processes", f"{options.workers} x celery -A tasks worker, celery -A tasks beat"),
+        ("cluster", _cluster_words(options)),
         ("deployment", ", ".join(f"{k.lower()}={v}" for k, v in DEPLOYMENT_SETTINGS.items())),
         ("database / prefix", f"{result.database} / {result.prefix}"),
         ("converged", f"{result.converged_s:.1f}s after the faults stopped" if result.converged_s is not None
@@ -815,7 +969,8 @@ def render(result: ChaosResult, console: Any) -> None:
             by_target = Counter(d.fault.target for d in done if d.ok)
             what = ", ".join(f"{t} x{n}" for t, n in sorted(by_target.items()))
         elif kind is FaultKind.API_FAULTS_ON:
-            what = f"{done[0].detail if done else ''}; {result.api_faults} error responses injected"
+            kinds = ", ".join(f"{k} x{n}" for k, n in result.api_faults_by_kind.items())
+            what = f"{done[0].detail if done else ''}; {result.api_faults} injected ({kinds})"
         else:
             what = "; ".join(d.detail for d in done)
         failed = [d for d in done if not d.ok]
@@ -841,6 +996,8 @@ def render(result: ChaosResult, console: Any) -> None:
         ("duplicates (more than one terminal event)", verdict.duplicates),
         ("wrong output or reason", verdict.wrong_output),
         ("leftover jobs or finalizers", verdict.leftover_jobs),
+        ("dispatches with a second Job", verdict.second_jobs),
+        ("dispatches with a Job outside their recorded namespace", verdict.wrong_namespace),
         ("guard claims held past their lease", verdict.held_claims),
         ("ended without the engine told", verdict.unnotified),
     ):
@@ -848,6 +1005,11 @@ def render(result: ChaosResult, console: Any) -> None:
     for name, value in sorted(result.stats.items()):
         checks.add_row(f"stat: {name}", str(value), "")
     checks.add_row("schedule task calls sent again by the engine", str(result.resends), "")
+    checks.add_row("Jobs the observer saw", str(result.jobs_seen), "")
+    if result.neighbour is not None:
+        n = result.neighbour
+        checks.add_row(f"second deployment: {n.dispatched} dispatches, {n.terminal} ended",
+                       "clean" if n.ok else "NOT clean", "[green]ok[/green]" if n.ok else "[red]FAIL[/red]")  # fmt: skip
     console.print(checks)
     for problem in verdict.problems:
         console.print(f"[red]{problem}[/red]")
@@ -855,3 +1017,10 @@ def render(result: ChaosResult, console: Any) -> None:
         console.print(f"[red]error: {result.error}[/red]")
     if not result.ok:
         console.print(f"logs and cluster state kept in {result.work_dir}")
+
+
+def _cluster_words(options: ChaosOptions) -> str:
+    if options.cluster == LOCALCLUSTER:
+        return f"localcluster serve --mode {options.mode}"
+    return (f"realcluster: etcd, kube-apiserver, kube-controller-manager, node agent --mode {options.mode}; "
+            "workers through faultproxy as deploy/rbac.yaml's ServiceAccount")  # fmt: skip

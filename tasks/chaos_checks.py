@@ -4,7 +4,8 @@ convergence, compared with what was dispatched.
 Every dispatch must have exactly one terminal event, the one its input calls for (the right
 output, or the expected failure reason), with its row agreeing and the engine notified; no
 Job and no finalizer of ours may be left in the cluster, and no guard claim may outlive its
-lease.
+lease. Every Job seen while the run went on must be its dispatch's one Job, in the namespace the
+dispatch recorded when it was scheduled (`jobs_seen`): a config change moves new work only.
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ class Verdict:
     held_claims: int = 0  # guard claims still there after convergence plus the lease
     claims_without_expiry: int = 0  # claims that would be held for ever
     unnotified: int = 0  # ended, but the engine was never told
+    second_jobs: int = 0  # dispatches with more than one Job (uid) seen
+    wrong_namespace: int = 0  # dispatches with a Job outside the namespace they recorded
     outcomes: Counter[str] = field(default_factory=Counter)  # "WORKER_COMPLETED", "WORKER_FAILED:Reason"
     problems: list[str] = field(default_factory=list)
 
@@ -56,7 +59,16 @@ class Verdict:
     def ok(self) -> bool:
         return not (
             self.lost or self.duplicates or self.wrong_output or self.leftover_jobs or self.held_claims or self.unnotified
+            or self.second_jobs or self.wrong_namespace
         )
+
+    def merged(self, other: Verdict) -> Verdict:
+        """Both runs' counts (two deployments judged apart, reported as one)."""
+        both = Verdict(outcomes=self.outcomes + other.outcomes, problems=self.problems + other.problems)
+        for name in ("dispatched", "terminal", "lost", "duplicates", "wrong_output", "leftover_jobs", "held_claims",
+                     "claims_without_expiry", "unnotified", "second_jobs", "wrong_namespace"):  # fmt: skip
+            setattr(both, name, getattr(self, name) + getattr(other, name))
+        return both
 
 
 def judge(
@@ -66,6 +78,8 @@ def judge(
     events: Mapping[str, Sequence[TerminalEvent]],
     jobs: Iterable[Mapping[str, Any]],
     claims: Iterable[tuple[str, int]],
+    namespaces: Mapping[str, str | None] | None = None,
+    jobs_seen: Mapping[str, set[tuple[str, str]]] | None = None,
 ) -> Verdict:
     """The verdict on one run.
 
@@ -73,6 +87,8 @@ def judge(
     asked for). `rows`: the dispatches' rows (missing: never written). `events`: each
     dispatch's terminal events. `jobs`: every Job left in the run's namespaces (API dicts).
     `claims`: (key, remaining lease in ms; -1 for no expiry) of the guard claims left.
+    `namespaces`: each dispatch's recorded namespace; `jobs_seen`: dispatch id -> the
+    (namespace, uid) of every Job of it seen during the run (a dispatch never seen is not judged).
     """
     verdict = Verdict(dispatched=len(expected))
     examples: dict[str, list[str]] = {}
@@ -104,6 +120,18 @@ def judge(
             verdict.unnotified += 1
             problem("unnotified", f"{dispatch_id}: {event.type}, the engine was not told")
 
+    for dispatch_id, seen in (jobs_seen or {}).items():
+        if dispatch_id not in expected:
+            continue  # another deployment's
+        if len({uid for _, uid in seen}) > 1:
+            verdict.second_jobs += 1
+            problem("second job", f"{dispatch_id}: {len(seen)} Jobs: {sorted(seen)}")
+        recorded = (namespaces or {}).get(dispatch_id)
+        elsewhere = sorted(ns for ns, _ in seen if ns != recorded)
+        if recorded is not None and elsewhere:
+            verdict.wrong_namespace += 1
+            problem("wrong namespace", f"{dispatch_id}: recorded {recorded}, a Job in {elsewhere}")
+
     for job in jobs:
         metadata = job.get("metadata") or {}
         ours = (metadata.get("labels") or {}).get(MANAGED_BY_LABEL) == MANAGED_BY
@@ -128,7 +156,7 @@ def mismatch(want: Expected, event: TerminalEvent, row: RowSnapshot | None) -> s
         return f"{event.type} {payload.get('reason') or ''} where {want.event.value} {want.reason or ''} was expected".strip()
     if want.event is EventType.WORKER_COMPLETED and payload.get("output") != want.output:
         return f"output {payload.get('output')!r}, expected {want.output!r}"
-    if want.event is EventType.WORKER_FAILED and payload.get("reason") != want.reason:
+    if want.event is EventType.WORKER_FAILED and payload.get("reason") not in {want.reason, *want.also}:
         return f"reason {payload.get('reason')!r}, expected {want.reason!r}"
     if row is None:
         return "a terminal event but no dispatch row"

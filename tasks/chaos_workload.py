@@ -1,8 +1,10 @@
 """The chaos run's work (pure): capabilities whose outcome is known from their input, and each
 dispatch's capability, input and the terminal event it must end with.
 
-Four kinds: quick and slow work that succeeds, work that fails (BackoffLimitExceeded) and
-work that hangs past its activeDeadlineSeconds (DeadlineExceeded). In simulate mode the
+Quick and slow work that succeeds, work that fails (BackoffLimitExceeded), work that hangs past
+its activeDeadlineSeconds (DeadlineExceeded), and poison: work that succeeds but writes a
+termination message the store cannot keep (`1e400`, a lone surrogate, NaN, invalid UTF-8, nesting
+deeper than the store keeps), each of which must end WORKER_FAILED ResultNotJson. In simulate mode the
 outcome comes from localcluster's pod annotations and a success's output is
 `{"simulated": true, "input": <input>}`; in exec mode real processes run
 `workers.demo_functions` through `workers.runner`.
@@ -10,6 +12,7 @@ outcome comes from localcluster's pod annotations and a success's output is
 
 from __future__ import annotations
 
+import base64
 import random
 from dataclasses import dataclass
 from enum import StrEnum
@@ -33,11 +36,33 @@ class Kind(StrEnum):
     SLOW = "slow"
     FAIL = "fail"
     TIMEOUT = "timeout"
+    POISON_INF = "poison-inf"
+    POISON_SURROGATE = "poison-surrogate"
+    POISON_NAN = "poison-nan"
+    POISON_UTF8 = "poison-utf8"
+    POISON_DEEP = "poison-deep"
 
 
+# What each poison kind's container writes as its termination message (issue 13's holes).
+POISON: dict[Kind, bytes] = {
+    Kind.POISON_INF: b"1e400",  # JSON for infinity
+    Kind.POISON_SURROGATE: b'"\\ud800"',  # a lone surrogate: JavaScript cutting a string mid-emoji
+    Kind.POISON_NAN: b'{"score": NaN}',
+    Kind.POISON_UTF8: b"\xff\xfe\x80 not utf-8",
+    Kind.POISON_DEEP: b"[" * 500 + b"]" * 500,  # deeper than the store keeps
+}
 # The share of each kind in a run (percent).
-MIX: tuple[tuple[Kind, int], ...] = ((Kind.QUICK, 50), (Kind.SLOW, 20), (Kind.FAIL, 15), (Kind.TIMEOUT, 15))
-FAILURE_REASON = {Kind.FAIL: "BackoffLimitExceeded", Kind.TIMEOUT: "DeadlineExceeded"}
+MIX: tuple[tuple[Kind, int], ...] = (
+    (Kind.QUICK, 45), (Kind.SLOW, 20), (Kind.FAIL, 12), (Kind.TIMEOUT, 13), *((kind, 2) for kind in POISON),
+)  # fmt: skip
+FAILURE_REASON = {Kind.FAIL: "BackoffLimitExceeded", Kind.TIMEOUT: "DeadlineExceeded"} | {
+    kind: "ResultNotJson" for kind in POISON
+}
+# exec mode: a poison container writes its bytes (base64 in its argument) where the kubelet reads them.
+WRITE_BYTES = (
+    "import base64, os, sys; open(os.environ.get('TERMINATION_MESSAGE_PATH', '/dev/termination-log'), 'wb')"
+    ".write(base64.b64decode(sys.argv[1]))"
+)
 
 
 def capability(kind: Kind) -> str:
@@ -51,6 +76,7 @@ class Expected:
     event: EventType
     output: Any = None  # WORKER_COMPLETED: the exact output
     reason: str | None = None  # WORKER_FAILED: the reason
+    also: frozenset[str] = frozenset()  # WORKER_FAILED: other reasons the Job controller may give
 
 
 @dataclass(frozen=True)
@@ -89,7 +115,15 @@ def capabilities_config(mode: str, *, python: str = "python") -> dict[str, Any]:
             "backoffLimit": 0,
         }
         for kind in Kind
+        if kind not in POISON
     }
+    for kind, written in POISON.items():
+        encoded = base64.b64encode(written).decode()
+        table[kind] = {"worker": f"chaos-{kind.value}", "image": IMAGE, "backoffLimit": 0}
+        if mode == "simulate":
+            table[kind]["annotations"] = {SIM + "duration-ms": "50", SIM + "result-base64": encoded}
+        else:
+            table[kind] |= {"command": [python, "-c", WRITE_BYTES], "args": [encoded]}
     if mode == "simulate":  # the same Jobs, their outcome played by localcluster
         table[Kind.QUICK]["annotations"] = {SIM + "duration-ms": "50"}
         table[Kind.SLOW]["annotations"] = {SIM + "duration-ms": str(SLOW_MS)}
@@ -124,6 +158,11 @@ def workload(seed: int, count: int, *, tag: str, task_every: int = 4) -> list[Pl
 
 def expected(kind: Kind, data: Any, *, mode: str) -> Expected:
     """The terminal event a dispatch of `kind` with input `data` must end with in `mode`."""
+    if kind is Kind.TIMEOUT:
+        # The real Job controller checks the backoff limit before the deadline: when it has
+        # deleted the Pod at the deadline but could not yet write DeadlineExceeded (the API
+        # server restarting), the killed Pod counts as a failure, and backoffLimit 0 is passed.
+        return Expected(EventType.WORKER_FAILED, reason=FAILURE_REASON[kind], also=frozenset({"BackoffLimitExceeded"}))
     if kind in FAILURE_REASON:
         return Expected(EventType.WORKER_FAILED, reason=FAILURE_REASON[kind])
     if mode == "simulate":

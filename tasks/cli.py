@@ -202,7 +202,12 @@ def demo(count: int, broker: str, timeout_s: float, keep: bool) -> int:
 @click.option("--workers", default=3, show_default=True, type=click.IntRange(min=1), help="Worker processes.")
 @click.option("--seed", default=None, type=int, help="Seed of the fault schedule and the work mix (default: random).")
 @click.option("--mode", type=click.Choice(["simulate", "exec"]), default="simulate", show_default=True,
-              help="localcluster runs the Jobs' pods as processes (exec) or simulates them.")
+              help="The cluster runs the Jobs' pods as processes (exec) or simulates them.")
+@click.option("--cluster", type=click.Choice(["localcluster", "realcluster"]), default="localcluster", show_default=True,
+              help="localcluster serve, or the real control plane (kube-apiserver, etcd, the Job controller) behind "
+                   "a fault proxy.")
+@click.option("--no-ready-gate", "no_ready_gate", is_flag=True,
+              help="realcluster: let the workers reach a kube-apiserver that is not ready yet (no load balancer).")
 @click.option("--rate", default=10.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
               help="Dispatches per second from the feeder.")
 @click.option("--kills", default=20, show_default=True, type=click.IntRange(min=0), help="SIGKILLs of a worker or beat.")
@@ -214,11 +219,13 @@ def demo(count: int, broker: str, timeout_s: float, keep: bool) -> int:
 @click.option("--work-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Keep logs and cluster state here (default: a temp dir, kept only if the run fails).")
 @click.option("--show-plan", is_flag=True, help="Print the seed's fault schedule and exit; run nothing.")
-def chaos(dispatches: int, workers: int, seed: int | None, mode: str, rate: float, kills: int, deadline: float,
-          json_out: Path | None, database_url: str | None, work_dir: Path | None, show_plan: bool) -> int:  # fmt: skip
+def chaos(dispatches: int, workers: int, seed: int | None, mode: str, cluster: str, no_ready_gate: bool,
+          rate: float, kills: int, deadline: float, json_out: Path | None, database_url: str | None,
+          work_dir: Path | None, show_plan: bool) -> int:  # fmt: skip
     """Run the system under abuse (kills, a broker flush, API faults and restart, a DB connection
-    kill) against real PostgreSQL, Redis and localcluster; check nothing is lost, doubled, wrong or
-    left over. Ends with one `chaos: ...` line; exits 1 if any check fails."""
+    kill) against real PostgreSQL, Redis and a cluster (localcluster or the real control plane);
+    check nothing is lost, doubled, wrong or left over. Ends with one `chaos: ...` line; exits 1 if
+    any check fails."""
     import json
     import random
 
@@ -228,7 +235,8 @@ def chaos(dispatches: int, workers: int, seed: int | None, mode: str, rate: floa
 
     options = ChaosOptions(
         dispatches=dispatches, workers=workers, seed=seed if seed is not None else random.SystemRandom().randrange(10**6),
-        mode=mode, rate=rate, kills=kills, deadline_s=deadline, database_url=database_url, work_dir=work_dir,
+        mode=mode, cluster=cluster, api_ready_gate=not no_ready_gate, rate=rate, kills=kills, deadline_s=deadline,
+        database_url=database_url, work_dir=work_dir,
     )  # fmt: skip
     if show_plan:
         click.echo(f"seed {options.seed}: faults over {options.window_s:g}s\n{fault_plan(options).describe()}")

@@ -19,6 +19,8 @@ BEAT = "beat"
 KILL_FROM = 0.02
 ONE_OFF_FROM, ONE_OFF_TO = 0.2, 0.8
 API_FAULTS_ON_BY = 0.1
+# The namespace change in the first half: dispatches are still being scheduled after it.
+MOVE_FROM, MOVE_TO = 0.3, 0.5
 
 
 class FaultKind(StrEnum):
@@ -28,6 +30,8 @@ class FaultKind(StrEnum):
     API_FAULTS_OFF = "api_faults_off"
     API_RESTART = "api_restart"  # stop the API server and start it again on the same --state
     DB_KILL = "db_kill"  # pg_terminate_backend on the workers' connections
+    POD_DELETE = "pod_delete"  # delete the Pods of every finished Job not yet delivered
+    NAMESPACE_CHANGE = "namespace_change"  # every worker and beat restarted on a capability file naming another namespace
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,8 @@ def make_plan(
     broker_flushes: int = 1,
     api_restarts: int = 1,
     db_kills: int = 1,
+    pod_deletes: int = 3,
+    namespace_changes: int = 1,
     api_fault_rate: float = 0.05,
     api_latency_ms: int = 20,
 ) -> FaultPlan:
@@ -79,7 +85,8 @@ def make_plan(
 
     Kills are spread over the whole window; when there are at least as many kills as targets,
     every target (each worker, beat) is killed at least once and the rest are drawn at random.
-    Broker flushes, API restarts and DB kills fall in the middle of the window. API faults (at
+    Broker flushes, API restarts, DB kills, Pod deletions and namespace changes fall in the middle
+    of the window. API faults (at
     `api_fault_rate`, with `api_latency_ms` added to every request) switch on within the first
     tenth of the window, and off at its end. A rate of 0 plans no API fault window.
 
@@ -88,7 +95,7 @@ def make_plan(
     """
     if window_s <= 0:
         raise ValueError(f"window_s must be > 0, got {window_s}")
-    if min(kills, broker_flushes, api_restarts, db_kills, api_latency_ms) < 0:
+    if min(kills, broker_flushes, api_restarts, db_kills, pod_deletes, namespace_changes, api_latency_ms) < 0:
         raise ValueError("fault counts and latency must be >= 0")
     if kills and not targets:
         raise ValueError("kills need at least one target")
@@ -107,8 +114,10 @@ def make_plan(
         (FaultKind.BROKER_FLUSH, broker_flushes),
         (FaultKind.API_RESTART, api_restarts),
         (FaultKind.DB_KILL, db_kills),
+        (FaultKind.POD_DELETE, pod_deletes),
     ):
         faults += [Fault(at(ONE_OFF_FROM, ONE_OFF_TO), kind) for _ in range(count)]
+    faults += [Fault(at(MOVE_FROM, MOVE_TO), FaultKind.NAMESPACE_CHANGE) for _ in range(namespace_changes)]
     if api_fault_rate > 0:
         faults.append(Fault(at(0.0, API_FAULTS_ON_BY), FaultKind.API_FAULTS_ON))
         faults.append(Fault(round(window_s, 3), FaultKind.API_FAULTS_OFF))

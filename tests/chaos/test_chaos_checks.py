@@ -142,7 +142,8 @@ def test_the_capability_file_is_valid_and_names_every_kind(mode):
         (Kind.QUICK, "exec", Expected(EventType.WORKER_COMPLETED, output={"n": 1, "seconds": 1.5})),
         (Kind.SLOW, "exec", Expected(EventType.WORKER_COMPLETED, output={"slept": 1.5})),
         (Kind.FAIL, "simulate", Expected(EventType.WORKER_FAILED, reason="BackoffLimitExceeded")),
-        (Kind.TIMEOUT, "exec", Expected(EventType.WORKER_FAILED, reason="DeadlineExceeded")),
+        (Kind.TIMEOUT, "exec", Expected(EventType.WORKER_FAILED, reason="DeadlineExceeded",
+                                        also=frozenset({"BackoffLimitExceeded"}))),
     ],
 )
 def test_the_expected_end_follows_from_kind_input_and_mode(kind, mode, want):
@@ -153,3 +154,43 @@ def test_kind_of_reads_back_only_our_capabilities():
     assert kind_of("chaos.slow") is Kind.SLOW
     assert kind_of("chaos.nope") is None
     assert kind_of("demo.primes") is None
+
+
+@pytest.mark.parametrize(
+    "seen, namespaces, counts",
+    [
+        ({"a": {("chaos", "u1")}}, {"a": "chaos"}, (0, 0)),
+        ({"a": {("chaos", "u1"), ("chaos", "u2")}}, {"a": "chaos"}, (1, 0)),  # re-created: a second Job
+        ({"a": {("chaos", "u1"), ("moved", "u2")}}, {"a": "chaos"}, (1, 1)),  # the namespace-change hole
+        ({"a": {("moved", "u1")}}, {"a": "chaos"}, (0, 1)),
+        ({"zz": {("chaos", "u1"), ("chaos", "u2")}}, {}, (0, 0)),  # another deployment's: not judged
+        ({}, {"a": "chaos"}, (0, 0)),  # never seen (made and gone between two looks): not judged
+    ],
+)
+def test_each_dispatch_has_one_job_in_the_namespace_it_recorded(seen, namespaces, counts):
+    result = judge({"a": DONE}, rows={"a": GOOD_ROW}, events={"a": [GOOD_EVENT]}, jobs=(), claims=(),
+                   namespaces=namespaces, jobs_seen=seen)  # fmt: skip
+    assert (result.second_jobs, result.wrong_namespace) == counts
+    assert result.ok == (counts == (0, 0))
+
+
+def test_two_verdicts_merge_into_one_count():
+    one = verdict(events={"a": [GOOD_EVENT, GOOD_EVENT], "b": [FAIL_EVENT]})
+    other = verdict(events={"a": [GOOD_EVENT], "b": []})
+    both = one.merged(other)
+    assert (both.dispatched, both.terminal, both.duplicates, both.lost) == (4, 3, 1, 1)
+    assert both.outcomes == one.outcomes + other.outcomes and not both.ok
+
+
+@pytest.mark.parametrize("kind", [k for k in Kind if k.value.startswith("poison")])
+def test_poison_work_must_end_result_not_json(kind):
+    assert expected(kind, {"n": 1}, mode="simulate") == Expected(EventType.WORKER_FAILED, reason="ResultNotJson")
+    assert expected(kind, {"n": 1}, mode="exec") == Expected(EventType.WORKER_FAILED, reason="ResultNotJson")
+
+
+@pytest.mark.parametrize(("reason", "right"), [("DeadlineExceeded", True), ("BackoffLimitExceeded", True),
+                                               ("JobLost", False), ("ResultNotJson", False)])  # fmt: skip
+def test_a_hung_job_may_end_past_its_deadline_or_past_its_backoff_limit_and_nothing_else(reason, right):
+    want = expected(Kind.TIMEOUT, {"n": 1}, mode="simulate")
+    why = mismatch(want, failed(reason), RowSnapshot("FAILED", reason=reason))
+    assert (why is None) == right, why

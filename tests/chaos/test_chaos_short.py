@@ -1,7 +1,9 @@
 """The chaos run, short (CI): `k8s-dispatch chaos` as a user runs it, a few hundred dispatches under
 SIGKILLs of workers and beat, one broker flush, 5% API errors, an API server restart and a
-database connection kill. Nothing may be lost, doubled, wrong or left over; and the run must
-leave no process, database or Redis key behind, also when it is interrupted.
+database connection kill, on each cluster: localcluster, and the real control plane (kube-apiserver
+restarted on the same etcd; the API errors, resets and lost responses from the fault proxy in front
+of it). Nothing may be lost, doubled, wrong or left over; and the run must leave no process,
+database or Redis key behind, also when it is interrupted.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ CLI = [sys.executable, "-c", "import sys; from tasks.cli import main; sys.exit(m
 FINAL_LINE = re.compile(
     r"^chaos: dispatched=(?P<dispatched>\d+) terminal=(?P<terminal>\d+) lost=(?P<lost>\d+) "
     r"duplicates=(?P<duplicates>\d+) wrong_output=(?P<wrong_output>\d+) leftover_jobs=(?P<leftover_jobs>\d+) "
+    r"second_jobs=(?P<second_jobs>\d+) "
     r"kills=(?P<kills>\d+) broker_flushes=(?P<broker_flushes>\d+) api_faults=(?P<api_faults>\d+) "
     r"converged_s=(?P<converged_s>[\d.]+) seed=(?P<seed>\d+)$"
 )
@@ -69,13 +72,17 @@ def processes_mentioning(text: str, *, besides: int | None = None) -> list[str]:
     return found
 
 
+CLUSTERS = ["localcluster", "realcluster"]
+
+
 @pytest.mark.timeout(900)
-def test_a_short_chaos_run_loses_nothing_doubles_nothing_and_leaves_nothing(redis_url, tmp_path):
+@pytest.mark.parametrize("cluster", CLUSTERS)
+def test_a_short_chaos_run_loses_nothing_doubles_nothing_and_leaves_nothing(redis_url, tmp_path, cluster):
     work_dir = tmp_path / "run"
     json_out = tmp_path / "chaos.json"
     args = [
-        "chaos", "--dispatches", "300", "--workers", "3", "--rate", "15", "--kills", "8", "--seed", "11",
-        "--deadline", "240", "--json-out", str(json_out), "--work-dir", str(work_dir),
+        "chaos", "--cluster", cluster, "--dispatches", "300", "--workers", "3", "--rate", "15", "--kills", "8",
+        "--seed", "11", "--deadline", "240", "--json-out", str(json_out), "--work-dir", str(work_dir),
     ]  # fmt: skip
     started = time.monotonic()
     done = subprocess.run(CLI + args, cwd=REPO, env=chaos_env(redis_url), capture_output=True, text=True, timeout=850)
@@ -87,33 +94,45 @@ def test_a_short_chaos_run_loses_nothing_doubles_nothing_and_leaves_nothing(redi
     match = FINAL_LINE.match(lines[-1])
     assert match, f"the last line is not the chaos line:\n{output}"
     numbers = {k: float(v) if k == "converged_s" else int(v) for k, v in match.groupdict().items()}
-    assert numbers["dispatched"] == 300 and numbers["terminal"] == 300, output
+    assert numbers["dispatched"] == 330 and numbers["terminal"] == 330, output  # 300, and 30 of the second deployment
     assert (numbers["lost"], numbers["duplicates"], numbers["wrong_output"], numbers["leftover_jobs"]) == (0, 0, 0, 0), output
+    assert numbers["second_jobs"] == 0, output
     assert numbers["kills"] == 8 and numbers["broker_flushes"] == 1 and numbers["seed"] == 11, output
     assert numbers["api_faults"] > 0, "the API server injected no error at all"
     assert done.returncode == 0, output
 
     result = json.loads(json_out.read_text())
     assert {k: result[k] for k in numbers} == numbers
+    assert result["cluster"] == cluster
+    assert sum(result["api_faults_by_kind"].values()) == numbers["api_faults"]
     assert result["ok"] and result["held_claims"] == 0 and result["api_restarts"] == 1 and result["db_kills"] == 1
     assert result["db_connections_killed"] > 0, "the database kill found no worker connection"
     assert result["unexpected_exits"] == [], result["unexpected_exits"]
-    assert sum(result["outcomes"].values()) == 300
+    assert sum(result["outcomes"].values()) == 330
     assert set(result["outcomes"]) == {
         "WORKER_COMPLETED", "WORKER_FAILED:BackoffLimitExceeded", "WORKER_FAILED:DeadlineExceeded",
+        "WORKER_FAILED:ResultNotJson",  # the poison results: intended
     }  # fmt: skip
+    assert result["wrong_namespace"] == 0 and result["neighbour"]["ok"], result["neighbour"]
+    assert result["jobs_seen"] >= 300, "the observer saw too few Jobs to judge"
+    assert set(result["by_namespace"]) == {"chaos", "chaos-moved"}, result["by_namespace"]  # before and after
+    done_faults = {f["kind"] for f in result["faults"] if f["ok"]}
+    assert {"pod_delete", "namespace_change"} <= done_faults, result["faults"]
+    assert any(f["kind"] == "pod_delete" and not f["detail"].startswith("deleted 0 ") for f in result["faults"])
 
     # Nothing of the run is left: processes, database, keys.
     assert not database_exists(result["database"])
     assert keys_under(redis_url, result["prefix"]) == []
     assert processes_mentioning(str(work_dir)) == []
-    print(f"\nshort chaos run: {lines[-1]} in {elapsed:.0f}s")
+    print(f"\nshort chaos run on {cluster}: {lines[-1]} in {elapsed:.0f}s")
 
 
 @pytest.mark.timeout(300)
-def test_an_interrupted_run_still_removes_its_processes_database_and_keys(redis_url, tmp_path):
+@pytest.mark.parametrize("cluster", CLUSTERS)
+def test_an_interrupted_run_still_removes_its_processes_database_and_keys(redis_url, tmp_path, cluster):
     work_dir = tmp_path / "run"
-    args = ["chaos", "--dispatches", "2000", "--rate", "5", "--kills", "4", "--seed", "5", "--work-dir", str(work_dir)]
+    args = ["chaos", "--cluster", cluster, "--dispatches", "2000", "--rate", "5", "--kills", "4", "--seed", "5",
+            "--work-dir", str(work_dir)]  # fmt: skip
     stderr_path = tmp_path / "stderr.txt"
     with stderr_path.open("w") as stderr:
         proc = subprocess.Popen(CLI + args, cwd=REPO, env=chaos_env(redis_url), stdout=subprocess.DEVNULL, stderr=stderr)

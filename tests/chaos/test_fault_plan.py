@@ -30,9 +30,15 @@ def test_the_same_seed_gives_the_same_plan_and_another_seed_another():
                 FaultKind.BROKER_FLUSH: 1,
                 FaultKind.API_RESTART: 1,
                 FaultKind.DB_KILL: 1,
+                FaultKind.POD_DELETE: 3,
+                FaultKind.NAMESPACE_CHANGE: 1,
                 FaultKind.API_FAULTS_ON: 1,
                 FaultKind.API_FAULTS_OFF: 1,
             },
+        ),
+        (
+            {"pod_deletes": 0, "namespace_changes": 2},
+            {FaultKind.POD_DELETE: 0, FaultKind.NAMESPACE_CHANGE: 2},
         ),
         (
             {"kills": 3, "broker_flushes": 2, "api_restarts": 0, "db_kills": 0, "api_fault_rate": 0.0},
@@ -64,8 +70,11 @@ def test_faults_are_sorted_and_inside_their_part_of_the_window(seed):
     assert offsets == sorted(offsets)
     for fault in result.faults:
         assert 0.0 <= fault.at_s <= 60.0
-        if fault.kind in (FaultKind.BROKER_FLUSH, FaultKind.API_RESTART, FaultKind.DB_KILL):
+        if fault.kind in (FaultKind.BROKER_FLUSH, FaultKind.API_RESTART, FaultKind.DB_KILL, FaultKind.POD_DELETE,
+                          FaultKind.NAMESPACE_CHANGE):  # fmt: skip
             assert 12.0 <= fault.at_s <= 48.0, fault  # the middle: while work is in flight
+        if fault.kind is FaultKind.NAMESPACE_CHANGE:
+            assert 18.0 <= fault.at_s <= 30.0, fault  # the first half: work is scheduled after it too
         if fault.kind is FaultKind.API_FAULTS_ON:
             assert fault.at_s <= 6.0
         if fault.kind is FaultKind.API_FAULTS_OFF:
@@ -103,6 +112,8 @@ def test_describe_lists_one_line_per_fault():
     [
         {"window_s": 0.0},
         {"kills": -1},
+        {"pod_deletes": -1},
+        {"namespace_changes": -1},
         {"kills": 1, "targets": []},
         {"api_fault_rate": 1.5},
         {"api_latency_ms": -5},
