@@ -46,6 +46,14 @@ class QuotaExceeded(Transient):
     reason = "QuotaExceeded"
 
 
+class AuthorizationNotReady(Transient):
+    """A 403 whose reason is that the authorizer has not read its RBAC objects yet ("RBAC:
+    clusterrole ... not found": a kube-apiserver in its first second, kubernetes#121635, or a
+    binding to a Role being created): retried, so work that never ran is not failed for it."""
+
+    reason = "AuthorizationNotReady"
+
+
 class DatabaseUnavailable(Transient):
     """The database could not be reached or dropped the connection."""
 

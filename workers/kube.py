@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -30,6 +31,7 @@ from kubernetes.client.exceptions import ApiException
 
 from engine.errors import (
     AlreadyExists,
+    AuthorizationNotReady,
     ApiRejected,
     ApiUnavailable,
     ConfigError,
@@ -496,6 +498,8 @@ def _mapped(e: ApiException, what: str) -> DispatchError:
         return ApiUnavailable(message, reason="Expired")
     if status == 403 and any(words in (api_message or "") for words in _QUOTA_WAITS):
         return QuotaExceeded(message)
+    if status == 403 and _RBAC_NOT_READ.search(api_message or ""):
+        return AuthorizationNotReady(message)
     # 400 BadRequest, 401 Unauthorized, 403 Forbidden, 422 Invalid and the rest of 4xx.
     return ApiRejected(message, reason=api_reason or _REASON_BY_STATUS.get(status, "ApiRejected"))
 
@@ -505,6 +509,10 @@ _REASON_BY_STATUS = {400: "BadRequest", 401: "Unauthorized", 403: "Forbidden", 4
 # limited: ...", and "status unknown for quota" (the quota controller has not counted yet).
 # Its other 403s ("failed quota: NAME: must specify limits.cpu") need a changed spec: permanent.
 _QUOTA_WAITS = ("exceeded quota", "status unknown for quota")
+# The RBAC authorizer's own note of an object it could not find ("... RBAC: clusterrole.rbac.
+# authorization.k8s.io "system:basic-user" not found"): its cache is not filled yet, or a
+# binding names a Role still to come. A plain "cannot create resource" 403 stays permanent.
+_RBAC_NOT_READ = re.compile(r"RBAC: (cluster)?role(binding)?\.rbac\.authorization\.k8s\.io \"[^\"]*\" not found")
 
 
 def _status_of(e: ApiException) -> tuple[str | None, str | None]:

@@ -17,6 +17,7 @@ import yaml
 
 from engine.errors import (
     AlreadyExists,
+    AuthorizationNotReady,
     ApiRejected,
     ApiUnavailable,
     ConfigError,
@@ -148,6 +149,10 @@ def test_a_create_past_the_namespaces_quota_is_passing_not_a_refusal(cluster, ku
         (403, 'jobs.batch "kd-1" is forbidden: failed quota: q: must specify limits.cpu', ApiRejected, "Forbidden"),
         (403, 'jobs.batch is forbidden: User "system:serviceaccount:x:y" cannot create resource "jobs"', ApiRejected,
          "Forbidden"),
+        # kube-apiserver before its RBAC cache is filled (seen in the chaos run on the real one)
+        (403, 'jobs.batch is forbidden: User "system:serviceaccount:x:y" cannot create resource "jobs" in API group '
+              '"batch" in the namespace "x": RBAC: clusterrole.rbac.authorization.k8s.io "system:basic-user" not found',
+         AuthorizationNotReady, "AuthorizationNotReady"),
     ],
 )
 def test_which_403_is_passing(status, message, error, reason):
