@@ -134,14 +134,23 @@ def test_ttl_deletes_a_finished_job_and_its_pods(sim: Api) -> None:
 
 
 def test_ttl_respects_finalizers(sim: Api) -> None:
+    # The finalizer on the Job and, through its template, on its Pod: kube-apiserver's TTL
+    # controller deletes in the foreground, so the Pods go first, and only a finalizer of their
+    # own keeps the one holding the result.
+    finalizer = "k8s-dispatch.io/result-protection"
     manifest = job_manifest("ttlf", annotations={SIM + "duration-ms": "5"}, ttlSecondsAfterFinished=0)
-    manifest["metadata"]["finalizers"] = ["k8s-dispatch.io/result-protection"]
+    manifest["metadata"]["finalizers"] = [finalizer]
+    manifest["spec"]["template"]["metadata"]["finalizers"] = [finalizer]
     sim.create_job(manifest)
-    job = wait_for(lambda: (lambda j: j if j.metadata.deletion_timestamp else None)(sim.job("ttlf")), what="ttl marks deletion")
+    job = wait_for(lambda: (lambda j: j if j.metadata.deletion_timestamp else None)(sim.job("ttlf")),
+                   timeout=30, what="ttl marks deletion")
     assert "Complete" in condition_types(job)  # the result is still readable
-    assert _terminated(sim.pods_of("ttlf")[0]).exit_code == 0
-    sim.batch.patch_namespaced_job("ttlf", sim.namespace, {"metadata": {"$deleteFromPrimitiveList/finalizers": ["k8s-dispatch.io/result-protection"]}})
-    wait_for(lambda: sim.gone(lambda: sim.job("ttlf")), what="job gone once the finalizer is removed")
+    [pod] = sim.pods_of("ttlf")
+    assert _terminated(pod).exit_code == 0 and finalizer in pod.metadata.finalizers
+    sim.core.patch_namespaced_pod(pod.metadata.name, sim.namespace, {"metadata": {"$deleteFromPrimitiveList/finalizers": [finalizer]}})
+    sim.batch.patch_namespaced_job("ttlf", sim.namespace, {"metadata": {"$deleteFromPrimitiveList/finalizers": [finalizer]}})
+    wait_for(lambda: sim.gone(lambda: sim.job("ttlf")), timeout=30, what="job gone once the finalizers are removed")
+    wait_for(lambda: not sim.pods_of("ttlf"), timeout=30, what="its pod gone too")
 
 
 def test_job_names_longer_than_63_characters_are_invalid(sim: Api) -> None:
