@@ -3,12 +3,13 @@
 Settings come from `celeryconfig` (read lazily, on first use of `app.conf`). The worker-init
 hook builds the Runtime before the worker consumes anything, so a broken capability file
 stops the process at start with the file, capability and field in the message, and start-up
-recovery finds the resolver ready.
+recovery finds the resolver ready. The beat-init hook makes SIGTERM stop beat between ticks.
 """
 
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 import threading
 from typing import TYPE_CHECKING, Any
@@ -88,6 +89,35 @@ def _serve_metrics(**_: Any) -> None:
             metrics.serve(port)
         except OSError as e:
             log.error("metrics endpoint not started on port %d: %s", port, e)
+
+
+@signals.beat_init.connect
+def _stop_beat_between_ticks(sender: Any = None, **_: Any) -> None:
+    """SIGTERM/SIGINT stop beat between two ticks, never in the middle of a publish.
+
+    Celery's own handler closes the broker connection and raises SystemExit wherever the main
+    thread is. Inside redis-py's socket read, the read's `finally` then fails on the closed
+    socket, and that error replaces the SystemExit. A ValueError is logged as "Message Error"
+    and beat goes on; a ConnectionError is retried without a word. Either way the SIGTERM is
+    lost and beat runs until it is SIGKILLed. This handler raises SystemExit only when the
+    signal lands in the scheduler loop itself (asleep between ticks). Anywhere else it just
+    sets the loop's flag, so the current send completes and the loop ends after at most one
+    interval. Either way `Service.start`'s `finally` closes the connection.
+    """
+    service = sender
+    if service is None or threading.current_thread() is not threading.main_thread():
+        return  # an embedded beat thread: signals are the worker's
+    loop = type(service).start.__code__
+
+    def stop(_signum: int, frame: Any) -> None:
+        if service._is_shutdown.is_set():
+            return  # already stopping: let the loop's finally finish its clean-up
+        service._is_shutdown.set()  # what Service.stop() does, without logging from a handler
+        if frame is not None and frame.f_code is loop:
+            raise SystemExit()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, stop)
 
 
 @signals.task_revoked.connect
