@@ -25,7 +25,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from localcluster import tls
+from localcluster import logstream, tls
 from localcluster.apiclient import JSON_PATCH, MERGE_PATCH, ApiClient, ApiStatusError
 from localcluster.execrunner import ExecRunner
 from localcluster.kubelet import Key, Kubelet
@@ -504,22 +504,11 @@ class NodeAgent:
         data = log_slice(runner.logs(uid), tail_lines=tail, limit_bytes=limit)
         if request.query.get("follow", "").lower() not in ("true", "1"):
             return web.Response(body=data, content_type="text/plain")
-        response = web.StreamResponse(status=200, headers={"Content-Type": "text/plain"})
-        await response.prepare(request)
-        await response.write(data)
-        sent = len(runner.logs(uid)) if data else 0
-        while True:
+        def done() -> bool:
             current = self.host.find(ns, name)
-            done = current is None or _uid(current) != uid or is_terminal_pod(current)
-            full = runner.logs(uid)
-            if len(full) > sent:
-                await response.write(full[sent:])
-                sent = len(full)
-            if done:
-                break
-            await asyncio.sleep(0.1)
-        await response.write_eof()
-        return response
+            return current is None or _uid(current) != uid or is_terminal_pod(current)
+
+        return await logstream.follow(request, data, read=lambda: runner.logs(uid), done=done)
 
     # --- shutdown --------------------------------------------------------------------
 

@@ -17,7 +17,7 @@ import yaml
 from aiohttp import web
 from multidict import CIMultiDict
 
-from localcluster import apierrors, audit, discovery, openapi, paths, tables
+from localcluster import apierrors, audit, discovery, logstream, openapi, paths, tables
 from localcluster.apierrors import ApiError
 from localcluster.core import ClusterCore
 from localcluster.paging import Page
@@ -517,23 +517,13 @@ async def _pod_log(request: web.Request, core: ClusterCore, target: paths.Target
     data = _log_slice(core.kubelet.logs(entry), request.query)
     if not _truthy(request.query.get("follow")):
         return _response(data, content_type="text/plain")
-    response = web.StreamResponse(status=200, headers={"Content-Type": "text/plain"})
-    await response.prepare(request)
-    await response.write(data)
-    sent = len(core.kubelet.logs(entry)) if data else 0
     uid = entry.uid
-    while True:
+
+    def done() -> bool:
         current = core.store.get(PODS, ns, name)
-        done = current is None or current.uid != uid or is_terminal_pod(current.obj)
-        full = core.kubelet.logs(entry)
-        if len(full) > sent:
-            await response.write(full[sent:])
-            sent = len(full)
-        if done:
-            break
-        await asyncio.sleep(0.1)
-    await response.write_eof()
-    return response
+        return current is None or current.uid != uid or is_terminal_pod(current.obj)
+
+    return await logstream.follow(request, data, read=lambda: core.kubelet.logs(entry), done=done)
 
 
 async def _node_log(request: web.Request, core: ClusterCore, target: paths.Target) -> web.StreamResponse:

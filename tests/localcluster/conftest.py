@@ -8,17 +8,14 @@ for what only it has (fault injection, its request audit, its state file)."""
 
 from __future__ import annotations
 
-import http.client
 import itertools
-import json
 import time
-import urllib.parse
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import pytest
-from kubernetes import client, config
+from kubernetes import client
 
 from clusters import ClusterHandle, local_handle
 from localcluster import LocalCluster
@@ -62,22 +59,8 @@ def raw_request(cluster: LocalCluster | ClusterHandle, method: str, path: str, b
                 headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
     """One request as sent (for what the typed client cannot send): to a handle's URL (https for the
     real control plane), or to a LocalCluster's plain-http listener."""
-    if isinstance(cluster, ClusterHandle):
-        return cluster.raw(method, path, body, content_type=content_type, token=token, headers=headers)
-    url = urllib.parse.urlsplit(cluster.url)
-    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=10)
-    try:
-        hdrs = {"Content-Type": content_type, **(headers or {})}
-        if token is None:
-            token = cluster.token
-        if token:
-            hdrs["Authorization"] = f"Bearer {token}"
-        data = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
-        conn.request(method, path, body=data, headers=hdrs)
-        resp = conn.getresponse()
-        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
-    finally:
-        conn.close()
+    handle = cluster if isinstance(cluster, ClusterHandle) else local_handle(cluster)
+    return handle.raw(method, path, body, content_type=content_type, token=token, headers=headers)
 
 
 def condition_types(job: Any) -> list[str]:

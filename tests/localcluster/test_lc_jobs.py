@@ -253,3 +253,17 @@ def test_exec_bounds_the_processes_running_at_once() -> None:
             assert most == 1 and waiting_seen
         finally:
             api_client.close()
+
+
+def test_following_a_running_pods_log_streams_until_it_ends(sim: Api) -> None:
+    # on the real control plane kube-apiserver proxies this to the node agent's endpoint
+    sim.create_job(job_manifest("follow", annotations={SIM + "duration-ms": "1500", SIM + "result": '{"ok": 1}'}))
+    pod = wait_for(lambda: next((p for p in sim.pods_of("follow") if p.status.phase == "Running"), None),
+                   timeout=30, what="the pod running")
+    started = time.monotonic()
+    code, _, body = raw_request(sim.cluster, "GET",
+                                f"/api/v1/namespaces/{sim.namespace}/pods/{pod.metadata.name}/log?follow=true")
+    assert code == 200
+    assert time.monotonic() - started < 20  # the stream ends with the container, it does not hang
+    assert sim.job("follow").status.succeeded == 1 or sim.wait_job("follow", "Complete", timeout=30)
+    assert json.loads(body) == json.loads(sim.core.read_namespaced_pod_log(pod.metadata.name, sim.namespace))

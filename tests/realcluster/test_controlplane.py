@@ -10,12 +10,12 @@ import subprocess
 import time
 from pathlib import Path
 
-import pytest
 import yaml
 from kubernetes import client
 
 from clusters import ClusterHandle
 from realcluster import binaries
+from tasks.processes import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 SIM = "localcluster.k8s-dispatch.io/"
@@ -27,14 +27,7 @@ def _kubectl(*args: str, kubeconfig: Path) -> subprocess.CompletedProcess[str]:
 
 
 def _wait(fn, *, timeout: float = 60.0, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = fn()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.1)
+    return wait_until(fn, timeout=timeout, interval=0.1, what=what)
 
 
 def test_the_build_is_keyed_and_idempotent(real_cluster: ClusterHandle) -> None:
