@@ -32,7 +32,7 @@ test: $(STAMP) tools
 	bash tests/services.sh
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-# Quick (under 2 minutes); FULL=1 for the issues' sizes. Writes bench/results.json.
+# Quick (about 2-3 minutes, both clusters); FULL=1 for the issues' sizes. Writes bench/results.json.
 bench: $(STAMP)
 	bash tests/services.sh
 	$(BIN)/python -m bench $(if $(FULL),--full) $(BENCH_ARGS)
