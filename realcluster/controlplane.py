@@ -128,6 +128,12 @@ class ControlPlane:
         proc.start()
         self._wait_ready(proc)
 
+    def restart_controller_manager(self) -> None:
+        """Stop kube-controller-manager and start it again (its informers list everything anew)."""
+        proc = self.processes["kube-controller-manager"]
+        proc.stop(timeout=20)
+        proc.start()
+
     def stop(self) -> None:
         """Stop every component, the node agent first (it stops its containers), etcd last."""
         for name in ("node", "kube-controller-manager", "kube-apiserver", "etcd"):

@@ -10,6 +10,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 from kubernetes import client
 
@@ -62,8 +63,11 @@ def test_rbac_is_enforced_for_a_service_account(real_cluster: ClusterHandle, tmp
     assert status == 401
 
 
-def test_the_job_controller_runs_a_pod_on_our_node(real_cluster: ClusterHandle) -> None:
-    ns = real_cluster.ensure_namespace("job-runs")
+@pytest.mark.parametrize("restart_first", [False, True], ids=["running", "after-a-controller-manager-restart"])
+def test_the_job_controller_runs_a_pod_on_our_node(real_cluster: ClusterHandle, restart_first: bool) -> None:
+    if restart_first:
+        real_cluster.backend.restart_controller_manager()
+    ns = real_cluster.ensure_namespace(f"job-runs-{int(restart_first)}")
     job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "hello"},
            "spec": {"backoffLimit": 0, "template": {
                "metadata": {"annotations": {SIM + "duration-ms": "200", SIM + "result": '{"ok": 1}'}},
