@@ -400,8 +400,13 @@ def api(cluster) -> Iterator[kubernetes.client.ApiClient]:
     client.close()
 
 
-def pods_of(rt: Runtime, dispatch_id: str) -> list[dict[str, Any]]:
-    return rt.kube.list_pods(rt.settings.namespace, label_selector=f"{JOB_NAME_LABEL}={job_name(dispatch_id)}")
+def pods_of(rt: Runtime, dispatch_id: str, *, job_uid: str | None = None) -> list[dict[str, Any]]:
+    """The Pods of the dispatch's Job; with `job_uid`, of that Job only (a real cluster's garbage
+    collector removes an earlier attempt's Pods some time after its Job)."""
+    selector = f"{JOB_NAME_LABEL}={job_name(dispatch_id)}"
+    if job_uid is not None:
+        selector += f",batch.kubernetes.io/controller-uid={job_uid}"
+    return rt.kube.list_pods(rt.settings.namespace, label_selector=selector)
 
 
 def held_pods(rt: Runtime) -> list[str]:
@@ -412,7 +417,7 @@ def held_pods(rt: Runtime) -> list[str]:
 
 def nothing_left(rt: Runtime, dispatch_id: str) -> None:
     """The Job and its Pods gone, and no Pod of ours held by our finalizer: nothing leaks."""
-    wait_until(lambda: not job_exists(rt, dispatch_id) and not pods_of(rt, dispatch_id), what="job and pods gone", timeout=10.0)
+    wait_until(lambda: not job_exists(rt, dispatch_id) and not pods_of(rt, dispatch_id), what="job and pods gone", timeout=30.0)
     assert held_pods(rt) == []
 
 
@@ -491,11 +496,12 @@ def test_a_succeeded_job_whose_pod_is_really_gone_is_run_again_and_completes_on_
     assert job["metadata"]["annotations"][job_labels.ATTEMPT_KEY] == "1"
     # The old snapshot again (a redelivered message): the new attempt and its Pod are left alone,
     # and counted once.
-    [new_pod] = wait_until(lambda: pods_of(rt, dispatch_id), what="the new attempt's pod", timeout=10.0)
+    uid = job["metadata"]["uid"]
+    [new_pod] = wait_until(lambda: pods_of(rt, dispatch_id, job_uid=uid), what="the new attempt's pod", timeout=30.0)
     assert complete_jobs(rt, rt.settings.namespace, [stale, stale]).outcomes == [CompleteOutcome.RERUN] * 2
     assert rt.kube.get_job(rt.settings.namespace, job_name(dispatch_id))["metadata"]["uid"] == job["metadata"]["uid"]
     assert load_record(rt, dispatch_id).attempts == 1
-    [still] = pods_of(rt, dispatch_id)
+    [still] = pods_of(rt, dispatch_id, job_uid=uid)
     assert still["metadata"]["uid"] == new_pod["metadata"]["uid"] and FINALIZER in still["metadata"]["finalizers"]
 
     job_finished(rt, dispatch_id)
