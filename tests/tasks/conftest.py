@@ -127,6 +127,23 @@ class Deployment:
             store.create_case(session, case_id=case_id, tenancy_id=tenancy)
         return case_id
 
+    def schedule_batch(self, capability: str, count: int) -> list[str]:
+        """`count` dispatches of `capability` on one new case, in one engine transaction
+        (`schedule_many_in_session`: `create_jobs` sent after commit); their ids."""
+        from tasks.scheduling import schedule_many_in_session
+        from workers.resolver import CapabilityResolver
+
+        case_id = self.new_case()
+        requests = [
+            store.ScheduleRequest(case_id, "tenant-a", capability, {"i": i}, f"key-{uuid.uuid4()}") for i in range(count)
+        ]
+        with transaction(self.sessions) as session:
+            results = schedule_many_in_session(
+                session, requests, router=CapabilityResolver.from_settings(self.settings),
+                max_input_bytes=self.settings.max_input_bytes, via=self.producer,
+            )  # fmt: skip
+        return [r.dispatch_id for r in results]
+
     def terminal_events(self, dispatch_ids: list[str]) -> dict[str, list[tuple[str, Any]]]:
         """dispatch id -> its terminal events (type, payload): exactly one each when done."""
         wanted = {t.value for t in (EventType.WORKER_COMPLETED, EventType.WORKER_FAILED, EventType.WORKER_CANCELLED)}

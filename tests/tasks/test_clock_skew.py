@@ -25,7 +25,6 @@ from recovery.reconcile import SWEEPS_RUN
 from recovery.stats import Stats
 from tasks import processes
 from tasks.recovery_tasks import STARTUP_SWEEP_DONE
-from tasks.scheduling import schedule_many_in_session
 from workers.resolver import CapabilityResolver
 
 SIM = "localcluster.k8s-dispatch.io/"
@@ -73,21 +72,6 @@ def discarded(port: int, task: str, reason: str) -> float:
     return scrape(port).get(("k8s_dispatch_tasks_discarded_total", (("reason", reason), ("task", task))), 0.0)
 
 
-def schedule(d, count: int) -> list[str]:
-    case_id = d.new_case()
-    requests = [
-        store.ScheduleRequest(case_id, "tenant-a", "sim.ok", {"i": i}, f"key-{uuid.uuid4()}") for i in range(count)
-    ]
-    with transaction(d.sessions) as session:
-        results = schedule_many_in_session(
-            session,
-            requests,
-            router=CapabilityResolver.from_settings(d.settings),
-            max_input_bytes=d.settings.max_input_bytes,
-            via=d.producer,
-        )
-    return [r.dispatch_id for r in results]
-
 
 @pytest.mark.parametrize("offset", [f"+{SKEW_S}s", f"-{SKEW_S}s"])
 def test_a_worker_off_by_a_minute_keeps_polling_and_sweeping(deploy, sim_cluster, offset):
@@ -101,7 +85,7 @@ def test_a_worker_off_by_a_minute_keeps_polling_and_sweeping(deploy, sim_cluster
     sweeps_at_start = stats.get(SWEEPS_RUN)
 
     # Scheduled after the start-up sweep: only beat's poll (and sweep) can deliver these.
-    ids = schedule(d, 10)
+    ids = d.schedule_batch("sim.ok", 10)
     events = d.wait_terminal(ids, timeout_s=DELIVER_S)
     assert all(events[i] == [(EventType.WORKER_COMPLETED, {"output": {"simulated": True, "input": {"i": n}}})]
                for n, i in enumerate(ids))  # fmt: skip

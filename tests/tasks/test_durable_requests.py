@@ -24,10 +24,9 @@ from recovery import delivery
 from recovery.reconcile import run_sweep
 from recovery.runtime import Runtime
 from tasks.recovery_tasks import STARTUP_SWEEP_DONE
-from tasks.scheduling import cancel_in_session, schedule_many_in_session, send_schedule_until_recorded
+from tasks.scheduling import cancel_in_session, send_schedule_until_recorded
 from workers.job_status import job_state
 from workers.manifest import job_name
-from workers.resolver import CapabilityResolver
 
 SIM = "localcluster.k8s-dispatch.io/"
 CAPABILITIES = {
@@ -36,21 +35,6 @@ CAPABILITIES = {
 }
 WORKER_START_S = 90.0
 
-
-def schedule(d, capability: str, count: int) -> list[str]:
-    case_id = d.new_case()
-    requests = [
-        store.ScheduleRequest(case_id, "tenant-a", capability, {"i": i}, f"key-{uuid.uuid4()}") for i in range(count)
-    ]
-    with transaction(d.sessions) as session:
-        results = schedule_many_in_session(
-            session,
-            requests,
-            router=CapabilityResolver.from_settings(d.settings),
-            max_input_bytes=d.settings.max_input_bytes,
-            via=d.producer,
-        )
-    return [r.dispatch_id for r in results]
 
 
 def queued(d, queue: str = names.JOBS_QUEUE) -> list[tuple[str, list[Any], dict[str, Any]]]:
@@ -85,7 +69,7 @@ def terminal_types(d, ids: list[str]) -> dict[str, list[str]]:
 def test_a_cancel_in_session_survives_a_broker_flush_and_the_sweep_deletes_the_running_job(deploy, sim_cluster):
     d = deploy(sim_cluster, capabilities=CAPABILITIES, sweep_grace_s="0")
     worker = d.start_worker("w1")
-    (dispatch_id,) = schedule(d, "sim.hang", 1)
+    (dispatch_id,) = d.schedule_batch("sim.hang", 1)
     d.wait(lambda: state(d, dispatch_id) is DispatchState.CREATED and d.jobs(), what="the Job running")
     assert worker.stop() == 0  # no worker: the cancel's message waits in the broker
 
@@ -107,7 +91,7 @@ def test_a_cancel_in_session_survives_a_broker_flush_and_the_sweep_deletes_the_r
 def test_a_cancel_in_session_is_followed_by_a_worker_deleting_the_job_and_notifying(deploy, sim_cluster):
     d = deploy(sim_cluster, capabilities=CAPABILITIES)  # grace 30 s: the sweep does none of this
     d.start_worker("w1")
-    (dispatch_id,) = schedule(d, "sim.hang", 1)
+    (dispatch_id,) = d.schedule_batch("sim.hang", 1)
     d.wait(lambda: state(d, dispatch_id) is DispatchState.CREATED and d.jobs(), what="the Job running")
     with transaction(d.sessions) as session:
         assert cancel_in_session(session, dispatch_id, via=d.producer) is True
@@ -121,7 +105,7 @@ def test_a_cancel_in_session_is_followed_by_a_worker_deleting_the_job_and_notify
 def test_queued_creates_racing_cancels_leave_no_job_and_one_cancel_each(deploy, sim_cluster):
     d = deploy(sim_cluster, capabilities=CAPABILITIES)
     d.start_worker("w1")
-    ids = schedule(d, "sim.hang", 40)  # create_jobs sent on commit; the worker is creating them
+    ids = d.schedule_batch("sim.hang", 40)  # create_jobs sent on commit; the worker is creating them
     d.wait(lambda: d.jobs(), what="the first Jobs created")
     with transaction(d.sessions) as session:
         won = [cancel_in_session(session, dispatch_id, via=d.producer) for dispatch_id in ids]
@@ -140,7 +124,7 @@ def test_a_cancel_in_session_racing_completions_leaves_exactly_one_terminal_even
     d = deploy(sim_cluster, capabilities=CAPABILITIES)
     rt = Runtime.from_settings(d.settings)
     try:
-        ids = schedule(d, "sim.ok", 30)
+        ids = d.schedule_batch("sim.ok", 30)
         delivery.create_jobs_for(rt, ids)
         d.wait(lambda: len([j for j in d.jobs() if job_state(j).terminal]) == len(ids), what="every Job finished")
         snapshots = {j["metadata"]["name"]: delivery.job_snapshot(j) for j in d.jobs()}
@@ -187,7 +171,7 @@ def test_cancel_in_session_of_an_unknown_dispatch_writes_and_sends_nothing(deplo
     with pytest.raises(UnknownDispatch):
         with transaction(d.sessions) as session:
             cancel_in_session(session, str(uuid.uuid4()), via=d.producer)
-    (dispatch_id,) = schedule(d, "sim.ok", 1)
+    (dispatch_id,) = d.schedule_batch("sim.ok", 1)
     d.redis.delete(f"{d.prefix}:{names.JOBS_QUEUE}")
     with pytest.raises(RuntimeError):
         with transaction(d.sessions) as session:
