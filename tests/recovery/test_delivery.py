@@ -509,7 +509,8 @@ def test_a_succeeded_job_whose_pod_is_really_gone_is_run_again_and_completes_on_
     assert events(rt, dispatch_id)[1:] == [
         (EventType.WORKER_COMPLETED, {"output": {"simulated": True, "input": {"text": "again"}}})
     ]
-    assert notified.ids == [dispatch_id]
+    # (once; a sweep that ran above also told the engine of other tests' dispatches in the shared database)
+    assert notified.ids.count(dispatch_id) == 1
     nothing_left(rt, dispatch_id)
 
 
