@@ -10,12 +10,10 @@ import glob
 import subprocess
 import sys
 import time
-import urllib.request
 import uuid
 from datetime import timedelta
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 import celeryconfig as names
 from engine import store
@@ -23,6 +21,7 @@ from engine.db import database_now, transaction
 from engine.models import EventType
 from recovery.reconcile import SWEEPS_RUN
 from recovery.stats import Stats
+from test_monitoring import scrape  # the same /metrics reader
 from tasks import processes
 from tasks.recovery_tasks import STARTUP_SWEEP_DONE
 from workers.resolver import CapabilityResolver
@@ -57,15 +56,6 @@ def skew_of(env: dict[str, str]) -> float:
     ).stdout
     return float(out) - before
 
-
-def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        text = response.read().decode()
-    return {
-        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
 
 
 def discarded(port: int, task: str, reason: str) -> float:
