@@ -47,4 +47,4 @@ EXPOSE 9808 5555
 
 # SIGTERM starts Celery's warm shutdown: running tasks finish, then the process exits.
 STOPSIGNAL SIGTERM
-CMD ["celery", "-A", "tasks", "worker", "--loglevel=INFO"]
+CMD ["celery", "-A", "k8s_dispatch.tasks", "worker", "--loglevel=INFO"]

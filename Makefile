@@ -35,7 +35,7 @@ test: $(STAMP) tools
 # Quick (about 2-3 minutes, both clusters); FULL=1 for the issues' sizes. Writes bench/results.json.
 bench: $(STAMP)
 	bash tests/services.sh
-	$(BIN)/python -m bench $(if $(FULL),--full) $(BENCH_ARGS)
+	$(BIN)/python -m k8s_dispatch.bench $(if $(FULL),--full) $(BENCH_ARGS)
 
 chaos: $(STAMP)
 	bash tests/services.sh

@@ -1,6 +1,6 @@
 """Celery settings for every k8s-dispatch process (worker, beat, Flower), all from K8S_DISPATCH_*.
 
-Read by `tasks/app.py` (`config_from_object("celeryconfig")`). What makes delivery safe lives
+Read by `tasks/app.py` (`config_from_object("k8s_dispatch.celeryconfig")`). What makes delivery safe lives
 here: late acks and re-queue on a lost worker (every task is idempotent), a visibility timeout,
 one prefetched message per thread, the named queues and routes, the beat schedule and events
 for Flower. `config(settings)` builds the same mapping for any settings (a producer in another
@@ -14,7 +14,7 @@ from typing import Any
 
 from kombu import Queue
 
-from engine.settings import Settings, get_settings
+from k8s_dispatch.engine.settings import Settings, get_settings
 
 # --- queues and task names ---------------------------------------------------------------
 JOBS_QUEUE = "k8s-dispatch.jobs"  # schedule, create_job(s), cancel
@@ -116,6 +116,6 @@ def config(settings: Settings) -> dict[str, Any]:
     }
 
 
-# The module's own settings, for `config_from_object("celeryconfig")`.
+# The module's own settings, for `config_from_object("k8s_dispatch.celeryconfig")`.
 _settings = get_settings()
 globals().update(config(_settings))

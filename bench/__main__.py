@@ -22,9 +22,9 @@ from pathlib import Path
 
 from rich.console import Console
 
-from bench import adapter, api_load, cluster_speed, dispatch_throughput, report, services, sweep_scale
-from bench.results import BenchResult, BenchRun
-from bench.sizes import SIZES, Size
+from k8s_dispatch.bench import adapter, api_load, cluster_speed, dispatch_throughput, report, services, sweep_scale
+from k8s_dispatch.bench.results import BenchResult, BenchRun
+from k8s_dispatch.bench.sizes import SIZES, Size
 
 Benchmark = Callable[[services.BenchContext, Size], BenchResult]
 

@@ -13,12 +13,12 @@ import json
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 
-from bench import rawhttp, services, workload
-from bench.results import BenchResult, Figure, Ratio
-from bench.sizes import Size
-from bench.timing import Stopwatch, interleaved, paired_ratios
-from workers import labels as job_labels
-from workers.kube import KubeClient
+from k8s_dispatch.bench import rawhttp, services, workload
+from k8s_dispatch.bench.results import BenchResult, Figure, Ratio
+from k8s_dispatch.bench.sizes import Size
+from k8s_dispatch.bench.timing import Stopwatch, interleaved, paired_ratios
+from k8s_dispatch.workers import labels as job_labels
+from k8s_dispatch.workers.kube import KubeClient
 
 NAMESPACE = "bench-adapter"
 # Each round takes a fraction of a second, and one slow round swings a median of three:

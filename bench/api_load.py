@@ -59,17 +59,17 @@ from celery import Celery
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy.orm import Session, sessionmaker
 
-import celeryconfig
-from bench import baseline_app, rawhttp, services, workload
-from bench.dispatch_throughput import cpu_seconds
-from bench.results import BenchResult, Figure, Ratio, Target
-from bench.sizes import Size
-from engine.db import make_engine, make_sessionmaker, transaction
-from engine.models import TERMINAL_EVENT_TYPES, CaseEvent, Dispatch
-from engine.settings import load_settings
-from tasks.processes import ManagedProcess, WaitTimeout, project_env, wait_for_log, wait_until
-from tasks.scheduling import schedule_in_session
-from workers.resolver import CapabilityResolver
+from k8s_dispatch import celeryconfig
+from k8s_dispatch.bench import baseline_app, rawhttp, services, workload
+from k8s_dispatch.bench.dispatch_throughput import cpu_seconds
+from k8s_dispatch.bench.results import BenchResult, Figure, Ratio, Target
+from k8s_dispatch.bench.sizes import Size
+from k8s_dispatch.engine.db import make_engine, make_sessionmaker, transaction
+from k8s_dispatch.engine.models import TERMINAL_EVENT_TYPES, CaseEvent, Dispatch
+from k8s_dispatch.engine.settings import load_settings
+from k8s_dispatch.ops.processes import ManagedProcess, WaitTimeout, project_env, wait_for_log, wait_until
+from k8s_dispatch.tasks.scheduling import schedule_in_session
+from k8s_dispatch.workers.resolver import CapabilityResolver
 
 POLL_INTERVAL_S = 2.0
 PAGE_SIZE = 500  # poll's LIST pages (K8S_DISPATCH_POLL_PAGE_SIZE, its default)

@@ -13,12 +13,12 @@ from __future__ import annotations
 import itertools
 
 
-from bench import rawhttp, services, workload
-from bench.results import BenchResult, Figure, Ratio, Target
-from bench.sizes import Size
-from bench.timing import Stopwatch, interleaved, paired_ratios, rates
-from workers import labels as job_labels
-from workers.kube import KubeClient
+from k8s_dispatch.bench import rawhttp, services, workload
+from k8s_dispatch.bench.results import BenchResult, Figure, Ratio, Target
+from k8s_dispatch.bench.sizes import Size
+from k8s_dispatch.bench.timing import Stopwatch, interleaved, paired_ratios, rates
+from k8s_dispatch.workers import labels as job_labels
+from k8s_dispatch.workers.kube import KubeClient
 
 CREATES_TARGET = Target(1000.0, at_least=True)  # Job creates per second
 LIST_TARGET = Target(1.0, at_least=False)  # seconds for 10,000 Jobs in pages of 500

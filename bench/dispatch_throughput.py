@@ -43,20 +43,20 @@ from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 from sqlalchemy.orm import Session, sessionmaker
 
-import celeryconfig
-from bench import services, workload
-from bench.results import BenchResult, Figure, Ratio, Target
-from bench.sizes import Size
-from bench.timing import interleaved, paired_ratios, rates
-from engine.db import make_engine, make_sessionmaker, transaction
-from engine.models import Dispatch, DispatchState
-from engine.settings import load_settings
-from tasks.processes import wait_until
-from engine import store
-from tasks.scheduling import CREATE_BATCH, schedule_in_session, schedule_many_in_session
-from workers import labels as job_labels
-from workers.kube import KubeClient
-from workers.resolver import CapabilityResolver
+from k8s_dispatch import celeryconfig
+from k8s_dispatch.bench import services, workload
+from k8s_dispatch.bench.results import BenchResult, Figure, Ratio, Target
+from k8s_dispatch.bench.sizes import Size
+from k8s_dispatch.bench.timing import interleaved, paired_ratios, rates
+from k8s_dispatch.engine.db import make_engine, make_sessionmaker, transaction
+from k8s_dispatch.engine.models import Dispatch, DispatchState
+from k8s_dispatch.engine.settings import load_settings
+from k8s_dispatch.ops.processes import wait_until
+from k8s_dispatch.engine import store
+from k8s_dispatch.tasks.scheduling import CREATE_BATCH, schedule_in_session, schedule_many_in_session
+from k8s_dispatch.workers import labels as job_labels
+from k8s_dispatch.workers.kube import KubeClient
+from k8s_dispatch.workers.resolver import CapabilityResolver
 
 TARGET = Target(0.8, at_least=True)  # ours / raw, issue 8 figure 1
 OURS_NAMESPACE = "bench-dispatch"

@@ -16,8 +16,8 @@ import urllib.parse
 from collections.abc import Sequence
 from typing import Any
 
-from bench.services import BENCH_USER_AGENT, Cluster
-from bench.timing import Stopwatch
+from k8s_dispatch.bench.services import BENCH_USER_AGENT, Cluster
+from k8s_dispatch.bench.timing import Stopwatch
 
 JsonDict = dict[str, Any]
 

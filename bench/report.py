@@ -8,7 +8,7 @@ import os
 from rich.console import Console
 from rich.table import Table
 
-from bench.results import RATIO_UNIT, BenchRun, Figure, Ratio
+from k8s_dispatch.bench.results import RATIO_UNIT, BenchRun, Figure, Ratio
 
 
 def _number(value: float) -> str:

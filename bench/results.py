@@ -17,7 +17,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from bench.timing import median
+from k8s_dispatch.bench.timing import median
 
 JSON_VERSION = 2
 RATIO_UNIT = "x"

@@ -3,7 +3,7 @@
 A PostgreSQL database created (and migrated) for the run and dropped after it; a Redis key
 prefix unique to the run, its keys deleted after it; an API server (`python -m localcluster serve`,
 or the real control plane of `realcluster`) and `celery -A tasks worker|beat` as subprocesses
-(via `tasks.processes`), configured only through K8S_DISPATCH_* variables, as a deployment is.
+(via `ops.processes`), configured only through K8S_DISPATCH_* variables, as a deployment is.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import redis
 import yaml
 from sqlalchemy.engine import make_url
 
-from engine import migrate
-from tasks.processes import (
+from k8s_dispatch.engine import migrate
+from k8s_dispatch.ops.processes import (
     LISTENING,
     ManagedProcess,
     celery_beat,
@@ -211,7 +211,7 @@ def cluster(work_dir: Path, *, name: str, kind: str = LOCAL, kube_api_qps: int =
 
 @contextmanager
 def _real_cluster(directory: Path, *, kube_api_qps: int) -> Iterator[Cluster]:
-    from realcluster.controlplane import ControlPlane, remove  # built on first use: only when asked for
+    from k8s_dispatch.realcluster.controlplane import ControlPlane, remove  # built on first use: only when asked for
 
     directory.mkdir(parents=True, exist_ok=True)
     policy, audit_log = directory / "audit-policy.yaml", directory / "audit.log"

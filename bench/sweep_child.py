@@ -11,9 +11,9 @@ import resource
 import sys
 import time
 
-from engine.settings import load_settings
-from recovery.reconcile import run_sweep
-from recovery.runtime import Runtime
+from k8s_dispatch.engine.settings import load_settings
+from k8s_dispatch.recovery.reconcile import run_sweep
+from k8s_dispatch.recovery.runtime import Runtime
 
 
 def peak_rss_kib() -> int:

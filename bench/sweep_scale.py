@@ -37,20 +37,20 @@ import yaml
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 
-from bench import rawhttp, services, workload
-from bench.results import BenchResult, Figure, Ratio, Target
-from bench.sizes import Size
-from bench.timing import Stopwatch, interleaved, paired_ratios
-from engine.models import DispatchState, EventType, utcnow
-from engine.settings import load_settings
-from recovery.reconcile import run_sweep
-from recovery.runtime import Runtime
-from recovery.sweep import Category
-from tasks.processes import project_env, wait_until
-from workers import labels as job_labels
-from workers.job_status import job_state
-from workers.manifest import build_job, job_name
-from workers.types import CapabilityName, CaseId, DispatchId, DispatchRef, IdempotencyKey, TenancyId, WorkerName
+from k8s_dispatch.bench import rawhttp, services, workload
+from k8s_dispatch.bench.results import BenchResult, Figure, Ratio, Target
+from k8s_dispatch.bench.sizes import Size
+from k8s_dispatch.bench.timing import Stopwatch, interleaved, paired_ratios
+from k8s_dispatch.engine.models import DispatchState, EventType, utcnow
+from k8s_dispatch.engine.settings import load_settings
+from k8s_dispatch.recovery.reconcile import run_sweep
+from k8s_dispatch.recovery.runtime import Runtime
+from k8s_dispatch.recovery.sweep import Category
+from k8s_dispatch.ops.processes import project_env, wait_until
+from k8s_dispatch.workers import labels as job_labels
+from k8s_dispatch.workers.job_status import job_state
+from k8s_dispatch.workers.manifest import build_job, job_name
+from k8s_dispatch.workers.types import CapabilityName, CaseId, DispatchId, DispatchRef, IdempotencyKey, TenancyId, WorkerName
 
 NAMESPACE = "bench-sweep"
 JOBS = {"smoke": 200, "quick": 10_000, "full": 100_000}  # figure 4, and figure 5's largest N

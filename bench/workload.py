@@ -15,15 +15,15 @@ from typing import Any
 import yaml
 from sqlalchemy.orm import Session, sessionmaker
 
-from engine import store
-from engine.db import transaction
-from tasks.processes import wait_until
-from workers import labels as job_labels
-from workers.job_status import job_state
-from workers.kube import KubeClient
-from workers.manifest import build_job
-from workers.resolver import CapabilityResolver
-from workers.types import CapabilityName, CaseId, DispatchId, DispatchRef, IdempotencyKey, TenancyId, WorkerName
+from k8s_dispatch.engine import store
+from k8s_dispatch.engine.db import transaction
+from k8s_dispatch.ops.processes import wait_until
+from k8s_dispatch.workers import labels as job_labels
+from k8s_dispatch.workers.job_status import job_state
+from k8s_dispatch.workers.kube import KubeClient
+from k8s_dispatch.workers.manifest import build_job
+from k8s_dispatch.workers.resolver import CapabilityResolver
+from k8s_dispatch.workers.types import CapabilityName, CaseId, DispatchId, DispatchRef, IdempotencyKey, TenancyId, WorkerName
 
 SIM = "localcluster.k8s-dispatch.io/"
 WORKER = "bench"

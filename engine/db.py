@@ -19,7 +19,7 @@ from sqlalchemy import event, exc
 from sqlalchemy.engine import URL, Engine, make_url
 from sqlalchemy.orm import Session, sessionmaker
 
-from engine.errors import DatabaseUnavailable
+from k8s_dispatch.engine.errors import DatabaseUnavailable
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 PG_CONNECT_TIMEOUT_S = 10

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import uuid
 
-from engine.errors import InvalidId, InvalidIdempotencyKey
+from k8s_dispatch.engine.errors import InvalidId, InvalidIdempotencyKey
 
 MAX_ID_LENGTH = 128  # case and tenancy ids (the engine's), capability and worker names in a ref
 MAX_IDEMPOTENCY_KEY_LENGTH = 256

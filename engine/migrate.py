@@ -13,7 +13,7 @@ from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 
-from engine.db import make_engine
+from k8s_dispatch.engine.db import make_engine
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
 VERSION_TABLE = "k8s_dispatch_alembic_version"  # ours, so the engine's own Alembic can coexist

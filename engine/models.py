@@ -16,7 +16,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from engine.ids import MAX_ID_LENGTH, MAX_IDEMPOTENCY_KEY_LENGTH
+from k8s_dispatch.engine.ids import MAX_ID_LENGTH, MAX_IDEMPOTENCY_KEY_LENGTH
 
 
 class EventType(StrEnum):

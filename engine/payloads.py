@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from engine.errors import InputNotSerialisable, InputTooLarge
+from k8s_dispatch.engine.errors import InputNotSerialisable, InputTooLarge
 
 # Arrays and objects nested deeper than this are refused. Python's json reads and writes nesting
 # by recursion, so how deep it can go depends on how deep the caller's stack already is: a value

@@ -17,7 +17,7 @@ from typing import Mapping
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from engine.errors import ConfigError
+from k8s_dispatch.engine.errors import ConfigError
 
 ENV_PREFIX = "K8S_DISPATCH_"
 
@@ -65,7 +65,7 @@ class Settings(BaseSettings):
     @field_validator("namespace")
     @classmethod
     def _namespace_is_dns_label(cls, value: str) -> str:
-        from engine.names import is_dns1123_label
+        from k8s_dispatch.engine.names import is_dns1123_label
 
         if not is_dns1123_label(value):
             raise ValueError(f"{value!r} is not a valid namespace name (DNS-1123 label)")
@@ -74,7 +74,7 @@ class Settings(BaseSettings):
     @field_validator("deployment")
     @classmethod
     def _deployment_is_label_value(cls, value: str | None) -> str | None:
-        from engine.names import is_label_value
+        from k8s_dispatch.engine.names import is_label_value
 
         if value is not None and (not value or not is_label_value(value)):
             raise ValueError(
@@ -113,7 +113,7 @@ def deployment_from_prefix(key_prefix: str) -> str:
     """The default deployment identity (pure): the key prefix when it is a label value, else
     its label-safe characters (cut to 52) and 10 hex digits of its SHA-256, so that two
     prefixes never share a default."""
-    from engine.names import is_label_value
+    from k8s_dispatch.engine.names import is_label_value
 
     if key_prefix and is_label_value(key_prefix):
         return key_prefix

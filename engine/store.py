@@ -21,8 +21,8 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.util import identity_key
 
-from engine.db import database_now
-from engine.errors import (
+from k8s_dispatch.engine.db import database_now
+from k8s_dispatch.engine.errors import (
     ConfigError,
     IdempotencyConflict,
     InputNotSerialisable,
@@ -33,8 +33,8 @@ from engine.errors import (
     UnknownCase,
     UnknownDispatch,
 )
-from engine.ids import check_dispatch_id, check_id, check_idempotency_key, show_value
-from engine.models import (
+from k8s_dispatch.engine.ids import check_dispatch_id, check_id, check_idempotency_key, show_value
+from k8s_dispatch.engine.models import (
     STATE_FOR_TERMINAL_EVENT,
     TERMINAL_EVENT_PREDICATE,
     TERMINAL_EVENT_TYPES,
@@ -46,8 +46,8 @@ from engine.models import (
     EventType,
     utcnow,
 )
-from engine.names import is_dns1123_label
-from engine.payloads import canonical_json, encode_input
+from k8s_dispatch.engine.names import is_dns1123_label
+from k8s_dispatch.engine.payloads import canonical_json, encode_input
 
 QUERY_BATCH = 500  # ids per IN (...) and rows per page: bounded memory, few round trips
 

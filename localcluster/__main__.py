@@ -1,5 +1,5 @@
 """`python -m localcluster serve ...`"""
 
-from localcluster.cli import localcluster
+from k8s_dispatch.localcluster.cli import localcluster
 
 localcluster()

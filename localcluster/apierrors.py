@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from localcluster.resources import Resource
+from k8s_dispatch.localcluster.resources import Resource
 
 
 class FieldErrorType(Enum):

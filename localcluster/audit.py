@@ -15,8 +15,8 @@ import functools
 from collections import Counter
 from typing import NamedTuple
 
-from localcluster.paths import Target
-from localcluster.resources import Resource
+from k8s_dispatch.localcluster.paths import Target
+from k8s_dispatch.localcluster.resources import Resource
 
 Permission = tuple[str, str, str]  # (group, resource, verb), "" for the core group
 

@@ -20,12 +20,12 @@ import uvloop
 import yaml
 from kubernetes.config import ConfigException
 
-from localcluster.apiclient import ApiClient, ApiStatusError
-from localcluster.cluster import Server, token_from_kubeconfig
-from localcluster.core import MODES
-from localcluster.node import NodeAgent
-from localcluster.persist import StateError
-from localcluster.podstatus import NODE_NAME
+from k8s_dispatch.localcluster.apiclient import ApiClient, ApiStatusError
+from k8s_dispatch.localcluster.cluster import Server, token_from_kubeconfig
+from k8s_dispatch.localcluster.core import MODES
+from k8s_dispatch.localcluster.node import NodeAgent
+from k8s_dispatch.localcluster.persist import StateError
+from k8s_dispatch.localcluster.podstatus import NODE_NAME
 
 
 @click.group(name="localcluster")

@@ -20,11 +20,11 @@ from typing import Any, TypeVar
 import yaml
 from aiohttp import web
 
-from localcluster import kubeconfig as kubeconfig_file
-from localcluster import tls
-from localcluster.audit import RequestCount
-from localcluster.core import ClusterCore
-from localcluster.server import build_app
+from k8s_dispatch.localcluster import kubeconfig as kubeconfig_file
+from k8s_dispatch.localcluster import tls
+from k8s_dispatch.localcluster.audit import RequestCount
+from k8s_dispatch.localcluster.core import ClusterCore
+from k8s_dispatch.localcluster.server import build_app
 
 R = TypeVar("R")
 

@@ -13,12 +13,12 @@ import asyncio
 from collections import deque
 from typing import Any
 
-from localcluster.apierrors import ApiError
-from localcluster.jobsync import TRACKING_FINALIZER, plan_job, pod_view
-from localcluster.registry import DeleteOptions, Registry, is_terminal_pod
-from localcluster.resources import JOBS, PODS
-from localcluster.store import DELETED, Entry, Event
-from localcluster.timestamps import now
+from k8s_dispatch.localcluster.apierrors import ApiError
+from k8s_dispatch.localcluster.jobsync import TRACKING_FINALIZER, plan_job, pod_view
+from k8s_dispatch.localcluster.registry import DeleteOptions, Registry, is_terminal_pod
+from k8s_dispatch.localcluster.resources import JOBS, PODS
+from k8s_dispatch.localcluster.store import DELETED, Entry, Event
+from k8s_dispatch.localcluster.timestamps import now
 
 Key = tuple[str, str]
 

@@ -10,17 +10,17 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from localcluster import persist
-from localcluster.controller import JobController
-from localcluster.execrunner import ExecRunner
-from localcluster.audit import Audit
-from localcluster.faults import Faults
-from localcluster.garbage import GarbageCollector
-from localcluster.kubelet import Kubelet, StoreHost
-from localcluster.paging import Pager
-from localcluster.registry import Registry
-from localcluster.simrunner import SimRunner
-from localcluster.store import Store
+from k8s_dispatch.localcluster import persist
+from k8s_dispatch.localcluster.controller import JobController
+from k8s_dispatch.localcluster.execrunner import ExecRunner
+from k8s_dispatch.localcluster.audit import Audit
+from k8s_dispatch.localcluster.faults import Faults
+from k8s_dispatch.localcluster.garbage import GarbageCollector
+from k8s_dispatch.localcluster.kubelet import Kubelet, StoreHost
+from k8s_dispatch.localcluster.paging import Pager
+from k8s_dispatch.localcluster.registry import Registry
+from k8s_dispatch.localcluster.simrunner import SimRunner
+from k8s_dispatch.localcluster.store import Store
 
 MODES = ("exec", "simulate")
 

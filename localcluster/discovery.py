@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from localcluster.resources import BY_GROUP_VERSION, VERBS, Resource
+from k8s_dispatch.localcluster.resources import BY_GROUP_VERSION, VERBS, Resource
 
 KUBE_VERSION = {
     "major": "1",

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from localcluster.containerenv import command_line, container_env
-from localcluster.podstatus import ContainerResult
-from localcluster.timestamps import now
+from k8s_dispatch.localcluster.containerenv import command_line, container_env
+from k8s_dispatch.localcluster.podstatus import ContainerResult
+from k8s_dispatch.localcluster.timestamps import now
 
 MAX_MESSAGE = 4096  # kubelet's per-container termination message limit
 FALLBACK_BYTES = 2048

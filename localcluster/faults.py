@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from localcluster.apierrors import ApiError
+from k8s_dispatch.localcluster.apierrors import ApiError
 
 
 @dataclass

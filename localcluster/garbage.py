@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import asyncio
 
-from localcluster.apierrors import ApiError
-from localcluster.registry import (
+from k8s_dispatch.localcluster.apierrors import ApiError
+from k8s_dispatch.localcluster.registry import (
     FOREGROUND_FINALIZER,
     NAMESPACE_FINALIZER,
     ORPHAN_FINALIZER,
     DeleteOptions,
     Registry,
 )
-from localcluster.resources import BY_PLURAL, JOBS, NAMESPACES, PODS
-from localcluster.store import DELETED, Entry, Event
+from k8s_dispatch.localcluster.resources import BY_PLURAL, JOBS, NAMESPACES, PODS
+from k8s_dispatch.localcluster.store import DELETED, Entry, Event
 
 
 class GarbageCollector:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from localcluster.timestamps import parse_rfc3339, rfc3339
+from k8s_dispatch.localcluster.timestamps import parse_rfc3339, rfc3339
 
 TRACKING_FINALIZER = "batch.kubernetes.io/job-tracking"
 BACKOFF_LIMIT_EXCEEDED = ("BackoffLimitExceeded", "Job has reached the specified backoff limit")

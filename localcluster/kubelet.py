@@ -14,14 +14,14 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from localcluster import podstatus
-from localcluster.execrunner import ExecRunner
-from localcluster.podstatus import NODE_NAME, ContainerResult
-from localcluster.registry import Registry, is_terminal_pod
-from localcluster.resources import PODS
-from localcluster.simrunner import SimRunner
-from localcluster.store import DELETED, Entry, Event
-from localcluster.timestamps import now, parse_rfc3339
+from k8s_dispatch.localcluster import podstatus
+from k8s_dispatch.localcluster.execrunner import ExecRunner
+from k8s_dispatch.localcluster.podstatus import NODE_NAME, ContainerResult
+from k8s_dispatch.localcluster.registry import Registry, is_terminal_pod
+from k8s_dispatch.localcluster.resources import PODS
+from k8s_dispatch.localcluster.simrunner import SimRunner
+from k8s_dispatch.localcluster.store import DELETED, Entry, Event
+from k8s_dispatch.localcluster.timestamps import now, parse_rfc3339
 
 Key = tuple[str, str]
 DEADLINE_MESSAGE = "Pod was active on the node longer than the specified deadline"

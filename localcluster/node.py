@@ -25,14 +25,14 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from localcluster import logstream, tls
-from localcluster.apiclient import JSON_PATCH, MERGE_PATCH, ApiClient, ApiStatusError
-from localcluster.execrunner import ExecRunner
-from localcluster.kubelet import Key, Kubelet
-from localcluster.podstatus import HOST_IP, ContainerResult
-from localcluster.registry import is_terminal_pod
-from localcluster.simrunner import SimRunner
-from localcluster.timestamps import now, rfc3339
+from k8s_dispatch.localcluster import logstream, tls
+from k8s_dispatch.localcluster.apiclient import JSON_PATCH, MERGE_PATCH, ApiClient, ApiStatusError
+from k8s_dispatch.localcluster.execrunner import ExecRunner
+from k8s_dispatch.localcluster.kubelet import Key, Kubelet
+from k8s_dispatch.localcluster.podstatus import HOST_IP, ContainerResult
+from k8s_dispatch.localcluster.registry import is_terminal_pod
+from k8s_dispatch.localcluster.simrunner import SimRunner
+from k8s_dispatch.localcluster.timestamps import now, rfc3339
 
 log = logging.getLogger("localcluster.node")
 

@@ -9,8 +9,8 @@ import hashlib
 import json
 from typing import Any
 
-from localcluster.resources import BY_GROUP_VERSION, Resource
-from localcluster.schema import STRUCTS, T
+from k8s_dispatch.localcluster.resources import BY_GROUP_VERSION, Resource
+from k8s_dispatch.localcluster.schema import STRUCTS, T
 
 _PKG = {"Job": "io.k8s.api.batch.v1", "JobSpec": "io.k8s.api.batch.v1", "JobStatus": "io.k8s.api.batch.v1",
         "ObjectMeta": "io.k8s.apimachinery.pkg.apis.meta.v1", "OwnerReference": "io.k8s.apimachinery.pkg.apis.meta.v1"}

@@ -14,8 +14,8 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from localcluster import apierrors
-from localcluster.store import Entry
+from k8s_dispatch.localcluster import apierrors
+from k8s_dispatch.localcluster.store import Entry
 
 EXPIRED_MESSAGE = (
     "The provided continue parameter is too old to display a consistent list result. You can start a new "

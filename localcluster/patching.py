@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from localcluster.schema import STRUCTS, T, obj
+from k8s_dispatch.localcluster.schema import STRUCTS, T, obj
 
 
 class PatchError(ValueError):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from localcluster.resources import BY_GROUP_VERSION, Resource
+from k8s_dispatch.localcluster.resources import BY_GROUP_VERSION, Resource
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from localcluster.resources import BY_PLURAL, Resource
-from localcluster.store import Event, Store
+from k8s_dispatch.localcluster.resources import BY_PLURAL, Resource
+from k8s_dispatch.localcluster.store import Event, Store
 
 FORMAT = "localcluster/v1"
 

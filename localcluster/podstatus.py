@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from localcluster.timestamps import rfc3339
+from k8s_dispatch.localcluster.timestamps import rfc3339
 
 NODE_NAME = "localcluster"
 HOST_IP = "127.0.0.1"

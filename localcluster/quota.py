@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from localcluster import apierrors
-from localcluster.apierrors import ApiError
-from localcluster.resources import JOBS
+from k8s_dispatch.localcluster import apierrors
+from k8s_dispatch.localcluster.apierrors import ApiError
+from k8s_dispatch.localcluster.resources import JOBS
 
 QUOTA_JOBS = "localcluster.k8s-dispatch.io/quota-jobs"
 QUOTA_NAME = "localcluster-jobs"  # the quota's name in the message, as a ResourceQuota's name would be

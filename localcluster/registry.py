@@ -12,13 +12,13 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from localcluster import apierrors, defaults, quota, schema, validation
-from localcluster.apierrors import ApiError
-from localcluster.patching import PatchError, json_patch, merge_patch, strategic_merge_patch
-from localcluster.resources import JOBS, NAMESPACES, PODS, Resource
-from localcluster.selectors import SelectorError, from_label_selector_object
-from localcluster.store import Entry, Store
-from localcluster.timestamps import now, rfc3339
+from k8s_dispatch.localcluster import apierrors, defaults, quota, schema, validation
+from k8s_dispatch.localcluster.apierrors import ApiError
+from k8s_dispatch.localcluster.patching import PatchError, json_patch, merge_patch, strategic_merge_patch
+from k8s_dispatch.localcluster.resources import JOBS, NAMESPACES, PODS, Resource
+from k8s_dispatch.localcluster.selectors import SelectorError, from_label_selector_object
+from k8s_dispatch.localcluster.store import Entry, Store
+from k8s_dispatch.localcluster.timestamps import now, rfc3339
 
 BINDING = Resource("pods/binding", "", "Binding", "", "v1", True, lambda obj: {})  # how binding errors name it
 ORPHAN_FINALIZER = "orphan"

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from localcluster.names import label_value as is_label_value
-from localcluster.names import qualified_name as is_qualified_name
+from k8s_dispatch.localcluster.names import label_value as is_label_value
+from k8s_dispatch.localcluster.names import qualified_name as is_qualified_name
 
 
 class SelectorError(ValueError):

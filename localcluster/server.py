@@ -17,15 +17,15 @@ import yaml
 from aiohttp import web
 from multidict import CIMultiDict
 
-from localcluster import apierrors, audit, discovery, logstream, openapi, paths, tables
-from localcluster.apierrors import ApiError
-from localcluster.core import ClusterCore
-from localcluster.paging import Page
-from localcluster.registry import PATCH_TYPES, DeleteOptions, DeleteResult, is_terminal_pod
-from localcluster.resources import NODES, PODS, Resource
-from localcluster.selectors import SelectorError, fields_match, parse_field_selector, parse_label_selector
-from localcluster.store import ADDED, Entry, Gone, dumps, loads
-from localcluster.timestamps import now
+from k8s_dispatch.localcluster import apierrors, audit, discovery, logstream, openapi, paths, tables
+from k8s_dispatch.localcluster.apierrors import ApiError
+from k8s_dispatch.localcluster.core import ClusterCore
+from k8s_dispatch.localcluster.paging import Page
+from k8s_dispatch.localcluster.registry import PATCH_TYPES, DeleteOptions, DeleteResult, is_terminal_pod
+from k8s_dispatch.localcluster.resources import NODES, PODS, Resource
+from k8s_dispatch.localcluster.selectors import SelectorError, fields_match, parse_field_selector, parse_label_selector
+from k8s_dispatch.localcluster.store import ADDED, Entry, Gone, dumps, loads
+from k8s_dispatch.localcluster.timestamps import now
 
 PUBLIC_PATHS = frozenset({"/healthz", "/livez", "/readyz", "/version", "/version/"})
 NO_FAULT_PATHS = frozenset({"/healthz", "/livez", "/readyz", "/metrics"})

@@ -17,9 +17,9 @@ import binascii
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from localcluster.podstatus import ContainerResult
-from localcluster.store import dumps, loads
-from localcluster.timestamps import now
+from k8s_dispatch.localcluster.podstatus import ContainerResult
+from k8s_dispatch.localcluster.store import dumps, loads
+from k8s_dispatch.localcluster.timestamps import now
 
 PREFIX = "localcluster.k8s-dispatch.io/"
 DURATION = PREFIX + "duration-ms"

@@ -18,7 +18,7 @@ from typing import Any
 
 import orjson
 
-from localcluster.resources import Resource
+from k8s_dispatch.localcluster.resources import Resource
 
 Key = tuple[str, str]  # (namespace, name); namespace "" for cluster-scoped objects
 ADDED, MODIFIED, DELETED = "ADDED", "MODIFIED", "DELETED"

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from localcluster.resources import JOBS, PODS, Resource
-from localcluster.selectors import format_label_selector
-from localcluster.timestamps import parse_rfc3339
+from k8s_dispatch.localcluster.resources import JOBS, PODS, Resource
+from k8s_dispatch.localcluster.selectors import format_label_selector
+from k8s_dispatch.localcluster.timestamps import parse_rfc3339
 
 
 def human_duration(seconds: float) -> str:

@@ -10,11 +10,11 @@ import json
 import re
 from typing import Any
 
-from localcluster.names import dns1123_label as is_dns1123_label
-from localcluster.names import dns1123_subdomain as is_dns1123_subdomain
-from localcluster.names import label_value as _is_label_value
-from localcluster.names import qualified_name as _is_qualified_name
-from localcluster.apierrors import (
+from k8s_dispatch.localcluster.names import dns1123_label as is_dns1123_label
+from k8s_dispatch.localcluster.names import dns1123_subdomain as is_dns1123_subdomain
+from k8s_dispatch.localcluster.names import label_value as _is_label_value
+from k8s_dispatch.localcluster.names import qualified_name as _is_qualified_name
+from k8s_dispatch.localcluster.apierrors import (
     FieldError,
     FieldErrorType,
     forbidden,

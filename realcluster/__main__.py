@@ -1,5 +1,5 @@
 """`python -m realcluster serve ...`"""
 
-from realcluster.cli import realcluster
+from k8s_dispatch.realcluster.cli import realcluster
 
 realcluster()

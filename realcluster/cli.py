@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from realcluster import controlplane
+from k8s_dispatch.realcluster import controlplane
 
 
 @click.group(name="realcluster")

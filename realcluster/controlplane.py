@@ -26,8 +26,8 @@ from typing import Any
 
 import yaml
 
-from realcluster import binaries, pki
-from tasks.processes import ManagedProcess, free_port, project_env, wait_until
+from k8s_dispatch.realcluster import binaries, pki
+from k8s_dispatch.ops.processes import ManagedProcess, free_port, project_env, wait_until
 
 CONTEXT = "realcluster"
 NODE_NAME = "k8s-dispatch-node"
@@ -239,7 +239,7 @@ class ControlPlane:
     def _start_node(self, kubeconfig: Path) -> None:
         workdir = self.directory / "node"
         proc = self._spawn("node", [
-            sys.executable, "-m", "localcluster", "node", "--kubeconfig", str(kubeconfig), "--mode", self.mode,
+            sys.executable, "-m", "k8s_dispatch.localcluster", "node", "--kubeconfig", str(kubeconfig), "--mode", self.mode,
             "--name", NODE_NAME, "--workdir", str(workdir), "--log-port", str(free_port()),
         ])  # fmt: skip
 

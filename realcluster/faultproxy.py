@@ -242,7 +242,7 @@ def process(plane: Any, *, port: int, token_file: Path, log_dir: Path, ready_gat
     """`python -m realcluster.faultproxy` in front of `plane` (a started ControlPlane), serving with
     its API server's certificate (CA-signed, loopback names), forwarding only while kube-apiserver
     is ready unless `ready_gate` is False; a ManagedProcess not yet started."""
-    from tasks.processes import ManagedProcess, project_env
+    from k8s_dispatch.ops.processes import ManagedProcess, project_env
 
     keys = plane.directory / "pki"
     argv = [sys.executable, "-m", "realcluster.faultproxy", "--port", str(port), "--upstream", plane.url,

@@ -23,9 +23,9 @@ from typing import Any
 from sqlalchemy.exc import DBAPIError
 import redis
 
-from engine import store
-from engine.db import transaction
-from engine.errors import (
+from k8s_dispatch.engine import store
+from k8s_dispatch.engine.db import transaction
+from k8s_dispatch.engine.errors import (
     AlreadyExists,
     ApiRejected,
     Conflict,
@@ -39,17 +39,17 @@ from engine.errors import (
     UnknownCapability,
     UnknownDispatch,
 )
-from engine.models import STATE_FOR_TERMINAL_EVENT, DispatchState, EventType
-from recovery import statelog, stats
-from recovery.crashpoints import Point, crashpoint
-from recovery.guard import Claim
-from recovery.metrics import METRICS
-from recovery.reconstruct import DeliveryContext, DispatchRecord, context_from_job
-from recovery.runtime import Runtime
-from recovery.sweep import JOB_LOST_REASON, out_of_attempts
-from workers import labels as job_labels
-from workers.job_status import RESULT_NOT_JSON, Completion, completion, job_state
-from workers.manifest import FINALIZER, build_job, job_name
+from k8s_dispatch.engine.models import STATE_FOR_TERMINAL_EVENT, DispatchState, EventType
+from k8s_dispatch.recovery import statelog, stats
+from k8s_dispatch.recovery.crashpoints import Point, crashpoint
+from k8s_dispatch.recovery.guard import Claim
+from k8s_dispatch.recovery.metrics import METRICS
+from k8s_dispatch.recovery.reconstruct import DeliveryContext, DispatchRecord, context_from_job
+from k8s_dispatch.recovery.runtime import Runtime
+from k8s_dispatch.recovery.sweep import JOB_LOST_REASON, out_of_attempts
+from k8s_dispatch.workers import labels as job_labels
+from k8s_dispatch.workers.job_status import RESULT_NOT_JSON, Completion, completion, job_state
+from k8s_dispatch.workers.manifest import FINALIZER, build_job, job_name
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import redis
 
-from engine.errors import GuardUnavailable
-from recovery.metrics import METRICS
+from k8s_dispatch.engine.errors import GuardUnavailable
+from k8s_dispatch.recovery.metrics import METRICS
 
 # Delete each key only if it still holds our owner token (ARGV[i] for KEYS[i]): a claim that
 # expired and was taken by another replica must not be released by the slow first holder.

@@ -19,7 +19,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, start
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
 
-    from recovery.report import SweepReport
+    from k8s_dispatch.recovery.report import SweepReport
 
 log = logging.getLogger(__name__)
 

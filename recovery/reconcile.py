@@ -26,18 +26,18 @@ from typing import Any, TypeVar
 import redis
 import sqlalchemy as sa
 
-from engine import store
-from engine.db import database_now, transaction
-from engine.errors import DispatchError, NotFound
-from engine.models import TERMINAL_STATES, Dispatch, DispatchState, EventType, utcnow
-from engine.settings import OrphanPolicy
-from recovery import delivery, handoff, statelog
-from recovery.crashpoints import Point, crashpoint
-from recovery.metrics import METRICS
-from recovery.reconstruct import DispatchRecord
-from recovery.report import Counts, SweepReport
-from recovery.runtime import Runtime
-from recovery.sweep import (
+from k8s_dispatch.engine import store
+from k8s_dispatch.engine.db import database_now, transaction
+from k8s_dispatch.engine.errors import DispatchError, NotFound
+from k8s_dispatch.engine.models import TERMINAL_STATES, Dispatch, DispatchState, EventType, utcnow
+from k8s_dispatch.engine.settings import OrphanPolicy
+from k8s_dispatch.recovery import delivery, handoff, statelog
+from k8s_dispatch.recovery.crashpoints import Point, crashpoint
+from k8s_dispatch.recovery.metrics import METRICS
+from k8s_dispatch.recovery.reconstruct import DispatchRecord
+from k8s_dispatch.recovery.report import Counts, SweepReport
+from k8s_dispatch.recovery.runtime import Runtime
+from k8s_dispatch.recovery.sweep import (
     Action,
     Category,
     CleanUpJob,
@@ -58,7 +58,7 @@ from recovery.sweep import (
     present_jobs,
     refusal,
 )
-from workers import labels as job_labels
+from k8s_dispatch.workers import labels as job_labels
 
 log = logging.getLogger(__name__)
 

@@ -12,11 +12,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from engine.errors import LabelMismatch, TenancyMismatch, UnknownDispatch
-from engine.models import TERMINAL_STATES, DispatchState
-from workers import labels as job_labels
-from workers.manifest import FINALIZER, job_name
-from workers.types import DispatchRef
+from k8s_dispatch.engine.errors import LabelMismatch, TenancyMismatch, UnknownDispatch
+from k8s_dispatch.engine.models import TERMINAL_STATES, DispatchState
+from k8s_dispatch.workers import labels as job_labels
+from k8s_dispatch.workers.manifest import FINALIZER, job_name
+from k8s_dispatch.workers.types import DispatchRef
 
 
 @dataclass(frozen=True)

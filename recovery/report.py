@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any
 
-from recovery.sweep import Category
+from k8s_dispatch.recovery.sweep import Category
 
 UNNOTIFIED_ROW = "unnotified"  # terminal dispatches whose engine notification was not sent
 MAX_PROBLEMS = 50  # lines kept in a report; the log has them all

@@ -16,12 +16,12 @@ import redis
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
-from engine.db import make_engine, make_sessionmaker
-from engine.settings import Settings
-from recovery.guard import Guard
-from recovery.stats import Stats
-from workers.kube import KubeClient
-from workers.resolver import CapabilityResolver
+from k8s_dispatch.engine.db import make_engine, make_sessionmaker
+from k8s_dispatch.engine.settings import Settings
+from k8s_dispatch.recovery.guard import Guard
+from k8s_dispatch.recovery.stats import Stats
+from k8s_dispatch.workers.kube import KubeClient
+from k8s_dispatch.workers.resolver import CapabilityResolver
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from typing import Protocol
 from sqlalchemy import event
 from sqlalchemy.orm import Session
 
-from recovery.metrics import METRICS
+from k8s_dispatch.recovery.metrics import METRICS
 
 log = logging.getLogger("k8s_dispatch.state")
 

@@ -16,7 +16,7 @@ import logging
 
 import redis
 
-from recovery.metrics import METRICS
+from k8s_dispatch.recovery.metrics import METRICS
 
 log = logging.getLogger(__name__)
 

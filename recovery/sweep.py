@@ -13,14 +13,14 @@ from datetime import datetime, timedelta
 from enum import IntEnum
 from typing import Any, ClassVar, Union
 
-from engine.errors import LabelMismatch, TenancyMismatch, UnknownDispatch
-from engine.ids import is_dispatch_id
-from engine.models import DispatchState
-from engine.settings import OrphanPolicy, Settings
-from recovery.reconstruct import DispatchRecord, context_from_job
-from workers import labels as job_labels
-from workers.job_status import job_state
-from workers.manifest import FINALIZER, JOB_NAME_PREFIX, job_name
+from k8s_dispatch.engine.errors import LabelMismatch, TenancyMismatch, UnknownDispatch
+from k8s_dispatch.engine.ids import is_dispatch_id
+from k8s_dispatch.engine.models import DispatchState
+from k8s_dispatch.engine.settings import OrphanPolicy, Settings
+from k8s_dispatch.recovery.reconstruct import DispatchRecord, context_from_job
+from k8s_dispatch.workers import labels as job_labels
+from k8s_dispatch.workers.job_status import job_state
+from k8s_dispatch.workers.manifest import FINALIZER, JOB_NAME_PREFIX, job_name
 
 JOB_LOST_REASON = "JobLost"
 

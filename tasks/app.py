@@ -17,15 +17,15 @@ from typing import TYPE_CHECKING, Any
 from celery import Celery, signals
 
 if TYPE_CHECKING:
-    from engine.settings import Settings
-    from recovery.runtime import Notifier, Runtime
+    from k8s_dispatch.engine.settings import Settings
+    from k8s_dispatch.recovery.runtime import Notifier, Runtime
 
 log = logging.getLogger(__name__)
 
 EXIT_CONFIG = 3  # as the CLI's: invalid configuration, nothing was done
 
-app = Celery("k8s-dispatch", include=["tasks.jobs", "tasks.recovery_tasks"])
-app.config_from_object("celeryconfig")
+app = Celery("k8s-dispatch", include=["k8s_dispatch.tasks.jobs", "k8s_dispatch.tasks.recovery_tasks"])
+app.config_from_object("k8s_dispatch.celeryconfig")
 
 _runtime: Runtime | None = None
 _runtime_lock = threading.Lock()
@@ -36,8 +36,8 @@ def get_runtime() -> Runtime:
     global _runtime
     with _runtime_lock:
         if _runtime is None:
-            from engine.settings import get_settings
-            from recovery.runtime import Runtime
+            from k8s_dispatch.engine.settings import get_settings
+            from k8s_dispatch.recovery.runtime import Runtime
 
             settings = get_settings()
             _runtime = Runtime.from_settings(settings, notifier=celery_notifier(settings))
@@ -51,7 +51,7 @@ def celery_notifier(settings: Settings, *, via: Celery | None = None) -> Notifie
     """
     from kombu.exceptions import OperationalError
 
-    from engine.errors import BrokerUnavailable
+    from k8s_dispatch.engine.errors import BrokerUnavailable
 
     sender = via if via is not None else app
 
@@ -66,7 +66,7 @@ def celery_notifier(settings: Settings, *, via: Celery | None = None) -> Notifie
 
 @signals.worker_init.connect
 def _build_runtime_at_start(**_: Any) -> None:
-    from engine.errors import ConfigError
+    from k8s_dispatch.engine.errors import ConfigError
 
     try:
         get_runtime()
@@ -80,8 +80,8 @@ def _build_runtime_at_start(**_: Any) -> None:
 @signals.worker_init.connect
 def _serve_metrics(**_: Any) -> None:
     """Prometheus metrics on K8S_DISPATCH_METRICS_PORT (0: none); a taken port is logged, not fatal."""
-    from engine.settings import get_settings
-    from recovery import metrics
+    from k8s_dispatch.engine.settings import get_settings
+    from k8s_dispatch.recovery import metrics
 
     port = get_settings().metrics_port
     if port:
@@ -128,7 +128,7 @@ def _count_discarded(sender: Any = None, request: Any = None, terminated: bool =
     Celery compares with this worker's, so a skewed clock drops every such message. Our beat
     entries carry none (`recovery.supersede` replaces it); one sent by anyone else still may.
     """
-    from recovery.metrics import METRICS
+    from k8s_dispatch.recovery.metrics import METRICS
 
     task = getattr(sender, "name", None) or getattr(request, "task", None) or "unknown"
     reason = "expired" if expired else "terminated" if terminated else "revoked"

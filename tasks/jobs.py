@@ -17,17 +17,17 @@ from celery import Task
 from celery.utils.time import get_exponential_backoff_interval
 from kombu.exceptions import ChannelError, LimitExceeded, OperationalError
 
-import celeryconfig as names
-from engine import store
-from engine.db import transaction
-from engine.errors import Transient
-from engine.models import DispatchState, utcnow
-from recovery import delivery, handoff, statelog, supersede
-from recovery.crashpoints import Point, crashpoint
-from recovery.metrics import METRICS, poll_lag_s
-from tasks.app import app, get_runtime
-from workers import labels as job_labels
-from workers.job_status import job_state
+from k8s_dispatch import celeryconfig as names
+from k8s_dispatch.engine import store
+from k8s_dispatch.engine.db import transaction
+from k8s_dispatch.engine.errors import Transient
+from k8s_dispatch.engine.models import DispatchState, utcnow
+from k8s_dispatch.recovery import delivery, handoff, statelog, supersede
+from k8s_dispatch.recovery.crashpoints import Point, crashpoint
+from k8s_dispatch.recovery.metrics import METRICS, poll_lag_s
+from k8s_dispatch.tasks.app import app, get_runtime
+from k8s_dispatch.workers import labels as job_labels
+from k8s_dispatch.workers.job_status import job_state
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

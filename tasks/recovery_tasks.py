@@ -12,11 +12,11 @@ from typing import Any
 
 from celery import signals
 
-import celeryconfig as names
-from engine.errors import DispatchError
-from recovery import supersede
-from recovery.reconcile import run_sweep
-from tasks.app import app, get_runtime
+from k8s_dispatch import celeryconfig as names
+from k8s_dispatch.engine.errors import DispatchError
+from k8s_dispatch.recovery import supersede
+from k8s_dispatch.recovery.reconcile import run_sweep
+from k8s_dispatch.tasks.app import app, get_runtime
 
 log = logging.getLogger(__name__)
 

@@ -24,14 +24,14 @@ from kombu.exceptions import OperationalError
 from sqlalchemy import event
 from sqlalchemy.orm import Session, SessionTransaction, sessionmaker
 
-import celeryconfig as names
-from engine import store
-from engine.db import transaction
-from engine.errors import DatabaseUnavailable, ScheduleNotRecorded
-from engine.models import DispatchState, EventType
-from recovery import statelog
-from recovery.crashpoints import Point, crashpoint
-from tasks.app import app
+from k8s_dispatch import celeryconfig as names
+from k8s_dispatch.engine import store
+from k8s_dispatch.engine.db import transaction
+from k8s_dispatch.engine.errors import DatabaseUnavailable, ScheduleNotRecorded
+from k8s_dispatch.engine.models import DispatchState, EventType
+from k8s_dispatch.recovery import statelog
+from k8s_dispatch.recovery.crashpoints import Point, crashpoint
+from k8s_dispatch.tasks.app import app
 
 log = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from clusters import LOCAL, REAL, ClusterHandle, local_handle, real_handle
 
-from engine import migrate
-from engine.db import make_engine, make_sessionmaker
+from k8s_dispatch.engine import migrate
+from k8s_dispatch.engine.db import make_engine, make_sessionmaker
 
 PG_ADMIN_URL = os.environ.get("K8S_DISPATCH_TEST_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 REDIS_URL = os.environ.get("K8S_DISPATCH_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -141,7 +141,7 @@ def key_prefix(redis_url: str) -> Iterator[str]:
 def real_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterHandle]:
     """The real control plane of this test session (simulate mode: the node agent runs Pods from
     the same annotations as localcluster). Built on first use; a failed build fails the tests."""
-    from realcluster.controlplane import ControlPlane
+    from k8s_dispatch.realcluster.controlplane import ControlPlane
 
     plane = ControlPlane(directory=tmp_path_factory.mktemp("realcluster"), mode="simulate")
     plane.start()
@@ -154,7 +154,7 @@ def real_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterHa
 @pytest.fixture(scope="session")
 def local_sim_cluster() -> Iterator[ClusterHandle]:
     """localcluster in simulate mode, shared by the session's cluster-parametrised tests."""
-    from localcluster import LocalCluster
+    from k8s_dispatch.localcluster import LocalCluster
 
     with LocalCluster(mode="simulate") as cluster:
         yield local_handle(cluster)

@@ -11,8 +11,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
-from engine.errors import ConfigError, UnknownCapability
-from workers.types import CapabilityName, WorkerName, is_capability_name, is_worker_name
+from k8s_dispatch.engine.errors import ConfigError, UnknownCapability
+from k8s_dispatch.workers.types import CapabilityName, WorkerName, is_capability_name, is_worker_name
 
 
 @dataclass(frozen=True)

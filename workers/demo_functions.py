@@ -1,4 +1,4 @@
-"""Functions the demo capabilities run through `workers.runner`: small work whose result a
+"""Functions the demo capabilities run through `k8s_dispatch.workers.runner`: small work whose result a
 test can recompute. Each takes the dispatch's input (a JSON object) and returns JSON; bad
 input raises `ValueError`, which the runner turns into a failed container.
 """

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from engine.errors import InputNotSerialisable
-from engine.payloads import canonical_json
-from workers.manifest import CONTAINER_NAME
+from k8s_dispatch.engine.errors import InputNotSerialisable
+from k8s_dispatch.engine.payloads import canonical_json
+from k8s_dispatch.workers.manifest import CONTAINER_NAME
 
 MAX_RESULT_BYTES = 4096  # the kubelet keeps at most 4 KiB of a container's termination message
 MAX_DETAIL_CHARS = 2048  # failure details (log tails, messages) kept in the terminal event

@@ -29,7 +29,7 @@ from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
 
-from engine.errors import (
+from k8s_dispatch.engine.errors import (
     AlreadyExists,
     AuthorizationNotReady,
     ApiRejected,
@@ -43,7 +43,7 @@ from engine.errors import (
 )
 
 if TYPE_CHECKING:
-    from engine.settings import Settings
+    from k8s_dispatch.engine.settings import Settings
 
 log = logging.getLogger(__name__)
 

@@ -13,9 +13,9 @@ import hashlib
 import re
 from collections.abc import Mapping
 
-from engine.errors import LabelMismatch
-from engine.names import is_label_value
-from workers.types import (
+from k8s_dispatch.engine.errors import LabelMismatch
+from k8s_dispatch.engine.names import is_label_value
+from k8s_dispatch.workers.types import (
     CapabilityName,
     CaseId,
     DispatchId,

@@ -13,14 +13,14 @@ from collections.abc import Mapping
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
-from engine.errors import (
+from k8s_dispatch.engine.errors import (
     InvalidId,
     InvalidManifest,
 )
-from engine.names import is_dns1123_label, is_label_value, is_qualified_name
-from engine.payloads import canonical_json
-from workers import labels as job_labels
-from workers.types import (
+from k8s_dispatch.engine.names import is_dns1123_label, is_label_value, is_qualified_name
+from k8s_dispatch.engine.payloads import canonical_json
+from k8s_dispatch.workers import labels as job_labels
+from k8s_dispatch.workers.types import (
     DispatchId,
     DispatchRef,
     check_ref,
@@ -30,7 +30,7 @@ from workers.types import (
 )
 
 if TYPE_CHECKING:
-    from workers.resolver import CapabilitySpec
+    from k8s_dispatch.workers.resolver import CapabilitySpec
 
 JOB_NAME_PREFIX = "kd-"  # + the 36-character dispatch id: 39 characters
 FINALIZER = "k8s-dispatch.io/result-protection"  # on the Job and, through its template, on its Pods

@@ -10,8 +10,8 @@ Schema (field names as Kubernetes spells them)::
       demo.wordcount:                  # capability name: letters, digits, -_.:/ (<= 128)
         worker: demo-text              # required, DNS-1123 label
         image: k8s-dispatch:latest     # required
-        command: [python, -m, workers.runner]   # list of strings, default: image entrypoint
-        args: [workers.demo_functions:wordcount] # list of strings, default []
+        command: [python, -m, k8s_dispatch.workers.runner]   # list of strings, default: image entrypoint
+        args: [k8s_dispatch.workers.demo_functions:wordcount] # list of strings, default []
         env: {LOG_LEVEL: info}         # string -> string (K8S_DISPATCH_INPUT is reserved)
         resources:                     # requests/limits: resource name -> quantity
           requests: {cpu: 50m, memory: 64Mi}
@@ -34,13 +34,13 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from engine.errors import ConfigError, UnknownCapability
-from workers.backends import Worker
-from workers.manifest import spec_problems
-from workers.types import CapabilityName, WorkerName, is_capability_name
+from k8s_dispatch.engine.errors import ConfigError, UnknownCapability
+from k8s_dispatch.workers.backends import Worker
+from k8s_dispatch.workers.manifest import spec_problems
+from k8s_dispatch.workers.types import CapabilityName, WorkerName, is_capability_name
 
 if TYPE_CHECKING:
-    from engine.settings import Settings
+    from k8s_dispatch.engine.settings import Settings
 
 # No deadline by default would let a pod that never starts (a bad image: ImagePullBackOff)
 # hold its dispatch open for ever; one hour ends it with DeadlineExceeded. `null` opts out.
@@ -350,9 +350,9 @@ def _load_yaml(text: str) -> object:
 
 DEMO_IMAGE = "k8s-dispatch:latest"
 DEMO_FUNCTIONS = {
-    "demo.wordcount": ("demo-text", "workers.demo_functions:wordcount"),
-    "demo.sha256": ("demo-text", "workers.demo_functions:sha256"),
-    "demo.primes": ("demo-math", "workers.demo_functions:primes"),
+    "demo.wordcount": ("demo-text", "k8s_dispatch.workers.demo_functions:wordcount"),
+    "demo.sha256": ("demo-text", "k8s_dispatch.workers.demo_functions:sha256"),
+    "demo.primes": ("demo-math", "k8s_dispatch.workers.demo_functions:primes"),
 }
 
 
@@ -367,7 +367,7 @@ def demo_config(*, image: str = DEMO_IMAGE, python: str = "python") -> dict[str,
             name: {
                 "worker": worker,
                 "image": image,
-                "command": [python, "-m", "workers.runner"],
+                "command": [python, "-m", "k8s_dispatch.workers.runner"],
                 "args": [function],
                 "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}, "limits": {"memory": "128Mi"}},
                 "activeDeadlineSeconds": 120,

@@ -1,4 +1,4 @@
-"""The worker-side runner a Job's container runs: `python -m workers.runner MODULE:FUNCTION`.
+"""The worker-side runner a Job's container runs: `python -m k8s_dispatch.workers.runner MODULE:FUNCTION`.
 
 Reads the input JSON from `K8S_DISPATCH_INPUT`, calls `FUNCTION(input)` and writes its JSON
 result (at most 4 KiB) to `TERMINATION_MESSAGE_PATH` (default /dev/termination-log), exit 0.
@@ -16,12 +16,12 @@ import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from engine.errors import InputNotSerialisable
-from workers.job_status import MAX_RESULT_BYTES
-from workers.manifest import INPUT_ENV, TERMINATION_MESSAGE_PATH, encode_input
+from k8s_dispatch.engine.errors import InputNotSerialisable
+from k8s_dispatch.workers.job_status import MAX_RESULT_BYTES
+from k8s_dispatch.workers.manifest import INPUT_ENV, TERMINATION_MESSAGE_PATH, encode_input
 
 TERMINATION_PATH_ENV = "TERMINATION_MESSAGE_PATH"
-USAGE = "usage: python -m workers.runner MODULE:FUNCTION"
+USAGE = "usage: python -m k8s_dispatch.workers.runner MODULE:FUNCTION"
 
 EXIT_OK = 0
 EXIT_FAILED = 1  # the function raised, or its result cannot be written
@@ -88,7 +88,7 @@ def run(target: str, environ: Mapping[str, str]) -> int:
         function = load_function(target)
         value = read_input(environ)
     except RunnerError as e:
-        print(f"workers.runner: {e}", file=sys.stderr)
+        print(f"k8s_dispatch.workers.runner: {e}", file=sys.stderr)
         if e.__cause__ is not None:
             traceback.print_exception(e.__cause__, file=sys.stderr)
         return e.exit_code
@@ -96,19 +96,19 @@ def run(target: str, environ: Mapping[str, str]) -> int:
         result = function(value)
     except Exception:  # noqa: BLE001 - whatever the function raises ends the container as failed
         traceback.print_exc()
-        print(f"workers.runner: {target} raised; no result written", file=sys.stderr)
+        print(f"k8s_dispatch.workers.runner: {target} raised; no result written", file=sys.stderr)
         return EXIT_FAILED
     try:
         text = encode_result(result)
     except RunnerError as e:
-        print(f"workers.runner: {e}", file=sys.stderr)
+        print(f"k8s_dispatch.workers.runner: {e}", file=sys.stderr)
         return e.exit_code
     path = environ.get(TERMINATION_PATH_ENV) or TERMINATION_MESSAGE_PATH
     try:
         with open(path, "w", encoding="utf-8") as f:
             f.write(text)
     except OSError as e:
-        print(f"workers.runner: cannot write the result to {path}: {e}", file=sys.stderr)
+        print(f"k8s_dispatch.workers.runner: cannot write the result to {path}: {e}", file=sys.stderr)
         return EXIT_FAILED
     return EXIT_OK
 

@@ -12,15 +12,15 @@ import uuid
 from dataclasses import dataclass
 from typing import NewType
 
-from engine.errors import InvalidId, InvalidIdempotencyKey
-from engine.ids import (
+from k8s_dispatch.engine.errors import InvalidId, InvalidIdempotencyKey
+from k8s_dispatch.engine.ids import (
     MAX_ID_LENGTH,
     MAX_IDEMPOTENCY_KEY_LENGTH,
     is_dispatch_id,
     is_engine_id,
     is_idempotency_key,
 )
-from engine.names import is_dns1123_label
+from k8s_dispatch.engine.names import is_dns1123_label
 
 DispatchId = NewType("DispatchId", str)
 CaseId = NewType("CaseId", str)

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from alembic import context
 
-from engine.db import make_engine
-from engine.migrate import VERSION_TABLE
-from engine.models import Base
+from k8s_dispatch.engine.db import make_engine
+from k8s_dispatch.engine.migrate import VERSION_TABLE
+from k8s_dispatch.engine.models import Base
 
 config = context.config
 

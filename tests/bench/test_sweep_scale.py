@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from bench import services, sweep_scale
-from bench.sizes import SIZES
+from k8s_dispatch.bench import services, sweep_scale
+from k8s_dispatch.bench.sizes import SIZES
 
 PG_ADMIN_URL = os.environ.get("K8S_DISPATCH_TEST_PG_ADMIN_URL", services.PG_ADMIN_URL)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.results import BenchResult, BenchRun, Figure, Ratio, Target
-from bench.timing import alternating, interleaved, paired_ratios, per_op_ms, rates
+from k8s_dispatch.bench.results import BenchResult, BenchRun, Figure, Ratio, Target
+from k8s_dispatch.bench.timing import alternating, interleaved, paired_ratios, per_op_ms, rates
 
 
 def test_variants_alternate_their_order_each_round() -> None:

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from engine.models import EventType
-from tasks.chaos_checks import RowSnapshot, TerminalEvent, judge, mismatch
-from tasks.chaos_workload import Expected, Kind, capabilities_config, expected, kind_of, workload
-from workers.labels import MANAGED_BY, MANAGED_BY_LABEL
-from workers.manifest import FINALIZER
-from workers.resolver import CapabilityResolver
+from k8s_dispatch.engine.models import EventType
+from k8s_dispatch.ops.chaos_checks import RowSnapshot, TerminalEvent, judge, mismatch
+from k8s_dispatch.ops.chaos_workload import Expected, Kind, capabilities_config, expected, kind_of, workload
+from k8s_dispatch.workers.labels import MANAGED_BY, MANAGED_BY_LABEL
+from k8s_dispatch.workers.manifest import FINALIZER
+from k8s_dispatch.workers.resolver import CapabilityResolver
 
 DONE = Expected(EventType.WORKER_COMPLETED, output={"simulated": True, "input": {"n": 1}})
 FAILS = Expected(EventType.WORKER_FAILED, reason="DeadlineExceeded")

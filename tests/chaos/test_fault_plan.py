@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tasks.fault_plan import BEAT, FaultKind, make_plan, worker_names
+from k8s_dispatch.ops.fault_plan import BEAT, FaultKind, make_plan, worker_names
 
 TARGETS = [*worker_names(3), BEAT]
 
@@ -129,7 +129,7 @@ def test_worker_names_are_numbered_from_one():
 
 
 def test_the_cli_shows_a_seeds_plan_without_running_anything(capsys):
-    from tasks.cli import main
+    from k8s_dispatch.ops.cli import main
 
     assert main(["chaos", "--seed", "3", "--dispatches", "1000", "--rate", "10", "--kills", "20", "--show-plan"]) == 0
     first = capsys.readouterr().out

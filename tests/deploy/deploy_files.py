@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from engine.settings import ENV_PREFIX, Settings
+from k8s_dispatch.engine.settings import ENV_PREFIX, Settings
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"

@@ -20,10 +20,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from deploy_files import DEPLOY
-from workers.job_status import parse_result
-from workers.manifest import INPUT_ENV, build_job, encode_input
-from workers.resolver import CapabilityResolver
-from workers.types import CapabilityName, CaseId, DispatchId, DispatchRef, IdempotencyKey, TenancyId, WorkerName
+from k8s_dispatch.workers.job_status import parse_result
+from k8s_dispatch.workers.manifest import INPUT_ENV, build_job, encode_input
+from k8s_dispatch.workers.resolver import CapabilityResolver
+from k8s_dispatch.workers.types import CapabilityName, CaseId, DispatchId, DispatchRef, IdempotencyKey, TenancyId, WorkerName
 
 # The images' interpreters, played by this machine's.
 LOCAL = {"sh": shutil.which("sh"), "python": sys.executable}

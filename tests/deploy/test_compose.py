@@ -15,10 +15,10 @@ import pytest
 import yaml
 
 from deploy_files import COMPOSE_FILE, REPO, Doc, interpolate, interpolated_names, settings_env_names
-from engine.settings import ENV_PREFIX, load_settings
+from k8s_dispatch.engine.settings import ENV_PREFIX, load_settings
 
 APP_SERVICES = ("migrate", "worker", "beat", "flower")
-CELERY_APP = ["celery", "-A", "tasks"]
+CELERY_APP = ["celery", "-A", "k8s_dispatch.tasks"]
 
 
 def _environment(service: Doc) -> dict[str, str]:
@@ -76,7 +76,7 @@ def test_migrate_runs_the_installed_console_script() -> None:
 def test_celery_app_is_found_where_the_commands_look(tmp_path: Path) -> None:
     # `celery -A tasks` resolves the app with Celery's own finder. Run it in a fresh process
     # outside the tree, as in the image: in this one, tests/tasks/ can shadow the package.
-    probe = "from celery.app.utils import find_app; app = find_app('tasks'); print(type(app).__name__, app.main)"
+    probe = "from celery.app.utils import find_app; app = find_app('k8s_dispatch.tasks'); print(type(app).__name__, app.main)"
     done = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["Celery", "k8s-dispatch"]
@@ -99,7 +99,7 @@ def test_worker_health_is_a_celery_ping_of_its_own_node(compose: Doc) -> None:
     kind, command = compose["services"]["worker"]["healthcheck"]["test"]
     assert kind == "CMD-SHELL"  # so the container's shell expands $HOSTNAME
     # `$$` in the file is Compose's escape: the shell sees `$HOSTNAME`, Celery's node name.
-    assert command.startswith("celery -A tasks inspect ping -d celery@$HOSTNAME ")
+    assert command.startswith("celery -A k8s_dispatch.tasks inspect ping -d celery@$HOSTNAME ")
     assert "--timeout" in command
 
 

@@ -99,7 +99,7 @@ def test_pip_keeps_no_cache_in_the_image() -> None:
 
 def test_default_command_is_the_worker() -> None:
     (cmd,) = [args for op, args in _final_stage() if op == "CMD"]
-    assert cmd == '["celery", "-A", "tasks", "worker", "--loglevel=INFO"]'
+    assert cmd == '["celery", "-A", "k8s_dispatch.tasks", "worker", "--loglevel=INFO"]'
 
 
 def _ignored(path: str, patterns: list[str]) -> bool:

@@ -20,8 +20,8 @@ import redis
 from kubernetes.client import ApiClient
 
 from deploy_files import DEPLOY, REPO, Doc, load_docs, role_permissions, settings_env_names
-from engine.settings import ENV_PREFIX, Settings, load_settings
-from workers import kube
+from k8s_dispatch.engine.settings import ENV_PREFIX, Settings, load_settings
+from k8s_dispatch.workers import kube
 
 NAMESPACE = "k8s-dispatch"
 WORKER = "k8s-dispatch-worker"
@@ -231,7 +231,7 @@ def test_everything_is_in_the_one_namespace(manifests: list[tuple[str, Doc]], ku
 def test_nothing_here_looks_like_a_dispatch_job(manifests: list[tuple[str, Doc]]) -> None:
     # The workers list, poll and sweep whatever carries the managed-by label; the migrate Job
     # or a pod of ours with it would be taken for an orphaned dispatch.
-    from workers.labels import MANAGED_BY, MANAGED_BY_LABEL
+    from k8s_dispatch.workers.labels import MANAGED_BY, MANAGED_BY_LABEL
 
     for _, doc in manifests:
         label_sets = [doc["metadata"].get("labels", {})]
@@ -278,9 +278,9 @@ def test_pdb_covers_the_workers_only(objects: dict[tuple[str, str], Doc]) -> Non
 @pytest.mark.parametrize(
     ("kind", "name", "command"),
     [
-        ("Deployment", WORKER, ["celery", "-A", "tasks", "worker", "--loglevel=INFO"]),
-        ("Deployment", BEAT, ["celery", "-A", "tasks", "beat", "--loglevel=INFO"]),
-        ("Deployment", FLOWER, ["celery", "-A", "tasks", "flower", "--port=5555"]),
+        ("Deployment", WORKER, ["celery", "-A", "k8s_dispatch.tasks", "worker", "--loglevel=INFO"]),
+        ("Deployment", BEAT, ["celery", "-A", "k8s_dispatch.tasks", "beat", "--loglevel=INFO"]),
+        ("Deployment", FLOWER, ["celery", "-A", "k8s_dispatch.tasks", "flower", "--port=5555"]),
         ("Job", MIGRATE, ["k8s-dispatch", "migrate"]),
     ],
 )
@@ -307,7 +307,7 @@ def test_worker_liveness_is_a_celery_ping_of_its_own_node(objects: dict[tuple[st
     shell, flag, script = probe["exec"]["command"]
     assert (shell, flag) == ("sh", "-c")  # exec probes run no shell of their own: $HOSTNAME needs one
     words = shlex.split(script)
-    assert words[:7] == ["celery", "-A", "tasks", "inspect", "ping", "-d", "celery@$HOSTNAME"]
+    assert words[:7] == ["celery", "-A", "k8s_dispatch.tasks", "inspect", "ping", "-d", "celery@$HOSTNAME"]
     ping_timeout = float(words[words.index("--timeout") + 1])
     # The kubelet must not kill the probe before Celery gives up waiting for the reply.
     assert probe["timeoutSeconds"] > ping_timeout + 5
@@ -515,8 +515,8 @@ def test_keda_scales_the_worker_deployment(objects: dict[tuple[str, str], Doc]) 
 # create-Job message (never consumed: no worker uses the test's key prefix) and prints the
 # broker's global key prefix.
 _SEND_CREATE_JOB = """
-import celeryconfig
-from tasks import app
+from k8s_dispatch import celeryconfig
+from k8s_dispatch.tasks import app
 app.send_task(celeryconfig.CREATE_JOB_TASK, args=["00000000-0000-4000-8000-000000000000"])
 print(celeryconfig.broker_transport_options.get("global_keyprefix", ""))
 """
@@ -578,7 +578,7 @@ def test_keda_authenticates_with_the_brokers_password(objects: dict[tuple[str, s
 
 
 def test_capabilities_example_is_valid_for_the_resolver() -> None:
-    from workers.resolver import CapabilityResolver
+    from k8s_dispatch.workers.resolver import CapabilityResolver
 
     resolver = CapabilityResolver.from_file(DEPLOY / "capabilities.example.yaml")
     assert set(resolver.capabilities()) == {"echo", "checksum"}

@@ -20,19 +20,19 @@ import pytest
 from clusters import ClusterHandle
 from deploy_files import DEPLOY, role_permissions
 
-from engine import store
-from engine.db import transaction
-from engine.errors import ApiRejected
-from engine.settings import load_settings
-from localcluster import LocalCluster
-from recovery import delivery
-from recovery.reconcile import run_sweep
-from recovery.runtime import Runtime
-from tasks.processes import wait_until
-from workers import labels as job_labels
-from workers.job_status import job_state
-from workers.resolver import CapabilityResolver
-from workers.types import DispatchRef
+from k8s_dispatch.engine import store
+from k8s_dispatch.engine.db import transaction
+from k8s_dispatch.engine.errors import ApiRejected
+from k8s_dispatch.engine.settings import load_settings
+from k8s_dispatch.localcluster import LocalCluster
+from k8s_dispatch.recovery import delivery
+from k8s_dispatch.recovery.reconcile import run_sweep
+from k8s_dispatch.recovery.runtime import Runtime
+from k8s_dispatch.ops.processes import wait_until
+from k8s_dispatch.workers import labels as job_labels
+from k8s_dispatch.workers.job_status import job_state
+from k8s_dispatch.workers.resolver import CapabilityResolver
+from k8s_dispatch.workers.types import DispatchRef
 
 SIM = "localcluster.k8s-dispatch.io/"
 RBAC_FILE = DEPLOY / "rbac.yaml"
@@ -75,7 +75,7 @@ def rt(recorded: LocalCluster, new_pg_database, redis_url: str, key_prefix: str)
 
 
 def _migrated(url: str) -> str:
-    from engine import migrate
+    from k8s_dispatch.engine import migrate
 
     migrate.upgrade(url)
     return url

@@ -13,10 +13,10 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
-from engine import store
-from engine.db import transaction
-from engine.errors import UnknownCapability
-from engine.models import CaseEvent, CaseInstance, Dispatch
+from k8s_dispatch.engine import store
+from k8s_dispatch.engine.db import transaction
+from k8s_dispatch.engine.errors import UnknownCapability
+from k8s_dispatch.engine.models import CaseEvent, CaseInstance, Dispatch
 
 T = TypeVar("T")
 MAX_INPUT_BYTES = 1000

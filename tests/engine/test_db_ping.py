@@ -8,8 +8,8 @@ import psycopg
 import pytest
 import sqlalchemy as sa
 
-from engine.db import make_sessionmaker, transaction
-from engine.errors import DatabaseUnavailable
+from k8s_dispatch.engine.db import make_sessionmaker, transaction
+from k8s_dispatch.engine.errors import DatabaseUnavailable
 
 
 def kill_backend(pg_url: str, pid: int) -> None:

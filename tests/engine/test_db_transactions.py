@@ -11,10 +11,10 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 
-from engine import store
-from engine.db import database_now, make_sessionmaker, normalise_url, transaction
-from engine.errors import DatabaseUnavailable, Transient
-from engine.models import CaseInstance
+from k8s_dispatch.engine import store
+from k8s_dispatch.engine.db import database_now, make_sessionmaker, normalise_url, transaction
+from k8s_dispatch.engine.errors import DatabaseUnavailable, Transient
+from k8s_dispatch.engine.models import CaseInstance
 
 
 @pytest.mark.parametrize(

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine import names as client
-from localcluster import names as server
+from k8s_dispatch.engine import names as client
+from k8s_dispatch.localcluster import names as server
 
 CHECKS = [
     (client.is_dns1123_label, server.dns1123_label),

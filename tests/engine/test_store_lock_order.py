@@ -12,9 +12,9 @@ import uuid
 import pytest
 import sqlalchemy as sa
 
-from engine import store
-from engine.db import make_sessionmaker, transaction
-from engine.models import CaseEvent, Dispatch, DispatchState
+from k8s_dispatch.engine import store
+from k8s_dispatch.engine.db import make_sessionmaker, transaction
+from k8s_dispatch.engine.models import CaseEvent, Dispatch, DispatchState
 
 MAX_INPUT_BYTES = 1000
 THREADS = 4

@@ -16,8 +16,8 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy.engine import Engine
 
-from engine import migrate
-from engine.models import Base
+from k8s_dispatch.engine import migrate
+from k8s_dispatch.engine.models import Base
 
 OUR_TABLES = {"case_instances", "case_events", "dispatches"}
 ROOT = Path(__file__).resolve().parents[2]
@@ -86,7 +86,7 @@ def test_models_match_the_migrated_schema(db_url: str, engine_factory: Callable[
 def test_migrate_runs_from_any_directory_without_alembic_ini(new_pg_database: Callable[[], str], tmp_path: Path) -> None:
     url = new_pg_database()
     subprocess.run(
-        [sys.executable, "-W", "error", "-c", "import sys; from engine.migrate import upgrade; upgrade(sys.argv[1])", url],
+        [sys.executable, "-W", "error", "-c", "import sys; from k8s_dispatch.engine.migrate import upgrade; upgrade(sys.argv[1])", url],
         cwd=tmp_path,
         check=True,
         timeout=120,
@@ -96,7 +96,7 @@ def test_migrate_runs_from_any_directory_without_alembic_ini(new_pg_database: Ca
 
 
 def test_package_data_ships_every_migration_file() -> None:
-    patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["engine"]
+    patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["k8s_dispatch.engine"]
     package = ROOT / "engine"
     files = [
         path.relative_to(package).as_posix()

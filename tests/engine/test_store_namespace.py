@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from engine import store
-from engine.db import transaction
-from engine.errors import ConfigError
-from engine.models import DispatchState
+from k8s_dispatch.engine import store
+from k8s_dispatch.engine.db import transaction
+from k8s_dispatch.engine.errors import ConfigError
+from k8s_dispatch.engine.models import DispatchState
 from tests.engine.conftest import MAX_INPUT_BYTES, StaticRouter
 
 

@@ -12,10 +12,10 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 
-from engine import store
-from engine.db import transaction
-from engine.errors import InputNotSerialisable, InvalidInput, UnknownDispatch
-from engine.models import CaseEvent, CaseInstance, DispatchState, EventType
+from k8s_dispatch.engine import store
+from k8s_dispatch.engine.db import transaction
+from k8s_dispatch.engine.errors import InputNotSerialisable, InvalidInput, UnknownDispatch
+from k8s_dispatch.engine.models import CaseEvent, CaseInstance, DispatchState, EventType
 
 Schedule = Callable[..., store.ScheduleResult]
 T0 = datetime(2024, 5, 1, 12, 0, tzinfo=timezone.utc)

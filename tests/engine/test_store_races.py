@@ -13,9 +13,9 @@ import sqlalchemy as sa
 from sqlalchemy import event
 from sqlalchemy.exc import IntegrityError
 
-from engine import store
-from engine.db import make_sessionmaker, transaction
-from engine.models import CaseEvent, Dispatch, DispatchState, EventType, STATE_FOR_TERMINAL_EVENT, TERMINAL_EVENT_TYPES
+from k8s_dispatch.engine import store
+from k8s_dispatch.engine.db import make_sessionmaker, transaction
+from k8s_dispatch.engine.models import CaseEvent, Dispatch, DispatchState, EventType, STATE_FOR_TERMINAL_EVENT, TERMINAL_EVENT_TYPES
 
 TYPES = [EventType.WORKER_COMPLETED, EventType.WORKER_FAILED, EventType.WORKER_CANCELLED]
 

@@ -9,9 +9,9 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from engine import store
-from engine.db import transaction
-from engine.models import DispatchState, EventType
+from k8s_dispatch.engine import store
+from k8s_dispatch.engine.db import transaction
+from k8s_dispatch.engine.models import DispatchState, EventType
 
 Schedule = Callable[..., store.ScheduleResult]
 T0 = datetime(2024, 5, 1, 12, 0, tzinfo=timezone.utc)

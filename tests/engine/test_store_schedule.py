@@ -14,9 +14,9 @@ import sqlalchemy as sa
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine import store
-from engine.db import transaction
-from engine.errors import (
+from k8s_dispatch.engine import store
+from k8s_dispatch.engine.db import transaction
+from k8s_dispatch.engine.errors import (
     DispatchError,
     IdempotencyConflict,
     InputNotSerialisable,
@@ -28,7 +28,7 @@ from engine.errors import (
     UnknownCapability,
     UnknownCase,
 )
-from engine.models import CaseEvent, Dispatch, DispatchState, EventType
+from k8s_dispatch.engine.models import CaseEvent, Dispatch, DispatchState, EventType
 
 LIMIT = 1000  # max_input_bytes in the size tests
 

@@ -12,10 +12,10 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy import event
 
-from engine import store
-from engine.db import make_sessionmaker, transaction
-from engine.errors import IdempotencyConflict, InputTooLarge, InvalidId, UnknownCapability, UnknownCase
-from engine.models import CaseEvent, Dispatch, DispatchState, EventType
+from k8s_dispatch.engine import store
+from k8s_dispatch.engine.db import make_sessionmaker, transaction
+from k8s_dispatch.engine.errors import IdempotencyConflict, InputTooLarge, InvalidId, UnknownCapability, UnknownCase
+from k8s_dispatch.engine.models import CaseEvent, Dispatch, DispatchState, EventType
 
 MAX_INPUT_BYTES = 1000
 

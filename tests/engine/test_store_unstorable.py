@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from engine import store
-from engine.db import transaction
-from engine.errors import InputNotSerialisable, InvalidInput
-from engine.models import DispatchState, EventType
-from engine.payloads import MAX_DEPTH, canonical_json
+from k8s_dispatch.engine import store
+from k8s_dispatch.engine.db import transaction
+from k8s_dispatch.engine.errors import InputNotSerialisable, InvalidInput
+from k8s_dispatch.engine.models import DispatchState, EventType
+from k8s_dispatch.engine.payloads import MAX_DEPTH, canonical_json
 
 COMPLETED, FAILED = EventType.WORKER_COMPLETED, EventType.WORKER_FAILED
 

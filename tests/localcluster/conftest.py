@@ -18,7 +18,7 @@ import pytest
 from kubernetes import client
 
 from clusters import ClusterHandle, local_handle
-from localcluster import LocalCluster
+from k8s_dispatch.localcluster import LocalCluster
 
 T = TypeVar("T")
 _ns_counter = itertools.count(1)

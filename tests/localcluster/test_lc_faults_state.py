@@ -17,7 +17,7 @@ from kubernetes import client, config
 from kubernetes.client import ApiException
 
 from conftest import condition_types, job_manifest, raw_request, wait_for
-from localcluster import LocalCluster
+from k8s_dispatch.localcluster import LocalCluster
 
 SIM = "localcluster.k8s-dispatch.io/"
 
@@ -74,7 +74,7 @@ def test_the_fault_endpoint_drives_a_partial_rate() -> None:
 class ServeProcess:
     def __init__(self, tmp: Path, *, mode: str, port: int = 0, tls_port: int = 0) -> None:
         self.kubeconfig = tmp / "kubeconfig"
-        cmd = [sys.executable, "-m", "localcluster", "serve", "--mode", mode, "--state", str(tmp / "state.jsonl"),
+        cmd = [sys.executable, "-m", "k8s_dispatch.localcluster", "serve", "--mode", mode, "--state", str(tmp / "state.jsonl"),
                "--kubeconfig", str(self.kubeconfig), "--port", str(port), "--tls-port", str(tls_port)]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                      cwd=Path(__file__).resolve().parents[2])

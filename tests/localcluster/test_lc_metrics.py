@@ -13,9 +13,9 @@ from kubernetes import client, watch
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import Api, job_manifest, raw_request
-from localcluster import LocalCluster
-from localcluster.audit import METRIC, RequestCount
-from tasks.processes import wait_until
+from k8s_dispatch.localcluster import LocalCluster
+from k8s_dispatch.localcluster.audit import METRIC, RequestCount
+from k8s_dispatch.ops.processes import wait_until
 
 Key = tuple[str, str, str, str, int]  # verb, resource, subresource, scope, code
 SIM = {"localcluster.k8s-dispatch.io/duration-ms": "60000"}  # still running while the test looks

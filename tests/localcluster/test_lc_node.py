@@ -26,10 +26,10 @@ import pytest
 from kubernetes import client, config, watch
 
 from conftest import job_manifest, wait_for
-from localcluster import LocalCluster
-from localcluster.kubelet import has_started
-from localcluster.node import KUBELET_VERSION, log_slice, micro_time, node_status, schedulable
-from localcluster.timestamps import parse_rfc3339
+from k8s_dispatch.localcluster import LocalCluster
+from k8s_dispatch.localcluster.kubelet import has_started
+from k8s_dispatch.localcluster.node import KUBELET_VERSION, log_slice, micro_time, node_status, schedulable
+from k8s_dispatch.localcluster.timestamps import parse_rfc3339
 
 SIM = "localcluster.k8s-dispatch.io/"
 RESULT = '{"answer": 42}'
@@ -47,7 +47,7 @@ class Agent:
         self.workdir.mkdir(parents=True, exist_ok=True)
         stderr = open(self.workdir / "agent.log", "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "localcluster", "node", "--kubeconfig", str(self.kubeconfig), "--mode", self.mode,
+            [sys.executable, "-m", "k8s_dispatch.localcluster", "node", "--kubeconfig", str(self.kubeconfig), "--mode", self.mode,
              "--name", self.name, "--workdir", str(self.workdir)],
             stdout=subprocess.PIPE, stderr=stderr)
         stderr.close()
@@ -122,7 +122,7 @@ def _cluster_with_agent(tmp: Path, mode: str, name: str) -> Iterator[tuple[Local
 
 
 # The real control plane too, where the tree has it (realcluster/): the same tests, unchanged.
-CLUSTERS = ["localcluster"] + (["realcluster"] if importlib.util.find_spec("realcluster") else [])
+CLUSTERS = ["localcluster"] + (["realcluster"] if importlib.util.find_spec("k8s_dispatch.realcluster") else [])
 
 
 @dataclass
@@ -133,7 +133,7 @@ class Served:
 
 @pytest.fixture(scope="session")
 def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from realcluster.controlplane import ControlPlane
+    from k8s_dispatch.realcluster.controlplane import ControlPlane
 
     with ControlPlane(directory=tmp_path_factory.mktemp("realcluster"), mode="none") as cp:
         yield cp
@@ -148,7 +148,7 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         for cluster, agent in _cluster_with_agent(tmp, mode, f"node-{mode}"):
             yield Served(cluster.kubeconfig), agent
         return
-    from realcluster.controlplane import NODE_NAME
+    from k8s_dispatch.realcluster.controlplane import NODE_NAME
 
     cp = request.getfixturevalue("control_plane")
     agent = Agent(cp.directory / "node.kubeconfig", mode=mode, name=NODE_NAME, workdir=tmp / "node").start()

@@ -7,13 +7,13 @@ import uuid
 
 import pytest
 
-from localcluster import paths, simrunner
-from localcluster.jobsync import PodView, TRACKING_FINALIZER, plan_job
-from localcluster.patching import PatchError, json_patch, merge_patch, strategic_merge_patch
-from localcluster.registry import new_uid
-from localcluster.resources import JOBS, NAMESPACES, PODS
-from localcluster.tables import human_duration
-from localcluster.timestamps import rfc3339
+from k8s_dispatch.localcluster import paths, simrunner
+from k8s_dispatch.localcluster.jobsync import PodView, TRACKING_FINALIZER, plan_job
+from k8s_dispatch.localcluster.patching import PatchError, json_patch, merge_patch, strategic_merge_patch
+from k8s_dispatch.localcluster.registry import new_uid
+from k8s_dispatch.localcluster.resources import JOBS, NAMESPACES, PODS
+from k8s_dispatch.localcluster.tables import human_duration
+from k8s_dispatch.localcluster.timestamps import rfc3339
 
 NOW = 1_700_000_000.0
 

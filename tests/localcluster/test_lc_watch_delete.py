@@ -12,7 +12,7 @@ from kubernetes import client, watch
 from kubernetes.client import ApiException
 
 from conftest import Api, job_manifest, raw_request, wait_for
-from localcluster import LocalCluster
+from k8s_dispatch.localcluster import LocalCluster
 
 HANG = {"localcluster.k8s-dispatch.io/outcome": "hang"}
 FINALIZER = "k8s-dispatch.io/result-protection"

@@ -15,8 +15,8 @@ import yaml
 from kubernetes import client
 
 from clusters import ClusterHandle
-from realcluster import binaries
-from tasks.processes import wait_until
+from k8s_dispatch.realcluster import binaries
+from k8s_dispatch.ops.processes import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 SIM = "localcluster.k8s-dispatch.io/"
@@ -106,7 +106,7 @@ def test_serve_writes_a_kubeconfig_and_removes_everything_on_sigterm(tmp_path: P
 
     kubeconfig = tmp_path / "rc.kubeconfig"
     env = {**os.environ, "TMPDIR": str(tmp_path)}
-    proc = subprocess.Popen([sys.executable, "-m", "realcluster", "serve", "--kubeconfig", str(kubeconfig),
+    proc = subprocess.Popen([sys.executable, "-m", "k8s_dispatch.realcluster", "serve", "--kubeconfig", str(kubeconfig),
                              "--mode", "none"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     try:

@@ -17,9 +17,9 @@ import pytest
 from kubernetes import client, watch
 
 from clusters import ClusterHandle
-from realcluster import faultproxy
-from realcluster.controlplane import User, kubeconfig_text
-from tasks.processes import free_port, wait_for_log
+from k8s_dispatch.realcluster import faultproxy
+from k8s_dispatch.realcluster.controlplane import User, kubeconfig_text
+from k8s_dispatch.ops.processes import free_port, wait_for_log
 
 
 @pytest.fixture(scope="module")

@@ -3,9 +3,9 @@ simulated Job that finishes at once. One definition shared by the recovery tests
 
 from __future__ import annotations
 
-from workers import labels as job_labels
-from workers.manifest import FINALIZER, job_name
-from workers.types import DispatchRef
+from k8s_dispatch.workers import labels as job_labels
+from k8s_dispatch.workers.manifest import FINALIZER, job_name
+from k8s_dispatch.workers.types import DispatchRef
 
 SIM = "localcluster.k8s-dispatch.io/"  # localcluster's simulate-mode annotations
 

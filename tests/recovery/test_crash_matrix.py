@@ -28,27 +28,27 @@ import yaml
 from celery import Celery
 from forged_jobs import SIM, forge_job
 
-import celeryconfig as names
-from engine import migrate, store
-from engine.db import transaction
-from engine.errors import ApiUnavailable
-from engine.models import DispatchState, EventType
-from engine.settings import Settings, load_settings
+from k8s_dispatch import celeryconfig as names
+from k8s_dispatch.engine import migrate, store
+from k8s_dispatch.engine.db import transaction
+from k8s_dispatch.engine.errors import ApiUnavailable
+from k8s_dispatch.engine.models import DispatchState, EventType
+from k8s_dispatch.engine.settings import Settings, load_settings
 from clusters import LOCAL, REAL, ClusterHandle, local_handle
-from localcluster import LocalCluster
-from localcluster.cluster import token_from_kubeconfig
-from recovery import delivery, stats
-from recovery.crashpoints import ENV_VAR as CRASH_AT
-from recovery.crashpoints import Point
-from recovery.reconcile import ORPHANS_REPORTED
-from recovery.runtime import Runtime
-from tasks.processes import ManagedProcess, celery_beat, celery_worker, wait_until
-from tasks.recovery_tasks import STARTUP_SWEEP_DONE
-from tasks.scheduling import schedule_in_session
-from workers import labels as job_labels
-from workers.job_status import job_state
-from workers.manifest import FINALIZER, job_name
-from workers.types import DispatchRef
+from k8s_dispatch.localcluster import LocalCluster
+from k8s_dispatch.localcluster.cluster import token_from_kubeconfig
+from k8s_dispatch.recovery import delivery, stats
+from k8s_dispatch.recovery.crashpoints import ENV_VAR as CRASH_AT
+from k8s_dispatch.recovery.crashpoints import Point
+from k8s_dispatch.recovery.reconcile import ORPHANS_REPORTED
+from k8s_dispatch.recovery.runtime import Runtime
+from k8s_dispatch.ops.processes import ManagedProcess, celery_beat, celery_worker, wait_until
+from k8s_dispatch.tasks.recovery_tasks import STARTUP_SWEEP_DONE
+from k8s_dispatch.tasks.scheduling import schedule_in_session
+from k8s_dispatch.workers import labels as job_labels
+from k8s_dispatch.workers.job_status import job_state
+from k8s_dispatch.workers.manifest import FINALIZER, job_name
+from k8s_dispatch.workers.types import DispatchRef
 
 CAPABILITIES = {
     "capabilities": {
@@ -441,7 +441,7 @@ class ServedCluster:
         self.kubeconfig = tmp / "kubeconfig"
         self.port = free_port()
         self.argv = [
-            sys.executable, "-m", "localcluster", "serve", "--mode", "simulate", "--no-tls",
+            sys.executable, "-m", "k8s_dispatch.localcluster", "serve", "--mode", "simulate", "--no-tls",
             "--port", str(self.port), "--kubeconfig", str(self.kubeconfig), "--state", str(tmp / "state.jsonl"),
         ]  # fmt: skip
         self.log_path = tmp / "localcluster.log"

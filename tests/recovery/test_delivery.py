@@ -17,15 +17,15 @@ import pytest
 import sqlalchemy as sa
 from forged_jobs import SIM, forge_job
 
-from engine import store
-from engine.db import transaction
-from engine.errors import ApiUnavailable, BrokerUnavailable, InvalidId, UnknownDispatch
-from engine.models import DispatchState, EventType
-from engine.settings import load_settings
+from k8s_dispatch.engine import store
+from k8s_dispatch.engine.db import transaction
+from k8s_dispatch.engine.errors import ApiUnavailable, BrokerUnavailable, InvalidId, UnknownDispatch
+from k8s_dispatch.engine.models import DispatchState, EventType
+from k8s_dispatch.engine.settings import load_settings
 from clusters import LOCAL, REAL, ClusterHandle
-from localcluster import LocalCluster
-from recovery import stats
-from recovery.delivery import (
+from k8s_dispatch.localcluster import LocalCluster
+from k8s_dispatch.recovery import stats
+from k8s_dispatch.recovery.delivery import (
     JOB_NAME_LABEL,
     CompleteOutcome,
     CreateOutcome,
@@ -41,14 +41,14 @@ from recovery.delivery import (
     load_record,
     notify_engine,
 )
-from recovery.reconcile import run_sweep
-from recovery.runtime import Runtime
-from tasks.processes import wait_until
-from workers import labels as job_labels
-from workers.job_status import job_state
-from workers.manifest import FINALIZER, job_name
-from workers.resolver import CapabilityResolver
-from workers.types import DispatchRef
+from k8s_dispatch.recovery.reconcile import run_sweep
+from k8s_dispatch.recovery.runtime import Runtime
+from k8s_dispatch.ops.processes import wait_until
+from k8s_dispatch.workers import labels as job_labels
+from k8s_dispatch.workers.job_status import job_state
+from k8s_dispatch.workers.manifest import FINALIZER, job_name
+from k8s_dispatch.workers.resolver import CapabilityResolver
+from k8s_dispatch.workers.types import DispatchRef
 
 
 def capability(**fields: Any) -> dict[str, Any]:

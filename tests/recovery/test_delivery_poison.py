@@ -23,19 +23,19 @@ from forged_jobs import SIM
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from engine import store
-from engine.db import transaction
-from engine.models import DispatchState, EventType
-from engine.settings import load_settings
-from localcluster import LocalCluster
-from recovery.delivery import CompleteOutcome, CreateOutcome, complete_jobs, create_jobs_for, job_snapshot
-from recovery.runtime import Runtime
-from tasks.processes import wait_until
+from k8s_dispatch.engine import store
+from k8s_dispatch.engine.db import transaction
+from k8s_dispatch.engine.models import DispatchState, EventType
+from k8s_dispatch.engine.settings import load_settings
+from k8s_dispatch.localcluster import LocalCluster
+from k8s_dispatch.recovery.delivery import CompleteOutcome, CreateOutcome, complete_jobs, create_jobs_for, job_snapshot
+from k8s_dispatch.recovery.runtime import Runtime
+from k8s_dispatch.ops.processes import wait_until
 from tests.workers import strategies as S
-from workers import labels as job_labels
-from workers.job_status import RESULT_MISSING, RESULT_NOT_JSON, RESULT_TOO_LARGE, job_state
-from workers.manifest import FINALIZER, job_name
-from workers.resolver import CapabilityResolver
+from k8s_dispatch.workers import labels as job_labels
+from k8s_dispatch.workers.job_status import RESULT_MISSING, RESULT_NOT_JSON, RESULT_TOO_LARGE, job_state
+from k8s_dispatch.workers.manifest import FINALIZER, job_name
+from k8s_dispatch.workers.resolver import CapabilityResolver
 
 MULTIBYTE = "é€😀"  # 2, 3 and 4 bytes in UTF-8
 # The bytes of the issue, each with the reason it must end in (None: WORKER_COMPLETED).

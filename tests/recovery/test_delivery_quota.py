@@ -13,17 +13,17 @@ from collections.abc import Iterator
 import kubernetes
 import pytest
 
-from engine import migrate, store
-from engine.db import transaction
-from engine.errors import QuotaExceeded, Transient
-from engine.models import DispatchState, EventType, utcnow
-from engine.settings import load_settings
-from localcluster import LocalCluster
-from localcluster.quota import QUOTA_JOBS
-from recovery.delivery import CreateOutcome, cancel_dispatch, create_jobs_for, load_record
-from recovery.runtime import Runtime
-from tasks.status import read_status
-from workers.resolver import CapabilityResolver
+from k8s_dispatch.engine import migrate, store
+from k8s_dispatch.engine.db import transaction
+from k8s_dispatch.engine.errors import QuotaExceeded, Transient
+from k8s_dispatch.engine.models import DispatchState, EventType, utcnow
+from k8s_dispatch.engine.settings import load_settings
+from k8s_dispatch.localcluster import LocalCluster
+from k8s_dispatch.localcluster.quota import QUOTA_JOBS
+from k8s_dispatch.recovery.delivery import CreateOutcome, cancel_dispatch, create_jobs_for, load_record
+from k8s_dispatch.recovery.runtime import Runtime
+from k8s_dispatch.ops.status import read_status
+from k8s_dispatch.workers.resolver import CapabilityResolver
 
 SIM = "localcluster.k8s-dispatch.io/"
 CAPABILITIES = {"capabilities": {"sim.hang": {"worker": "sim", "image": "sim:1", "annotations": {SIM + "outcome": "hang"}}}}

@@ -11,21 +11,21 @@ from typing import Any
 
 import pytest
 
-from engine import migrate, store
-from engine.db import transaction
-from engine.errors import ConfigError
-from engine.models import EventType
-from engine.settings import load_settings
-from localcluster import LocalCluster
-from recovery.delivery import CreateOutcome, create_jobs_for
-from recovery.reconcile import run_sweep
-from recovery.runtime import Runtime
-from tasks.processes import wait_until
-from workers import labels as job_labels
-from workers.job_status import job_state
-from workers.manifest import FINALIZER, job_name
-from workers.resolver import CapabilityResolver
-from workers.types import DispatchRef
+from k8s_dispatch.engine import migrate, store
+from k8s_dispatch.engine.db import transaction
+from k8s_dispatch.engine.errors import ConfigError
+from k8s_dispatch.engine.models import EventType
+from k8s_dispatch.engine.settings import load_settings
+from k8s_dispatch.localcluster import LocalCluster
+from k8s_dispatch.recovery.delivery import CreateOutcome, create_jobs_for
+from k8s_dispatch.recovery.reconcile import run_sweep
+from k8s_dispatch.recovery.runtime import Runtime
+from k8s_dispatch.ops.processes import wait_until
+from k8s_dispatch.workers import labels as job_labels
+from k8s_dispatch.workers.job_status import job_state
+from k8s_dispatch.workers.manifest import FINALIZER, job_name
+from k8s_dispatch.workers.resolver import CapabilityResolver
+from k8s_dispatch.workers.types import DispatchRef
 
 SIM = "localcluster.k8s-dispatch.io/"
 CAPABILITIES = {
@@ -194,7 +194,7 @@ def test_the_deployment_defaults_to_the_key_prefix(environ: dict[str, str], expe
 
 
 def test_a_key_prefix_that_is_no_label_value_derives_a_distinct_valid_one() -> None:
-    from engine.names import is_label_value
+    from k8s_dispatch.engine.names import is_label_value
 
     derived = {load_settings({"K8S_DISPATCH_KEY_PREFIX": p}).effective_deployment for p in ("a:b", "a/b", "a b", "x" * 64, ":")}
     assert len(derived) == 5 and all(is_label_value(d) and d for d in derived)

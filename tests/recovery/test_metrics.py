@@ -16,12 +16,12 @@ import pytest
 from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine import store
-from engine.db import transaction
-from recovery import metrics, statelog
-from recovery.metrics import Metrics, job_finished_at, poll_lag_s
-from recovery.report import SweepReport
-from recovery.sweep import Category
+from k8s_dispatch.engine import store
+from k8s_dispatch.engine.db import transaction
+from k8s_dispatch.recovery import metrics, statelog
+from k8s_dispatch.recovery.metrics import Metrics, job_finished_at, poll_lag_s
+from k8s_dispatch.recovery.report import SweepReport
+from k8s_dispatch.recovery.sweep import Category
 
 NOW = datetime(2025, 3, 1, 12, 0, 0, tzinfo=timezone.utc)
 

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from recovery.sweep import NameOrder, named_dispatch_ids
-from workers import labels as job_labels
-from workers.manifest import job_name
+from k8s_dispatch.recovery.sweep import NameOrder, named_dispatch_ids
+from k8s_dispatch.workers import labels as job_labels
+from k8s_dispatch.workers.manifest import job_name
 
 A = "10000000-0000-4000-8000-000000000000"
 B = "20000000-0000-4000-8000-000000000000"

@@ -11,19 +11,19 @@ from typing import Any
 
 import pytest
 
-from engine import migrate, store
-from engine.db import transaction
-from engine.models import EventType
-from engine.settings import load_settings
-from localcluster import LocalCluster
-from recovery.delivery import CreateOutcome, create_jobs_for
-from recovery.reconcile import run_sweep
-from recovery.runtime import Runtime
-from tasks.processes import wait_until
+from k8s_dispatch.engine import migrate, store
+from k8s_dispatch.engine.db import transaction
+from k8s_dispatch.engine.models import EventType
+from k8s_dispatch.engine.settings import load_settings
+from k8s_dispatch.localcluster import LocalCluster
+from k8s_dispatch.recovery.delivery import CreateOutcome, create_jobs_for
+from k8s_dispatch.recovery.reconcile import run_sweep
+from k8s_dispatch.recovery.runtime import Runtime
+from k8s_dispatch.ops.processes import wait_until
 from tests.engine.conftest import StaticRouter
-from workers import labels as job_labels
-from workers.manifest import FINALIZER, job_name
-from workers.resolver import CapabilityResolver
+from k8s_dispatch.workers import labels as job_labels
+from k8s_dispatch.workers.manifest import FINALIZER, job_name
+from k8s_dispatch.workers.resolver import CapabilityResolver
 
 SIM = "localcluster.k8s-dispatch.io/"
 

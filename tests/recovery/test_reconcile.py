@@ -18,23 +18,23 @@ import pytest
 import yaml
 from forged_jobs import SIM, forge_job
 
-from engine import migrate, store
-from engine.db import transaction
-from engine.errors import BrokerUnavailable
-from engine.models import DispatchState, EventType
-from engine.settings import load_settings
-from localcluster import LocalCluster
-from recovery import delivery
-from recovery.reconcile import ORPHANS_REPORTED, Executor, run_sweep
-from recovery.report import SweepReport
-from recovery.runtime import Runtime
-from recovery.sweep import Category, CompleteJob, CreateJob, RecreateJob
-from tasks.processes import wait_until
-from workers import labels as job_labels
-from workers.job_status import job_state
-from workers.manifest import FINALIZER, job_name
-from workers.resolver import CapabilityResolver
-from workers.types import DispatchRef
+from k8s_dispatch.engine import migrate, store
+from k8s_dispatch.engine.db import transaction
+from k8s_dispatch.engine.errors import BrokerUnavailable
+from k8s_dispatch.engine.models import DispatchState, EventType
+from k8s_dispatch.engine.settings import load_settings
+from k8s_dispatch.localcluster import LocalCluster
+from k8s_dispatch.recovery import delivery
+from k8s_dispatch.recovery.reconcile import ORPHANS_REPORTED, Executor, run_sweep
+from k8s_dispatch.recovery.report import SweepReport
+from k8s_dispatch.recovery.runtime import Runtime
+from k8s_dispatch.recovery.sweep import Category, CompleteJob, CreateJob, RecreateJob
+from k8s_dispatch.ops.processes import wait_until
+from k8s_dispatch.workers import labels as job_labels
+from k8s_dispatch.workers.job_status import job_state
+from k8s_dispatch.workers.manifest import FINALIZER, job_name
+from k8s_dispatch.workers.resolver import CapabilityResolver
+from k8s_dispatch.workers.types import DispatchRef
 
 REPO = Path(__file__).resolve().parents[2]
 SCHEDULED, CREATED = DispatchState.SCHEDULED, DispatchState.CREATED
@@ -254,7 +254,7 @@ def test_running_jobs_are_reported_and_a_job_never_marked_created_is_adopted(rt)
     unmarked = schedule(rt, "sim.hang")
     # The crash after the Job's creation, before the row was marked: the Job exists, the row says SCHEDULED.
     rec = record(rt, unmarked)
-    from workers.manifest import build_job
+    from k8s_dispatch.workers.manifest import build_job
 
     body = build_job(rec.ref, input=rec.input, spec=rt.resolver.spec(rec.capability), namespace=rt.settings.namespace, deployment=rt.settings.effective_deployment)
     rt.kube.create_job(rt.settings.namespace, body)
@@ -557,7 +557,7 @@ def test_an_unreachable_api_is_an_error_not_a_crash(rt, cluster):
 
 def recover(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "tasks.cli", "recover", *args],
+        [sys.executable, "-m", "k8s_dispatch.ops.cli", "recover", *args],
         env={**env_without_ours(), **env},
         cwd=REPO,
         capture_output=True,

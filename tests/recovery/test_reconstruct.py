@@ -7,12 +7,12 @@ from typing import Any
 
 import pytest
 
-from engine.errors import LabelMismatch, TenancyMismatch, UnknownDispatch
-from engine.models import DispatchState
-from recovery.reconstruct import DispatchRecord, context_from_job
-from workers import labels as job_labels
-from workers.manifest import FINALIZER, job_name
-from workers.types import DispatchRef
+from k8s_dispatch.engine.errors import LabelMismatch, TenancyMismatch, UnknownDispatch
+from k8s_dispatch.engine.models import DispatchState
+from k8s_dispatch.recovery.reconstruct import DispatchRecord, context_from_job
+from k8s_dispatch.workers import labels as job_labels
+from k8s_dispatch.workers.manifest import FINALIZER, job_name
+from k8s_dispatch.workers.types import DispatchRef
 
 DISPATCH_ID = "0b8e4c52-6b1f-4d5e-9a57-3f2d1c0e9b7a"
 OTHER_ID = "5d0c0a4e-2f3b-4c1d-8e9f-a0b1c2d3e4f5"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from datetime import datetime, timedelta, timezone
 
-from recovery.report import MAX_PROBLEMS, SweepReport
-from recovery.sweep import Category
+from k8s_dispatch.recovery.report import MAX_PROBLEMS, SweepReport
+from k8s_dispatch.recovery.sweep import Category
 
 START = datetime(2025, 1, 1, tzinfo=timezone.utc)
 

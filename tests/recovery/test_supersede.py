@@ -12,8 +12,8 @@ import pytest
 import redis
 from prometheus_client import REGISTRY
 
-from recovery import supersede
-from tasks.processes import wait_until
+from k8s_dispatch.recovery import supersede
+from k8s_dispatch.ops.processes import wait_until
 
 TASK = "k8s-dispatch.poll"
 

@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from engine.models import DispatchState
-from engine.settings import OrphanPolicy, load_settings
-from recovery.reconstruct import DispatchRecord
-from recovery.sweep import (
+from k8s_dispatch.engine.models import DispatchState
+from k8s_dispatch.engine.settings import OrphanPolicy, load_settings
+from k8s_dispatch.recovery.reconstruct import DispatchRecord
+from k8s_dispatch.recovery.sweep import (
     Category,
     CleanUpJob,
     CompleteJob,
@@ -30,9 +30,9 @@ from recovery.sweep import (
     plan_pods,
     present_jobs,
 )
-from workers import labels as job_labels
-from workers.manifest import FINALIZER, job_name
-from workers.types import DispatchRef
+from k8s_dispatch.workers import labels as job_labels
+from k8s_dispatch.workers.manifest import FINALIZER, job_name
+from k8s_dispatch.workers.types import DispatchRef
 
 NOW = datetime(2025, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
 GRACE = timedelta(seconds=30)

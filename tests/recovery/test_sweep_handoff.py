@@ -18,20 +18,20 @@ import redis
 import yaml
 from forged_jobs import SIM
 
-from engine import migrate, store
-from engine.db import transaction
-from engine.models import EventType
-from engine.settings import load_settings
-from localcluster import LocalCluster
-from recovery import delivery, handoff
-from recovery.reconcile import run_sweep
-from recovery.report import SweepReport
-from recovery.runtime import Runtime
-from recovery.sweep import Category
-from tasks.processes import wait_until
-from workers import labels as job_labels
-from workers.job_status import job_state
-from workers.manifest import job_name
+from k8s_dispatch.engine import migrate, store
+from k8s_dispatch.engine.db import transaction
+from k8s_dispatch.engine.models import EventType
+from k8s_dispatch.engine.settings import load_settings
+from k8s_dispatch.localcluster import LocalCluster
+from k8s_dispatch.recovery import delivery, handoff
+from k8s_dispatch.recovery.reconcile import run_sweep
+from k8s_dispatch.recovery.report import SweepReport
+from k8s_dispatch.recovery.runtime import Runtime
+from k8s_dispatch.recovery.sweep import Category
+from k8s_dispatch.ops.processes import wait_until
+from k8s_dispatch.workers import labels as job_labels
+from k8s_dispatch.workers.job_status import job_state
+from k8s_dispatch.workers.manifest import job_name
 
 C2 = Category.FINISHED_UNRECORDED
 CAPABILITIES = {

@@ -3,7 +3,7 @@ with its own Redis key prefix (its queues meet no other test's), its own namespa
 PostgreSQL database (a sweep acts on the whole database, so no test may see another's rows)
 and a cluster: localcluster, or with `any_cluster` each of localcluster and the real control
 plane in turn (the namespace is created first where the API server requires it). Workers and beat are `celery -A tasks worker|beat`
-subprocesses (started with `tasks.processes`) configured only through K8S_DISPATCH_* variables,
+subprocesses (started with `ops.processes`) configured only through K8S_DISPATCH_* variables,
 as in production, and stopped with SIGTERM at the end; one that needs SIGKILL fails the test.
 """
 
@@ -24,16 +24,16 @@ import sqlalchemy as sa
 import yaml
 from celery import Celery
 
-import celeryconfig
-from engine import migrate, store
-from engine.db import make_engine, make_sessionmaker, transaction
-from engine.models import Dispatch, EventType
-from engine.settings import Settings, load_settings
+from k8s_dispatch import celeryconfig
+from k8s_dispatch.engine import migrate, store
+from k8s_dispatch.engine.db import make_engine, make_sessionmaker, transaction
+from k8s_dispatch.engine.models import Dispatch, EventType
+from k8s_dispatch.engine.settings import Settings, load_settings
 from clusters import LOCAL, REAL, ClusterHandle, local_handle
-from localcluster import LocalCluster
-from tasks import processes
-from workers import labels as job_labels
-from workers.kube import KubeClient
+from k8s_dispatch.localcluster import LocalCluster
+from k8s_dispatch.ops import processes
+from k8s_dispatch.workers import labels as job_labels
+from k8s_dispatch.workers.kube import KubeClient
 
 
 def wait_until(predicate: Callable[[], Any], *, timeout_s: float = 30.0, what: str = "condition", on_fail: Callable[[], str] = lambda: "") -> Any:
@@ -42,7 +42,7 @@ def wait_until(predicate: Callable[[], Any], *, timeout_s: float = 30.0, what: s
 
 
 class Proc:
-    """A `tasks.processes.ManagedProcess` (celery worker or beat), started, with log helpers."""
+    """A `ops.processes.ManagedProcess` (celery worker or beat), started, with log helpers."""
 
     def __init__(self, managed: processes.ManagedProcess) -> None:
         self.managed = managed.start()
@@ -130,8 +130,8 @@ class Deployment:
     def schedule_batch(self, capability: str, count: int) -> list[str]:
         """`count` dispatches of `capability` on one new case, in one engine transaction
         (`schedule_many_in_session`: `create_jobs` sent after commit); their ids."""
-        from tasks.scheduling import schedule_many_in_session
-        from workers.resolver import CapabilityResolver
+        from k8s_dispatch.tasks.scheduling import schedule_many_in_session
+        from k8s_dispatch.workers.resolver import CapabilityResolver
 
         case_id = self.new_case()
         requests = [

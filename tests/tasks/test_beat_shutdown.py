@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tasks import processes
+from k8s_dispatch.ops import processes
 
 TRIALS = 20
 EXIT_DEADLINE_S = 10.0  # a clean stop takes about 1 s here under load; the harness allows 30

@@ -9,9 +9,9 @@ from datetime import timedelta
 import redis
 from celery import Celery
 
-import celeryconfig
-from engine.settings import load_settings
-from tasks import app
+from k8s_dispatch import celeryconfig
+from k8s_dispatch.engine.settings import load_settings
+from k8s_dispatch.tasks import app
 
 
 def settings_for(prefix: str, **values: str):

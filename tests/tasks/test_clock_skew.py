@@ -15,16 +15,16 @@ from datetime import timedelta
 
 import pytest
 
-import celeryconfig as names
-from engine import store
-from engine.db import database_now, transaction
-from engine.models import EventType
-from recovery.reconcile import SWEEPS_RUN
-from recovery.stats import Stats
+from k8s_dispatch import celeryconfig as names
+from k8s_dispatch.engine import store
+from k8s_dispatch.engine.db import database_now, transaction
+from k8s_dispatch.engine.models import EventType
+from k8s_dispatch.recovery.reconcile import SWEEPS_RUN
+from k8s_dispatch.recovery.stats import Stats
 from test_monitoring import scrape  # the same /metrics reader
-from tasks import processes
-from tasks.recovery_tasks import STARTUP_SWEEP_DONE
-from workers.resolver import CapabilityResolver
+from k8s_dispatch.ops import processes
+from k8s_dispatch.tasks.recovery_tasks import STARTUP_SWEEP_DONE
+from k8s_dispatch.workers.resolver import CapabilityResolver
 
 SIM = "localcluster.k8s-dispatch.io/"
 CAPABILITIES = {"sim.ok": {"worker": "sim", "image": "sim:1", "annotations": {SIM + "duration-ms": "50"}}}

@@ -9,15 +9,15 @@ import signal
 import uuid
 from typing import Any
 
-from engine.db import transaction
-from engine.models import EventType
-from localcluster import LocalCluster
-from recovery.crashpoints import ENV_VAR as CRASH_AT
-from recovery.crashpoints import Point
-from recovery.reconcile import ORPHANS_REPORTED
-from recovery.stats import Stats
-from tasks.scheduling import schedule_in_session
-from workers.resolver import CapabilityResolver
+from k8s_dispatch.engine.db import transaction
+from k8s_dispatch.engine.models import EventType
+from k8s_dispatch.localcluster import LocalCluster
+from k8s_dispatch.recovery.crashpoints import ENV_VAR as CRASH_AT
+from k8s_dispatch.recovery.crashpoints import Point
+from k8s_dispatch.recovery.reconcile import ORPHANS_REPORTED
+from k8s_dispatch.recovery.stats import Stats
+from k8s_dispatch.tasks.scheduling import schedule_in_session
+from k8s_dispatch.workers.resolver import CapabilityResolver
 
 from tests.tasks.conftest import Deployment, capabilities_file, wait_until
 

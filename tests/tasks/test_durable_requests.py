@@ -15,18 +15,18 @@ from typing import Any
 
 import pytest
 
-import celeryconfig as names
-from engine import store
-from engine.db import transaction
-from engine.errors import ScheduleNotRecorded, Transient, UnknownDispatch
-from engine.models import DispatchState, EventType
-from recovery import delivery
-from recovery.reconcile import run_sweep
-from recovery.runtime import Runtime
-from tasks.recovery_tasks import STARTUP_SWEEP_DONE
-from tasks.scheduling import cancel_in_session, send_schedule_until_recorded
-from workers.job_status import job_state
-from workers.manifest import job_name
+from k8s_dispatch import celeryconfig as names
+from k8s_dispatch.engine import store
+from k8s_dispatch.engine.db import transaction
+from k8s_dispatch.engine.errors import ScheduleNotRecorded, Transient, UnknownDispatch
+from k8s_dispatch.engine.models import DispatchState, EventType
+from k8s_dispatch.recovery import delivery
+from k8s_dispatch.recovery.reconcile import run_sweep
+from k8s_dispatch.recovery.runtime import Runtime
+from k8s_dispatch.tasks.recovery_tasks import STARTUP_SWEEP_DONE
+from k8s_dispatch.tasks.scheduling import cancel_in_session, send_schedule_until_recorded
+from k8s_dispatch.workers.job_status import job_state
+from k8s_dispatch.workers.manifest import job_name
 
 SIM = "localcluster.k8s-dispatch.io/"
 CAPABILITIES = {

@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-import celeryconfig as names
-from tasks import processes
+from k8s_dispatch import celeryconfig as names
+from k8s_dispatch.ops import processes
 
 AUTH = ("ops", "s3cret")
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tasks.jobs import HANDOFF_BATCH_MAX, HANDOFF_BATCH_MIN, batches
+from k8s_dispatch.tasks.jobs import HANDOFF_BATCH_MAX, HANDOFF_BATCH_MIN, batches
 
 
 @pytest.mark.parametrize(

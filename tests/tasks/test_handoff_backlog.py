@@ -16,14 +16,14 @@ import time
 import uuid
 from collections import Counter
 
-import celeryconfig as names
-from engine.db import transaction
-from recovery import handoff
-from tasks import processes
-from tasks.scheduling import schedule_in_session
+from k8s_dispatch import celeryconfig as names
+from k8s_dispatch.engine.db import transaction
+from k8s_dispatch.recovery import handoff
+from k8s_dispatch.ops import processes
+from k8s_dispatch.tasks.scheduling import schedule_in_session
 from tests.tasks.conftest import Proc
-from workers.manifest import job_name
-from workers.resolver import CapabilityResolver
+from k8s_dispatch.workers.manifest import job_name
+from k8s_dispatch.workers.resolver import CapabilityResolver
 
 COUNT = 10
 

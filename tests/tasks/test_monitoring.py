@@ -12,8 +12,8 @@ import uuid
 
 from prometheus_client.parser import text_string_to_metric_families
 
-import celeryconfig as names
-from tasks import processes
+from k8s_dispatch import celeryconfig as names
+from k8s_dispatch.ops import processes
 
 SIM = "localcluster.k8s-dispatch.io/"
 CAPABILITIES = {

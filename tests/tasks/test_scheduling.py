@@ -13,13 +13,13 @@ import pytest
 import redis
 from celery import Celery
 
-import celeryconfig
-from engine import store
-from engine.db import make_engine, make_sessionmaker, transaction
-from engine.errors import UnknownCapability
-from engine.settings import load_settings
-from tasks.scheduling import CREATE_BATCH, schedule_in_session, schedule_many_in_session
-from workers.resolver import demo_resolver
+from k8s_dispatch import celeryconfig
+from k8s_dispatch.engine import store
+from k8s_dispatch.engine.db import make_engine, make_sessionmaker, transaction
+from k8s_dispatch.engine.errors import UnknownCapability
+from k8s_dispatch.engine.settings import load_settings
+from k8s_dispatch.tasks.scheduling import CREATE_BATCH, schedule_in_session, schedule_many_in_session
+from k8s_dispatch.workers.resolver import demo_resolver
 
 
 @pytest.fixture

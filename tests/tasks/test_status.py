@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from engine import migrate, store
-from engine.db import make_engine, make_sessionmaker, transaction
-from engine.models import EventType
-from tasks.status import CreateWait, Failure, Pending, StatusReport, format_age, read_status, render
+from k8s_dispatch.engine import migrate, store
+from k8s_dispatch.engine.db import make_engine, make_sessionmaker, transaction
+from k8s_dispatch.engine.models import EventType
+from k8s_dispatch.ops.status import CreateWait, Failure, Pending, StatusReport, format_age, read_status, render
 
 NOW = datetime(2025, 6, 1, 12, 0, 0, tzinfo=timezone.utc)
 REPO = Path(__file__).resolve().parents[2]
@@ -189,7 +189,7 @@ def run_cli(url: str, *args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("K8S_DISPATCH_")}
     env["K8S_DISPATCH_DATABASE_URL"] = url
     return subprocess.run(
-        [sys.executable, "-m", "tasks.cli", "status", *args],
+        [sys.executable, "-m", "k8s_dispatch.ops.cli", "status", *args],
         env=env, cwd=REPO, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
 

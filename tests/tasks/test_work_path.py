@@ -11,17 +11,17 @@ from collections import Counter
 
 import pytest
 
-import celeryconfig as names
-from engine import store
-from engine.db import transaction
-from engine.models import EventType
-from localcluster import LocalCluster
-from recovery.guard import Guard
-from tasks.scheduling import schedule_in_session
-from workers import demo_functions
-from workers.job_status import job_state
-from workers.manifest import job_name
-from workers.resolver import DEMO_FUNCTIONS, CapabilityResolver
+from k8s_dispatch import celeryconfig as names
+from k8s_dispatch.engine import store
+from k8s_dispatch.engine.db import transaction
+from k8s_dispatch.engine.models import EventType
+from k8s_dispatch.localcluster import LocalCluster
+from k8s_dispatch.recovery.guard import Guard
+from k8s_dispatch.tasks.scheduling import schedule_in_session
+from k8s_dispatch.workers import demo_functions
+from k8s_dispatch.workers.job_status import job_state
+from k8s_dispatch.workers.manifest import job_name
+from k8s_dispatch.workers.resolver import DEMO_FUNCTIONS, CapabilityResolver
 
 SIM = "localcluster.k8s-dispatch.io/"
 DEMO = sorted(DEMO_FUNCTIONS)  # demo.primes, demo.sha256, demo.wordcount
@@ -94,7 +94,7 @@ def exec_cluster():
 
 
 def test_exec_mode_runs_the_demo_capabilities_for_real(exec_cluster, deploy):
-    d = deploy(exec_cluster)  # no capabilities file: the demo capabilities, run by workers.runner
+    d = deploy(exec_cluster)  # no capabilities file: the demo capabilities, run by k8s_dispatch.workers.runner
     d.start_worker("w1")
     d.start_beat()
     requests = [(c, demo_input(c, i)) for i, c in enumerate(DEMO * 2)]
@@ -208,8 +208,8 @@ def test_a_forged_job_is_polled_but_never_delivered(deploy, any_cluster):
     events = d.wait_terminal([dispatch_id])
     assert events[dispatch_id][0][0] == EventType.WORKER_COMPLETED
     # A Job with our labels for a dispatch that does not exist.
-    from workers import labels as job_labels
-    from workers.types import DispatchRef
+    from k8s_dispatch.workers import labels as job_labels
+    from k8s_dispatch.workers.types import DispatchRef
 
     forged_id = str(uuid.uuid4())
     labels, annotations = job_labels.encode(
@@ -250,7 +250,7 @@ def test_the_cli_schedule_refuses_bad_input_with_its_typed_error(deploy, any_clu
     d = deploy(any_cluster)
     key = f"cli-{uuid.uuid4()}"
     result = subprocess.run(
-        [sys.executable, "-m", "tasks.cli", "schedule", "--case", "c-cli", "--tenancy", "tenant-a", "--create-case",
+        [sys.executable, "-m", "k8s_dispatch.ops.cli", "schedule", "--case", "c-cli", "--tenancy", "tenant-a", "--create-case",
          "--idempotency-key", key, *cli_args],  # fmt: skip
         env=d.env,
         capture_output=True,
@@ -272,7 +272,7 @@ def test_the_cli_schedules_and_cancels(deploy, any_cluster):
 
     def cli(*args: str) -> dict:
         result = subprocess.run(
-            [sys.executable, "-m", "tasks.cli", *args, "--json"], env=d.env, capture_output=True, text=True, timeout=60
+            [sys.executable, "-m", "k8s_dispatch.ops.cli", *args, "--json"], env=d.env, capture_output=True, text=True, timeout=60
         )
         assert result.returncode == 0, result.stderr
         return json.loads(result.stdout)

@@ -12,8 +12,8 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from workers.resolver import CapabilitySpec, demo_resolver
-from workers.types import DispatchRef
+from k8s_dispatch.workers.resolver import CapabilitySpec, demo_resolver
+from k8s_dispatch.workers.types import DispatchRef
 
 # Characters `str.isprintable` accepts: no control, format, private-use, unassigned or
 # separator characters, except the plain space.
@@ -142,7 +142,7 @@ def capability_specs(draw: Any, *, name: str, worker_name: str, valid: bool = Fa
 
 
 def _requests_within_limits(res: dict[str, dict[str, str]]) -> bool:
-    from workers.manifest import parse_quantity
+    from k8s_dispatch.workers.manifest import parse_quantity
 
     limits = res.get("limits", {})
     return all(

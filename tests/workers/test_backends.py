@@ -8,10 +8,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine.errors import ConfigError, UnknownCapability
+from k8s_dispatch.engine.errors import ConfigError, UnknownCapability
 from tests.workers import strategies as S
-from workers.backends import Backend, CompositeBackend, Worker
-from workers.resolver import CapabilityResolver, demo_resolver
+from k8s_dispatch.workers.backends import Backend, CompositeBackend, Worker
+from k8s_dispatch.workers.resolver import CapabilityResolver, demo_resolver
 
 
 @pytest.mark.parametrize(

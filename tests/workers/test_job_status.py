@@ -12,10 +12,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 from kubernetes import client as k8s
 
-from engine import store
-from engine.models import EventType
+from k8s_dispatch.engine import store
+from k8s_dispatch.engine.models import EventType
 from tests.workers import strategies as S
-from workers.job_status import (
+from k8s_dispatch.workers.job_status import (
     CONTAINER_FAILED,
     JOB_DELETED,
     JOB_FAILED,
@@ -33,7 +33,7 @@ from workers.job_status import (
     parse_result,
     pick_termination,
 )
-from workers.manifest import encode_input
+from k8s_dispatch.workers.manifest import encode_input
 
 JOB_UID = "7d0f4a6e-0000-4000-8000-000000000001"
 LOST = "the Job succeeded but no Pod of it holds the result any more"

@@ -15,7 +15,7 @@ import pytest
 from kubernetes.client.exceptions import ApiException
 import yaml
 
-from engine.errors import (
+from k8s_dispatch.engine.errors import (
     AlreadyExists,
     AuthorizationNotReady,
     ApiRejected,
@@ -26,12 +26,12 @@ from engine.errors import (
     QuotaExceeded,
     Transient,
 )
-from localcluster import LocalCluster
-from localcluster.quota import QUOTA_JOBS
-from workers import kube as kube_module
-from tasks.processes import wait_until
-from workers.job_status import job_state
-from workers.kube import KubeClient, release_patch
+from k8s_dispatch.localcluster import LocalCluster
+from k8s_dispatch.localcluster.quota import QUOTA_JOBS
+from k8s_dispatch.workers import kube as kube_module
+from k8s_dispatch.ops.processes import wait_until
+from k8s_dispatch.workers.job_status import job_state
+from k8s_dispatch.workers.kube import KubeClient, release_patch
 
 OURS = "k8s-dispatch.io/result-protection"
 

@@ -8,11 +8,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine.errors import InvalidInput, LabelMismatch
-from engine.names import is_label_value, is_qualified_name
+from k8s_dispatch.engine.errors import InvalidInput, LabelMismatch
+from k8s_dispatch.engine.names import is_label_value, is_qualified_name
 from tests.workers import strategies as S
-from workers import labels
-from workers.types import DispatchRef, check_ref
+from k8s_dispatch.workers import labels
+from k8s_dispatch.workers.types import DispatchRef, check_ref
 
 REF = DispatchRef(
     dispatch_id="0b8e2f1c-4f5a-4d0e-9a3b-2c1d0e9f8a7b",

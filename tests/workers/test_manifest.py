@@ -12,18 +12,18 @@ import pytest
 from hypothesis import event, given
 from hypothesis import strategies as st
 
-from engine.errors import (
+from k8s_dispatch.engine.errors import (
     InputNotSerialisable,
     InvalidId,
     InvalidIdempotencyKey,
     InvalidManifest,
 )
-from engine.names import is_dns1123_label, is_label_value, is_qualified_name
+from k8s_dispatch.engine.names import is_dns1123_label, is_label_value, is_qualified_name
 from tests.workers import strategies as S
-from workers import labels, manifest
-from workers.manifest import build_job, encode_input, job_name, parse_quantity
-from workers.resolver import demo_resolver
-from workers.types import DispatchRef
+from k8s_dispatch.workers import labels, manifest
+from k8s_dispatch.workers.manifest import build_job, encode_input, job_name, parse_quantity
+from k8s_dispatch.workers.resolver import demo_resolver
+from k8s_dispatch.workers.types import DispatchRef
 
 SPEC = demo_resolver().spec("demo.wordcount")
 DEPLOYMENT = "prod-eu"
@@ -106,8 +106,8 @@ def test_build_job_shape() -> None:
             {
                 "name": "worker",
                 "image": SPEC.image,
-                "command": ["python", "-m", "workers.runner"],
-                "args": ["workers.demo_functions:wordcount"],
+                "command": ["python", "-m", "k8s_dispatch.workers.runner"],
+                "args": ["k8s_dispatch.workers.demo_functions:wordcount"],
                 "env": [
                     {"name": "LOG_LEVEL", "value": "debug"},
                     {"name": "K8S_DISPATCH_INPUT", "value": '{"text":"a b"}'},

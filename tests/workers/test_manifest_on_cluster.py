@@ -14,13 +14,13 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from engine.errors import InputNotSerialisable, InvalidId, InvalidIdempotencyKey, InvalidManifest
-from localcluster import LocalCluster
+from k8s_dispatch.engine.errors import InputNotSerialisable, InvalidId, InvalidIdempotencyKey, InvalidManifest
+from k8s_dispatch.localcluster import LocalCluster
 from tests.workers import strategies as S
-from workers import labels
-from workers.kube import KubeClient
-from workers.manifest import FINALIZER, INPUT_ENV, build_job
-from workers.types import DispatchRef
+from k8s_dispatch.workers import labels
+from k8s_dispatch.workers.kube import KubeClient
+from k8s_dispatch.workers.manifest import FINALIZER, INPUT_ENV, build_job
+from k8s_dispatch.workers.types import DispatchRef
 
 TYPED = (InvalidId, InvalidIdempotencyKey, InputNotSerialisable, InvalidManifest)
 

@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 import yaml
 
-from engine.errors import ConfigError, UnknownCapability
-from engine.settings import load_settings
-from workers.backends import Worker
-from workers.resolver import (
+from k8s_dispatch.engine.errors import ConfigError, UnknownCapability
+from k8s_dispatch.engine.settings import load_settings
+from k8s_dispatch.workers.backends import Worker
+from k8s_dispatch.workers.resolver import (
     DEFAULT_ACTIVE_DEADLINE_S,
     CapabilityResolver,
     CapabilitySpec,
@@ -26,7 +26,7 @@ capabilities:
   text.upper:
     worker: text-worker
     image: registry.example.com/text:1.2
-    command: [python, -m, workers.runner]
+    command: [python, -m, k8s_dispatch.workers.runner]
     args: ["text.funcs:upper"]
     env: {LOG_LEVEL: info}
     resources:
@@ -62,7 +62,7 @@ def test_yaml_file_loads_every_field(tmp_path: Path) -> None:
         name="text.upper",
         worker_name="text-worker",
         image="registry.example.com/text:1.2",
-        command=("python", "-m", "workers.runner"),
+        command=("python", "-m", "k8s_dispatch.workers.runner"),
         args=("text.funcs:upper",),
         env={"LOG_LEVEL": "info"},
         resources={"requests": {"cpu": "100m", "memory": "64Mi"}, "limits": {"cpu": "1", "memory": "128Mi"}},
@@ -273,15 +273,15 @@ def test_demo_resolver() -> None:
     assert [str(w) for w in resolver.workers()] == ["demo-math:demo.primes", "demo-text:demo.sha256,demo.wordcount"]
     spec = resolver.spec("demo.primes")
     assert spec.image == "local:dev"
-    assert spec.command == ("/usr/bin/python3", "-m", "workers.runner")
-    assert spec.args == ("workers.demo_functions:primes",)
+    assert spec.command == ("/usr/bin/python3", "-m", "k8s_dispatch.workers.runner")
+    assert spec.args == ("k8s_dispatch.workers.demo_functions:primes",)
 
 
 def test_demo_config_can_be_extended() -> None:
     config = demo_config()
     config["capabilities"]["demo.sleep"] = {
         **config["capabilities"]["demo.primes"],
-        "args": ["workers.demo_functions:sleep"],
+        "args": ["k8s_dispatch.workers.demo_functions:sleep"],
         "activeDeadlineSeconds": 2,
     }
     resolver = CapabilityResolver.from_mapping(config, source="test")

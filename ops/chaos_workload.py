@@ -7,7 +7,7 @@ termination message the store cannot keep (`1e400`, a lone surrogate, NaN, inval
 deeper than the store keeps), each of which must end WORKER_FAILED ResultNotJson. In simulate mode the
 outcome comes from localcluster's pod annotations and a success's output is
 `{"simulated": true, "input": <input>}`; in exec mode real processes run
-`workers.demo_functions` through `workers.runner`.
+`k8s_dispatch.workers.demo_functions` through `k8s_dispatch.workers.runner`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from engine.models import EventType
+from k8s_dispatch.engine.models import EventType
 
 SIM = "localcluster.k8s-dispatch.io/"  # localcluster's simulate-mode annotations
 IMAGE = "k8s-dispatch-chaos:local"  # never pulled: localcluster runs or simulates it
@@ -110,8 +110,8 @@ def capabilities_config(mode: str, *, python: str = "python") -> dict[str, Any]:
         kind: {
             "worker": f"chaos-{kind.value}",
             "image": IMAGE,
-            "command": [python, "-m", "workers.runner"],
-            "args": [f"workers.demo_functions:{functions[kind]}"],
+            "command": [python, "-m", "k8s_dispatch.workers.runner"],
+            "args": [f"k8s_dispatch.workers.demo_functions:{functions[kind]}"],
             "backoffLimit": 0,
         }
         for kind in Kind

@@ -19,9 +19,9 @@ import redis
 import yaml
 from sqlalchemy.engine import make_url
 
-from tasks.chaos_checks import Verdict, judge
-from tasks.chaos_workload import Expected, capabilities_config, cases, expected, workload
-from tasks.processes import ManagedProcess, celery_beat, celery_worker, wait_for_log
+from k8s_dispatch.ops.chaos_checks import Verdict, judge
+from k8s_dispatch.ops.chaos_workload import Expected, capabilities_config, cases, expected, workload
+from k8s_dispatch.ops.processes import ManagedProcess, celery_beat, celery_worker, wait_for_log
 
 NAME = "neighbour"
 START_TIMEOUT_S = 90.0
@@ -30,7 +30,7 @@ START_TIMEOUT_S = 90.0
 class Neighbour:
     def __init__(self, options: Any, *, tag: str, directory: Path, env: dict[str, str], values: dict[str, str],
                  count: int, stack: ExitStack) -> None:  # fmt: skip
-        from tasks import chaos
+        from k8s_dispatch.ops import chaos
 
         self.options = options
         self.tag = f"{tag}n"
@@ -48,11 +48,11 @@ class Neighbour:
     def start(self) -> None:
         from celery import Celery
 
-        import celeryconfig
-        from engine import store
-        from engine.db import make_engine, make_sessionmaker, transaction
-        from engine.migrate import upgrade
-        from engine.settings import load_settings
+        from k8s_dispatch import celeryconfig
+        from k8s_dispatch.engine import store
+        from k8s_dispatch.engine.db import make_engine, make_sessionmaker, transaction
+        from k8s_dispatch.engine.migrate import upgrade
+        from k8s_dispatch.engine.settings import load_settings
 
         chaos, options = self.chaos, self.options
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -95,10 +95,10 @@ class Neighbour:
 
     def feed(self, stop: threading.Event, window_s: float) -> None:
         """Schedule the neighbour's dispatches evenly over `window_s` (the Python call path)."""
-        from engine.db import transaction
-        from engine.errors import DispatchError
-        from tasks.scheduling import schedule_in_session
-        from workers.resolver import CapabilityResolver
+        from k8s_dispatch.engine.db import transaction
+        from k8s_dispatch.engine.errors import DispatchError
+        from k8s_dispatch.tasks.scheduling import schedule_in_session
+        from k8s_dispatch.workers.resolver import CapabilityResolver
 
         resolver = CapabilityResolver.from_settings(self.settings)
         started = time.monotonic()

@@ -3,10 +3,10 @@ doubled, wrong or left over (`k8s-dispatch chaos`, `make chaos`).
 
 `run(options)` creates a PostgreSQL database and a Redis key prefix of its own, starts the
 cluster (`localcluster serve`, or the real control plane behind a fault proxy:
-`tasks.chaos_cluster`), W `celery -A tasks worker` processes and `celery -A tasks beat` as a
-user would, and feeds N dispatches at a steady rate while `tasks.fault_plan` kills processes,
+`ops.chaos_cluster`), W `celery -A k8s_dispatch.tasks worker` processes and `celery -A k8s_dispatch.tasks beat` as a
+user would, and feeds N dispatches at a steady rate while `ops.fault_plan` kills processes,
 flushes the broker, breaks and restarts the API server and kills database connections. Then
-it stops the faults, waits for convergence and judges the end state (`tasks.chaos_checks`).
+it stops the faults, waits for convergence and judges the end state (`ops.chaos_checks`).
 Every process, the database and the keys are removed at the end, whatever happened.
 """
 
@@ -33,15 +33,15 @@ import sqlalchemy as sa
 import yaml
 from sqlalchemy.engine import make_url
 
-from engine.errors import DispatchError
-from engine.models import TERMINAL_EVENT_TYPES, CaseEvent, Dispatch
-from workers.manifest import FINALIZER
-from tasks import chaos_cluster, interrupts
-from tasks.chaos_checks import RowSnapshot, TerminalEvent, Verdict, judge
-from tasks.chaos_workload import Expected, Planned, capabilities_config, expected, workload
-from tasks.fault_plan import BEAT, Fault, FaultKind, FaultPlan, make_plan, worker_names
-from tasks.chaos_cluster import CLUSTERS, LOCALCLUSTER, ChaosCluster
-from tasks.processes import ManagedProcess, WaitTimeout, celery_beat, celery_worker, wait_for_log, wait_until
+from k8s_dispatch.engine.errors import DispatchError
+from k8s_dispatch.engine.models import TERMINAL_EVENT_TYPES, CaseEvent, Dispatch
+from k8s_dispatch.workers.manifest import FINALIZER
+from k8s_dispatch.ops import chaos_cluster, interrupts
+from k8s_dispatch.ops.chaos_checks import RowSnapshot, TerminalEvent, Verdict, judge
+from k8s_dispatch.ops.chaos_workload import Expected, Planned, capabilities_config, expected, workload
+from k8s_dispatch.ops.fault_plan import BEAT, Fault, FaultKind, FaultPlan, make_plan, worker_names
+from k8s_dispatch.ops.chaos_cluster import CLUSTERS, LOCALCLUSTER, ChaosCluster
+from k8s_dispatch.ops.processes import ManagedProcess, WaitTimeout, celery_beat, celery_worker, wait_for_log, wait_until
 
 log = logging.getLogger(__name__)
 
@@ -290,8 +290,8 @@ class _Run:
         self.recorded: set[str] = set()  # task-path dispatch ids seen in the database
         self.ids_lock = threading.Lock()
         self.cluster: ChaosCluster | None = None
-        self.neighbour: Any = None  # tasks.chaos_neighbour.Neighbour, when the run has one
-        self.observer: Any = None  # tasks.chaos_observer.JobObserver
+        self.neighbour: Any = None  # ops.chaos_neighbour.Neighbour, when the run has one
+        self.observer: Any = None  # ops.chaos_observer.JobObserver
         self.caps_now: Path | None = None  # the capability file the workers run on
         self.feed_error: BaseException | None = None
         self.threads: list[threading.Thread] = []
@@ -317,9 +317,9 @@ class _Run:
             self.stack.close()
 
     def _set_up(self) -> None:
-        from engine.migrate import upgrade
-        from engine.settings import load_settings
-        from workers.kube import KubeClient
+        from k8s_dispatch.engine.migrate import upgrade
+        from k8s_dispatch.engine.settings import load_settings
+        from k8s_dispatch.workers.kube import KubeClient
 
         options = self.options
         self.redis = redis.Redis.from_url(options.redis_url, socket_timeout=10, socket_connect_timeout=10)
@@ -367,14 +367,14 @@ class _Run:
         for name, proc in self.procs.items():
             wait_for_log(proc, " ready." if name != BEAT else "beat: Starting", timeout=START_TIMEOUT_S)
         if options.neighbour_share > 0:
-            from tasks.chaos_neighbour import Neighbour
+            from k8s_dispatch.ops.chaos_neighbour import Neighbour
 
             self.neighbour = Neighbour(
                 options, tag=self.tag, directory=self.dir / "neighbour", env=base_env, values=values,
                 count=max(10, round(options.dispatches * options.neighbour_share)), stack=self.stack,
             )  # fmt: skip
             self.neighbour.start()
-        from tasks.chaos_observer import JobObserver
+        from k8s_dispatch.ops.chaos_observer import JobObserver
 
         self.observer = JobObserver(cluster.harness_kubeconfig)
         self.stack.callback(self.observer.stop)
@@ -401,10 +401,10 @@ class _Run:
         """The engine's connection (its own application_name: the DB_KILL spares it) and cases."""
         from celery import Celery
 
-        import celeryconfig
-        from engine import store
-        from engine.db import make_engine, make_sessionmaker, transaction
-        from tasks.chaos_workload import cases
+        from k8s_dispatch import celeryconfig
+        from k8s_dispatch.engine import store
+        from k8s_dispatch.engine.db import make_engine, make_sessionmaker, transaction
+        from k8s_dispatch.ops.chaos_workload import cases
 
         self.engine = make_engine(_with_app_name(self.db_url, HARNESS_DB_APP))
         self.stack.callback(self.engine.dispose)
@@ -507,11 +507,11 @@ class _Run:
             self.feed_error = e
 
     def _schedule(self, planned: Planned) -> None:
-        from engine.db import transaction
-        from engine.errors import DatabaseUnavailable
+        from k8s_dispatch.engine.db import transaction
+        from k8s_dispatch.engine.errors import DatabaseUnavailable
         from kombu.exceptions import OperationalError
-        from tasks.scheduling import schedule_in_session
-        from workers.resolver import CapabilityResolver
+        from k8s_dispatch.tasks.scheduling import schedule_in_session
+        from k8s_dispatch.workers.resolver import CapabilityResolver
 
         if planned.via_task:
             dispatch_id = str(uuid.uuid4())
@@ -547,7 +547,7 @@ class _Run:
             return
 
     def _send_schedule(self, planned: Planned, dispatch_id: str) -> None:
-        import celeryconfig as names
+        from k8s_dispatch import celeryconfig as names
 
         self.sent_at[dispatch_id] = time.monotonic()
         self.sends[dispatch_id] += 1
@@ -708,8 +708,8 @@ class _Run:
     def _change_namespace(self) -> str:
         """A rolling deploy onto a capability file that moves every capability to another
         namespace: each worker in turn, then beat, restarted on it; the engine's router too."""
-        from engine.settings import load_settings
-        from workers.resolver import CapabilityResolver
+        from k8s_dispatch.engine.settings import load_settings
+        from k8s_dispatch.workers.resolver import CapabilityResolver
 
         config = capabilities_config(self.options.mode)
         for spec in config["capabilities"].values():
@@ -733,7 +733,7 @@ class _Run:
 
     def _flush_broker(self) -> str:
         """Every key under the run's prefix: queued and unacknowledged messages, bindings, claims."""
-        from recovery.stats import Stats
+        from k8s_dispatch.recovery.stats import Stats
 
         for name, value in Stats(self.redis, prefix=self.prefix).all().items():
             self.result.stats[name] = self.result.stats.get(name, 0) + value  # counted before they go
@@ -773,7 +773,7 @@ class _Run:
             return list(self.ids.values())
 
     def _existing(self, ids: list[str]) -> set[str]:
-        from engine.db import transaction
+        from k8s_dispatch.engine.db import transaction
 
         found: set[str] = set()
         with transaction(self.sessions) as session:
@@ -799,7 +799,7 @@ class _Run:
         return [(k.decode(), int(self.redis.pttl(k))) for k in keys]
 
     def _judge(self) -> None:
-        from recovery.stats import Stats
+        from k8s_dispatch.recovery.stats import Stats
 
         result = self.result
         mode = self.options.mode
@@ -831,7 +831,7 @@ def read_ends(
 ) -> tuple[dict[str, RowSnapshot], dict[str, list[TerminalEvent]], dict[str, str | None]]:
     """What the database says of `ids`: each row's end, each dispatch's terminal events in order,
     and the namespace each recorded for its Job."""
-    from engine.db import transaction
+    from k8s_dispatch.engine.db import transaction
 
     rows: dict[str, RowSnapshot] = {}
     events: dict[str, list[TerminalEvent]] = {}
@@ -861,8 +861,8 @@ def read_ends(
 def pending(sessions: Any, ids: list[str], *, planned: int) -> int:
     """Of `planned` dispatches (`ids` those scheduled so far), how many have not ended and been
     notified yet (all of them when the database cannot say)."""
-    from engine.db import transaction
-    from engine.models import TERMINAL_STATES
+    from k8s_dispatch.engine.db import transaction
+    from k8s_dispatch.engine.models import TERMINAL_STATES
 
     try:
         with transaction(sessions) as session:
@@ -947,7 +947,7 @@ def render(result: ChaosResult, console: Any) -> None:
     for name, value in (
         ("seed", options.seed),
         ("dispatches", f"{options.dispatches} at {options.rate:g}/s (feed {result.feed_s:.1f}s)"),
-        ("processes", f"{options.workers} x celery -A tasks worker, celery -A tasks beat"),
+        ("processes", f"{options.workers} x celery -A k8s_dispatch.tasks worker, celery -A k8s_dispatch.tasks beat"),
         ("cluster", _cluster_words(options)),
         ("deployment", ", ".join(f"{k.lower()}={v}" for k, v in DEPLOYMENT_SETTINGS.items())),
         ("database / prefix", f"{result.database} / {result.prefix}"),

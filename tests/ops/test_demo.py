@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from tasks import processes
-from tasks.demo import DemoRequest, Outcome, parse_sweep_line, plan_requests, summarise
+from k8s_dispatch.ops import processes
+from k8s_dispatch.ops.demo import DemoRequest, Outcome, parse_sweep_line, plan_requests, summarise
 
 SCRIPT = str(Path(sys.executable).parent / "k8s-dispatch")
 OK_LINE = re.compile(

@@ -10,7 +10,7 @@ import weakref
 
 import pytest
 
-from tasks import interrupts
+from k8s_dispatch.ops import interrupts
 
 
 class _Thing:

@@ -18,8 +18,8 @@ from rich.table import Table
 from rich.text import Text
 from sqlalchemy.orm import Session
 
-from engine import store
-from engine.models import TERMINAL_EVENT_TYPES, TERMINAL_STATES, CaseEvent, Dispatch, DispatchState, EventType
+from k8s_dispatch.engine import store
+from k8s_dispatch.engine.models import TERMINAL_EVENT_TYPES, TERMINAL_STATES, CaseEvent, Dispatch, DispatchState, EventType
 
 DEFAULT_FAILURES = 10
 MAX_MESSAGE_CHARS = 200  # of a failure's message, in the report

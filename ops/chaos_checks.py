@@ -15,10 +15,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.models import STATE_FOR_TERMINAL_EVENT, EventType
-from tasks.chaos_workload import Expected
-from workers.labels import MANAGED_BY, MANAGED_BY_LABEL
-from workers.manifest import FINALIZER
+from k8s_dispatch.engine.models import STATE_FOR_TERMINAL_EVENT, EventType
+from k8s_dispatch.ops.chaos_workload import Expected
+from k8s_dispatch.workers.labels import MANAGED_BY, MANAGED_BY_LABEL
+from k8s_dispatch.workers.manifest import FINALIZER
 
 EXAMPLES = 5  # ids shown per kind of problem
 

@@ -11,7 +11,7 @@ switch the API faults on and off, count them, and bring back a component that di
   authorizer judges every call they make. The harness's own reads go straight to kube-apiserver
   as the admin, never through the faults.
 
-The `_Run` of `tasks.chaos` holds its cluster lock around every call here.
+The `_Run` of `ops.chaos` holds its cluster lock around every call here.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 import yaml
 
-from tasks.processes import LISTENING, ManagedProcess, free_port, localcluster_server, wait_for_log
+from k8s_dispatch.ops.processes import LISTENING, ManagedProcess, free_port, localcluster_server, wait_for_log
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +145,7 @@ class RealChaosCluster:
     fault_words = "500/503/429, connection reset, response lost after forwarding"
 
     def __init__(self, *, directory: Path, mode: str, namespaces: tuple[str, ...], ready_gate: bool = True) -> None:
-        from realcluster.controlplane import ControlPlane
+        from k8s_dispatch.realcluster.controlplane import ControlPlane
 
         self.mode = mode
         self.ready_gate = ready_gate
@@ -161,7 +161,7 @@ class RealChaosCluster:
         self.faults_now = (0.0, 0)
 
     def start(self) -> None:
-        from realcluster import faultproxy
+        from k8s_dispatch.realcluster import faultproxy
 
         self.plane.start()
         token = self._worker_identity()
@@ -175,7 +175,7 @@ class RealChaosCluster:
         self._write_worker_kubeconfig(token)
 
     def _start_proxy(self) -> None:
-        from realcluster import faultproxy
+        from k8s_dispatch.realcluster import faultproxy
 
         assert self.proxy is not None
         self.proxy.start()
@@ -219,7 +219,7 @@ class RealChaosCluster:
             return str(core.create_namespaced_service_account_token(account, self.namespace, request).status.token)
 
     def _write_worker_kubeconfig(self, token: str) -> None:
-        from realcluster.controlplane import User, kubeconfig_text
+        from k8s_dispatch.realcluster.controlplane import User, kubeconfig_text
 
         ca_data = base64.b64encode((self.plane.directory / "pki" / "ca.crt").read_bytes()).decode()
         user = User("k8s-dispatch-worker", token)
@@ -273,7 +273,7 @@ class RealChaosCluster:
 
 
     def _call(self, settings: dict[str, Any] | None) -> dict[str, Any]:
-        from realcluster import faultproxy
+        from k8s_dispatch.realcluster import faultproxy
 
         return faultproxy.call(self.proxy_url, token=self.proxy_token_file.read_text().strip(),
                                ca_file=self.plane.directory / "pki" / "ca.crt", settings=settings)  # fmt: skip

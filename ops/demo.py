@@ -2,7 +2,7 @@
 
 Starts localcluster (exec mode: Jobs run as local processes), a broker (the configured Redis
 if it answers, else an embedded fakeredis server), SQLite in a temporary directory (or the
-configured database), a real `celery -A tasks worker` and `beat`; schedules a few dozen
+configured database), a real `celery -A k8s_dispatch.tasks worker` and `beat`; schedules a few dozen
 dispatches over the three demo capabilities, SIGKILLs the worker mid-run, drops the queued
 messages, restarts it and shows what its start-up sweep found and did; then checks that every
 dispatch ended exactly once with the right output. Everything it starts is stopped, and its
@@ -36,22 +36,22 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from sqlalchemy.engine import make_url
 
-import celeryconfig as names
-from engine import store
-from engine.db import make_engine, make_sessionmaker, transaction
-from engine.errors import Transient
-from engine.migrate import upgrade
-from engine.models import TERMINAL_EVENT_TYPES, TERMINAL_STATES, CaseEvent, Dispatch, DispatchState
-from engine.settings import Settings, load_settings
-from localcluster import LocalCluster
-from tasks import interrupts, processes
-from tasks.recovery_tasks import STARTUP_SWEEP_DONE
-from tasks.scheduling import schedule_in_session
-from workers import demo_functions
-from workers import labels as job_labels
-from workers.job_status import job_state
-from workers.kube import KubeClient
-from workers.resolver import DEMO_FUNCTIONS, CapabilityResolver
+from k8s_dispatch import celeryconfig as names
+from k8s_dispatch.engine import store
+from k8s_dispatch.engine.db import make_engine, make_sessionmaker, transaction
+from k8s_dispatch.engine.errors import Transient
+from k8s_dispatch.engine.migrate import upgrade
+from k8s_dispatch.engine.models import TERMINAL_EVENT_TYPES, TERMINAL_STATES, CaseEvent, Dispatch, DispatchState
+from k8s_dispatch.engine.settings import Settings, load_settings
+from k8s_dispatch.localcluster import LocalCluster
+from k8s_dispatch.ops import interrupts, processes
+from k8s_dispatch.tasks.recovery_tasks import STARTUP_SWEEP_DONE
+from k8s_dispatch.tasks.scheduling import schedule_in_session
+from k8s_dispatch.workers import demo_functions
+from k8s_dispatch.workers import labels as job_labels
+from k8s_dispatch.workers.job_status import job_state
+from k8s_dispatch.workers.kube import KubeClient
+from k8s_dispatch.workers.resolver import DEMO_FUNCTIONS, CapabilityResolver
 
 WORKER_NAME = "demo-worker"
 WORKER_DOWN = "worker DOWN"  # the phase in which the worker is dead on purpose

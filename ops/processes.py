@@ -1,5 +1,5 @@
 """Start, stop and kill the project's processes as real subprocesses, the way the README tells a
-user to start them (`celery -A tasks worker`, `celery -A tasks beat`, `python -m localcluster
+user to start them (`celery -A k8s_dispatch.tasks worker`, `celery -A k8s_dispatch.tasks beat`, `python -m localcluster
 serve`). Used by the demo, the chaos run, the benchmarks and the process tests.
 
 Each process runs in its own session (process group), so a kill takes its children with it,
@@ -18,6 +18,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
+
+import k8s_dispatch
 
 T = TypeVar("T")
 
@@ -132,7 +134,7 @@ class ManagedProcess:
 def project_env(overrides: Mapping[str, str]) -> dict[str, str]:
     """The current environment plus `overrides`, with the project importable from anywhere."""
     env = dict(os.environ)
-    root = str(Path(__file__).resolve().parent.parent)
+    root = str(Path(k8s_dispatch.__file__).parent.parent)  # where `k8s_dispatch` is found, not its folders
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
     env.update(overrides)
     return env
@@ -141,9 +143,9 @@ def project_env(overrides: Mapping[str, str]) -> dict[str, str]:
 def celery_worker(
     name: str, *, env: Mapping[str, str], log_dir: Path, concurrency: int = 4, extra: tuple[str, ...] = ()
 ) -> ManagedProcess:
-    """`celery -A tasks worker` with a unique node name."""
+    """`celery -A k8s_dispatch.tasks worker` with a unique node name."""
     argv = [
-        sys.executable, "-m", "celery", "-A", "tasks", "worker",
+        sys.executable, "-m", "celery", "-A", "k8s_dispatch.tasks", "worker",
         "--loglevel=INFO", f"--hostname={name}@%h", f"--concurrency={concurrency}",
         "--without-mingle", "--without-gossip", *extra,
     ]  # fmt: skip
@@ -151,8 +153,8 @@ def celery_worker(
 
 
 def celery_beat(*, env: Mapping[str, str], log_dir: Path, name: str = "beat") -> ManagedProcess:
-    """`celery -A tasks beat` (its scheduler keeps nothing on disk: see celeryconfig)."""
-    argv = [sys.executable, "-m", "celery", "-A", "tasks", "beat", "--loglevel=INFO"]
+    """`celery -A k8s_dispatch.tasks beat` (its scheduler keeps nothing on disk: see celeryconfig)."""
+    argv = [sys.executable, "-m", "celery", "-A", "k8s_dispatch.tasks", "beat", "--loglevel=INFO"]
     return ManagedProcess(name, argv, project_env(env), log_dir / f"{name}.log")
 
 
@@ -160,9 +162,9 @@ def celery_flower(
     *, env: Mapping[str, str], log_dir: Path, port: int, address: str = "127.0.0.1", extra: tuple[str, ...] = (),
     name: str = "flower",
 ) -> ManagedProcess:
-    """`celery -A tasks flower` on `address:port`; its state (--persistent off) stays in memory."""
+    """`celery -A k8s_dispatch.tasks flower` on `address:port`; its state (--persistent off) stays in memory."""
     argv = [
-        sys.executable, "-m", "celery", "-A", "tasks", "flower", f"--port={port}", f"--address={address}", *extra,
+        sys.executable, "-m", "celery", "-A", "k8s_dispatch.tasks", "flower", f"--port={port}", f"--address={address}", *extra,
     ]  # fmt: skip
     return ManagedProcess(name, argv, project_env(env), log_dir / f"{name}.log")
 
@@ -192,7 +194,7 @@ def localcluster_server(
     with the same objects at the same URLs (and the same token and certificate, read back from
     next to `kubeconfig`)."""
     argv = [
-        sys.executable, "-m", "localcluster", "serve", "--port", str(port), "--tls-port", str(tls_port), "--mode", mode,
+        sys.executable, "-m", "k8s_dispatch.localcluster", "serve", "--port", str(port), "--tls-port", str(tls_port), "--mode", mode,
         "--kubeconfig", str(kubeconfig), "--fault-rate", str(fault_rate), "--latency-ms", str(latency_ms),
         *(["--state", str(state)] if state is not None else []),
     ]  # fmt: skip

@@ -1,7 +1,7 @@
 """The chaos run's witness of Job creation: a watch on our Jobs in every namespace, kept up through
 API errors and restarts, noting each Job's dispatch, namespace and uid. A Job made and deleted
 between two of its looks (a watch broken by a restart, then a LIST) is missed; any Job it sees is
-judged (`tasks.chaos_checks`: one Job per dispatch, in the namespace the dispatch recorded).
+judged (`ops.chaos_checks`: one Job per dispatch, in the namespace the dispatch recorded).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from workers.labels import DISPATCH_ID_KEY, selector
+from k8s_dispatch.workers.labels import DISPATCH_ID_KEY, selector
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import click
 
-from engine.errors import DispatchError
+from k8s_dispatch.engine.errors import DispatchError
 
 # Exit codes scripts can rely on.
 EXIT_OK = 0
@@ -29,8 +29,8 @@ def cli() -> None:
 @click.option("--revision", default="head", show_default=True, help="Alembic revision to upgrade to.")
 def migrate(revision: str) -> None:
     """Create or upgrade the database schema (K8S_DISPATCH_DATABASE_URL)."""
-    from engine.migrate import upgrade
-    from engine.settings import get_settings
+    from k8s_dispatch.engine.migrate import upgrade
+    from k8s_dispatch.engine.settings import get_settings
 
     settings = get_settings()
     upgrade(settings.database_url, revision)
@@ -59,11 +59,11 @@ def schedule(
     """Schedule one dispatch; its Job is created by a worker. Prints the dispatch id."""
     import json
 
-    from engine import store
-    from engine.db import make_engine, make_sessionmaker, transaction
-    from engine.settings import get_settings
-    from tasks.scheduling import schedule_in_session
-    from workers.resolver import CapabilityResolver
+    from k8s_dispatch.engine import store
+    from k8s_dispatch.engine.db import make_engine, make_sessionmaker, transaction
+    from k8s_dispatch.engine.settings import get_settings
+    from k8s_dispatch.tasks.scheduling import schedule_in_session
+    from k8s_dispatch.workers.resolver import CapabilityResolver
 
     try:
         value = json.loads(input_json)
@@ -107,10 +107,10 @@ def cancel(dispatch_id: str, reason: str, as_json: bool) -> None:
     """
     import json
 
-    from engine import store
-    from engine.db import make_engine, make_sessionmaker, transaction
-    from engine.settings import get_settings
-    from tasks.scheduling import cancel_in_session
+    from k8s_dispatch.engine import store
+    from k8s_dispatch.engine.db import make_engine, make_sessionmaker, transaction
+    from k8s_dispatch.engine.settings import get_settings
+    from k8s_dispatch.tasks.scheduling import cancel_in_session
 
     engine = make_engine(get_settings().database_url)
     try:
@@ -137,10 +137,10 @@ def recover(dry_run: bool, as_json: bool) -> int:
     """
     import json
 
-    from engine.settings import get_settings
-    from recovery.reconcile import run_sweep
-    from recovery.runtime import Runtime
-    from tasks.app import celery_notifier
+    from k8s_dispatch.engine.settings import get_settings
+    from k8s_dispatch.recovery.reconcile import run_sweep
+    from k8s_dispatch.recovery.runtime import Runtime
+    from k8s_dispatch.tasks.app import celery_notifier
 
     settings = get_settings()
     with Runtime.from_settings(settings, notifier=celery_notifier(settings)) as runtime:
@@ -158,9 +158,9 @@ def status(failures: int, as_json: bool) -> None:
 
     from rich.console import Console
 
-    from engine.db import database_now, make_engine, make_sessionmaker, transaction
-    from engine.settings import get_settings
-    from tasks.status import read_status, render
+    from k8s_dispatch.engine.db import database_now, make_engine, make_sessionmaker, transaction
+    from k8s_dispatch.engine.settings import get_settings
+    from k8s_dispatch.ops.status import read_status, render
 
     engine = make_engine(get_settings().database_url)
     try:
@@ -191,7 +191,7 @@ def demo(count: int, broker: str, timeout_s: float, keep: bool) -> int:
 
     Exits 0 only if every dispatch ended exactly once with the right output.
     """
-    from tasks.demo import run_demo
+    from k8s_dispatch.ops.demo import run_demo
 
     summary = run_demo(count=count, broker=broker, timeout_s=timeout_s, keep=keep)
     return EXIT_OK if summary.ok else EXIT_FAILED
@@ -231,7 +231,7 @@ def chaos(dispatches: int, workers: int, seed: int | None, mode: str, cluster: s
 
     from rich.console import Console
 
-    from tasks.chaos import ChaosOptions, fault_plan, render, run
+    from k8s_dispatch.ops.chaos import ChaosOptions, fault_plan, render, run
 
     options = ChaosOptions(
         dispatches=dispatches, workers=workers, seed=seed if seed is not None else random.SystemRandom().randrange(10**6),
@@ -258,8 +258,8 @@ def _redacted(url: str) -> str:
 
 
 def _mount_subcommands() -> None:
-    from localcluster.cli import localcluster
-    from realcluster.cli import realcluster
+    from k8s_dispatch.localcluster.cli import localcluster
+    from k8s_dispatch.realcluster.cli import realcluster
 
     cli.add_command(localcluster)
     cli.add_command(realcluster)

@@ -1,0 +1,106 @@
+"""What an engine imports: schedule and cancel in its own transaction, the request and result
+types, the errors, and what a notification means.
+
+The notification: after a dispatch's terminal event is committed, a worker sends the Celery task
+`K8S_DISPATCH_NOTIFY_TASK` (default `engine.dispatch_finished`) on `K8S_DISPATCH_NOTIFY_QUEUE`
+(default `engine`) with one argument, the dispatch id. It is sent at least once (a redelivery or
+the sweep may send it again); the terminal event it points at is written exactly once, so read
+it with `outcome(session, dispatch_id)` and treat a second notification as a repeat.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+from k8s_dispatch.engine import store
+from k8s_dispatch.engine.db import make_engine, make_sessionmaker, transaction
+from k8s_dispatch.engine.ids import check_dispatch_id
+from k8s_dispatch.engine.errors import (
+    ConfigError,
+    DispatchError,
+    IdempotencyConflict,
+    InputNotSerialisable,
+    InputTooLarge,
+    InvalidId,
+    InvalidIdempotencyKey,
+    InvalidInput,
+    Permanent,
+    ScheduleNotRecorded,
+    TenancyMismatch,
+    Transient,
+    UnknownCapability,
+    UnknownCase,
+    UnknownDispatch,
+)
+from k8s_dispatch.engine.migrate import upgrade as migrate_database
+from k8s_dispatch.engine.models import DispatchState, EventType
+from k8s_dispatch.engine.settings import Settings, get_settings
+from k8s_dispatch.engine.store import ScheduleRequest, ScheduleResult, create_case
+from k8s_dispatch.tasks.scheduling import (
+    cancel_in_session,
+    schedule_in_session,
+    schedule_many_in_session,
+    send_schedule_until_recorded,
+)
+from k8s_dispatch.workers.resolver import CapabilityResolver
+
+__all__ = [
+    "CapabilityResolver",
+    "ConfigError",
+    "DispatchError",
+    "DispatchState",
+    "EventType",
+    "IdempotencyConflict",
+    "InputNotSerialisable",
+    "InputTooLarge",
+    "InvalidId",
+    "InvalidIdempotencyKey",
+    "InvalidInput",
+    "Outcome",
+    "Permanent",
+    "ScheduleNotRecorded",
+    "ScheduleRequest",
+    "ScheduleResult",
+    "Settings",
+    "TenancyMismatch",
+    "Transient",
+    "UnknownCapability",
+    "UnknownCase",
+    "UnknownDispatch",
+    "cancel_in_session",
+    "create_case",
+    "get_settings",
+    "make_engine",
+    "make_sessionmaker",
+    "migrate_database",
+    "outcome",
+    "schedule_in_session",
+    "schedule_many_in_session",
+    "send_schedule_until_recorded",
+    "transaction",
+]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A dispatch's end, as its one terminal event recorded it."""
+
+    dispatch_id: str
+    event: EventType  # WORKER_COMPLETED, WORKER_FAILED or WORKER_CANCELLED
+    payload: dict[str, Any]  # {"output": ...} on completion, {"reason": ..., ...} otherwise
+
+
+def outcome(session: Session, dispatch_id: str) -> Outcome | None:
+    """The terminal event of `dispatch_id`, or None while it runs.
+
+    Raises:
+        InvalidId: `dispatch_id` is not a UUID.
+    """
+    check_dispatch_id(dispatch_id)
+    event = store.terminal_event(session, dispatch_id)
+    if event is None:
+        return None
+    return Outcome(dispatch_id=dispatch_id, event=EventType(event.type), payload=dict(event.payload or {}))

@@ -1,0 +1,65 @@
+"""The house rules of the layout, read from the code itself: one import name, and the product
+never leaning on its operator tools or its stand-in clusters."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+FOLDERS = ("tasks", "workers", "recovery", "engine", "localcluster", "realcluster", "bench", "ops")
+PRODUCT = ("engine", "workers", "recovery", "tasks")
+NOT_FOR_THE_PRODUCT = ("localcluster", "realcluster", "ops", "bench")
+
+
+def imported_modules(path: Path) -> list[tuple[int, str]]:
+    """Every absolute module name `path` imports, with its line."""
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found += [(node.lineno, node.module)]
+            if node.module == "k8s_dispatch":
+                found += [(node.lineno, f"k8s_dispatch.{alias.name}") for alias in node.names]
+    return found
+
+
+def python_files(*folders: str) -> list[Path]:
+    files = [p for folder in folders for p in (REPO / folder).rglob("*.py") if "__pycache__" not in p.parts]
+    assert files, folders
+    return files
+
+
+def test_every_import_of_our_folders_goes_through_k8s_dispatch() -> None:
+    """A bare `import engine` would load a second copy of a module (and, installed, an engine's
+    own `engine`): nothing of ours may use the top-level names."""
+    top_level = {*FOLDERS, "celeryconfig"}
+    bad = [
+        f"{path.relative_to(REPO)}:{line}: {module}"
+        for path in [*python_files(*FOLDERS, "tests", "k8s_dispatch"), REPO / "celeryconfig.py"]
+        for line, module in imported_modules(path)
+        if module.split(".")[0] in top_level
+    ]
+    assert bad == []
+
+
+@pytest.mark.parametrize("package", PRODUCT)
+def test_the_product_never_imports_the_operator_tools_or_the_stand_in_clusters(package: str) -> None:
+    bad = [
+        f"{path.relative_to(REPO)}:{line}: {module}"
+        for path in python_files(package)
+        for line, module in imported_modules(path)
+        if module.split(".")[:2] in (["k8s_dispatch", name] for name in NOT_FOR_THE_PRODUCT)
+    ]
+    assert bad == []
+
+
+def test_the_import_name_links_every_folder() -> None:
+    """In a checkout `k8s_dispatch/` links to the folders; the wheel copies them into it."""
+    for folder in FOLDERS:
+        link = REPO / "k8s_dispatch" / folder
+        assert link.is_symlink() and link.resolve() == REPO / folder, link
+    assert (REPO / "k8s_dispatch" / "celeryconfig.py").resolve() == REPO / "celeryconfig.py"
