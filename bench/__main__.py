@@ -62,7 +62,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def run(
-    names: Sequence[str], size: Size, *, pg_admin_url: str, redis_url: str, console: Console,
+    names: Sequence[str],
+    size: Size,
+    *,
+    pg_admin_url: str,
+    redis_url: str,
+    console: Console,
     clusters: tuple[str, ...] = CLUSTERS["both"],
 ) -> BenchRun:
     """Run the named benchmarks at `size`, with the run's own databases and Redis prefix."""

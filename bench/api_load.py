@@ -32,6 +32,7 @@ The baseline runs on localcluster only.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import math
@@ -46,9 +47,9 @@ import urllib.parse
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -183,7 +184,10 @@ def run(ctx: services.BenchContext, size: Size) -> BenchResult:
     caps = CapabilityResolver.from_mapping(capability_config(knobs.job_s), source=str(caps_file))
     local: dict[int, Window] = {}
     for i, n in enumerate(knobs.jobs if services.LOCAL in ctx.clusters else ()):
-        variants = {"ours": partial(_ours, ctx, knobs, n, caps, caps_file), "baseline": partial(_baseline, ctx, knobs, n)}
+        variants = {
+            "ours": partial(_ours, ctx, knobs, n, caps, caps_file),
+            "baseline": partial(_baseline, ctx, knobs, n),
+        }
         order = list(variants) if i % 2 == 0 else list(reversed(variants))
         windows = {name: variants[name]() for name in order}
         _report(result, n, windows["ours"], windows["baseline"], knobs)
@@ -276,7 +280,9 @@ def scrape(cluster: services.Cluster) -> Scrape:
         conn.close()
     if response.status != 200:
         raise RuntimeError(f"GET /metrics answered {response.status}: {body[:200]}")
-    wanted = "\n".join(line for line in body.splitlines() if line.startswith((METRIC, f"{DURATION}_sum", f"{DURATION}_count")))
+    wanted = "\n".join(
+        line for line in body.splitlines() if line.startswith((METRIC, f"{DURATION}_sum", f"{DURATION}_count"))
+    )
     counts: Counter[Key] = Counter()
     seconds: Counter[Key] = Counter()
     timed: Counter[Key] = Counter()
@@ -361,10 +367,12 @@ def _time(stamp: str) -> float:
 
 
 def breakdown(requests: Counter[Key], *, seconds: float) -> str:
-    """"LIST jobs 12 (0.8/s), POST jobs 301 ..." for a note, largest first."""
+    """ "LIST jobs 12 (0.8/s), POST jobs 301 ..." for a note, largest first."""
     parts = []
     for (verb, resource, sub, code), n in requests.most_common():
-        what = f"{verb} {resource + ('/' + sub if sub else '') if resource else sub}{'' if code < 400 else f' [{code}]'}"
+        what = (
+            f"{verb} {resource + ('/' + sub if sub else '') if resource else sub}{'' if code < 400 else f' [{code}]'}"
+        )
         parts.append(f"{what} {n} ({n / seconds:.1f}/s)")
     return ", ".join(parts)
 
@@ -403,10 +411,8 @@ class JobWatch:
         self._stopping.set()
         conn = self._conn
         if conn is not None and conn.sock is not None:
-            try:
+            with suppress(OSError):
                 conn.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
         self._thread.join(timeout=10)
 
     def _run(self) -> None:
@@ -414,7 +420,7 @@ class JobWatch:
         try:
             while not self._stopping.is_set():
                 rv = self._watch(rv)
-        except Exception as e:  # noqa: BLE001 - reported to the bench's thread through `error`
+        except Exception as e:
             if not self._stopping.is_set():
                 self.error = e
 
@@ -424,7 +430,9 @@ class JobWatch:
         self._conn = conn
         query = urllib.parse.urlencode({"watch": "true", "timeoutSeconds": "3600", "resourceVersion": rv})
         try:
-            conn.request("GET", f"/apis/batch/v1/namespaces/{self._namespace}/jobs?{query}", headers=self._cluster.headers())
+            conn.request(
+                "GET", f"/apis/batch/v1/namespaces/{self._namespace}/jobs?{query}", headers=self._cluster.headers()
+            )
             response = conn.getresponse()
             if response.status != 200:
                 raise RuntimeError(f"watch answered {response.status}: {response.read()[:200]!r}")
@@ -458,7 +466,7 @@ def _completion_time(job: dict[str, Any], *, default: float) -> float:
     )
     if not stamp:
         return default
-    return datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc).timestamp()
+    return datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC).timestamp()
 
 
 def _finished(job: dict[str, Any]) -> bool:
@@ -497,7 +505,7 @@ class Refiller:
                 try:
                     self._start_jobs(count)
                     self.started += count
-                except Exception as e:  # noqa: BLE001 - reported to the bench's thread through `error`
+                except Exception as e:
                     self.error = e
                     return
             if None in items:
@@ -506,8 +514,13 @@ class Refiller:
 
 @contextmanager
 def steady(
-    cluster: services.Cluster, namespace: str, n: int, *, pre_create: Callable[[Sequence[int]], None],
-    start_jobs: Callable[[Sequence[int]], None], details: Callable[[], str],
+    cluster: services.Cluster,
+    namespace: str,
+    n: int,
+    *,
+    pre_create: Callable[[Sequence[int]], None],
+    start_jobs: Callable[[Sequence[int]], None],
+    details: Callable[[], str],
 ) -> Iterator[JobWatch]:
     """N Jobs in flight: the first N pre-created (`pre_create`, straight into the cluster, as if
     the system had been running for a while; it returns once the system is ready) with spread
@@ -530,11 +543,9 @@ def steady(
         # Then until the creates have caught up with the completions (N in flight, but for the
         # replacements on their way). A system that cannot sustain N is measured anyway; the
         # window's in-flight counts show it.
-        try:
+        with contextlib.suppress(WaitTimeout):
             wait_until(lambda: all_started() and watch.in_flight >= n - max(1, n // 20), timeout=10 + n / 100,
                        interval=0.2, what=f"{n} Jobs in flight")  # fmt: skip
-        except WaitTimeout:
-            pass
         time.sleep(SETTLE_S)  # measurement, not synchronisation: let the first completions flow
         yield watch
     finally:
@@ -602,10 +613,8 @@ def _pods_behind(cluster: services.Cluster, *, slack: int, timeout: float = 120.
         behind[0] = pods_behind(scrape(cluster).requests)
         return behind[0] <= slack
 
-    try:
+    with suppress(WaitTimeout):
         wait_until(caught_up, timeout=timeout, interval=1.0, what=f"Pods for all but {slack} Jobs")
-    except WaitTimeout:
-        pass
     return behind[0]
 
 
@@ -645,10 +654,8 @@ def _audited_window(cluster: services.Cluster, *, offset: int) -> dict[str, Coun
             found.update(audited(f.read().splitlines(), admin=cluster.plane.admin.name))
         return bool(found)
 
-    try:
+    with suppress(WaitTimeout):
         wait_until(read, timeout=10.0, interval=0.2, what="the window's second scrape in the audit log")
-    except WaitTimeout:
-        pass
     return found
 
 
@@ -656,7 +663,13 @@ def _audited_window(cluster: services.Cluster, *, offset: int) -> dict[str, Coun
 
 
 def _ours(
-    ctx: services.BenchContext, knobs: Knobs, n: int, caps: CapabilityResolver, caps_file: Path, *, kind: str = services.LOCAL
+    ctx: services.BenchContext,
+    knobs: Knobs,
+    n: int,
+    caps: CapabilityResolver,
+    caps_file: Path,
+    *,
+    kind: str = services.LOCAL,
 ) -> Window:
     """Ours in a steady state of `n` Jobs on a new API server of `kind` (services.LOCAL or REAL)."""
     name = f"{'lc' if kind == services.LOCAL else 'rc'}-load-{n}"
@@ -722,7 +735,9 @@ def _ours(
             with services.worker_and_beat(ctx.work_dir, env, concurrency=CONCURRENCY) as ready:
                 with steady(cluster, OURS_NAMESPACE, n, pre_create=partial(pre_create, ready=ready),
                             start_jobs=start_jobs, details=details) as watch:  # fmt: skip
-                    behind = _pods_behind(cluster, slack=max(2, round(2 * n / knobs.job_s))) if kind == services.REAL else 0
+                    behind = (
+                        _pods_behind(cluster, slack=max(2, round(2 * n / knobs.job_s))) if kind == services.REAL else 0
+                    )
                     window = measure(cluster, watch, knobs.window_s, pids=pids)
                     window.pods_behind = behind
                     window.job_bytes = _listed_bytes_per_job(cluster, OURS_NAMESPACE)
@@ -739,13 +754,14 @@ TASK_DONE = re.compile(r"Task ([\w.-]+)\[[^\]]*\] succeeded in ([\d.]+)s")
 
 
 def task_times(log: str) -> str:
-    """"poll 20x p50 0.12s p99 0.30s, ..." for the tasks of the worker's latest start, from its log."""
+    """ "poll 20x p50 0.12s p99 0.30s, ..." for the tasks of the worker's latest start, from its log."""
     latest = log[log.rfind("--- start #") :]
     seconds: dict[str, list[float]] = {}
     for name, s in TASK_DONE.findall(latest):
         seconds.setdefault(name.rsplit(".", 1)[-1], []).append(float(s))
     return ", ".join(
-        f"{name} {len(v)}x p50 {_percentile(v, 0.5):.2f}s p99 {_percentile(v, 0.99):.2f}s" for name, v in sorted(seconds.items())
+        f"{name} {len(v)}x p50 {_percentile(v, 0.5):.2f}s p99 {_percentile(v, 0.99):.2f}s"
+        for name, v in sorted(seconds.items())
     )
 
 
@@ -776,11 +792,9 @@ def _latencies(sessions: sessionmaker[Session], finished: dict[str, float]) -> t
             events.update({name: at.timestamp() for name, at in session.execute(query).all()})
         return len(events) == len(names)
 
-    try:
+    with contextlib.suppress(WaitTimeout):  # what was not recorded in time is counted below
         wait_until(recorded, timeout=max(60.0, len(names) * POLL_INTERVAL_S / 100), interval=0.5,
                    what=f"terminal events of {len(names)} Jobs")  # fmt: skip
-    except WaitTimeout:
-        pass
     now = time.time()
     return [events.get(name, now) - finished[name] for name in names], len(names) - len(events)
 
@@ -811,7 +825,7 @@ def _baseline(ctx: services.BenchContext, knobs: Knobs, n: int) -> Window:
         def pre_create(steps: Sequence[int]) -> None:
             """The Jobs and their pending checks, while the worker starts; returns once it is ready."""
             names = [_baseline_name() for _ in steps]
-            bodies = [baseline_app.job_body(name, _ms(knobs, k)) for name, k in zip(names, steps)]
+            bodies = [baseline_app.job_body(name, _ms(knobs, k)) for name, k in zip(names, steps, strict=True)]
             rawhttp.create_jobs(cluster, BASELINE_NAMESPACE, bodies, clients=PRE_CREATE_CLIENTS)
             # each Job's check already pending, as in a running system: due at spread instants
             for i, name in enumerate(names):
@@ -929,7 +943,9 @@ def _by_verb(requests: Counter[Key]) -> dict[str, int]:
 
 
 def _cpu_percent(window: Window) -> dict[str, float]:
-    return {name: round(100 * cpu / window.seconds, 1) for name, cpu in sorted(window.cpu_s.items(), key=lambda kv: -kv[1])}
+    return {
+        name: round(100 * cpu / window.seconds, 1) for name, cpu in sorted(window.cpu_s.items(), key=lambda kv: -kv[1])
+    }
 
 
 def _report_real(result: BenchResult, n: int, real: Window, knobs: Knobs, *, local: Window | None) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import itertools
 
-
 from k8s_dispatch.bench import rawhttp, services, workload
 from k8s_dispatch.bench.results import BenchResult, Figure, Ratio, Target
 from k8s_dispatch.bench.sizes import Size

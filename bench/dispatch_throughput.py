@@ -34,7 +34,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from datetime import timezone
+from datetime import UTC
 from typing import Any
 
 import sqlalchemy as sa
@@ -48,11 +48,11 @@ from k8s_dispatch.bench import services, workload
 from k8s_dispatch.bench.results import BenchResult, Figure, Ratio, Target
 from k8s_dispatch.bench.sizes import Size
 from k8s_dispatch.bench.timing import interleaved, paired_ratios, rates
+from k8s_dispatch.engine import store
 from k8s_dispatch.engine.db import make_engine, make_sessionmaker, transaction
 from k8s_dispatch.engine.models import Dispatch, DispatchState
 from k8s_dispatch.engine.settings import load_settings
 from k8s_dispatch.ops.processes import wait_until
-from k8s_dispatch.engine import store
 from k8s_dispatch.tasks.scheduling import CREATE_BATCH, schedule_in_session, schedule_many_in_session
 from k8s_dispatch.workers import labels as job_labels
 from k8s_dispatch.workers.kube import KubeClient
@@ -125,7 +125,8 @@ def run(ctx: services.BenchContext, size: Size) -> BenchResult:
                     rounds=size.dispatch_rounds,
                 )
                 single = interleaved(
-                    {"single": lambda: ours.round(n, fanout=1), "raw": lambda: raw.round(n)}, rounds=size.dispatch_rounds
+                    {"single": lambda: ours.round(n, fanout=1), "raw": lambda: raw.round(n)},
+                    rounds=size.dispatch_rounds,
                 )
                 _check_jobs(kube, OURS_NAMESPACE, ours.created)
                 _check_jobs(kube, RAW_NAMESPACE, raw.created)
@@ -210,7 +211,12 @@ class _Ours:
     """Dispatches scheduled by engine threads; done when the worker marked every row created."""
 
     def __init__(
-        self, sessions: sessionmaker[Session], caps: CapabilityResolver, producer: Celery, max_input: int, cpu: _CpuMeter
+        self,
+        sessions: sessionmaker[Session],
+        caps: CapabilityResolver,
+        producer: Celery,
+        max_input: int,
+        cpu: _CpuMeter,
     ):
         self._sessions, self._caps, self._producer, self._max_input = sessions, caps, producer, max_input
         self._cpu = cpu
@@ -254,9 +260,14 @@ class _Ours:
 
     def _created_count(self, case_id: str) -> int:
         with transaction(self._sessions) as session:
-            return session.scalar(
-                sa.select(sa.func.count()).where(Dispatch.case_id == case_id, Dispatch.state == DispatchState.CREATED)
-            ) or 0
+            return (
+                session.scalar(
+                    sa.select(sa.func.count()).where(
+                        Dispatch.case_id == case_id, Dispatch.state == DispatchState.CREATED
+                    )
+                )
+                or 0
+            )
 
     def _last_created(self, case_id: str) -> float:
         """The latest `job_created_at` of the case's rows, as a `time.time()` value."""
@@ -264,7 +275,7 @@ class _Ours:
             last = session.scalar(sa.select(sa.func.max(Dispatch.job_created_at)).where(Dispatch.case_id == case_id))
         if last is None:
             raise RuntimeError(f"no Job created for case {case_id}")
-        return (last if last.tzinfo else last.replace(tzinfo=timezone.utc)).timestamp()
+        return (last if last.tzinfo else last.replace(tzinfo=UTC)).timestamp()
 
 
 class _Raw:
@@ -295,7 +306,7 @@ def _concurrently(fn: Callable[[int], Any], n: int, *, threads: int) -> tuple[fl
         try:
             for i in share:
                 fn(i)
-        except Exception as e:  # noqa: BLE001 - re-raised below, once every thread ended
+        except Exception as e:
             errors.append(e)
 
     with ThreadPoolExecutor(threads) as pool:

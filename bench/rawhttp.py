@@ -39,8 +39,10 @@ class RawApi:
             raise ApiError(f"RawApi speaks http(s) to host:port, not {cluster.url}")
         self._address = (parsed.hostname, parsed.port)
         self._tls = cluster.ssl_context()  # the real server's https, verified with its CA
-        self._head = (f"Host: {parsed.hostname}:{parsed.port}\r\nAuthorization: Bearer {cluster.token}\r\n"
-                      f"Accept: application/json\r\nUser-Agent: {BENCH_USER_AGENT}\r\n").encode()
+        self._head = (
+            f"Host: {parsed.hostname}:{parsed.port}\r\nAuthorization: Bearer {cluster.token}\r\n"
+            f"Accept: application/json\r\nUser-Agent: {BENCH_USER_AGENT}\r\n"
+        ).encode()
         self._sock: socket.socket | None = None
         self._buffer = bytearray()
         self.http_seconds = 0.0
@@ -60,7 +62,9 @@ class RawApi:
         """Create a Job from its manifest (a dict, or already serialised JSON); with `exist_ok`, a
         409 (one of that name exists) is taken as done."""
         text = body if isinstance(body, str) else json.dumps(body)
-        self._request("POST", f"/apis/batch/v1/namespaces/{namespace}/jobs", text, expect=(201, 409) if exist_ok else 201)
+        self._request(
+            "POST", f"/apis/batch/v1/namespaces/{namespace}/jobs", text, expect=(201, 409) if exist_ok else 201
+        )
 
     def list_jobs_page(
         self, namespace: str, *, label_selector: str, limit: int, continue_token: str | None
@@ -115,7 +119,7 @@ class RawApi:
         while (end := self._buffer.find(marker)) < 0:
             self._fill()
         taken = bytes(self._buffer[:end])
-        del self._buffer[:end + len(marker)]
+        del self._buffer[: end + len(marker)]
         return taken
 
     def _take(self, n: int) -> bytes:
@@ -168,7 +172,7 @@ def create_jobs(
         except (ApiError, OSError, ValueError) as e:
             errors.append(e)
 
-    threads = [threading.Thread(target=run, args=(api, share)) for api, share in zip(apis, shares)]
+    threads = [threading.Thread(target=run, args=(api, share)) for api, share in zip(apis, shares, strict=True)]
     try:
         for thread in threads:
             thread.start()

@@ -66,7 +66,9 @@ def figures_table(run: BenchRun) -> Table:
     for result in run.results:
         rows = [f for f in result.figures if f.target is None]
         for i, figure in enumerate(rows):
-            table.add_row(result.name if i == 0 else "", figure.label, _number(figure.median), _range(figure), figure.unit)
+            table.add_row(
+                result.name if i == 0 else "", figure.label, _number(figure.median), _range(figure), figure.unit
+            )
         if rows:
             table.add_section()
     return table

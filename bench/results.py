@@ -13,7 +13,7 @@ import json
 import os
 import platform
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -137,7 +137,7 @@ def _load_average() -> list[float] | None:
 class BenchRun:
     size: str  # "smoke", "quick" or "full"
     judged: bool = True  # targets are judged at this size (not at "smoke")
-    started_at: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
+    started_at: datetime = field(default_factory=lambda: datetime.now(UTC))
     load_at_start: list[float] | None = field(default_factory=_load_average)  # 1, 5, 15 minutes
     results: list[BenchResult] = field(default_factory=list)
     seconds: float = 0.0
@@ -166,9 +166,7 @@ class BenchRun:
                 **self.settings,
                 "params": {r.name: dict(r.params) for r in self.results},
             },
-            "targets": [
-                {"benchmark": result.name, **m.to_dict(judged=self.judged)} for result, m in self.targets()
-            ],
+            "targets": [{"benchmark": result.name, **m.to_dict(judged=self.judged)} for result, m in self.targets()],
             "benchmarks": [r.to_dict(judged=self.judged) for r in self.results],
         }
 

@@ -43,14 +43,22 @@ from k8s_dispatch.bench.sizes import Size
 from k8s_dispatch.bench.timing import Stopwatch, interleaved, paired_ratios
 from k8s_dispatch.engine.models import DispatchState, EventType, utcnow
 from k8s_dispatch.engine.settings import load_settings
+from k8s_dispatch.ops.processes import project_env, wait_until
 from k8s_dispatch.recovery.reconcile import run_sweep
 from k8s_dispatch.recovery.runtime import Runtime
 from k8s_dispatch.recovery.sweep import Category
-from k8s_dispatch.ops.processes import project_env, wait_until
 from k8s_dispatch.workers import labels as job_labels
 from k8s_dispatch.workers.job_status import job_state
 from k8s_dispatch.workers.manifest import build_job, job_name
-from k8s_dispatch.workers.types import CapabilityName, CaseId, DispatchId, DispatchRef, IdempotencyKey, TenancyId, WorkerName
+from k8s_dispatch.workers.types import (
+    CapabilityName,
+    CaseId,
+    DispatchId,
+    DispatchRef,
+    IdempotencyKey,
+    TenancyId,
+    WorkerName,
+)
 
 NAMESPACE = "bench-sweep"
 JOBS = {"smoke": 200, "quick": 10_000, "full": 100_000}  # figure 4, and figure 5's largest N
@@ -77,8 +85,13 @@ def run(ctx: services.BenchContext, size: Size) -> BenchResult:
         name="sweep",
         title=f"the recovery sweep over {n:,} Jobs vs the official client's LIST; its memory",
         rounds=rounds,
-        params={"jobs": n, "finished_unrecorded": finished, "lost": lost, "memory_jobs": [small_n, n],
-                "memory_rounds": memory_rounds},  # fmt: skip
+        params={
+            "jobs": n,
+            "finished_unrecorded": finished,
+            "lost": lost,
+            "memory_jobs": [small_n, n],
+            "memory_rounds": memory_rounds,
+        },
     )
     caps_file = ctx.work_dir / "sweep-capabilities.yaml"
     caps_file.write_text(yaml.safe_dump(capability_config()))
@@ -174,8 +187,13 @@ def _figure_4(
     ratios = paired_ratios(seconds["sweep"], seconds["list"])
     result.figures += [
         Figure("sweep_s", f"one recovery sweep over {n:,} Jobs and rows (run_sweep)", "s", seconds["sweep"], ref="8.4"),
-        Figure("client_list_s", f"the official client's paginated LIST of them (pages of {page_size})", "s",
-               seconds["list"], ref="8.4"),  # fmt: skip
+        Figure(
+            "client_list_s",
+            f"the official client's paginated LIST of them (pages of {page_size})",
+            "s",
+            seconds["list"],
+            ref="8.4",
+        ),
         Figure("sweep_vs_list", "sweep time / LIST time, per round", "x", ratios, RATIO_TARGET, ref="8.4"),
     ]
     result.ratios.append(
@@ -192,10 +210,21 @@ def _figure_4(
     job_lists = [float(c[("list", "jobs")]) for c in requests]
     per_action = [(sum(c.values()) - c[("list", "jobs")]) / (finished + lost) for c in requests]
     result.figures += [
-        Figure("sweep_job_lists", f"LISTs of Jobs one sweep made (the LIST's pages: {pages}, + {lists - pages} for "
-               "unlabelled Jobs)", "requests", job_lists, Target(lists, at_least=False, inclusive=True), ref="8.4"),  # fmt: skip
-        Figure("sweep_requests_per_action", f"other requests per Job that needed action ({finished} finished,"
-               f" {lost} lost)", "requests", per_action, ref="8.4"),  # fmt: skip
+        Figure(
+            "sweep_job_lists",
+            f"LISTs of Jobs one sweep made (the LIST's pages: {pages}, + {lists - pages} for unlabelled Jobs)",
+            "requests",
+            job_lists,
+            Target(lists, at_least=False, inclusive=True),
+            ref="8.4",
+        ),
+        Figure(
+            "sweep_requests_per_action",
+            f"other requests per Job that needed action ({finished} finished, {lost} lost)",
+            "requests",
+            per_action,
+            ref="8.4",
+        ),
     ]
     by_verb = ", ".join(f"{verb} {res}: {count}" for (verb, res), count in sorted(requests[-1].items()))
     result.notes.append(f"requests of the last sweep, counted by the API server: {by_verb}")
@@ -229,8 +258,14 @@ def _figure_5(result: BenchResult, memory: Mapping[int, Memory]) -> None:
     for size in sizes:
         target = RSS_TARGET if size == sizes[-1] else None
         result.figures.append(
-            Figure(f"sweep_peak_rss_{size}", f"peak RSS of a process sweeping {size:,} Jobs", "MB",
-                   memory[size].peak_mb, target, ref="8.5")  # fmt: skip
+            Figure(
+                f"sweep_peak_rss_{size}",
+                f"peak RSS of a process sweeping {size:,} Jobs",
+                "MB",
+                memory[size].peak_mb,
+                target,
+                ref="8.5",
+            )
         )
     result.figures.append(
         Figure(
@@ -319,7 +354,13 @@ class Population:
         bodies = []
         for ref in refs:
             spec = self.rt.resolver.spec(ref.capability)
-            body = build_job(ref, input=_input(ref), spec=spec, namespace=self.namespace, deployment=self.rt.settings.effective_deployment)
+            body = build_job(
+                ref,
+                input=_input(ref),
+                spec=spec,
+                namespace=self.namespace,
+                deployment=self.rt.settings.effective_deployment,
+            )
             if suspend:
                 body["spec"]["suspend"] = True
             bodies.append(body)
@@ -398,4 +439,3 @@ def request_counts(cluster: services.Cluster) -> Counter[tuple[str, str]] | None
             if labels.get("resource"):  # not /metrics itself, nor discovery
                 counts[(labels.get("verb", "").lower(), labels["resource"])] += int(float(match["value"]))
     return counts if counts else None
-

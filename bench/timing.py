@@ -92,4 +92,4 @@ def paired_ratios(numerator: Sequence[float], denominator: Sequence[float]) -> l
     """numerator[i] / denominator[i] for each round: two measurements made side by side."""
     if len(numerator) != len(denominator):
         raise ValueError(f"{len(numerator)} measurements against {len(denominator)}")
-    return [n / d for n, d in zip(numerator, denominator)]
+    return [n / d for n, d in zip(numerator, denominator, strict=True)]

@@ -23,7 +23,15 @@ from k8s_dispatch.workers.job_status import job_state
 from k8s_dispatch.workers.kube import KubeClient
 from k8s_dispatch.workers.manifest import build_job
 from k8s_dispatch.workers.resolver import CapabilityResolver
-from k8s_dispatch.workers.types import CapabilityName, CaseId, DispatchId, DispatchRef, IdempotencyKey, TenancyId, WorkerName
+from k8s_dispatch.workers.types import (
+    CapabilityName,
+    CaseId,
+    DispatchId,
+    DispatchRef,
+    IdempotencyKey,
+    TenancyId,
+    WorkerName,
+)
 
 SIM = "localcluster.k8s-dispatch.io/"
 WORKER = "bench"
@@ -124,7 +132,7 @@ def created_dispatches(
     made = []
     with transaction(sessions) as session:
         results = store.schedule_many(session, requests, router=caps, max_input_bytes=max_input_bytes)
-        for i, (request, result) in enumerate(zip(requests, results)):
+        for _i, (request, result) in enumerate(zip(requests, results, strict=True)):
             ref = DispatchRef(
                 dispatch_id=DispatchId(result.dispatch_id),
                 case_id=CaseId(case_id),

@@ -11,7 +11,7 @@ import time
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import sqlalchemy as sa
@@ -171,16 +171,16 @@ def database_now(session: Session) -> datetime:
     """
     bind = session.get_bind()
     if bind.dialect.name == "sqlite":
-        return datetime.now(timezone.utc)
+        return datetime.now(UTC)
     engine = bind.engine if isinstance(bind, sa.Connection) else bind
     measured = _DB_CLOCK_OFFSETS.get(engine)
     if measured is None or time.monotonic() - measured[0] > DB_CLOCK_REFRESH_S:
-        before = datetime.now(timezone.utc)
+        before = datetime.now(UTC)
         theirs = session.execute(sa.select(sa.func.statement_timestamp())).scalar_one()
-        after = datetime.now(timezone.utc)
+        after = datetime.now(UTC)
         measured = (time.monotonic(), theirs - (before + (after - before) / 2))
         _DB_CLOCK_OFFSETS[engine] = measured
-    return datetime.now(timezone.utc) + measured[1]
+    return datetime.now(UTC) + measured[1]
 
 
 DB_CLOCK_REFRESH_S = 60.0  # a clock stepped meanwhile (NTP) is measured again within this

@@ -8,9 +8,9 @@ transaction as the events. The schema itself is created by the Alembic migration
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from enum import StrEnum
-from typing import Any
+from typing import Any, ClassVar
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Dialect
@@ -60,7 +60,7 @@ UNNOTIFIED_PREDICATE = "notified_at IS NULL AND state IN ('COMPLETED', 'FAILED',
 
 
 def utcnow() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)
 
 
 class UtcDateTime(sa.TypeDecorator[datetime]):
@@ -79,15 +79,15 @@ class UtcDateTime(sa.TypeDecorator[datetime]):
             return None
         if value.tzinfo is None:
             raise ValueError(f"naive datetime {value!r}: use a timezone-aware UTC datetime")
-        value = value.astimezone(timezone.utc)
+        value = value.astimezone(UTC)
         return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
 
     def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
         if value is None:
             return None
         if value.tzinfo is None:
-            return value.replace(tzinfo=timezone.utc)
-        return value.astimezone(timezone.utc)
+            return value.replace(tzinfo=UTC)
+        return value.astimezone(UTC)
 
 
 def _state_type() -> sa.Enum:
@@ -111,7 +111,7 @@ class Base(DeclarativeBase):
             "pk": "pk_%(table_name)s",
         }
     )
-    type_annotation_map = {datetime: UtcDateTime()}  # every datetime column is aware UTC
+    type_annotation_map: ClassVar[dict[Any, Any]] = {datetime: UtcDateTime()}  # every datetime column is aware UTC
 
 
 class CaseInstance(Base):
@@ -160,7 +160,9 @@ class CaseEvent(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow, server_default=sa.func.now())
 
     def __repr__(self) -> str:
-        return f"CaseEvent(id={self.id!r}, case_id={self.case_id!r}, dispatch_id={self.dispatch_id!r}, type={self.type!r})"
+        return (
+            f"CaseEvent(id={self.id!r}, case_id={self.case_id!r}, dispatch_id={self.dispatch_id!r}, type={self.type!r})"
+        )
 
 
 class Dispatch(Base):

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import hashlib
 import re
-from enum import Enum
+from collections.abc import Mapping
+from enum import StrEnum
 from functools import lru_cache
 from pathlib import Path
-from typing import Mapping
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -22,7 +22,7 @@ from k8s_dispatch.engine.errors import ConfigError
 ENV_PREFIX = "K8S_DISPATCH_"
 
 
-class OrphanPolicy(str, Enum):
+class OrphanPolicy(StrEnum):
     """What the sweep does with a Job of ours that has no matching dispatch."""
 
     REPORT = "report"
@@ -91,7 +91,7 @@ class Settings(BaseSettings):
         return value
 
     @model_validator(mode="after")
-    def _capabilities_file_exists(self) -> "Settings":
+    def _capabilities_file_exists(self) -> Settings:
         if self.capabilities is not None and not self.capabilities.is_file():
             raise ValueError(f"capabilities file {str(self.capabilities)!r} does not exist")
         return self
@@ -130,11 +130,7 @@ def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
     try:
         if environ is None:
             return Settings()
-        values = {
-            key[len(ENV_PREFIX) :].lower(): value
-            for key, value in environ.items()
-            if key.startswith(ENV_PREFIX)
-        }
+        values = {key[len(ENV_PREFIX) :].lower(): value for key, value in environ.items() if key.startswith(ENV_PREFIX)}
         return Settings.model_validate(values)
     except ValidationError as e:
         problems = "; ".join(

@@ -114,7 +114,7 @@ class ScheduleRequest:
     case_id: str
     tenancy_id: str
     capability: str
-    input: Any  # noqa: A002 - the engine's word
+    input: Any
     idempotency_key: str
     dispatch_id: str | None = None  # else a fresh uuid4
 
@@ -125,7 +125,7 @@ def schedule(
     case_id: str,
     tenancy_id: str,
     capability: str,
-    input: Any,  # noqa: A002 - the engine's word
+    input: Any,
     idempotency_key: str,
     router: CapabilityRouter,
     max_input_bytes: int,
@@ -245,7 +245,9 @@ def _prepare(
     )
 
 
-def _new_dispatches(session: Session, prepared: list[_Prepared], existing: dict[tuple[str, str], Any]) -> list[_Prepared]:
+def _new_dispatches(
+    session: Session, prepared: list[_Prepared], existing: dict[tuple[str, str], Any]
+) -> list[_Prepared]:
     """The requests to insert (a key's first request, if the key is not in `existing`), once
     every request was found consistent with the database and with the rest of the batch."""
     new: dict[tuple[str, str], _Prepared] = {}
@@ -331,7 +333,11 @@ def _event_row(p: _Prepared, now: datetime) -> dict[str, Any]:
         "input": p.input,
     }
     return dict(
-        case_id=p.case_id, dispatch_id=p.dispatch_id, type=EventType.WORKER_SCHEDULED.value, payload=payload, created_at=now
+        case_id=p.case_id,
+        dispatch_id=p.dispatch_id,
+        type=EventType.WORKER_SCHEDULED.value,
+        payload=payload,
+        created_at=now,
     )
 
 
@@ -422,7 +428,13 @@ def mark_created_many(session: Session, jobs: Sequence[CreatedJob], *, now: date
     updated = session.execute(
         _MARK_CREATED,
         [  # rows in id order, as every writer takes them: two batches never deadlock
-            {"m_id": d, "m_job_name": job.job_name, "m_namespace": job.namespace, "m_attempt": job.attempt, "m_now": now}
+            {
+                "m_id": d,
+                "m_job_name": job.job_name,
+                "m_namespace": job.namespace,
+                "m_attempt": job.attempt,
+                "m_now": now,
+            }
             for d, job in sorted(by_id.items())
         ],
     ).rowcount
@@ -521,7 +533,9 @@ def record_create_error(session: Session, dispatch_id: str, *, message: str, now
     return bool(
         session.execute(
             sa.update(table)
-            .where(table.c.dispatch_id == dispatch_id, table.c.state.in_([DispatchState.SCHEDULED, DispatchState.CREATED]))
+            .where(
+                table.c.dispatch_id == dispatch_id, table.c.state.in_([DispatchState.SCHEDULED, DispatchState.CREATED])
+            )
             .values(create_error=text, create_error_at=now or utcnow())
         ).rowcount
     )
@@ -545,7 +559,7 @@ class TerminalEvent:
 def record_terminal(
     session: Session,
     dispatch_id: str,
-    type: EventType,  # noqa: A002 - the event's word
+    type: EventType,
     payload: Mapping[str, Any],
     *,
     now: datetime | None = None,
@@ -599,7 +613,13 @@ def record_terminals(session: Session, events: Sequence[TerminalEvent], *, now: 
         session.scalars(
             _insert_terminal(session),
             [
-                {"case_id": case_of[d], "dispatch_id": d, "type": checked[d][0].value, "payload": checked[d][1], "created_at": now}
+                {
+                    "case_id": case_of[d],
+                    "dispatch_id": d,
+                    "type": checked[d][0].value,
+                    "payload": checked[d][1],
+                    "created_at": now,
+                }
                 for d in ids
             ],
         )
@@ -645,7 +665,9 @@ def storable_terminal(event: TerminalEvent, *, reason: str) -> TerminalEvent:
     except InvalidInput as e:
         why = str(e).encode("utf-8", "backslashreplace").decode("utf-8")  # never itself unstorable
         return TerminalEvent(
-            event.dispatch_id, EventType.WORKER_FAILED, {"reason": reason, "message": f"the result cannot be stored: {why}"}
+            event.dispatch_id,
+            EventType.WORKER_FAILED,
+            {"reason": reason, "message": f"the result cannot be stored: {why}"},
         )
     return event
 
@@ -798,7 +820,9 @@ def terminal_event(session: Session, dispatch_id: str) -> CaseEvent | None:
 
 def events_for(session: Session, dispatch_id: str) -> list[CaseEvent]:
     """The dispatch's events in the order they were written."""
-    return list(session.scalars(sa.select(CaseEvent).where(CaseEvent.dispatch_id == dispatch_id).order_by(CaseEvent.id)))
+    return list(
+        session.scalars(sa.select(CaseEvent).where(CaseEvent.dispatch_id == dispatch_id).order_by(CaseEvent.id))
+    )
 
 
 def counts_by_state(session: Session) -> dict[str, int]:

@@ -17,7 +17,6 @@ from sqlalchemy.orm import Session
 
 from k8s_dispatch.engine import store
 from k8s_dispatch.engine.db import make_engine, make_sessionmaker, transaction
-from k8s_dispatch.engine.ids import check_dispatch_id
 from k8s_dispatch.engine.errors import (
     ConfigError,
     DispatchError,
@@ -35,6 +34,7 @@ from k8s_dispatch.engine.errors import (
     UnknownCase,
     UnknownDispatch,
 )
+from k8s_dispatch.engine.ids import check_dispatch_id
 from k8s_dispatch.engine.migrate import upgrade as migrate_database
 from k8s_dispatch.engine.models import DispatchState, EventType
 from k8s_dispatch.engine.settings import Settings, get_settings

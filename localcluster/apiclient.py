@@ -50,8 +50,7 @@ def _status_error(code: int, body: bytes) -> ApiStatusError:
 def load_kubeconfig(path: Path, *, context: str | None = None) -> tuple[str, dict[str, str], ssl.SSLContext | bool]:
     """(server URL, auth headers, TLS context) from a kubeconfig, as the official client loads it."""
     cfg = kube_client.Configuration()
-    kube_config.load_kube_config(config_file=str(path), context=context, client_configuration=cfg,
-                                 persist_config=False)
+    kube_config.load_kube_config(config_file=str(path), context=context, client_configuration=cfg, persist_config=False)
     headers = {s["key"]: s["value"] for s in cfg.auth_settings().values() if s.get("in") == "header" and s.get("value")}
     tls: ssl.SSLContext | bool = True
     if cfg.host.startswith("https:"):
@@ -74,8 +73,9 @@ class ApiClient:
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None:
-            self._session = aiohttp.ClientSession(headers=self._headers,
-                                                  connector=aiohttp.TCPConnector(ssl=self._tls, limit=32))
+            self._session = aiohttp.ClientSession(
+                headers=self._headers, connector=aiohttp.TCPConnector(ssl=self._tls, limit=32)
+            )
         return self._session
 
     async def close(self) -> None:
@@ -83,14 +83,22 @@ class ApiClient:
             await self._session.close()
             self._session = None
 
-    async def request(self, method: str, path: str, *, params: dict[str, Any] | None = None, body: Any = None,
-                      content_type: str = JSON) -> dict[str, Any]:
+    async def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        params: dict[str, Any] | None = None,
+        body: Any = None,
+        content_type: str = JSON,
+    ) -> dict[str, Any]:
         """One request; the decoded JSON answer. Raises ApiStatusError, or aiohttp.ClientError /
         TimeoutError when the server cannot be reached."""
         data = json.dumps(body).encode() if body is not None else None
         headers = {"Content-Type": content_type} if data is not None else None
-        async with self._http().request(method, self.server + path, params=params, data=data, headers=headers,
-                                        timeout=self._timeout) as resp:
+        async with self._http().request(
+            method, self.server + path, params=params, data=data, headers=headers, timeout=self._timeout
+        ) as resp:
             raw = await resp.read()
             if resp.status >= 400:
                 raise _status_error(resp.status, raw)
@@ -114,6 +122,7 @@ class ApiClient:
                     event = json.loads(line)
                     if event.get("type") == "ERROR":
                         obj = event.get("object") or {}
-                        raise ApiStatusError(int(obj.get("code") or 500), obj.get("reason") or "",
-                                             obj.get("message") or "")
+                        raise ApiStatusError(
+                            int(obj.get("code") or 500), obj.get("reason") or "", obj.get("message") or ""
+                        )
                     yield event

@@ -57,9 +57,9 @@ class FieldError:
 
     def body(self) -> str:
         text = self.type.label
-        if self.type in (FieldErrorType.INVALID, FieldErrorType.NOT_SUPPORTED, FieldErrorType.DUPLICATE):
-            if self.value is not _NO_VALUE:
-                text += f": {_go_value(self.value)}"
+        shows_value = self.type in (FieldErrorType.INVALID, FieldErrorType.NOT_SUPPORTED, FieldErrorType.DUPLICATE)
+        if shows_value and self.value is not _NO_VALUE:
+            text += f": {_go_value(self.value)}"
         if self.detail:
             text += f": {self.detail}"
         return text
@@ -182,7 +182,11 @@ def method_not_allowed() -> ApiError:
 
 
 def unsupported_media_type(content_type: str) -> ApiError:
-    return ApiError(415, "UnsupportedMediaType", f"the body of the request was in an unknown format - accepted media types include: application/json, application/merge-patch+json, application/strategic-merge-patch+json, application/json-patch+json (got {content_type!r})")
+    return ApiError(
+        415,
+        "UnsupportedMediaType",
+        f"the body of the request was in an unknown format - accepted media types include: application/json, application/merge-patch+json, application/strategic-merge-patch+json, application/json-patch+json (got {content_type!r})",
+    )
 
 
 def not_acceptable() -> ApiError:

@@ -142,6 +142,6 @@ class Audit:
         ]
         for labels, code, n in self.request_counts():
             values = (*labels, COMPONENT, str(code))
-            text = ",".join(f'{name}="{value}"' for name, value in zip(LABEL_NAMES, values))
+            text = ",".join(f'{name}="{value}"' for name, value in zip(LABEL_NAMES, values, strict=True))
             lines.append(f"{METRIC}{{{text}}} {n}")
         return "\n".join(lines) + "\n"

@@ -36,54 +36,131 @@ def localcluster() -> None:
 @localcluster.command()
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=0, show_default=True, type=int, help="0 picks a free port.")
-@click.option("--kubeconfig", "kubeconfig_path", default="localcluster.kubeconfig", show_default=True,
-              type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--state", "state_path", default=None, type=click.Path(dir_okay=False, path_type=Path),
-              help="Persist objects here and load them at start.")
+@click.option(
+    "--kubeconfig",
+    "kubeconfig_path",
+    default="localcluster.kubeconfig",
+    show_default=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+)
+@click.option(
+    "--state",
+    "state_path",
+    default=None,
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Persist objects here and load them at start.",
+)
 @click.option("--mode", type=click.Choice(MODES), default="exec", show_default=True)
 @click.option("--fault-rate", default=0.0, show_default=True, type=click.FloatRange(0.0, 1.0))
 @click.option("--latency-ms", default=0, show_default=True, type=click.IntRange(min=0))
 @click.option("--max-running", default=None, type=click.IntRange(min=1), help="Exec mode: processes at once.")
 @click.option("--token", default=None, help="Bearer token (default: the kubeconfig's if it exists, else random).")
-@click.option("--tls-port", default=0, show_default=True, type=int,
-              help="The https listener the kubeconfig names (kubectl sends credentials only over TLS).")
-@click.option("--tls/--no-tls", default=True, show_default=True,
-              help="Also serve https with a self-signed certificate kept in KUBECONFIG.tls/.")
-@click.option("--kubelet/--no-kubelet", default=True, show_default=True,
-              help="Run Pods in process; --no-kubelet leaves them to a `localcluster node` agent.")
-def serve(host: str, port: int, kubeconfig_path: Path, state_path: Path | None, mode: str, fault_rate: float,
-          latency_ms: int, max_running: int | None, token: str | None, tls_port: int, tls: bool,
-          kubelet: bool) -> None:
+@click.option(
+    "--tls-port",
+    default=0,
+    show_default=True,
+    type=int,
+    help="The https listener the kubeconfig names (kubectl sends credentials only over TLS).",
+)
+@click.option(
+    "--tls/--no-tls",
+    default=True,
+    show_default=True,
+    help="Also serve https with a self-signed certificate kept in KUBECONFIG.tls/.",
+)
+@click.option(
+    "--kubelet/--no-kubelet",
+    default=True,
+    show_default=True,
+    help="Run Pods in process; --no-kubelet leaves them to a `localcluster node` agent.",
+)
+def serve(
+    host: str,
+    port: int,
+    kubeconfig_path: Path,
+    state_path: Path | None,
+    mode: str,
+    fault_rate: float,
+    latency_ms: int,
+    max_running: int | None,
+    token: str | None,
+    tls_port: int,
+    tls: bool,
+    kubelet: bool,
+) -> None:
     """Serve the cluster until SIGTERM or SIGINT."""
     token = token or token_from_kubeconfig(kubeconfig_path)
     try:
-        uvloop.run(_serve(Server(
-            host=host, port=port, token=token, kubeconfig_path=kubeconfig_path, tls=tls, tls_port=tls_port,
-            mode=mode, state_path=state_path, fault_rate=fault_rate, latency_ms=latency_ms, max_running=max_running,
-            kubelet=kubelet,
-        )))
+        uvloop.run(
+            _serve(
+                Server(
+                    host=host,
+                    port=port,
+                    token=token,
+                    kubeconfig_path=kubeconfig_path,
+                    tls=tls,
+                    tls_port=tls_port,
+                    mode=mode,
+                    state_path=state_path,
+                    fault_rate=fault_rate,
+                    latency_ms=latency_ms,
+                    max_running=max_running,
+                    kubelet=kubelet,
+                )
+            )
+        )
     except StateError as e:
         raise click.ClickException(str(e)) from e
 
 
 @localcluster.command()
-@click.option("--kubeconfig", "kubeconfig_path", required=True,
-              type=click.Path(dir_okay=False, exists=True, path_type=Path), help="The API server to serve.")
+@click.option(
+    "--kubeconfig",
+    "kubeconfig_path",
+    required=True,
+    type=click.Path(dir_okay=False, exists=True, path_type=Path),
+    help="The API server to serve.",
+)
 @click.option("--mode", type=click.Choice(MODES), default="exec", show_default=True)
 @click.option("--name", default=NODE_NAME, show_default=True, help="The Node's name.")
-@click.option("--workdir", default=None, type=click.Path(file_okay=False, path_type=Path),
-              help="Pod logs and files, and the log endpoint's certificate (default: a temporary directory).")
-@click.option("--log-port", default=0, show_default=True, type=click.IntRange(0, 65535),
-              help="The kubelet log endpoint's HTTPS port on 127.0.0.1 (0 picks a free port).")
+@click.option(
+    "--workdir",
+    default=None,
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Pod logs and files, and the log endpoint's certificate (default: a temporary directory).",
+)
+@click.option(
+    "--log-port",
+    default=0,
+    show_default=True,
+    type=click.IntRange(0, 65535),
+    help="The kubelet log endpoint's HTTPS port on 127.0.0.1 (0 picks a free port).",
+)
 @click.option("--max-running", default=None, type=click.IntRange(min=1), help="Exec mode: processes at once.")
 @click.option("--context", default=None, help="The kubeconfig context (default: its current one).")
-def node(kubeconfig_path: Path, mode: str, name: str, workdir: Path | None, log_port: int,
-         max_running: int | None, context: str | None) -> None:
+def node(
+    kubeconfig_path: Path,
+    mode: str,
+    name: str,
+    workdir: Path | None,
+    log_port: int,
+    max_running: int | None,
+    context: str | None,
+) -> None:
     """Run the Pods of any API server as a node (registers NAME, binds unscheduled Pods to it)
     until SIGTERM or SIGINT, then stops them and removes the Node."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    uvloop.run(_node(kubeconfig_path, context=context, mode=mode, name=name, workdir=workdir, log_port=log_port,
-                     max_running=max_running))
+    uvloop.run(
+        _node(
+            kubeconfig_path,
+            context=context,
+            mode=mode,
+            name=name,
+            workdir=workdir,
+            log_port=log_port,
+            max_running=max_running,
+        )
+    )
 
 
 async def _node(kubeconfig_path: Path, *, context: str | None, **options: object) -> None:
@@ -129,8 +206,9 @@ async def _serve(server: Server) -> None:
     click.echo(f"listening on {server.url}")
     sys.stdout.flush()
     if server.tls_error:
-        click.echo(f"localcluster: no https listener ({server.tls_error}); kubectl cannot authenticate over http",
-                   err=True)
+        click.echo(
+            f"localcluster: no https listener ({server.tls_error}); kubectl cannot authenticate over http", err=True
+        )
     try:
         await stop.wait()
     finally:

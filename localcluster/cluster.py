@@ -44,17 +44,29 @@ def token_from_kubeconfig(path: Path) -> str | None:
 class Server:
     """The cluster core plus its HTTP server, started and stopped on the running loop."""
 
-    def __init__(self, *, host: str = "127.0.0.1", port: int = 0, token: str | None = None,
-                 kubeconfig_path: Path | None = None, tls: bool = True, tls_port: int = 0,
-                 tls_dir: Path | None = None, **core_options: Any) -> None:
+    def __init__(
+        self,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        token: str | None = None,
+        kubeconfig_path: Path | None = None,
+        tls: bool = True,
+        tls_port: int = 0,
+        tls_dir: Path | None = None,
+        **core_options: Any,
+    ) -> None:
         self.host = host
         self.port = port
         self.token = token or secrets.token_urlsafe(32)
         self.kubeconfig_path = Path(kubeconfig_path) if kubeconfig_path else None
         self.tls = tls
         self.tls_port = tls_port
-        self.tls_dir = Path(tls_dir) if tls_dir else (
-            self.kubeconfig_path.with_name(self.kubeconfig_path.name + ".tls") if self.kubeconfig_path else None)
+        self.tls_dir = (
+            Path(tls_dir)
+            if tls_dir
+            else (self.kubeconfig_path.with_name(self.kubeconfig_path.name + ".tls") if self.kubeconfig_path else None)
+        )
         self.tls_error = ""
         self._core_options = core_options
         self.core: ClusterCore | None = None
@@ -119,21 +131,46 @@ class LocalCluster:
     `event_log_size` (events kept for watches), `tls`, `tls_port`, `tls_dir`, `kubelet` (False:
     no node in process; Pods wait for an external `localcluster node` agent)."""
 
-    def __init__(self, mode: str = "exec", state_path: str | Path | None = None, fault_rate: float = 0.0,
-                 latency_ms: int = 0, kubeconfig_path: str | Path | None = None, host: str = "127.0.0.1",
-                 port: int = 0, *, token: str | None = None, max_running: int | None = None,
-                 retry_backoff: float = 0.1, event_log_size: int = 50_000, tls: bool = True,
-                 tls_port: int = 0, tls_dir: str | Path | None = None, kubelet: bool = True) -> None:
+    def __init__(
+        self,
+        mode: str = "exec",
+        state_path: str | Path | None = None,
+        fault_rate: float = 0.0,
+        latency_ms: int = 0,
+        kubeconfig_path: str | Path | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        token: str | None = None,
+        max_running: int | None = None,
+        retry_backoff: float = 0.1,
+        event_log_size: int = 50_000,
+        tls: bool = True,
+        tls_port: int = 0,
+        tls_dir: str | Path | None = None,
+        kubelet: bool = True,
+    ) -> None:
         self._tmpdir: str | None = None
         if kubeconfig_path is None:
             self._tmpdir = tempfile.mkdtemp(prefix="localcluster-kube-")
             kubeconfig_path = Path(self._tmpdir) / "kubeconfig"
         self.kubeconfig = Path(kubeconfig_path)
         self._server = Server(
-            host=host, port=port, token=token, kubeconfig_path=self.kubeconfig, tls=tls, tls_port=tls_port,
-            tls_dir=Path(tls_dir) if tls_dir else None, mode=mode,
-            state_path=Path(state_path) if state_path else None, fault_rate=fault_rate, latency_ms=latency_ms,
-            max_running=max_running, retry_backoff=retry_backoff, event_log_size=event_log_size, kubelet=kubelet,
+            host=host,
+            port=port,
+            token=token,
+            kubeconfig_path=self.kubeconfig,
+            tls=tls,
+            tls_port=tls_port,
+            tls_dir=Path(tls_dir) if tls_dir else None,
+            mode=mode,
+            state_path=Path(state_path) if state_path else None,
+            fault_rate=fault_rate,
+            latency_ms=latency_ms,
+            max_running=max_running,
+            retry_backoff=retry_backoff,
+            event_log_size=event_log_size,
+            kubelet=kubelet,
         )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None

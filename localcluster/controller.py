@@ -10,6 +10,7 @@ It also releases the tracking finalizer of finished Pods whose Job is gone (orph
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import deque
 from typing import Any
 
@@ -37,10 +38,16 @@ def pod_from_template(job: Entry) -> dict[str, Any]:
         "generateName": f"{job.name}-",
         "namespace": job.namespace,
         "labels": dict(tmeta.get("labels") or {}),
-        "ownerReferences": [{
-            "apiVersion": "batch/v1", "kind": "Job", "name": job.name, "uid": job.uid,
-            "controller": True, "blockOwnerDeletion": True,
-        }],
+        "ownerReferences": [
+            {
+                "apiVersion": "batch/v1",
+                "kind": "Job",
+                "name": job.name,
+                "uid": job.uid,
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ],
         # the template's finalizers, then the controller's own (pkg/controller/job appends it)
         "finalizers": [*(f for f in tmeta.get("finalizers") or [] if f != TRACKING_FINALIZER), TRACKING_FINALIZER],
     }
@@ -55,8 +62,16 @@ def pod_from_template(job: Entry) -> dict[str, Any]:
 
 
 class JobController:
-    def __init__(self, registry: Registry, *, loop: asyncio.AbstractEventLoop, backoff_base: float = 0.1,
-                 backoff_max: float = 10.0, coalesce: float = 0.002, pod_batch: float = 0.05) -> None:
+    def __init__(
+        self,
+        registry: Registry,
+        *,
+        loop: asyncio.AbstractEventLoop,
+        backoff_base: float = 0.1,
+        backoff_max: float = 10.0,
+        coalesce: float = 0.002,
+        pod_batch: float = 0.05,
+    ) -> None:
         self.registry = registry
         self.store = registry.store
         self._loop = loop
@@ -216,10 +231,14 @@ class JobController:
         t = now()
         pods = self._pods_of(job)
         plan = plan_job(
-            job.obj, [pod_view(p.obj) for p in pods], t,
-            start_at=self._start_at.get(job.uid), finished_at=self._finished_at.get(job.uid),
+            job.obj,
+            [pod_view(p.obj) for p in pods],
+            t,
+            start_at=self._start_at.get(job.uid),
+            finished_at=self._finished_at.get(job.uid),
             last_failure_at=self._last_failure.get(job.uid),
-            backoff_base=self._backoff_base, backoff_max=self._backoff_max,
+            backoff_base=self._backoff_base,
+            backoff_max=self._backoff_max,
         )
         if plan.new_failures:
             self._last_failure[job.uid] = t
@@ -238,11 +257,13 @@ class JobController:
         for _ in range(plan.create):
             self.registry.create_internal(PODS, pod_from_template(job))
         if plan.delete_job:
-            try:
-                self.registry.delete(JOBS, job.namespace, job.name, DeleteOptions(
-                    propagation_policy="Background", preconditions={"uid": job.uid}))
-            except ApiError:
-                pass
+            with contextlib.suppress(ApiError):
+                self.registry.delete(
+                    JOBS,
+                    job.namespace,
+                    job.name,
+                    DeleteOptions(propagation_policy="Background", preconditions={"uid": job.uid}),
+                )
             if self.store.get(JOBS, *key) is None:
                 self._forget(key, job.uid)
         if plan.requeue_at is not None:
@@ -253,11 +274,10 @@ class JobController:
             self._mark(key)  # the finished Job's TTL sync follows; our write's event is not heard
 
     def _delete_pod(self, namespace: str, name: str, uid: str) -> None:
-        try:
-            self.registry.delete(PODS, namespace, name, DeleteOptions(
-                propagation_policy="Background", preconditions={"uid": uid}))
-        except ApiError:
-            pass
+        with contextlib.suppress(ApiError):
+            self.registry.delete(
+                PODS, namespace, name, DeleteOptions(propagation_policy="Background", preconditions={"uid": uid})
+            )
 
     def _sync_orphan(self, key: Key) -> None:
         """A Pod with the tracking finalizer and no live Job: let it go once it stopped."""

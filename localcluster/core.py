@@ -11,9 +11,9 @@ import tempfile
 from pathlib import Path
 
 from k8s_dispatch.localcluster import persist
+from k8s_dispatch.localcluster.audit import Audit
 from k8s_dispatch.localcluster.controller import JobController
 from k8s_dispatch.localcluster.execrunner import ExecRunner
-from k8s_dispatch.localcluster.audit import Audit
 from k8s_dispatch.localcluster.faults import Faults
 from k8s_dispatch.localcluster.garbage import GarbageCollector
 from k8s_dispatch.localcluster.kubelet import Kubelet, StoreHost
@@ -30,10 +30,21 @@ def default_max_running() -> int:
 
 
 class ClusterCore:
-    def __init__(self, *, loop: asyncio.AbstractEventLoop, mode: str = "exec", state_path: Path | None = None,
-                 fault_rate: float = 0.0, latency_ms: int = 0, max_running: int | None = None,
-                 retry_backoff: float = 0.1, event_log_size: int = 50_000, persist_debounce: float = 0.1,
-                 pod_batch: float = 0.05, kubelet: bool = True) -> None:
+    def __init__(
+        self,
+        *,
+        loop: asyncio.AbstractEventLoop,
+        mode: str = "exec",
+        state_path: Path | None = None,
+        fault_rate: float = 0.0,
+        latency_ms: int = 0,
+        max_running: int | None = None,
+        retry_backoff: float = 0.1,
+        event_log_size: int = 50_000,
+        persist_debounce: float = 0.1,
+        pod_batch: float = 0.05,
+        kubelet: bool = True,
+    ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.loop = loop
@@ -53,8 +64,7 @@ class ClusterCore:
         self.workdir = Path(tempfile.mkdtemp(prefix="localcluster-"))
         runner: ExecRunner | SimRunner
         if mode == "exec":
-            runner = ExecRunner(self, loop=loop, workdir=self.workdir,
-                                max_running=max_running or default_max_running())
+            runner = ExecRunner(self, loop=loop, workdir=self.workdir, max_running=max_running or default_max_running())
         else:
             runner = SimRunner(self, loop=loop)
         self.kubelet: Kubelet | None = None
@@ -65,7 +75,8 @@ class ClusterCore:
         self.gc = GarbageCollector(self.registry, loop=loop)
         self.persister = (
             persist.Persister(self.store, self.state_path, loop=loop, debounce=persist_debounce)
-            if self.state_path is not None else None
+            if self.state_path is not None
+            else None
         )
 
     # the runner reports to the kubelet (the runner is built before it)

@@ -78,12 +78,14 @@ def generate_job_selector(job: dict[str, Any], uid: str) -> None:
     tmeta = spec["template"].setdefault("metadata", {})
     if not spec.get("manualSelector"):
         labels = dict(tmeta.get("labels") or {})
-        labels.update({
-            BATCH_CONTROLLER_UID: uid,
-            BATCH_JOB_NAME: name,
-            CONTROLLER_UID: uid,
-            JOB_NAME: name,
-        })
+        labels.update(
+            {
+                BATCH_CONTROLLER_UID: uid,
+                BATCH_JOB_NAME: name,
+                CONTROLLER_UID: uid,
+                JOB_NAME: name,
+            }
+        )
         tmeta["labels"] = labels
         selector = dict(spec.get("selector") or {})
         selector["matchLabels"] = {**(selector.get("matchLabels") or {}), BATCH_CONTROLLER_UID: uid}

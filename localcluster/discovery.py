@@ -49,8 +49,13 @@ def api_group(name: str) -> dict[str, Any] | None:
 
 def _resource(r: Resource) -> list[dict[str, Any]]:
     main: dict[str, Any] = {
-        "name": r.plural, "singularName": r.singular, "namespaced": r.namespaced, "kind": r.kind,
-        "verbs": list(VERBS) if r.plural != "namespaces" else ["create", "delete", "get", "list", "patch", "update", "watch"],
+        "name": r.plural,
+        "singularName": r.singular,
+        "namespaced": r.namespaced,
+        "kind": r.kind,
+        "verbs": list(VERBS)
+        if r.plural != "namespaces"
+        else ["create", "delete", "get", "list", "patch", "update", "watch"],
         "storageVersionHash": hashlib.sha256(f"{r.api_version}/{r.kind}".encode()).hexdigest()[:12],
     }
     if r.short_names:
@@ -58,8 +63,13 @@ def _resource(r: Resource) -> list[dict[str, Any]]:
     if r.categories:
         main["categories"] = list(r.categories)
     subs = [
-        {"name": f"{r.plural}/{sub}", "singularName": "", "namespaced": r.namespaced, "kind": r.kind,
-         "verbs": _SUBRESOURCE_VERBS[sub]}
+        {
+            "name": f"{r.plural}/{sub}",
+            "singularName": "",
+            "namespaced": r.namespaced,
+            "kind": r.kind,
+            "verbs": _SUBRESOURCE_VERBS[sub],
+        }
         for sub in r.subresources
     ]
     return [main, *subs]

@@ -11,6 +11,7 @@ stderr go to the pod's log file. At most `max_running` processes run at once; th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import sys
@@ -61,8 +62,15 @@ def exit_code(returncode: int) -> int:
 class ExecRunner:
     immediate = False
 
-    def __init__(self, callbacks: Callbacks, *, loop: asyncio.AbstractEventLoop, workdir: Path,
-                 max_running: int, cwd: Path | None = None) -> None:
+    def __init__(
+        self,
+        callbacks: Callbacks,
+        *,
+        loop: asyncio.AbstractEventLoop,
+        workdir: Path,
+        max_running: int,
+        cwd: Path | None = None,
+    ) -> None:
         self._callbacks = callbacks
         self._loop = loop
         self._workdir = workdir
@@ -124,8 +132,9 @@ class ExecRunner:
         env["TERMINATION_MESSAGE_PATH"] = str(message_path)
         argv = command_line(container, declared)
         if not argv:
-            return ContainerResult(128, "StartError", "localcluster exec mode runs the container's command: none is set",
-                                   None, now())
+            return ContainerResult(
+                128, "StartError", "localcluster exec mode runs the container's command: none is set", None, now()
+            )
         if argv[0] in ("python", "python3"):
             argv[0] = sys.executable
         workdir = container.get("workingDir")
@@ -134,13 +143,21 @@ class ExecRunner:
         with open(run.dir / "log", "ab") as log:
             try:
                 process = await asyncio.create_subprocess_exec(
-                    *argv, stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=asyncio.subprocess.STDOUT,
-                    env=env, cwd=cwd, start_new_session=True,
+                    *argv,
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=asyncio.subprocess.STDOUT,
+                    env=env,
+                    cwd=cwd,
+                    start_new_session=True,
                 )
             except OSError as e:
                 return ContainerResult(
-                    128, "StartError",
-                    f'failed to create containerd task: exec: "{argv[0]}": {e.strerror or e}', None, now(),
+                    128,
+                    "StartError",
+                    f'failed to create containerd task: exec: "{argv[0]}": {e.strerror or e}',
+                    None,
+                    now(),
                 )
         run.process = process
         run.started_at = started
@@ -160,10 +177,8 @@ class ExecRunner:
     def _signal(self, run: _Run, sig: signal.Signals) -> None:
         if run.process is None or run.process.returncode is not None:
             return
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(run.process.pid, sig)
-        except ProcessLookupError:
-            pass
 
     def stop(self, uid: str, grace: float) -> None:
         run = self._runs.get(uid)
@@ -171,13 +186,18 @@ class ExecRunner:
             return
         if run.task is None:  # still queued: never started
             self._runs.pop(uid, None)
-            try:
+            with contextlib.suppress(ValueError):
                 self._queue.remove(uid)
-            except ValueError:
-                pass
-            self._callbacks.finished(uid, ContainerResult(
-                137, "ContainerStatusUnknown", "The container could not be located when the pod was terminated",
-                None, now()))
+            self._callbacks.finished(
+                uid,
+                ContainerResult(
+                    137,
+                    "ContainerStatusUnknown",
+                    "The container could not be located when the pod was terminated",
+                    None,
+                    now(),
+                ),
+            )
             return
         if run.stopping:
             if grace <= 0:

@@ -34,7 +34,16 @@ class Faults:
         if code == 500:
             return ApiError(500, "InternalError", "Internal error occurred: injected fault (localcluster)")
         if code == 503:
-            return ApiError(503, "ServiceUnavailable", "the server is currently unable to handle the request (injected fault)",
-                            headers={"Retry-After": "1"})
-        return ApiError(429, "TooManyRequests", "the server has received too many requests and has asked us to try again later (injected fault)",
-                        details={"retryAfterSeconds": 1}, headers={"Retry-After": "1"})
+            return ApiError(
+                503,
+                "ServiceUnavailable",
+                "the server is currently unable to handle the request (injected fault)",
+                headers={"Retry-After": "1"},
+            )
+        return ApiError(
+            429,
+            "TooManyRequests",
+            "the server has received too many requests and has asked us to try again later (injected fault)",
+            details={"retryAfterSeconds": 1},
+            headers={"Retry-After": "1"},
+        )

@@ -9,6 +9,7 @@ loses the finalizer. A deleting Namespace has its contents deleted and goes once
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 from k8s_dispatch.localcluster.apierrors import ApiError
 from k8s_dispatch.localcluster.registry import (
@@ -102,11 +103,13 @@ class GarbageCollector:
     def _delete(self, entry: Entry, policy: str = "Background") -> None:
         if entry.meta.get("deletionTimestamp"):
             return
-        try:
-            self.registry.delete(entry.resource, entry.namespace, entry.name,
-                                 DeleteOptions(propagation_policy=policy, preconditions={"uid": entry.uid}))
-        except ApiError:
-            pass
+        with contextlib.suppress(ApiError):
+            self.registry.delete(
+                entry.resource,
+                entry.namespace,
+                entry.name,
+                DeleteOptions(propagation_policy=policy, preconditions={"uid": entry.uid}),
+            )
 
     def _delete_dependents(self, uid: str) -> None:
         for dep in self._dependents(uid):

@@ -54,9 +54,15 @@ def pod_view(pod: dict[str, Any]) -> PodView:
     ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
     restarts = sum(cs.get("restartCount", 0) for cs in status.get("containerStatuses") or [])
     return PodView(
-        meta.get("namespace", ""), meta["name"], meta.get("uid", ""), status.get("phase", "Pending"),
-        bool(meta.get("deletionTimestamp")), TRACKING_FINALIZER in (meta.get("finalizers") or []), ready,
-        restarts, meta.get("creationTimestamp", ""),
+        meta.get("namespace", ""),
+        meta["name"],
+        meta.get("uid", ""),
+        status.get("phase", "Pending"),
+        bool(meta.get("deletionTimestamp")),
+        TRACKING_FINALIZER in (meta.get("finalizers") or []),
+        ready,
+        restarts,
+        meta.get("creationTimestamp", ""),
     )
 
 
@@ -78,7 +84,14 @@ class Plan:
 
 def condition(kind: str, reason: str, message: str, ts: float, *, status: str = "True") -> dict[str, Any]:
     t = rfc3339(ts)
-    return {"type": kind, "status": status, "lastProbeTime": t, "lastTransitionTime": t, "reason": reason, "message": message}
+    return {
+        "type": kind,
+        "status": status,
+        "lastProbeTime": t,
+        "lastTransitionTime": t,
+        "reason": reason,
+        "message": message,
+    }
 
 
 def _has(conditions: list[dict[str, Any]], kind: str) -> dict[str, Any] | None:
@@ -99,9 +112,17 @@ def _time(text: str | None) -> float | None:
         return None
 
 
-def plan_job(job: dict[str, Any], pods: list[PodView], now: float, *, start_at: float | None = None,
-             finished_at: float | None = None, last_failure_at: float | None = None,
-             backoff_base: float = 10.0, backoff_max: float = 360.0) -> Plan:
+def plan_job(
+    job: dict[str, Any],
+    pods: list[PodView],
+    now: float,
+    *,
+    start_at: float | None = None,
+    finished_at: float | None = None,
+    last_failure_at: float | None = None,
+    backoff_base: float = 10.0,
+    backoff_max: float = 360.0,
+) -> Plan:
     """Decide one sync of `job`. `start_at`/`finished_at` are precise times the caller remembers
     (status times have second precision); `last_failure_at` is when a Pod failure was last counted."""
     spec = job.get("spec") or {}
@@ -178,7 +199,11 @@ def plan_job(job: dict[str, Any], pods: list[PodView], now: float, *, start_at: 
 
     target = _has(conditions, "FailureTarget")
     if target is None:
-        restarts = sum(p.restarts for p in active) if (spec.get("template") or {}).get("spec", {}).get("restartPolicy") == "OnFailure" else 0
+        restarts = (
+            sum(p.restarts for p in active)
+            if (spec.get("template") or {}).get("spec", {}).get("restartPolicy") == "OnFailure"
+            else 0
+        )
         deadline = spec.get("activeDeadlineSeconds")
         why = None
         if failed + restarts > spec.get("backoffLimit", 6):
@@ -201,7 +226,8 @@ def plan_job(job: dict[str, Any], pods: list[PodView], now: float, *, start_at: 
     completions = spec.get("completions")
     parallelism = spec.get("parallelism", 1)
     done = (completions is not None and succeeded >= completions) or (
-        completions is None and succeeded > 0 and not active)
+        completions is None and succeeded > 0 and not active
+    )
     if done or _has(conditions, "SuccessCriteriaMet"):
         if not _has(conditions, "SuccessCriteriaMet"):
             conditions.append(condition("SuccessCriteriaMet", *COMPLETIONS_REACHED, now))

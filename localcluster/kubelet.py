@@ -11,6 +11,7 @@ the node agent's remote API server (localcluster/node.py). Hosts feed changes in
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -71,8 +72,14 @@ class _PodRun:
 
 
 class Kubelet:
-    def __init__(self, host: PodHost, runner: ExecRunner | SimRunner, *, loop: asyncio.AbstractEventLoop,
-                 restart_backoff: float = 0.2) -> None:
+    def __init__(
+        self,
+        host: PodHost,
+        runner: ExecRunner | SimRunner,
+        *,
+        loop: asyncio.AbstractEventLoop,
+        restart_backoff: float = 0.2,
+    ) -> None:
         self.host = host
         self.runner = runner
         self._loop = loop
@@ -85,7 +92,7 @@ class Kubelet:
 
     def start(self) -> None:
         """Look at every pod once (after a restart: pending pods start, running ones are lost)."""
-        for key in self.host.keys():
+        for key in self.host:
             self.mark(key)
 
     # --- event intake ----------------------------------------------------------------
@@ -150,8 +157,12 @@ class Kubelet:
                     grace = obj["metadata"].get("deletionGracePeriodSeconds") or 0
                     self.runner.stop(uid, grace)
             elif node == self.host.node_name:
-                self.host.report(obj, podstatus.terminated(
-                    obj, ContainerResult(137, "ContainerStatusUnknown", LOST_MESSAGE, None, now()), container_id=""))
+                self.host.report(
+                    obj,
+                    podstatus.terminated(
+                        obj, ContainerResult(137, "ContainerStatusUnknown", LOST_MESSAGE, None, now()), container_id=""
+                    ),
+                )
             return
         if run is not None:
             return
@@ -188,7 +199,7 @@ class Kubelet:
         if isinstance(self.runner, SimRunner):
             run = self._new_run(key, uid)
             started_at = None
-            state = (((obj.get("status") or {}).get("containerStatuses") or [{}])[0].get("state") or {})
+            state = ((obj.get("status") or {}).get("containerStatuses") or [{}])[0].get("state") or {}
             if "running" in state:
                 try:
                     started_at = parse_rfc3339(state["running"]["startedAt"])
@@ -196,12 +207,15 @@ class Kubelet:
                     started_at = None
             run.started_at = self.runner.start(uid, obj, started_at=started_at)
             if "running" not in state:
-                self.host.report(obj, podstatus.running(obj, run.started_at, container_id=self.runner.container_id(uid)))
+                self.host.report(
+                    obj, podstatus.running(obj, run.started_at, container_id=self.runner.container_id(uid))
+                )
             self._arm_deadline(run, obj)
             return
         result = ContainerResult(137, "ContainerStatusUnknown", LOST_MESSAGE, None, now())
-        status = podstatus.terminated(obj, result, container_id="", disruption="DeletionByPodGC",
-                                      pod_message="PodGC: node no longer exists")
+        status = podstatus.terminated(
+            obj, result, container_id="", disruption="DeletionByPodGC", pod_message="PodGC: node no longer exists"
+        )
         self.host.report(obj, status)
 
     def _arm_deadline(self, run: _PodRun, pod: dict[str, Any]) -> None:
@@ -240,8 +254,12 @@ class Kubelet:
         obj = self._current(run)
         if obj is None or is_terminal_pod(obj):
             return
-        self.host.report(obj, podstatus.running(obj, started_at, container_id=container_id,
-                                                restart_count=run.restart_count, last_state=run.last_state))
+        self.host.report(
+            obj,
+            podstatus.running(
+                obj, started_at, container_id=container_id, restart_count=run.restart_count, last_state=run.last_state
+            ),
+        )
         self._arm_deadline(run, obj)
 
     def finished(self, uid: str, result: ContainerResult) -> None:
@@ -259,10 +277,12 @@ class Kubelet:
             run.last_state = {"terminated": podstatus.terminated_state(result, self.runner.container_id(uid))}
             delay = min(self._restart_backoff * 2 ** (run.restart_count - 1), 10.0)
             run.restart = self._loop.call_later(delay, self._restart, uid)
-            cs = podstatus.running(obj, result.finished_at, container_id="", restart_count=run.restart_count,
-                                   last_state=run.last_state)
+            cs = podstatus.running(
+                obj, result.finished_at, container_id="", restart_count=run.restart_count, last_state=run.last_state
+            )
             cs["containerStatuses"][0].update(
-                {"state": {"waiting": {"reason": "CrashLoopBackOff"}}, "ready": False, "started": False})
+                {"state": {"waiting": {"reason": "CrashLoopBackOff"}}, "ready": False, "started": False}
+            )
             cs["containerStatuses"][0].pop("containerID", None)
             self.host.report(obj, cs)
             return
@@ -287,8 +307,12 @@ class Kubelet:
             return
         message = {"DeadlineExceeded": DEADLINE_MESSAGE, "Terminated": SHUTDOWN_MESSAGE}.get(run.reason or "")
         status = podstatus.terminated(
-            obj, result, container_id=self.runner.container_id(run.uid) if result.started_at else "",
-            restart_count=run.restart_count, pod_reason=run.reason, pod_message=message,
+            obj,
+            result,
+            container_id=self.runner.container_id(run.uid) if result.started_at else "",
+            restart_count=run.restart_count,
+            pod_reason=run.reason,
+            pod_message=message,
             disruption="TerminationByKubelet" if run.reason == "Terminated" else None,
         )
         self.host.report(obj, status)
@@ -307,10 +331,8 @@ class Kubelet:
             grace = (pod.get("spec") or {}).get("terminationGracePeriodSeconds", 30)
             self._terminate(uid, "Terminated", grace)
         if self._runs:
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._idle.wait(), timeout)
-            except TimeoutError:
-                pass
 
     async def close(self) -> None:
         for run in self._runs.values():

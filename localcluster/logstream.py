@@ -9,7 +9,9 @@ from collections.abc import Callable
 from aiohttp import web
 
 
-async def follow(request: web.Request, data: bytes, *, read: Callable[[], bytes], done: Callable[[], bool]) -> web.StreamResponse:
+async def follow(
+    request: web.Request, data: bytes, *, read: Callable[[], bytes], done: Callable[[], bool]
+) -> web.StreamResponse:
     """Stream `data` (the first slice asked for), then whatever `read()` adds past it, polled every
     0.1 s until `done()` (read once more after it, so nothing written at the end is lost)."""
     response = web.StreamResponse(status=200, headers={"Content-Type": "text/plain"})

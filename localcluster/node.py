@@ -78,8 +78,14 @@ def node_status(*, log_port: int, heartbeat: float, started: float, mode: str) -
     """The Node's status as this agent reports it (pure)."""
 
     def cond(kind: str, ok: bool, reason: str, message: str) -> dict[str, Any]:
-        return {"type": kind, "status": "True" if ok else "False", "lastHeartbeatTime": rfc3339(heartbeat),
-                "lastTransitionTime": rfc3339(started), "reason": reason, "message": message}
+        return {
+            "type": kind,
+            "status": "True" if ok else "False",
+            "lastHeartbeatTime": rfc3339(heartbeat),
+            "lastTransitionTime": rfc3339(started),
+            "reason": reason,
+            "message": message,
+        }
 
     return {
         "capacity": dict(CAPACITY),
@@ -95,9 +101,15 @@ def node_status(*, log_port: int, heartbeat: float, started: float, mode: str) -
         "addresses": [{"type": "InternalIP", "address": HOST_IP}, {"type": "Hostname", "address": "localhost"}],
         "daemonEndpoints": {"kubeletEndpoint": {"Port": log_port}},
         "nodeInfo": {
-            "machineID": "", "systemUUID": "", "bootID": "", "kernelVersion": platform.release(),
-            "osImage": f"localcluster node ({mode} mode)", "containerRuntimeVersion": f"localcluster://{mode}",
-            "kubeletVersion": KUBELET_VERSION, "kubeProxyVersion": "", "operatingSystem": "linux",
+            "machineID": "",
+            "systemUUID": "",
+            "bootID": "",
+            "kernelVersion": platform.release(),
+            "osImage": f"localcluster node ({mode} mode)",
+            "containerRuntimeVersion": f"localcluster://{mode}",
+            "kubeletVersion": KUBELET_VERSION,
+            "kubeProxyVersion": "",
+            "operatingSystem": "linux",
             "architecture": {"x86_64": "amd64", "aarch64": "arm64"}.get(platform.machine(), platform.machine()),
         },
     }
@@ -115,8 +127,9 @@ def log_slice(data: bytes, *, tail_lines: int | None, limit_bytes: int | None) -
 class RemoteHost:
     """The Kubelet's host over the API: the informers' cache, the bindings, the status manager."""
 
-    def __init__(self, api: ApiClient, *, node_name: str, loop: asyncio.AbstractEventLoop,
-                 concurrency: int = 16) -> None:
+    def __init__(
+        self, api: ApiClient, *, node_name: str, loop: asyncio.AbstractEventLoop, concurrency: int = 16
+    ) -> None:
         self.api = api
         self.node_name = node_name
         self._loop = loop
@@ -275,12 +288,17 @@ class RemoteHost:
     async def _bind(self, pod: dict[str, Any]) -> None:
         meta = pod["metadata"]
         ns, name = meta.get("namespace", ""), meta["name"]
-        binding = {"apiVersion": "v1", "kind": "Binding",
-                   "metadata": {"name": name, "namespace": ns, "uid": meta.get("uid")},
-                   "target": {"apiVersion": "v1", "kind": "Node", "name": self.node_name}}
+        binding = {
+            "apiVersion": "v1",
+            "kind": "Binding",
+            "metadata": {"name": name, "namespace": ns, "uid": meta.get("uid")},
+            "target": {"apiVersion": "v1", "kind": "Node", "name": self.node_name},
+        }
         try:
-            await self._retrying(f"bind {ns}/{name}", lambda: self.api.request(
-                "POST", f"/api/v1/namespaces/{ns}/pods/{name}/binding", body=binding))
+            await self._retrying(
+                f"bind {ns}/{name}",
+                lambda: self.api.request("POST", f"/api/v1/namespaces/{ns}/pods/{name}/binding", body=binding),
+            )
         except ApiStatusError as e:  # bound elsewhere, deleted, or replaced: nothing to do
             log.info("bind %s/%s: %s", ns, name, e)
 
@@ -313,11 +331,17 @@ class RemoteHost:
         ns, name = key
         status = self._reported.get(uid)
         if status is not None and self._sent.get(uid) is not status:
-            patch = [{"op": "test", "path": "/metadata/uid", "value": uid},
-                     {"op": "replace", "path": "/status", "value": status}]
+            patch = [
+                {"op": "test", "path": "/metadata/uid", "value": uid},
+                {"op": "replace", "path": "/status", "value": status},
+            ]
             try:
-                await self._retrying(f"status {ns}/{name}", lambda: self.api.request(
-                    "PATCH", f"/api/v1/namespaces/{ns}/pods/{name}/status", body=patch, content_type=JSON_PATCH))
+                await self._retrying(
+                    f"status {ns}/{name}",
+                    lambda: self.api.request(
+                        "PATCH", f"/api/v1/namespaces/{ns}/pods/{name}/status", body=patch, content_type=JSON_PATCH
+                    ),
+                )
             except ApiStatusError as e:  # gone (404) or another Pod of that name (422): the watch says so
                 log.info("status %s/%s: %s", ns, name, e)
                 return
@@ -328,12 +352,18 @@ class RemoteHost:
             return
         meta = server["metadata"]
         done = status if status is not None else server.get("status") or {}
-        if meta.get("deletionTimestamp") and is_terminal_pod({"status": done}) and meta.get("deletionGracePeriodSeconds") != 0:
+        if (
+            meta.get("deletionTimestamp")
+            and is_terminal_pod({"status": done})
+            and meta.get("deletionGracePeriodSeconds") != 0
+        ):
             self._confirmed.add(uid)
             body = {"apiVersion": "v1", "kind": "DeleteOptions", "gracePeriodSeconds": 0, "preconditions": {"uid": uid}}
             try:
-                await self._retrying(f"delete {ns}/{name}", lambda: self.api.request(
-                    "DELETE", f"/api/v1/namespaces/{ns}/pods/{name}", body=body))
+                await self._retrying(
+                    f"delete {ns}/{name}",
+                    lambda: self.api.request("DELETE", f"/api/v1/namespaces/{ns}/pods/{name}", body=body),
+                )
             except ApiStatusError as e:
                 log.info("delete %s/%s: %s", ns, name, e)
 
@@ -358,9 +388,18 @@ class RemoteHost:
 class NodeAgent:
     """The whole agent on the running loop: `await start()`, then `await close()` on the way out."""
 
-    def __init__(self, api: ApiClient, *, mode: str, name: str, workdir: Path | None = None, log_port: int = 0,
-                 max_running: int | None = None, lease_renew: float = LEASE_RENEW,
-                 status_heartbeat: float = STATUS_HEARTBEAT) -> None:
+    def __init__(
+        self,
+        api: ApiClient,
+        *,
+        mode: str,
+        name: str,
+        workdir: Path | None = None,
+        log_port: int = 0,
+        max_running: int | None = None,
+        lease_renew: float = LEASE_RENEW,
+        status_heartbeat: float = STATUS_HEARTBEAT,
+    ) -> None:
         if mode not in ("exec", "simulate"):
             raise ValueError(f"mode must be exec or simulate, got {mode!r}")
         self.api = api
@@ -396,15 +435,21 @@ class NodeAgent:
         await self._register()
         runner: ExecRunner | SimRunner
         if self.mode == "exec":
-            runner = ExecRunner(self, loop=loop, workdir=self.workdir / "pods",
-                                max_running=self._max_running or max(2, 2 * (os.cpu_count() or 1)))
+            runner = ExecRunner(
+                self,
+                loop=loop,
+                workdir=self.workdir / "pods",
+                max_running=self._max_running or max(2, 2 * (os.cpu_count() or 1)),
+            )
         else:
             runner = SimRunner(self, loop=loop)
         self.host = RemoteHost(self.api, node_name=self.name, loop=loop)
         self.kubelet = self.host.kubelet = Kubelet(self.host, runner, loop=loop)
         ready = [asyncio.Event(), asyncio.Event()]
-        self._informers = [loop.create_task(self.host.inform(bound=True, ready=ready[0])),
-                           loop.create_task(self.host.inform(bound=False, ready=ready[1]))]
+        self._informers = [
+            loop.create_task(self.host.inform(bound=True, ready=ready[0])),
+            loop.create_task(self.host.inform(bound=False, ready=ready[1])),
+        ]
         self._tasks = [loop.create_task(self._keep_lease()), loop.create_task(self._heartbeat())]
         try:  # both informers listed once: the Pods bound here before a restart are known
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in ready)), 30)
@@ -417,11 +462,20 @@ class NodeAgent:
         return node_status(log_port=self.log_port, heartbeat=now(), started=self._started, mode=self.mode)
 
     async def _register(self) -> None:
-        node = {"apiVersion": "v1", "kind": "Node",
-                "metadata": {"name": self.name, "labels": {
-                    "kubernetes.io/hostname": self.name, "kubernetes.io/os": "linux",
-                    "localcluster.k8s-dispatch.io/mode": self.mode}},
-                "spec": {}, "status": self._status()}
+        node = {
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": {
+                "name": self.name,
+                "labels": {
+                    "kubernetes.io/hostname": self.name,
+                    "kubernetes.io/os": "linux",
+                    "localcluster.k8s-dispatch.io/mode": self.mode,
+                },
+            },
+            "spec": {},
+            "status": self._status(),
+        }
         try:
             created = await self.api.request("POST", "/api/v1/nodes", body=node)
         except ApiStatusError as e:
@@ -434,8 +488,9 @@ class NodeAgent:
         await self._renew_lease()
 
     async def _post_status(self) -> None:
-        await self.api.request("PATCH", f"/api/v1/nodes/{self.name}/status", body={"status": self._status()},
-                               content_type=MERGE_PATCH)
+        await self.api.request(
+            "PATCH", f"/api/v1/nodes/{self.name}/status", body={"status": self._status()}, content_type=MERGE_PATCH
+        )
 
     async def _renew_lease(self) -> None:
         path = f"/apis/coordination.k8s.io/v1/namespaces/{LEASE_NAMESPACE}/leases/{self.name}"
@@ -445,12 +500,19 @@ class NodeAgent:
         except ApiStatusError as e:
             if e.code != 404:
                 raise
-            lease = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
-                     "metadata": {"name": self.name, "namespace": LEASE_NAMESPACE, "ownerReferences": [
-                         {"apiVersion": "v1", "kind": "Node", "name": self.name, "uid": self._node_uid}]},
-                     "spec": {"holderIdentity": self.name, "leaseDurationSeconds": LEASE_DURATION, **spec}}
-            await self.api.request("POST", f"/apis/coordination.k8s.io/v1/namespaces/{LEASE_NAMESPACE}/leases",
-                                   body=lease)
+            lease = {
+                "apiVersion": "coordination.k8s.io/v1",
+                "kind": "Lease",
+                "metadata": {
+                    "name": self.name,
+                    "namespace": LEASE_NAMESPACE,
+                    "ownerReferences": [{"apiVersion": "v1", "kind": "Node", "name": self.name, "uid": self._node_uid}],
+                },
+                "spec": {"holderIdentity": self.name, "leaseDurationSeconds": LEASE_DURATION, **spec},
+            }
+            await self.api.request(
+                "POST", f"/apis/coordination.k8s.io/v1/namespaces/{LEASE_NAMESPACE}/leases", body=lease
+            )
 
     async def _every(self, interval: float, what: str, call: Callable[[], Any]) -> None:
         while True:
@@ -493,7 +555,9 @@ class NodeAgent:
         state = (statuses[0].get("state") or {}) if statuses else {}
         if not statuses or ("waiting" in state and not statuses[0].get("lastState")):
             reason = (state.get("waiting") or {}).get("reason", "ContainerCreating")
-            return web.Response(status=400, text=f'container "{container}" in pod "{name}" is waiting to start: {reason}')
+            return web.Response(
+                status=400, text=f'container "{container}" in pod "{name}" is waiting to start: {reason}'
+            )
         try:
             tail = int(request.query["tailLines"]) if "tailLines" in request.query else None
             limit = int(request.query["limitBytes"]) if "limitBytes" in request.query else None
@@ -504,6 +568,7 @@ class NodeAgent:
         data = log_slice(runner.logs(uid), tail_lines=tail, limit_bytes=limit)
         if request.query.get("follow", "").lower() not in ("true", "1"):
             return web.Response(body=data, content_type="text/plain")
+
         def done() -> bool:
             current = self.host.find(ns, name)
             return current is None or _uid(current) != uid or is_terminal_pod(current)
@@ -523,8 +588,14 @@ class NodeAgent:
             await self.host.flush(timeout=5)
         for task in self._tasks:
             task.cancel()
-        for path in (f"/apis/coordination.k8s.io/v1/namespaces/{LEASE_NAMESPACE}/leases/{self.name}",
-                     f"/api/v1/nodes/{self.name}") if self._registered else ():
+        for path in (
+            (
+                f"/apis/coordination.k8s.io/v1/namespaces/{LEASE_NAMESPACE}/leases/{self.name}",
+                f"/api/v1/nodes/{self.name}",
+            )
+            if self._registered
+            else ()
+        ):
             try:
                 await self.api.request("DELETE", path)
             except (ApiStatusError, *_REACH_ERRORS) as e:
@@ -538,4 +609,3 @@ class NodeAgent:
         await asyncio.gather(*self._informers, *self._tasks, return_exceptions=True)
         if self._own_workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
-

@@ -12,8 +12,13 @@ from typing import Any
 from k8s_dispatch.localcluster.resources import BY_GROUP_VERSION, Resource
 from k8s_dispatch.localcluster.schema import STRUCTS, T
 
-_PKG = {"Job": "io.k8s.api.batch.v1", "JobSpec": "io.k8s.api.batch.v1", "JobStatus": "io.k8s.api.batch.v1",
-        "ObjectMeta": "io.k8s.apimachinery.pkg.apis.meta.v1", "OwnerReference": "io.k8s.apimachinery.pkg.apis.meta.v1"}
+_PKG = {
+    "Job": "io.k8s.api.batch.v1",
+    "JobSpec": "io.k8s.api.batch.v1",
+    "JobStatus": "io.k8s.api.batch.v1",
+    "ObjectMeta": "io.k8s.apimachinery.pkg.apis.meta.v1",
+    "OwnerReference": "io.k8s.apimachinery.pkg.apis.meta.v1",
+}
 
 
 def schema_name(struct: str) -> str:
@@ -50,7 +55,9 @@ def _schemas(kinds: list[Resource]) -> dict[str, Any]:
     for name, fields in STRUCTS.items():
         out[schema_name(name)] = {"type": "object", "properties": {k: _prop(t) for k, t in fields.items()}}
     for r in kinds:
-        out[schema_name(r.kind)]["x-kubernetes-group-version-kind"] = [{"group": r.group, "kind": r.kind, "version": r.version}]
+        out[schema_name(r.kind)]["x-kubernetes-group-version-kind"] = [
+            {"group": r.group, "kind": r.kind, "version": r.version}
+        ]
     out["io.k8s.apimachinery.pkg.apis.meta.v1.Patch"] = {"type": "object"}
     return out
 
@@ -59,9 +66,14 @@ def _param(name: str, description: str) -> dict[str, Any]:
     return {"name": name, "in": "query", "description": description, "schema": {"type": "string", "uniqueItems": True}}
 
 
-_WRITE_PARAMS = [_param("dryRun", "When present, indicates that modifications should not be persisted."),
-                 _param("fieldManager", "fieldManager is a name associated with the actor or entity that is making these changes."),
-                 _param("fieldValidation", "fieldValidation instructs the server on how to handle objects in the request containing unknown or duplicate fields.")]
+_WRITE_PARAMS = [
+    _param("dryRun", "When present, indicates that modifications should not be persisted."),
+    _param("fieldManager", "fieldManager is a name associated with the actor or entity that is making these changes."),
+    _param(
+        "fieldValidation",
+        "fieldValidation instructs the server on how to handle objects in the request containing unknown or duplicate fields.",
+    ),
+]
 
 
 def _op(r: Resource, action: str, op_id: str, *, body: bool = False, patch: bool = False) -> dict[str, Any]:
@@ -74,9 +86,19 @@ def _op(r: Resource, action: str, op_id: str, *, body: bool = False, patch: bool
         "x-kubernetes-group-version-kind": {"group": r.group, "version": r.version, "kind": r.kind},
     }
     if body or patch:
-        op["parameters"] = list(_WRITE_PARAMS) + ([_param("force", "Force is going to force Apply requests.")] if patch else [])
-        types = (["application/json-patch+json", "application/merge-patch+json", "application/strategic-merge-patch+json",
-                  "application/apply-patch+yaml"] if patch else ["*/*"])
+        op["parameters"] = list(_WRITE_PARAMS) + (
+            [_param("force", "Force is going to force Apply requests.")] if patch else []
+        )
+        types = (
+            [
+                "application/json-patch+json",
+                "application/merge-patch+json",
+                "application/strategic-merge-patch+json",
+                "application/apply-patch+yaml",
+            ]
+            if patch
+            else ["*/*"]
+        )
         schema = {"$ref": "#/components/schemas/io.k8s.apimachinery.pkg.apis.meta.v1.Patch"} if patch else ref
         op["requestBody"] = {"content": {t: {"schema": schema} for t in types}, "required": True}
     return op
@@ -117,8 +139,12 @@ def document(group: str, version: str) -> dict[str, Any] | None:
     for r in resources.values():
         paths.update(_paths(r))
     title = "Kubernetes"
-    return {"openapi": "3.0.0", "info": {"title": title, "version": "v1.32.0"}, "paths": paths,
-            "components": {"schemas": _schemas(list(resources.values()))}}
+    return {
+        "openapi": "3.0.0",
+        "info": {"title": title, "version": "v1.32.0"},
+        "paths": paths,
+        "components": {"schemas": _schemas(list(resources.values()))},
+    }
 
 
 def doc_path(group: str, version: str) -> str:

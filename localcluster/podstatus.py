@@ -23,8 +23,12 @@ class ContainerResult:
 
 
 def _cond(kind: str, status: bool, ts: float, reason: str | None = None) -> dict[str, Any]:
-    c: dict[str, Any] = {"type": kind, "status": "True" if status else "False", "lastProbeTime": None,
-                         "lastTransitionTime": rfc3339(ts)}
+    c: dict[str, Any] = {
+        "type": kind,
+        "status": "True" if status else "False",
+        "lastProbeTime": None,
+        "lastTransitionTime": rfc3339(ts),
+    }
     if reason:
         c["reason"] = reason
     return c
@@ -44,50 +48,76 @@ def _base(pod: dict[str, Any]) -> dict[str, Any]:
 def waiting(pod: dict[str, Any], ts: float, *, reason: str = "ContainerCreating") -> dict[str, Any]:
     c = _container(pod)
     status = _base(pod)
-    status.update({
-        "phase": "Pending",
-        "hostIP": HOST_IP,
-        "hostIPs": [{"ip": HOST_IP}],
-        "startTime": rfc3339(ts),
-        "conditions": [
-            _cond("PodReadyToStartContainers", False, ts),
-            _cond("Initialized", True, ts),
-            _cond("Ready", False, ts, "ContainersNotReady"),
-            _cond("ContainersReady", False, ts, "ContainersNotReady"),
-            _cond("PodScheduled", True, ts),
-        ],
-        "containerStatuses": [{
-            "name": c.get("name", ""), "image": c.get("image", ""), "imageID": "", "ready": False,
-            "restartCount": 0, "started": False, "state": {"waiting": {"reason": reason}}, "lastState": {},
-        }],
-    })
+    status.update(
+        {
+            "phase": "Pending",
+            "hostIP": HOST_IP,
+            "hostIPs": [{"ip": HOST_IP}],
+            "startTime": rfc3339(ts),
+            "conditions": [
+                _cond("PodReadyToStartContainers", False, ts),
+                _cond("Initialized", True, ts),
+                _cond("Ready", False, ts, "ContainersNotReady"),
+                _cond("ContainersReady", False, ts, "ContainersNotReady"),
+                _cond("PodScheduled", True, ts),
+            ],
+            "containerStatuses": [
+                {
+                    "name": c.get("name", ""),
+                    "image": c.get("image", ""),
+                    "imageID": "",
+                    "ready": False,
+                    "restartCount": 0,
+                    "started": False,
+                    "state": {"waiting": {"reason": reason}},
+                    "lastState": {},
+                }
+            ],
+        }
+    )
     return status
 
 
-def running(pod: dict[str, Any], started_at: float, *, container_id: str, restart_count: int = 0,
-            last_state: dict[str, Any] | None = None) -> dict[str, Any]:
+def running(
+    pod: dict[str, Any],
+    started_at: float,
+    *,
+    container_id: str,
+    restart_count: int = 0,
+    last_state: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     c = _container(pod)
     status = _base(pod)
-    status.update({
-        "phase": "Running",
-        "hostIP": HOST_IP,
-        "hostIPs": [{"ip": HOST_IP}],
-        "podIP": HOST_IP,
-        "podIPs": [{"ip": HOST_IP}],
-        "startTime": status.get("startTime") or rfc3339(started_at),
-        "conditions": [
-            _cond("PodReadyToStartContainers", True, started_at),
-            _cond("Initialized", True, started_at),
-            _cond("Ready", True, started_at),
-            _cond("ContainersReady", True, started_at),
-            _cond("PodScheduled", True, started_at),
-        ],
-        "containerStatuses": [{
-            "name": c.get("name", ""), "image": c.get("image", ""), "imageID": f"localcluster://{c.get('image', '')}",
-            "containerID": container_id, "ready": True, "restartCount": restart_count, "started": True,
-            "state": {"running": {"startedAt": rfc3339(started_at)}}, "lastState": last_state or {},
-        }],
-    })
+    status.update(
+        {
+            "phase": "Running",
+            "hostIP": HOST_IP,
+            "hostIPs": [{"ip": HOST_IP}],
+            "podIP": HOST_IP,
+            "podIPs": [{"ip": HOST_IP}],
+            "startTime": status.get("startTime") or rfc3339(started_at),
+            "conditions": [
+                _cond("PodReadyToStartContainers", True, started_at),
+                _cond("Initialized", True, started_at),
+                _cond("Ready", True, started_at),
+                _cond("ContainersReady", True, started_at),
+                _cond("PodScheduled", True, started_at),
+            ],
+            "containerStatuses": [
+                {
+                    "name": c.get("name", ""),
+                    "image": c.get("image", ""),
+                    "imageID": f"localcluster://{c.get('image', '')}",
+                    "containerID": container_id,
+                    "ready": True,
+                    "restartCount": restart_count,
+                    "started": True,
+                    "state": {"running": {"startedAt": rfc3339(started_at)}},
+                    "lastState": last_state or {},
+                }
+            ],
+        }
+    )
     return status
 
 
@@ -102,9 +132,16 @@ def terminated_state(result: ContainerResult, container_id: str) -> dict[str, An
     return term
 
 
-def terminated(pod: dict[str, Any], result: ContainerResult, *, container_id: str, restart_count: int = 0,
-               pod_reason: str | None = None, pod_message: str | None = None,
-               disruption: str | None = None) -> dict[str, Any]:
+def terminated(
+    pod: dict[str, Any],
+    result: ContainerResult,
+    *,
+    container_id: str,
+    restart_count: int = 0,
+    pod_reason: str | None = None,
+    pod_message: str | None = None,
+    disruption: str | None = None,
+) -> dict[str, Any]:
     c = _container(pod)
     ts = result.finished_at
     phase = "Succeeded" if result.exit_code == 0 and pod_reason is None else "Failed"
@@ -120,18 +157,28 @@ def terminated(pod: dict[str, Any], result: ContainerResult, *, container_id: st
         cond = _cond("DisruptionTarget", True, ts, disruption)
         cond["message"] = pod_message or ""
         conditions.append(cond)
-    status.update({
-        "phase": phase,
-        "hostIP": HOST_IP,
-        "hostIPs": [{"ip": HOST_IP}],
-        "startTime": status.get("startTime") or rfc3339(result.started_at or ts),
-        "conditions": conditions,
-        "containerStatuses": [{
-            "name": c.get("name", ""), "image": c.get("image", ""), "imageID": f"localcluster://{c.get('image', '')}",
-            "containerID": container_id, "ready": False, "restartCount": restart_count, "started": False,
-            "state": {"terminated": terminated_state(result, container_id)}, "lastState": {},
-        }],
-    })
+    status.update(
+        {
+            "phase": phase,
+            "hostIP": HOST_IP,
+            "hostIPs": [{"ip": HOST_IP}],
+            "startTime": status.get("startTime") or rfc3339(result.started_at or ts),
+            "conditions": conditions,
+            "containerStatuses": [
+                {
+                    "name": c.get("name", ""),
+                    "image": c.get("image", ""),
+                    "imageID": f"localcluster://{c.get('image', '')}",
+                    "containerID": container_id,
+                    "ready": False,
+                    "restartCount": restart_count,
+                    "started": False,
+                    "state": {"terminated": terminated_state(result, container_id)},
+                    "lastState": {},
+                }
+            ],
+        }
+    )
     if not container_id:
         status["containerStatuses"][0].pop("containerID")
     if pod_reason:

@@ -89,18 +89,24 @@ class Registry:
 
     # --- decoding --------------------------------------------------------------------
 
-    def decode(self, resource: Resource, body: Any, *, field_validation: str | None, patch: bool = False) -> tuple[dict[str, Any], list[str]]:
+    def decode(
+        self, resource: Resource, body: Any, *, field_validation: str | None, patch: bool = False
+    ) -> tuple[dict[str, Any], list[str]]:
         """Typed decoding of a request body: unknown fields dropped (Warn/Ignore) or rejected
         (Strict), wrong JSON types rejected. Returns the object and warnings."""
         mode = field_validation or "Warn"
         if mode not in FIELD_VALIDATION:
-            raise apierrors.bad_request(f'fieldValidation parameter unsupported: {mode}')
+            raise apierrors.bad_request(f"fieldValidation parameter unsupported: {mode}")
         prefix = f'{resource.kind} in version "{resource.version}" cannot be handled as a {resource.kind}'
         if not isinstance(body, dict):
-            raise apierrors.bad_request(f"{prefix}: json: cannot unmarshal {type(body).__name__} into Go value of type struct")
+            raise apierrors.bad_request(
+                f"{prefix}: json: cannot unmarshal {type(body).__name__} into Go value of type struct"
+            )
         kind, api_version = body.get("kind"), body.get("apiVersion")
         if kind and kind != resource.kind:
-            raise apierrors.bad_request(f'{kind} in version "{resource.version}" cannot be handled as a {resource.kind}: no kind "{kind}" is registered')
+            raise apierrors.bad_request(
+                f'{kind} in version "{resource.version}" cannot be handled as a {resource.kind}: no kind "{kind}" is registered'
+            )
         if api_version and api_version != resource.api_version:
             raise apierrors.bad_request(
                 f"the API version in the data ({api_version}) does not match the expected API version ({resource.api_version})"
@@ -134,12 +140,22 @@ class Registry:
 
     # --- create ----------------------------------------------------------------------
 
-    def create(self, resource: Resource, namespace: str, body: Any, *, field_validation: str | None = None, dry_run: bool = False) -> tuple[Entry | dict[str, Any], list[str]]:
+    def create(
+        self,
+        resource: Resource,
+        namespace: str,
+        body: Any,
+        *,
+        field_validation: str | None = None,
+        dry_run: bool = False,
+    ) -> tuple[Entry | dict[str, Any], list[str]]:
         obj, warnings = self.decode(resource, body, field_validation=field_validation)
         meta = obj["metadata"]
         if resource.namespaced:
             if meta.get("namespace") and meta["namespace"] != namespace:
-                raise apierrors.bad_request("the namespace of the provided object does not match the namespace sent on the request")
+                raise apierrors.bad_request(
+                    "the namespace of the provided object does not match the namespace sent on the request"
+                )
             meta["namespace"] = namespace
         if meta.get("resourceVersion"):
             raise apierrors.bad_request("resourceVersion should not be set on objects to be created")
@@ -154,7 +170,11 @@ class Registry:
 
     def _check_job_quota(self, namespace: str, name: str) -> None:
         entry = self.store.get(NAMESPACES, "", namespace)
-        refusal = quota.job_create_refusal(entry.meta, name=name, used=len(self.store.list(JOBS, namespace))) if entry else None
+        refusal = (
+            quota.job_create_refusal(entry.meta, name=name, used=len(self.store.list(JOBS, namespace)))
+            if entry
+            else None
+        )
         if refusal is not None:
             raise refusal
 
@@ -228,12 +248,31 @@ class Registry:
 
     # --- update and patch ------------------------------------------------------------
 
-    def update(self, resource: Resource, namespace: str, name: str, body: Any, *, subresource: str | None = None, field_validation: str | None = None) -> tuple[Entry, list[str]]:
+    def update(
+        self,
+        resource: Resource,
+        namespace: str,
+        name: str,
+        body: Any,
+        *,
+        subresource: str | None = None,
+        field_validation: str | None = None,
+    ) -> tuple[Entry, list[str]]:
         old = self.get(resource, namespace, name)
         new, warnings = self.decode(resource, body, field_validation=field_validation)
         return self._update(old, new, subresource=subresource), warnings
 
-    def patch(self, resource: Resource, namespace: str, name: str, patch_type: str, patch: Any, *, subresource: str | None = None, field_validation: str | None = None) -> tuple[Entry, list[str]]:
+    def patch(
+        self,
+        resource: Resource,
+        namespace: str,
+        name: str,
+        patch_type: str,
+        patch: Any,
+        *,
+        subresource: str | None = None,
+        field_validation: str | None = None,
+    ) -> tuple[Entry, list[str]]:
         old = self.get(resource, namespace, name)
         try:
             if patch_type == MERGE_PATCH:
@@ -257,13 +296,25 @@ class Registry:
         resource = old.resource
         nmeta = new["metadata"]
         if nmeta.get("name") and nmeta["name"] != old.name:
-            raise apierrors.bad_request(f"the name of the object ({nmeta['name']}) does not match the name on the URL ({old.name})")
+            raise apierrors.bad_request(
+                f"the name of the object ({nmeta['name']}) does not match the name on the URL ({old.name})"
+            )
         if resource.namespaced and nmeta.get("namespace") and nmeta["namespace"] != old.namespace:
-            raise apierrors.bad_request("the namespace of the provided object does not match the namespace sent on the request")
+            raise apierrors.bad_request(
+                "the namespace of the provided object does not match the namespace sent on the request"
+            )
         if nmeta.get("resourceVersion") and nmeta["resourceVersion"] != old.meta["resourceVersion"]:
             raise apierrors.conflict(resource, old.name, apierrors.STALE_WRITE)
         meta = dict(nmeta)
-        for k in ("uid", "creationTimestamp", "deletionTimestamp", "deletionGracePeriodSeconds", "generation", "namespace", "name"):
+        for k in (
+            "uid",
+            "creationTimestamp",
+            "deletionTimestamp",
+            "deletionGracePeriodSeconds",
+            "generation",
+            "namespace",
+            "name",
+        ):
             if k in old.meta:
                 meta[k] = old.meta[k]
             else:
@@ -321,20 +372,29 @@ class Registry:
 
     # --- delete ----------------------------------------------------------------------
 
-    def delete(self, resource: Resource, namespace: str, name: str, options: DeleteOptions | None = None) -> DeleteResult:
+    def delete(
+        self, resource: Resource, namespace: str, name: str, options: DeleteOptions | None = None
+    ) -> DeleteResult:
         options = options or DeleteOptions()
         old = self.get(resource, namespace, name)
         pre = options.preconditions or {}
         if pre.get("uid") and pre["uid"] != old.uid:
-            raise apierrors.conflict(resource, name, f"Precondition failed: UID in precondition: {pre['uid']}, UID in object meta: {old.uid}")
+            raise apierrors.conflict(
+                resource, name, f"Precondition failed: UID in precondition: {pre['uid']}, UID in object meta: {old.uid}"
+            )
         if pre.get("resourceVersion") and pre["resourceVersion"] != old.meta["resourceVersion"]:
             raise apierrors.conflict(
-                resource, name,
+                resource,
+                name,
                 f"Precondition failed: ResourceVersion in precondition: {pre['resourceVersion']}, ResourceVersion in object meta: {old.meta['resourceVersion']}",
             )
         policy = options.propagation_policy
         if policy not in (None, "Orphan", "Background", "Foreground"):
-            raise apierrors.invalid(resource, name, [apierrors.not_supported("propagationPolicy", policy, ["Foreground", "Background", "Orphan", "nil"])])
+            raise apierrors.invalid(
+                resource,
+                name,
+                [apierrors.not_supported("propagationPolicy", policy, ["Foreground", "Background", "Orphan", "nil"])],
+            )
         warnings: list[str] = []
         if policy is None:
             if resource is JOBS:
@@ -359,7 +419,11 @@ class Registry:
             grace = max(0, grace)
         already = bool(meta.get("deletionTimestamp"))
         if already:
-            new_meta = {**meta, "finalizers": finalizers} if finalizers else {k: v for k, v in meta.items() if k != "finalizers"}
+            new_meta = (
+                {**meta, "finalizers": finalizers}
+                if finalizers
+                else {k: v for k, v in meta.items() if k != "finalizers"}
+            )
             if resource is PODS and grace < (meta.get("deletionGracePeriodSeconds") or 0):
                 new_meta["deletionGracePeriodSeconds"] = grace
             obj = {**old.obj, "metadata": new_meta}
@@ -395,21 +459,35 @@ class Registry:
         if not node or not isinstance(node, str):  # kube-apiserver answers this one with a 500
             raise ApiError(500, "InternalError", "target.name: Required value")
         if isinstance(target, dict) and target.get("kind") not in (None, "", "Node"):
-            raise apierrors.invalid(BINDING, name, [apierrors.not_supported("target.kind", target.get("kind"), ["Node", "<empty>"])])
+            raise apierrors.invalid(
+                BINDING, name, [apierrors.not_supported("target.kind", target.get("kind"), ["Node", "<empty>"])]
+            )
         old = self.get(PODS, namespace, name)
         uid = (body.get("metadata") or {}).get("uid")
         if uid and uid != old.uid:
-            raise apierrors.conflict(PODS, name, (
-                f"StorageError: invalid object, Code: 4, Key: /registry/pods/{namespace}/{name}, ResourceVersion: 0, "
-                f"AdditionalErrorMsg: Precondition failed: UID in precondition: {uid}, UID in object meta: {old.uid}"))
+            raise apierrors.conflict(
+                PODS,
+                name,
+                (
+                    f"StorageError: invalid object, Code: 4, Key: /registry/pods/{namespace}/{name}, ResourceVersion: 0, "
+                    f"AdditionalErrorMsg: Precondition failed: UID in precondition: {uid}, UID in object meta: {old.uid}"
+                ),
+            )
         if old.meta.get("deletionTimestamp"):
             raise apierrors.conflict(BINDING, name, f"pod {name} is being deleted, cannot be assigned to a host")
         assigned = (old.obj.get("spec") or {}).get("nodeName")
         if assigned:
             raise apierrors.conflict(BINDING, name, f'pod {name} is already assigned to node "{assigned}"')
         status = dict(old.obj.get("status") or {})
-        scheduled = {"type": "PodScheduled", "status": "True", "lastProbeTime": None, "lastTransitionTime": rfc3339(now())}
-        status["conditions"] = [c for c in status.get("conditions") or [] if c.get("type") != "PodScheduled"] + [scheduled]
+        scheduled = {
+            "type": "PodScheduled",
+            "status": "True",
+            "lastProbeTime": None,
+            "lastTransitionTime": rfc3339(now()),
+        }
+        status["conditions"] = [c for c in status.get("conditions") or [] if c.get("type") != "PodScheduled"] + [
+            scheduled
+        ]
         return self.write(old, {**old.obj, "spec": {**old.obj["spec"], "nodeName": node}, "status": status})
 
     # --- helpers for controllers -----------------------------------------------------

@@ -98,20 +98,50 @@ class Resource:
 
 
 JOBS = Resource(
-    "jobs", "job", "Job", "batch", "v1", True, _job_fields,
-    categories=("all",), subresources=("status",),
+    "jobs",
+    "job",
+    "Job",
+    "batch",
+    "v1",
+    True,
+    _job_fields,
+    categories=("all",),
+    subresources=("status",),
 )
 PODS = Resource(
-    "pods", "pod", "Pod", "", "v1", True, _pod_fields,
-    short_names=("po",), categories=("all",), subresources=("status", "log", "binding"),
+    "pods",
+    "pod",
+    "Pod",
+    "",
+    "v1",
+    True,
+    _pod_fields,
+    short_names=("po",),
+    categories=("all",),
+    subresources=("status", "log", "binding"),
 )
 NAMESPACES = Resource(
-    "namespaces", "namespace", "Namespace", "", "v1", False, _namespace_fields,
-    short_names=("ns",), subresources=("status",),
+    "namespaces",
+    "namespace",
+    "Namespace",
+    "",
+    "v1",
+    False,
+    _namespace_fields,
+    short_names=("ns",),
+    subresources=("status",),
 )
 
 NODES = Resource(
-    "nodes", "node", "Node", "", "v1", False, _node_fields, short_names=("no",), subresources=("status",),
+    "nodes",
+    "node",
+    "Node",
+    "",
+    "v1",
+    False,
+    _node_fields,
+    short_names=("no",),
+    subresources=("status",),
 )
 LEASES = Resource("leases", "lease", "Lease", "coordination.k8s.io", "v1", True, _meta_fields)
 

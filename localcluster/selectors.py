@@ -216,8 +216,14 @@ def format_label_selector(selector: Mapping[str, Any]) -> str:
     parts = [f"{k}={v}" for k, v in sorted((selector.get("matchLabels") or {}).items())]
     for expr in selector.get("matchExpressions") or []:
         op, key, values = expr.get("operator"), expr.get("key"), ",".join(sorted(expr.get("values") or []))
-        parts.append({"In": f"{key} in ({values})", "NotIn": f"{key} notin ({values})",
-                      "Exists": f"{key}", "DoesNotExist": f"!{key}"}[op])
+        parts.append(
+            {
+                "In": f"{key} in ({values})",
+                "NotIn": f"{key} notin ({values})",
+                "Exists": f"{key}",
+                "DoesNotExist": f"!{key}",
+            }[op]
+        )
     return ",".join(parts)
 
 
@@ -271,7 +277,7 @@ def parse_field_selector(text: str | None, supported: frozenset[str] | set[str])
     for part in _split_unescaped(text, ","):
         if not part:
             continue
-        for op, negate in (("!=", True), ("==", False), ("=", False)):
+        for op, negate in (("!=", True), ("==", False), ("=", False)):  # noqa: B007 - read after the break
             idx = part.find(op)
             if idx > 0:
                 name, value = part[:idx].strip(), _unescape(part[idx + len(op) :])
@@ -279,7 +285,7 @@ def parse_field_selector(text: str | None, supported: frozenset[str] | set[str])
         else:
             raise SelectorError(f"invalid selector: '{text}'; can't understand '{part}'")
         if name not in supported:
-            raise SelectorError(f'field label not supported: {name}')
+            raise SelectorError(f"field label not supported: {name}")
         reqs.append(FieldRequirement(name, value, negate))
     return tuple(reqs)
 

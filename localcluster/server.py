@@ -8,6 +8,7 @@ node's log endpoint when no kubelet runs in process) — answering errors as `St
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 from typing import Any
@@ -42,12 +43,18 @@ CORE_KEY = web.AppKey("core", ClusterCore)
 TOKEN_KEY = web.AppKey("token", str)
 
 
-def _response(body: bytes, *, status: int = 200, warnings: list[str] | None = None,
-              headers: dict[str, str] | None = None, content_type: str = JSON) -> web.Response:
+def _response(
+    body: bytes,
+    *,
+    status: int = 200,
+    warnings: list[str] | None = None,
+    headers: dict[str, str] | None = None,
+    content_type: str = JSON,
+) -> web.Response:
     hdrs: CIMultiDict[str] = CIMultiDict(headers or {})
     hdrs["Content-Type"] = content_type
     for w in warnings or []:
-        hdrs.add("Warning", f'299 - {json.dumps(w)}')
+        hdrs.add("Warning", f"299 - {json.dumps(w)}")
     return web.Response(body=body, status=status, headers=hdrs)
 
 
@@ -90,7 +97,9 @@ async def api_middleware(request: web.Request, handler: Any) -> web.StreamRespon
         if path not in PUBLIC_PATHS:
             header = request.headers.get("Authorization", "")
             scheme, _, token = header.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), request.app[TOKEN_KEY].encode()):
+            if scheme.lower() != "bearer" or not hmac.compare_digest(
+                token.strip().encode(), request.app[TOKEN_KEY].encode()
+            ):
                 raise apierrors.unauthorized()
         if path not in NO_FAULT_PATHS and not path.startswith("/localcluster/"):
             if core.faults.latency_ms:
@@ -99,7 +108,9 @@ async def api_middleware(request: web.Request, handler: Any) -> web.StreamRespon
             if fault is not None:
                 target = paths.parse(path)
                 if target is not None:  # an injected error is counted as any other answer
-                    request[REQUEST_LABELS] = audit.request_labels(request.method, target, watch=_watching(request, target))
+                    request[REQUEST_LABELS] = audit.request_labels(
+                        request.method, target, watch=_watching(request, target)
+                    )
                 raise fault
         response = await handler(request)
     except ApiError as e:
@@ -137,16 +148,22 @@ async def faults_endpoint(request: web.Request) -> web.Response:
     if request.method == "POST":
         try:
             body = await request.json()
-            core.faults.set(float(body.get("rate", core.faults.rate)), int(body.get("latency_ms", core.faults.latency_ms)))
+            core.faults.set(
+                float(body.get("rate", core.faults.rate)), int(body.get("latency_ms", core.faults.latency_ms))
+            )
         except (ValueError, TypeError, AttributeError) as e:
             raise apierrors.bad_request(f"invalid fault settings: {e}") from e
-    return _response(dumps({"rate": core.faults.rate, "latency_ms": core.faults.latency_ms, "injected": core.faults.injected}))
+    return _response(
+        dumps({"rate": core.faults.rate, "latency_ms": core.faults.latency_ms, "injected": core.faults.injected})
+    )
 
 
 async def metrics_endpoint(request: web.Request) -> web.Response:
     """`apiserver_request_total` in the Prometheus text format (what `kubectl get --raw /metrics` reads)."""
     text = request.app[CORE_KEY].audit.metrics_text()
-    return web.Response(text=text, content_type="text/plain", charset="utf-8", headers={"X-Content-Type-Options": "nosniff"})
+    return web.Response(
+        text=text, content_type="text/plain", charset="utf-8", headers={"X-Content-Type-Options": "nosniff"}
+    )
 
 
 async def audit_endpoint(request: web.Request) -> web.Response:
@@ -195,7 +212,9 @@ def _selectors(resource: Resource, query: Any) -> Any:
 
     def predicate(entry: Entry) -> bool:
         obj = entry.obj
-        return labels.matches(obj["metadata"].get("labels")) and (not fields or fields_match(fields, resource.fields(obj)))
+        return labels.matches(obj["metadata"].get("labels")) and (
+            not fields or fields_match(fields, resource.fields(obj))
+        )
 
     return predicate
 
@@ -243,15 +262,15 @@ async def resource_handler(request: web.Request) -> web.StreamResponse:
         if method != "POST" or target.name is None:
             raise apierrors.method_not_allowed()
         core.registry.bind(target.namespace or "", target.name, await _read_body(request))
-        return _response(dumps({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201}),
-                         status=201)
+        return _response(
+            dumps({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201}), status=201
+        )
     ns = target.namespace or ""
     if target.name is None:
         if method == "GET":
             return _list(request, core, target)
-        if method == "POST":
-            if not target.resource.namespaced or target.namespace is not None:
-                return await _create(request, core, target)
+        if method == "POST" and (not target.resource.namespaced or target.namespace is not None):
+            return await _create(request, core, target)
         if method == "DELETE" and (target.namespace is not None or not target.resource.namespaced):
             return await _delete_collection(request, core, target)
         raise apierrors.method_not_allowed()
@@ -260,18 +279,33 @@ async def resource_handler(request: web.Request) -> web.StreamResponse:
         return _object_response(request, core, target.resource, entry)
     if method == "PUT":
         body = await _read_body(request)
-        entry, warnings = core.registry.update(target.resource, ns, target.name, body, subresource=target.subresource,
-                                               field_validation=query.get("fieldValidation"))
+        entry, warnings = core.registry.update(
+            target.resource,
+            ns,
+            target.name,
+            body,
+            subresource=target.subresource,
+            field_validation=query.get("fieldValidation"),
+        )
         return _object_response(request, core, target.resource, entry, warnings=warnings)
     if method == "PATCH":
         ctype = request.content_type
         if ctype == "application/apply-patch+yaml":
-            raise ApiError(415, "UnsupportedMediaType", "server-side apply is not supported by localcluster; use client-side apply")
+            raise ApiError(
+                415, "UnsupportedMediaType", "server-side apply is not supported by localcluster; use client-side apply"
+            )
         if ctype not in PATCH_TYPES:
             raise apierrors.unsupported_media_type(ctype)
         body = await _read_body(request)
-        entry, warnings = core.registry.patch(target.resource, ns, target.name, ctype, body,
-                                              subresource=target.subresource, field_validation=query.get("fieldValidation"))
+        entry, warnings = core.registry.patch(
+            target.resource,
+            ns,
+            target.name,
+            ctype,
+            body,
+            subresource=target.subresource,
+            field_validation=query.get("fieldValidation"),
+        )
         return _object_response(request, core, target.resource, entry, warnings=warnings)
     if method == "DELETE" and target.subresource is None:
         options = await _delete_options(request)
@@ -286,11 +320,23 @@ def _watching(request: web.Request, target: paths.Target) -> bool:
     )
 
 
-def _object_response(request: web.Request, core: ClusterCore, resource: Resource, entry: Entry, *,
-                     status: int = 200, warnings: list[str] | None = None) -> web.Response:
+def _object_response(
+    request: web.Request,
+    core: ClusterCore,
+    resource: Resource,
+    entry: Entry,
+    *,
+    status: int = 200,
+    warnings: list[str] | None = None,
+) -> web.Response:
     if _wants_table(request):
-        table = tables.table(resource, [entry.obj], now(), list_meta={"resourceVersion": entry.meta["resourceVersion"]},
-                             include_object=request.query.get("includeObject", "Metadata"))
+        table = tables.table(
+            resource,
+            [entry.obj],
+            now(),
+            list_meta={"resourceVersion": entry.meta["resourceVersion"]},
+            include_object=request.query.get("includeObject", "Metadata"),
+        )
         return _response(dumps(table), status=status, warnings=warnings)
     return _response(entry.raw, status=status, warnings=warnings)
 
@@ -300,8 +346,13 @@ async def _create(request: web.Request, core: ClusterCore, target: paths.Target)
     if body is None:
         raise apierrors.bad_request("the body of the request was empty")
     dry = bool(request.query.get("dryRun"))
-    created, warnings = core.registry.create(target.resource, target.namespace or "", body,
-                                             field_validation=request.query.get("fieldValidation"), dry_run=dry)
+    created, warnings = core.registry.create(
+        target.resource,
+        target.namespace or "",
+        body,
+        field_validation=request.query.get("fieldValidation"),
+        dry_run=dry,
+    )
     if isinstance(created, dict):
         return _response(dumps(created), status=201, warnings=warnings)
     return _object_response(request, core, target.resource, created, status=201, warnings=warnings)
@@ -321,11 +372,23 @@ def _list(request: web.Request, core: ClusterCore, target: paths.Target) -> web.
         page = core.pager.first(items, core.store.rv, limit)
     meta = _list_meta(page.rv, page)
     if _wants_table(request):
-        table = tables.table(resource, [e.obj for e in page.items], now(), list_meta=meta,
-                             include_object=query.get("includeObject", "Metadata"))
+        table = tables.table(
+            resource,
+            [e.obj for e in page.items],
+            now(),
+            list_meta=meta,
+            include_object=query.get("includeObject", "Metadata"),
+        )
         return _response(dumps(table))
-    head = (b'{"kind":"' + resource.list_kind.encode() + b'","apiVersion":"' + resource.api_version.encode()
-            + b'","metadata":' + dumps(meta) + b',"items":[')
+    head = (
+        b'{"kind":"'
+        + resource.list_kind.encode()
+        + b'","apiVersion":"'
+        + resource.api_version.encode()
+        + b'","metadata":'
+        + dumps(meta)
+        + b',"items":['
+    )
     return _response(head + b",".join(e.raw for e in page.items) + b"]}")
 
 
@@ -344,16 +407,29 @@ async def _delete_options(request: web.Request) -> DeleteOptions:
     if grace is None:
         grace = _int(query, "gracePeriodSeconds")
     dry = body.get("dryRun") or query.get("dryRun")
-    return DeleteOptions(propagation_policy=policy, grace_period_seconds=grace,
-                         preconditions=body.get("preconditions") or {}, dry_run=bool(dry))
+    return DeleteOptions(
+        propagation_policy=policy,
+        grace_period_seconds=grace,
+        preconditions=body.get("preconditions") or {},
+        dry_run=bool(dry),
+    )
 
 
 def _delete_response(request: web.Request, core: ClusterCore, result: DeleteResult) -> web.Response:
     entry = result.entry
     if result.removed and entry.resource is not PODS:
-        status = {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success",
-                  "details": {"name": entry.name, **({"group": entry.resource.group} if entry.resource.group else {}),
-                              "kind": entry.resource.plural, "uid": entry.uid}}
+        status = {
+            "kind": "Status",
+            "apiVersion": "v1",
+            "metadata": {},
+            "status": "Success",
+            "details": {
+                "name": entry.name,
+                **({"group": entry.resource.group} if entry.resource.group else {}),
+                "kind": entry.resource.plural,
+                "uid": entry.uid,
+            },
+        }
         return _response(dumps(status), warnings=result.warnings)
     return _object_response(request, core, entry.resource, entry, warnings=result.warnings)
 
@@ -375,8 +451,15 @@ async def _delete_collection(request: web.Request, core: ClusterCore, target: pa
         deleted.append(result.entry)
         warnings = result.warnings
     resource = target.resource
-    head = (b'{"kind":"' + resource.list_kind.encode() + b'","apiVersion":"' + resource.api_version.encode()
-            + b'","metadata":' + dumps({"resourceVersion": str(core.store.rv)}) + b',"items":[')
+    head = (
+        b'{"kind":"'
+        + resource.list_kind.encode()
+        + b'","apiVersion":"'
+        + resource.api_version.encode()
+        + b'","metadata":'
+        + dumps({"resourceVersion": str(core.store.rv)})
+        + b',"items":['
+    )
     return _response(head + b",".join(e.raw for e in deleted) + b"]}", warnings=warnings)
 
 
@@ -425,8 +508,14 @@ async def _watch(request: web.Request, core: ClusterCore, target: paths.Target) 
 
     def encode(kind: str, entry: Entry, *, headers: bool) -> bytes:
         if as_table:
-            table = tables.table(resource, [entry.obj], now(), list_meta={"resourceVersion": entry.meta["resourceVersion"]},
-                                 include_object=include_object, headers=headers)
+            table = tables.table(
+                resource,
+                [entry.obj],
+                now(),
+                list_meta={"resourceVersion": entry.meta["resourceVersion"]},
+                include_object=include_object,
+                headers=headers,
+            )
             return _event_bytes(kind, dumps(table))
         return _event_bytes(kind, entry.raw)
 
@@ -473,10 +562,8 @@ async def _watch(request: web.Request, core: ClusterCore, target: paths.Target) 
             await response.write(_event_bytes("ERROR", dumps(err.status())))
     finally:
         store.unwatch(watcher)
-    try:
+    with contextlib.suppress(ConnectionError):
         await response.write_eof()
-    except ConnectionError:
-        pass
     return response
 
 
@@ -539,13 +626,16 @@ async def _node_log(request: web.Request, core: ClusterCore, target: paths.Targe
     node_name = (entry.obj.get("spec") or {}).get("nodeName")
     node = core.store.get(NODES, "", node_name) if node_name else None
     if node is None:
-        raise apierrors.bad_request(f'pod {name} does not have a host assigned' if not node_name else
-                                    f'nodes "{node_name}" not found')
+        raise apierrors.bad_request(
+            f"pod {name} does not have a host assigned" if not node_name else f'nodes "{node_name}" not found'
+        )
     status = node.obj.get("status") or {}
     addresses = {a.get("type"): a.get("address") for a in status.get("addresses") or []}
     host = addresses.get("InternalIP") or addresses.get("Hostname") or "127.0.0.1"
     port = ((status.get("daemonEndpoints") or {}).get("kubeletEndpoint") or {}).get("Port") or 10250
-    query = {k: v for k, v in request.query.items() if k in ("tailLines", "limitBytes", "follow", "timestamps", "previous")}
+    query = {
+        k: v for k, v in request.query.items() if k in ("tailLines", "limitBytes", "follow", "timestamps", "previous")
+    }
     url = f"https://{host}:{port}/containerLogs/{ns}/{name}/{container}"
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)
     async with aiohttp.ClientSession(timeout=timeout) as session:

@@ -10,6 +10,7 @@ not write back synchronously (they schedule their work).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -83,7 +84,9 @@ class Gone(Exception):
 class Watcher:
     """One watch stream's queue of events for one resource, filtered by namespace and a predicate."""
 
-    def __init__(self, resource: Resource, namespace: str | None, predicate: Callable[[Entry], bool], *, max_queue: int) -> None:
+    def __init__(
+        self, resource: Resource, namespace: str | None, predicate: Callable[[Entry], bool], *, max_queue: int
+    ) -> None:
         self.resource = resource
         self.namespace = namespace
         self.predicate = predicate
@@ -125,10 +128,8 @@ class Watcher:
         if self.queue or self.closed:
             return
         self._wakeup.clear()
-        try:
+        with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._wakeup.wait(), timeout)
-        except TimeoutError:
-            pass
 
 
 @dataclass
@@ -264,8 +265,9 @@ class Store:
         out.reverse()
         return out
 
-    def watch(self, resource: Resource, namespace: str | None, predicate: Callable[[Entry], bool], *,
-              since: int | None = None) -> Watcher:
+    def watch(
+        self, resource: Resource, namespace: str | None, predicate: Callable[[Entry], bool], *, since: int | None = None
+    ) -> Watcher:
         """A watcher of future events, first fed the logged events after `since` (raises Gone)."""
         watcher = Watcher(resource, namespace, predicate, max_queue=self._watch_queue_max)
         if since is not None:
@@ -290,8 +292,13 @@ class Store:
         """Load a snapshot into an empty store; the event log starts empty at `rv`."""
         for resource, obj in objects:
             meta = obj["metadata"]
-            entry = Entry(resource, meta.get("namespace", "") if resource.namespaced else "", meta["name"], obj,
-                          int(meta.get("resourceVersion") or 0))
+            entry = Entry(
+                resource,
+                meta.get("namespace", "") if resource.namespaced else "",
+                meta["name"],
+                obj,
+                int(meta.get("resourceVersion") or 0),
+            )
             table = self._table(resource)
             table.objects[(entry.namespace, entry.name)] = entry
             table.sorted_keys = None

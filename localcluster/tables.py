@@ -62,7 +62,11 @@ COLUMNS: dict[str, list[dict[str, Any]]] = {
         _col("Status", "string", "Status of the job."),
         _col("Completions", "string", "The desired number of successfully finished pods the job should be run with."),
         _col("Duration", "string", "Time required to complete the job."),
-        _col("Age", "string", "CreationTimestamp is a timestamp representing the server time when this object was created."),
+        _col(
+            "Age",
+            "string",
+            "CreationTimestamp is a timestamp representing the server time when this object was created.",
+        ),
         _col("Containers", "string", "Names of each container in the template.", priority=1),
         _col("Images", "string", "Images referenced by each container in the template.", priority=1),
         _col("Selector", "string", "A label query over pods that should match the pod count.", priority=1),
@@ -71,8 +75,16 @@ COLUMNS: dict[str, list[dict[str, Any]]] = {
         _col("Name", "string", "Name must be unique within a namespace.", fmt="name"),
         _col("Ready", "string", "The aggregate readiness state of this pod for accepting traffic."),
         _col("Status", "string", "The aggregate status of the containers in this pod."),
-        _col("Restarts", "string", "The number of times the containers in this pod have been restarted and when the last container in this pod has restarted."),
-        _col("Age", "string", "CreationTimestamp is a timestamp representing the server time when this object was created."),
+        _col(
+            "Restarts",
+            "string",
+            "The number of times the containers in this pod have been restarted and when the last container in this pod has restarted.",
+        ),
+        _col(
+            "Age",
+            "string",
+            "CreationTimestamp is a timestamp representing the server time when this object was created.",
+        ),
         _col("IP", "string", "IP address allocated to the pod.", priority=1),
         _col("Node", "string", "Name of the node this pod is running on.", priority=1),
         _col("Nominated Node", "string", "Name of the node this pod is nominated to run on.", priority=1),
@@ -81,18 +93,30 @@ COLUMNS: dict[str, list[dict[str, Any]]] = {
     "namespaces": [
         _col("Name", "string", "Name must be unique within a namespace.", fmt="name"),
         _col("Status", "string", "The status of the namespace"),
-        _col("Age", "string", "CreationTimestamp is a timestamp representing the server time when this object was created."),
+        _col(
+            "Age",
+            "string",
+            "CreationTimestamp is a timestamp representing the server time when this object was created.",
+        ),
     ],
     "nodes": [
         _col("Name", "string", "Name must be unique within a namespace.", fmt="name"),
         _col("Status", "string", "The status of the node"),
-        _col("Age", "string", "CreationTimestamp is a timestamp representing the server time when this object was created."),
+        _col(
+            "Age",
+            "string",
+            "CreationTimestamp is a timestamp representing the server time when this object was created.",
+        ),
         _col("Version", "string", "Kubelet Version reported by the node."),
     ],
     "leases": [
         _col("Name", "string", "Name must be unique within a namespace.", fmt="name"),
         _col("Holder", "string", "Name of the Lease holder"),
-        _col("Age", "string", "CreationTimestamp is a timestamp representing the server time when this object was created."),
+        _col(
+            "Age",
+            "string",
+            "CreationTimestamp is a timestamp representing the server time when this object was created.",
+        ),
     ],
 }
 
@@ -135,8 +159,13 @@ def job_cells(job: dict[str, Any], now: float) -> list[Any]:
             duration = ""
     containers = ((spec.get("template") or {}).get("spec") or {}).get("containers") or []
     return [
-        meta["name"], state, done, duration, _since(meta.get("creationTimestamp"), now),
-        ",".join(c.get("name", "") for c in containers), ",".join(c.get("image", "") for c in containers),
+        meta["name"],
+        state,
+        done,
+        duration,
+        _since(meta.get("creationTimestamp"), now),
+        ",".join(c.get("name", "") for c in containers),
+        ",".join(c.get("image", "") for c in containers),
         format_label_selector(spec.get("selector") or {}),
     ]
 
@@ -154,15 +183,23 @@ def pod_cells(pod: dict[str, Any], now: float) -> list[Any]:
             reason = state["waiting"]["reason"]
         elif state.get("terminated"):
             term = state["terminated"]
-            reason = term.get("reason") or (f"Signal:{term['signal']}" if term.get("signal") else f"ExitCode:{term.get('exitCode', 0)}")
+            reason = term.get("reason") or (
+                f"Signal:{term['signal']}" if term.get("signal") else f"ExitCode:{term.get('exitCode', 0)}"
+            )
     if status.get("reason"):
         reason = status["reason"]
     if meta.get("deletionTimestamp"):
         reason = "Terminating" if status.get("phase") not in ("Succeeded", "Failed") else reason
     return [
-        meta["name"], f"{ready}/{total}", reason, str(restarts), _since(meta.get("creationTimestamp"), now),
-        status.get("podIP") or "<none>", spec.get("nodeName") or "<none>",
-        status.get("nominatedNodeName") or "<none>", "<none>",
+        meta["name"],
+        f"{ready}/{total}",
+        reason,
+        str(restarts),
+        _since(meta.get("creationTimestamp"), now),
+        status.get("podIP") or "<none>",
+        spec.get("nodeName") or "<none>",
+        status.get("nominatedNodeName") or "<none>",
+        "<none>",
     ]
 
 
@@ -175,13 +212,21 @@ def node_cells(node: dict[str, Any], now: float) -> list[Any]:
     meta = node["metadata"]
     status = node.get("status") or {}
     ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
-    return [meta["name"], "Ready" if ready else "NotReady", _since(meta.get("creationTimestamp"), now),
-            (status.get("nodeInfo") or {}).get("kubeletVersion", "")]
+    return [
+        meta["name"],
+        "Ready" if ready else "NotReady",
+        _since(meta.get("creationTimestamp"), now),
+        (status.get("nodeInfo") or {}).get("kubeletVersion", ""),
+    ]
 
 
 def lease_cells(lease: dict[str, Any], now: float) -> list[Any]:
     meta = lease["metadata"]
-    return [meta["name"], (lease.get("spec") or {}).get("holderIdentity", ""), _since(meta.get("creationTimestamp"), now)]
+    return [
+        meta["name"],
+        (lease.get("spec") or {}).get("holderIdentity", ""),
+        _since(meta.get("creationTimestamp"), now),
+    ]
 
 
 def row(resource: Resource, obj: dict[str, Any], now: float, *, include_object: str) -> dict[str, Any]:
@@ -203,8 +248,15 @@ def row(resource: Resource, obj: dict[str, Any], now: float, *, include_object: 
     return out
 
 
-def table(resource: Resource, objects: list[dict[str, Any]], now: float, *, list_meta: dict[str, Any],
-          include_object: str = "Metadata", headers: bool = True) -> dict[str, Any]:
+def table(
+    resource: Resource,
+    objects: list[dict[str, Any]],
+    now: float,
+    *,
+    list_meta: dict[str, Any],
+    include_object: str = "Metadata",
+    headers: bool = True,
+) -> dict[str, Any]:
     return {
         "kind": "Table",
         "apiVersion": "meta.k8s.io/v1",

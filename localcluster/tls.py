@@ -57,11 +57,28 @@ def ensure_certificate(directory: Path, hosts: list[str]) -> TlsFiles:
     if openssl is None:
         raise TlsUnavailable("the openssl command is not installed")
     cmd = [
-        openssl, "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-        "-keyout", str(files.key), "-out", str(files.cert), "-days", "3650", "-subj", "/CN=localcluster",
-        "-addext", f"subjectAltName={_san(hosts)}",
-        "-addext", "basicConstraints=critical,CA:TRUE",
-        "-addext", "keyUsage=critical,digitalSignature,keyCertSign",
+        openssl,
+        "req",
+        "-x509",
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+        "-keyout",
+        str(files.key),
+        "-out",
+        str(files.cert),
+        "-days",
+        "3650",
+        "-subj",
+        "/CN=localcluster",
+        "-addext",
+        f"subjectAltName={_san(hosts)}",
+        "-addext",
+        "basicConstraints=critical,CA:TRUE",
+        "-addext",
+        "keyUsage=critical,digitalSignature,keyCertSign",
     ]
     result = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if result.returncode != 0:

@@ -10,10 +10,6 @@ import json
 import re
 from typing import Any
 
-from k8s_dispatch.localcluster.names import dns1123_label as is_dns1123_label
-from k8s_dispatch.localcluster.names import dns1123_subdomain as is_dns1123_subdomain
-from k8s_dispatch.localcluster.names import label_value as _is_label_value
-from k8s_dispatch.localcluster.names import qualified_name as _is_qualified_name
 from k8s_dispatch.localcluster.apierrors import (
     FieldError,
     FieldErrorType,
@@ -23,6 +19,10 @@ from k8s_dispatch.localcluster.apierrors import (
     required,
     too_long,
 )
+from k8s_dispatch.localcluster.names import dns1123_label as is_dns1123_label
+from k8s_dispatch.localcluster.names import dns1123_subdomain as is_dns1123_subdomain
+from k8s_dispatch.localcluster.names import label_value as _is_label_value
+from k8s_dispatch.localcluster.names import qualified_name as _is_qualified_name
 
 ANNOTATIONS_MAX_BYTES = 256 * 1024
 
@@ -56,10 +56,16 @@ MESSAGE_POLICIES = ["File", "FallbackToLogsOnError"]
 PULL_POLICIES = ["Always", "IfNotPresent", "Never"]
 
 
-def validate_name(name: str, *, field: str = "metadata.name", label: bool = False, max_len: int | None = None) -> list[FieldError]:
+def validate_name(
+    name: str, *, field: str = "metadata.name", label: bool = False, max_len: int | None = None
+) -> list[FieldError]:
     if label:
         if not is_dns1123_label(name):
-            return [invalid_value(field, name, DNS1123_LABEL_MSG if len(name) <= 63 else "must be no more than 63 characters")]
+            return [
+                invalid_value(
+                    field, name, DNS1123_LABEL_MSG if len(name) <= 63 else "must be no more than 63 characters"
+                )
+            ]
         return []
     if not is_dns1123_subdomain(name):
         detail = DNS1123_SUBDOMAIN_MSG if len(name) <= 253 else "must be no more than 253 characters"
@@ -93,7 +99,9 @@ def validate_annotations(annotations: Any, field: str) -> list[FieldError]:
     return errs
 
 
-def validate_metadata(meta: dict[str, Any], *, namespaced: bool, label_name: bool = False, max_len: int | None = None) -> list[FieldError]:
+def validate_metadata(
+    meta: dict[str, Any], *, namespaced: bool, label_name: bool = False, max_len: int | None = None
+) -> list[FieldError]:
     errs: list[FieldError] = []
     name = meta.get("name") or ""
     if not name:
@@ -131,14 +139,19 @@ def validate_container(c: dict[str, Any], path: str) -> list[FieldError]:
         if not ename:
             errs.append(required(f"{path}.env[{i}].name"))
         elif not _ENV_NAME.match(ename):
-            errs.append(invalid_value(
-                f"{path}.env[{i}].name", ename,
-                "a valid environment variable name must consist of alphabetic characters, digits, '_', '-', or '.', "
-                "and must not start with a digit (e.g. 'my.env-name',  or 'MY_ENV.NAME',  or 'MyEnvName1', regex "
-                "used for validation is '[-._a-zA-Z][-._a-zA-Z0-9]*')",
-            ))
+            errs.append(
+                invalid_value(
+                    f"{path}.env[{i}].name",
+                    ename,
+                    "a valid environment variable name must consist of alphabetic characters, digits, '_', '-', or '.', "
+                    "and must not start with a digit (e.g. 'my.env-name',  or 'MY_ENV.NAME',  or 'MyEnvName1', regex "
+                    "used for validation is '[-._a-zA-Z][-._a-zA-Z0-9]*')",
+                )
+            )
         if env.get("value") and env.get("valueFrom"):
-            errs.append(invalid_value(f"{path}.env[{i}].valueFrom", "", "may not be specified when `value` is not empty"))
+            errs.append(
+                invalid_value(f"{path}.env[{i}].valueFrom", "", "may not be specified when `value` is not empty")
+            )
     policy = c.get("terminationMessagePolicy")
     if policy is not None and policy not in MESSAGE_POLICIES:
         errs.append(not_supported(f"{path}.terminationMessagePolicy", policy, MESSAGE_POLICIES))
@@ -170,7 +183,9 @@ def validate_pod_spec(spec: dict[str, Any] | None, path: str, *, restart_policie
         errs.append(not_supported(f"{path}.restartPolicy", policy, restart_policies))
     deadline = spec.get("activeDeadlineSeconds")
     if deadline is not None and deadline <= 0:
-        errs.append(invalid_value(f"{path}.activeDeadlineSeconds", deadline, "must be between 1 and 2147483647, inclusive"))
+        errs.append(
+            invalid_value(f"{path}.activeDeadlineSeconds", deadline, "must be between 1 and 2147483647, inclusive")
+        )
     errs += _non_negative(spec, "terminationGracePeriodSeconds", path)
     return errs
 
@@ -199,15 +214,22 @@ def validate_job(job: dict[str, Any], *, selector_matches: bool) -> list[FieldEr
         errs.append(required("spec.completions", "when completion mode is Indexed"))
     template = spec.get("template") or {}
     tmeta = template.get("metadata") or {}
-    errs += [e for e in validate_labels(tmeta.get("labels"), "spec.template.metadata.labels")
-             if not (name_label_error and e.value == name)]
+    errs += [
+        e
+        for e in validate_labels(tmeta.get("labels"), "spec.template.metadata.labels")
+        if not (name_label_error and e.value == name)
+    ]
     errs += validate_annotations(tmeta.get("annotations"), "spec.template.metadata.annotations")
     if spec.get("selector") is None:
         errs.append(required("spec.selector"))
     elif not selector_matches:
-        errs.append(invalid_value(
-            "spec.template.metadata.labels", tmeta.get("labels") or {}, "`selector` does not match template `labels`"
-        ))
+        errs.append(
+            invalid_value(
+                "spec.template.metadata.labels",
+                tmeta.get("labels") or {},
+                "`selector` does not match template `labels`",
+            )
+        )
     errs += validate_pod_spec(template.get("spec"), "spec.template.spec", restart_policies=JOB_RESTART_POLICIES)
     return errs
 
@@ -234,8 +256,13 @@ def validate_job_status(job: dict[str, Any]) -> list[FieldError]:
     it we have met)."""
     indexes = (job.get("status") or {}).get("completedIndexes")
     if indexes and (job.get("spec") or {}).get("completionMode") != "Indexed":
-        return [invalid_value("status.completedIndexes", indexes,
-                              "cannot set non-empty completedIndexes when non-indexed completion mode")]
+        return [
+            invalid_value(
+                "status.completedIndexes",
+                indexes,
+                "cannot set non-empty completedIndexes when non-indexed completion mode",
+            )
+        ]
     return []
 
 
@@ -247,6 +274,7 @@ def validate_pod(pod: dict[str, Any]) -> list[FieldError]:
 
 def validate_pod_update(old: dict[str, Any], new: dict[str, Any]) -> list[FieldError]:
     """Pod specs are immutable but for images, activeDeadlineSeconds and tolerations."""
+
     def mutable_removed(spec: dict[str, Any]) -> dict[str, Any]:
         spec = dict(spec or {})
         spec.pop("activeDeadlineSeconds", None)
@@ -255,13 +283,15 @@ def validate_pod_update(old: dict[str, Any], new: dict[str, Any]) -> list[FieldE
         return spec
 
     if _canon(mutable_removed(old.get("spec") or {})) != _canon(mutable_removed(new.get("spec") or {})):
-        return [forbidden(
-            "spec",
-            "pod updates may not change fields other than `spec.containers[*].image`,"
-            "`spec.initContainers[*].image`,`spec.activeDeadlineSeconds`,`spec.tolerations` "
-            "(only additions to existing tolerations),`spec.terminationGracePeriodSeconds` "
-            "(allow it to be set to 1 if it was previously negative)",
-        )]
+        return [
+            forbidden(
+                "spec",
+                "pod updates may not change fields other than `spec.containers[*].image`,"
+                "`spec.initContainers[*].image`,`spec.activeDeadlineSeconds`,`spec.tolerations` "
+                "(only additions to existing tolerations),`spec.terminationGracePeriodSeconds` "
+                "(allow it to be set to 1 if it was previously negative)",
+            )
+        ]
     return []
 
 
@@ -275,5 +305,10 @@ def validate_metadata_update(old: dict[str, Any], new: dict[str, Any]) -> list[F
     if ometa.get("deletionTimestamp"):
         added = set(nmeta.get("finalizers") or []) - set(ometa.get("finalizers") or [])
         if added:
-            return [forbidden("metadata.finalizers", f"no new finalizers can be added if the object is being deleted, found new finalizers {sorted(added)!r}")]
+            return [
+                forbidden(
+                    "metadata.finalizers",
+                    f"no new finalizers can be added if the object is being deleted, found new finalizers {sorted(added)!r}",
+                )
+            ]
     return []

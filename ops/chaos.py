@@ -12,6 +12,7 @@ Every process, the database and the keys are removed at the end, whatever happen
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -35,13 +36,13 @@ from sqlalchemy.engine import make_url
 
 from k8s_dispatch.engine.errors import DispatchError
 from k8s_dispatch.engine.models import TERMINAL_EVENT_TYPES, CaseEvent, Dispatch
-from k8s_dispatch.workers.manifest import FINALIZER
 from k8s_dispatch.ops import chaos_cluster, interrupts
 from k8s_dispatch.ops.chaos_checks import RowSnapshot, TerminalEvent, Verdict, judge
+from k8s_dispatch.ops.chaos_cluster import CLUSTERS, LOCALCLUSTER, ChaosCluster
 from k8s_dispatch.ops.chaos_workload import Expected, Planned, capabilities_config, expected, workload
 from k8s_dispatch.ops.fault_plan import BEAT, Fault, FaultKind, FaultPlan, make_plan, worker_names
-from k8s_dispatch.ops.chaos_cluster import CLUSTERS, LOCALCLUSTER, ChaosCluster
 from k8s_dispatch.ops.processes import ManagedProcess, WaitTimeout, celery_beat, celery_worker, wait_for_log, wait_until
+from k8s_dispatch.workers.manifest import FINALIZER
 
 log = logging.getLogger(__name__)
 
@@ -197,19 +198,29 @@ class ChaosResult:
             "schedule_resends": self.resends,
             "jobs_seen": self.jobs_seen,
             "by_namespace": self.by_namespace,
-            "neighbour": None if self.neighbour is None else {
-                "dispatched": self.neighbour.dispatched, "ok": self.neighbour.ok,
-                "outcomes": dict(sorted(self.neighbour.outcomes.items())), "problems": self.neighbour.problems,
-            },  # fmt: skip
+            "neighbour": None
+            if self.neighbour is None
+            else {
+                "dispatched": self.neighbour.dispatched,
+                "ok": self.neighbour.ok,
+                "outcomes": dict(sorted(self.neighbour.outcomes.items())),
+                "problems": self.neighbour.problems,
+            },
             "unexpected_exits": self.unexpected_exits,
             "outcomes": dict(sorted(v.outcomes.items())),
             "stats": self.stats,
             "problems": v.problems,
             "faults": [
-                {"planned_s": d.fault.at_s, "at_s": round(d.at_s, 3), "kind": d.fault.kind.value,
-                 "target": d.fault.target, "ok": d.ok, "detail": d.detail}
+                {
+                    "planned_s": d.fault.at_s,
+                    "at_s": round(d.at_s, 3),
+                    "kind": d.fault.kind.value,
+                    "target": d.fault.target,
+                    "ok": d.ok,
+                    "detail": d.detail,
+                }
                 for d in self.done
-            ],  # fmt: skip
+            ],
             "prefix": self.prefix,
             "database": self.database,
             "work_dir": str(self.work_dir),
@@ -249,9 +260,7 @@ def run(options: ChaosOptions, *, progress: Callable[[str], None] = lambda _: No
     plan = fault_plan(options)
     work_dir = options.work_dir or Path(tempfile.mkdtemp(prefix=f"k8s-dispatch-chaos-{tag}-"))
     work_dir.mkdir(parents=True, exist_ok=True)
-    result = ChaosResult(
-        options=options, plan=plan, prefix=f"k8s-dispatch-chaos-{tag}", database="", work_dir=work_dir
-    )
+    result = ChaosResult(options=options, plan=plan, prefix=f"k8s-dispatch-chaos-{tag}", database="", work_dir=work_dir)
     started = time.monotonic()
     try:
         with interrupts.interrupts(), _Run(options, result, tag=tag, progress=progress) as chaos:
@@ -269,7 +278,9 @@ def run(options: ChaosOptions, *, progress: Callable[[str], None] = lambda _: No
 class _Run:
     """The resources of one run and the steps that use them; `__exit__` releases them all."""
 
-    def __init__(self, options: ChaosOptions, result: ChaosResult, *, tag: str, progress: Callable[[str], None]) -> None:
+    def __init__(
+        self, options: ChaosOptions, result: ChaosResult, *, tag: str, progress: Callable[[str], None]
+    ) -> None:
         self.options = options
         self.result = result
         self.tag = tag
@@ -469,10 +480,8 @@ class _Run:
             result.converged_s = time.monotonic() - stopped
             # A claim is released by its holder or expires with its lease: none may stay longer.
             lease_s = self.settings.guard_lease_ms / 1000
-            try:
+            with contextlib.suppress(WaitTimeout):  # judged below
                 wait_until(lambda: not self._claims(), timeout=lease_s + 5, interval=TICK_S, what="no guard claim")
-            except WaitTimeout:
-                pass  # judged below
         self._judge()
 
     def _tick(self) -> None:
@@ -503,13 +512,14 @@ class _Run:
                     return
                 self._schedule(planned)
             self.result.feed_s = time.monotonic() - self.t0
-        except BaseException as e:  # noqa: BLE001 - handed to the main thread, which raises it
+        except BaseException as e:
             self.feed_error = e
 
     def _schedule(self, planned: Planned) -> None:
+        from kombu.exceptions import OperationalError
+
         from k8s_dispatch.engine.db import transaction
         from k8s_dispatch.engine.errors import DatabaseUnavailable
-        from kombu.exceptions import OperationalError
         from k8s_dispatch.tasks.scheduling import schedule_in_session
         from k8s_dispatch.workers.resolver import CapabilityResolver
 
@@ -678,9 +688,9 @@ class _Run:
         raise AssertionError("unreachable")
 
     def _delete_finished_pods_once(self) -> str:
-        from kubernetes import client, config
-
         from concurrent.futures import ThreadPoolExecutor
+
+        from kubernetes import client, config
 
         with config.new_client_from_config(config_file=str(self._cluster.harness_kubeconfig)) as api:
             core = client.CoreV1Api(api)
@@ -846,7 +856,10 @@ def read_ends(
                 ).where(Dispatch.dispatch_id.in_(chunk))
             ):  # fmt: skip
                 rows[row.dispatch_id] = RowSnapshot(
-                    state=str(row.state.value), output=row.output, reason=row.reason, notified=row.notified_at is not None
+                    state=str(row.state.value),
+                    output=row.output,
+                    reason=row.reason,
+                    notified=row.notified_at is not None,
                 )
                 namespaces[row.dispatch_id] = row.job_namespace
             for event in session.execute(
@@ -868,13 +881,16 @@ def pending(sessions: Any, ids: list[str], *, planned: int) -> int:
         with transaction(sessions) as session:
             done = 0
             for chunk in _chunks(ids):
-                done += session.scalar(
-                    sa.select(sa.func.count()).where(
-                        Dispatch.dispatch_id.in_(chunk),
-                        Dispatch.state.in_(sorted(TERMINAL_STATES)),
-                        Dispatch.notified_at.is_not(None),
+                done += (
+                    session.scalar(
+                        sa.select(sa.func.count()).where(
+                            Dispatch.dispatch_id.in_(chunk),
+                            Dispatch.state.in_(sorted(TERMINAL_STATES)),
+                            Dispatch.notified_at.is_not(None),
+                        )
                     )
-                ) or 0
+                    or 0
+                )
     except DispatchError:
         return planned
     return planned - done

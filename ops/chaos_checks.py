@@ -58,8 +58,14 @@ class Verdict:
     @property
     def ok(self) -> bool:
         return not (
-            self.lost or self.duplicates or self.wrong_output or self.leftover_jobs or self.held_claims or self.unnotified
-            or self.second_jobs or self.wrong_namespace
+            self.lost
+            or self.duplicates
+            or self.wrong_output
+            or self.leftover_jobs
+            or self.held_claims
+            or self.unnotified
+            or self.second_jobs
+            or self.wrong_namespace
         )
 
     def merged(self, other: Verdict) -> Verdict:
@@ -137,7 +143,10 @@ def judge(
         ours = (metadata.get("labels") or {}).get(MANAGED_BY_LABEL) == MANAGED_BY
         if ours or FINALIZER in (metadata.get("finalizers") or []):
             verdict.leftover_jobs += 1
-            problem("leftover job", f"{metadata.get('namespace')}/{metadata.get('name')}: finalizers {metadata.get('finalizers')}")
+            problem(
+                "leftover job",
+                f"{metadata.get('namespace')}/{metadata.get('name')}: finalizers {metadata.get('finalizers')}",
+            )
 
     for key, pttl_ms in claims:
         verdict.held_claims += 1

@@ -128,7 +128,6 @@ class LocalChaosCluster:
         self._restart()
         return [note]
 
-
     def _call(self, body: dict[str, Any] | None) -> dict[str, Any]:
         request = urllib.request.Request(
             f"{self.api_url}/localcluster/faults",
@@ -270,7 +269,6 @@ class RealChaosCluster:
             except OSError as e:
                 log.warning("could not set the API faults again after a restart: %s", e)
         return notes
-
 
     def _call(self, settings: dict[str, Any] | None) -> dict[str, Any]:
         from k8s_dispatch.realcluster import faultproxy

@@ -84,7 +84,9 @@ class Neighbour:
         with transaction(self.sessions) as session:
             for case_id, tenancy_id in cases(self.tag):
                 store.create_case(session, case_id=case_id, tenancy_id=tenancy_id)
-        worker = celery_worker(f"{NAME}-worker", env=env, log_dir=self.dir, concurrency=self.settings.worker_concurrency)
+        worker = celery_worker(
+            f"{NAME}-worker", env=env, log_dir=self.dir, concurrency=self.settings.worker_concurrency
+        )
         beat = celery_beat(env=env, log_dir=self.dir, name=f"{NAME}-beat")
         for proc in (worker, beat):
             self.procs[proc.name] = proc

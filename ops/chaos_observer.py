@@ -40,7 +40,7 @@ class JobObserver:
         """dispatch id -> {(namespace, uid)} of every Job of it seen so far (a final LIST first)."""
         try:
             self._list()
-        except Exception as e:  # noqa: BLE001 - the watch's view stands; the error is logged
+        except Exception as e:
             log.warning("observer: the final list failed: %s", e)
         with self._lock:
             return {k: set(v) for k, v in self._seen.items()}
@@ -83,7 +83,7 @@ class JobObserver:
                             self._note(event["object"])
                         if self._stop.is_set():
                             stream.stop()
-            except Exception as e:  # noqa: BLE001 - API errors, restarts, resets: look again
+            except Exception as e:
                 self.errors += 1
                 if isinstance(e, client.ApiException) and e.status == 410:
                     version = None

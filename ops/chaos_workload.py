@@ -138,7 +138,7 @@ def workload(seed: int, count: int, *, tag: str, task_every: int = 4) -> list[Pl
     the Celery `schedule` task (0: none), the rest through the Python call. `tag` (unique per
     run) goes into case ids and idempotency keys, so runs sharing a database never meet."""
     rng = random.Random(f"workload-{seed}")
-    kinds, weights = zip(*MIX)
+    kinds, weights = zip(*MIX, strict=True)
     all_cases = cases(tag)
     planned = []
     for i in range(count):

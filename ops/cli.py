@@ -90,7 +90,9 @@ def schedule(
     finally:
         engine.dispose()
     if as_json:
-        click.echo(json.dumps({"dispatch_id": result.dispatch_id, "created": result.created, "state": result.state.value}))
+        click.echo(
+            json.dumps({"dispatch_id": result.dispatch_id, "created": result.created, "state": result.state.value})
+        )
     else:
         click.echo(result.dispatch_id)
 
@@ -201,23 +203,59 @@ def demo(count: int, broker: str, timeout_s: float, keep: bool) -> int:
 @click.option("--dispatches", default=1000, show_default=True, type=click.IntRange(min=1), help="How many to schedule.")
 @click.option("--workers", default=3, show_default=True, type=click.IntRange(min=1), help="Worker processes.")
 @click.option("--seed", default=None, type=int, help="Seed of the fault schedule and the work mix (default: random).")
-@click.option("--mode", type=click.Choice(["simulate", "exec"]), default="simulate", show_default=True,
-              help="The cluster runs the Jobs' pods as processes (exec) or simulates them.")
-@click.option("--cluster", type=click.Choice(["localcluster", "realcluster"]), default="localcluster", show_default=True,
-              help="localcluster serve, or the real control plane (kube-apiserver, etcd, the Job controller) behind "
-                   "a fault proxy.")
-@click.option("--no-ready-gate", "no_ready_gate", is_flag=True,
-              help="realcluster: let the workers reach a kube-apiserver that is not ready yet (no load balancer).")
-@click.option("--rate", default=10.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
-              help="Dispatches per second from the feeder.")
-@click.option("--kills", default=20, show_default=True, type=click.IntRange(min=0), help="SIGKILLs of a worker or beat.")
-@click.option("--deadline", default=300.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
-              help="Seconds to converge once the faults stop.")
-@click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Also write the result as JSON here.")
-@click.option("--database-url", default=None, help="Use this PostgreSQL database (default: a fresh one, dropped after).")
-@click.option("--work-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Keep logs and cluster state here (default: a temp dir, kept only if the run fails).")
+@click.option(
+    "--mode",
+    type=click.Choice(["simulate", "exec"]),
+    default="simulate",
+    show_default=True,
+    help="The cluster runs the Jobs' pods as processes (exec) or simulates them.",
+)
+@click.option(
+    "--cluster",
+    type=click.Choice(["localcluster", "realcluster"]),
+    default="localcluster",
+    show_default=True,
+    help="localcluster serve, or the real control plane (kube-apiserver, etcd, the Job controller) behind "
+    "a fault proxy.",
+)
+@click.option(
+    "--no-ready-gate",
+    "no_ready_gate",
+    is_flag=True,
+    help="realcluster: let the workers reach a kube-apiserver that is not ready yet (no load balancer).",
+)
+@click.option(
+    "--rate",
+    default=10.0,
+    show_default=True,
+    type=click.FloatRange(min=0, min_open=True),
+    help="Dispatches per second from the feeder.",
+)
+@click.option(
+    "--kills", default=20, show_default=True, type=click.IntRange(min=0), help="SIGKILLs of a worker or beat."
+)
+@click.option(
+    "--deadline",
+    default=300.0,
+    show_default=True,
+    type=click.FloatRange(min=0, min_open=True),
+    help="Seconds to converge once the faults stop.",
+)
+@click.option(
+    "--json-out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Also write the result as JSON here.",
+)
+@click.option(
+    "--database-url", default=None, help="Use this PostgreSQL database (default: a fresh one, dropped after)."
+)
+@click.option(
+    "--work-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Keep logs and cluster state here (default: a temp dir, kept only if the run fails).",
+)
 @click.option("--show-plan", is_flag=True, help="Print the seed's fault schedule and exit; run nothing.")
 def chaos(dispatches: int, workers: int, seed: int | None, mode: str, cluster: str, no_ready_gate: bool,
           rate: float, kills: int, deadline: float, json_out: Path | None, database_url: str | None,

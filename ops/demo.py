@@ -21,7 +21,7 @@ import time
 import urllib.request
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -179,7 +179,7 @@ def summarise(
 ) -> Summary:
     """Check every dispatch: one terminal event, the expected end, the right output."""
     s = Summary(dispatched=len(ids), jobs_left=jobs_left, elapsed_s=elapsed_s)
-    for request, dispatch_id in zip(requests, ids):
+    for request, dispatch_id in zip(requests, ids, strict=True):
         outcome = outcomes.get(dispatch_id)
         if outcome is None or outcome.terminal_events == 0:
             s.lost += 1
@@ -370,7 +370,11 @@ class _Demo:
         self.total = len(requests)
 
         progress = Progress(
-            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=self.console
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=self.console,
         )
         self.bar = progress.add_task("ended", total=self.total)
         self.progress = progress
@@ -430,9 +434,7 @@ class _Demo:
 
         self._watch(long_enough, "Jobs finish with no worker")
         jobs_running, jobs_finished = self._jobs()
-        self.note(
-            f"meanwhile: {jobs_finished} Jobs finished with nobody to record them, {jobs_running} still running"
-        )
+        self.note(f"meanwhile: {jobs_finished} Jobs finished with nobody to record them, {jobs_running} still running")
         self.worker.start()
         self.phase = "worker restarting"
         self.note(f"worker restarted (pid {self.worker.pid}): its start-up sweep runs before any task")
@@ -510,7 +512,9 @@ class _Demo:
         """(running, finished) Jobs of ours in the cluster."""
         running = finished = 0
         try:
-            for page in self.kube.iter_jobs(NAMESPACE, label_selector=job_labels.selector(self.settings.effective_deployment)):
+            for page in self.kube.iter_jobs(
+                NAMESPACE, label_selector=job_labels.selector(self.settings.effective_deployment)
+            ):
                 for job in page:
                     if job_state(job).terminal:
                         finished += 1
@@ -596,9 +600,13 @@ class _Demo:
 
         table.add_row("dispatched", str(s.dispatched), "")
         table.add_row("completed", str(s.completed), mark(s.right_outputs == s.completed))
-        table.add_row("  with the right output", f"{s.right_outputs}/{s.completed}", mark(s.right_outputs == s.completed))
         table.add_row(
-            "failed (bad input, as intended)", f"{s.failed} ({s.failed_as_intended})", mark(s.failed == s.failed_as_intended)
+            "  with the right output", f"{s.right_outputs}/{s.completed}", mark(s.right_outputs == s.completed)
+        )
+        table.add_row(
+            "failed (bad input, as intended)",
+            f"{s.failed} ({s.failed_as_intended})",
+            mark(s.failed == s.failed_as_intended),
         )
         table.add_row("lost", str(s.lost), mark(s.lost == 0))
         table.add_row("duplicates (second terminal events)", str(s.duplicates), mark(s.duplicates == 0))

@@ -31,7 +31,9 @@ class FaultKind(StrEnum):
     API_RESTART = "api_restart"  # stop the API server and start it again on the same --state
     DB_KILL = "db_kill"  # pg_terminate_backend on the workers' connections
     POD_DELETE = "pod_delete"  # delete the Pods of every finished Job not yet delivered
-    NAMESPACE_CHANGE = "namespace_change"  # every worker and beat restarted on a capability file naming another namespace
+    NAMESPACE_CHANGE = (
+        "namespace_change"  # every worker and beat restarted on a capability file naming another namespace
+    )
 
 
 @dataclass(frozen=True)

@@ -65,7 +65,7 @@ class ManagedProcess:
     popen: subprocess.Popen[bytes] | None = field(default=None, repr=False)
     starts: int = 0
 
-    def start(self) -> "ManagedProcess":
+    def start(self) -> ManagedProcess:
         if self.alive:
             raise RuntimeError(f"{self.name} is already running (pid {self.pid})")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -120,7 +120,7 @@ class ManagedProcess:
                 self.kill(signal.SIGKILL)
         return self.popen.wait()
 
-    def restart(self) -> "ManagedProcess":
+    def restart(self) -> ManagedProcess:
         self.stop()
         return self.start()
 
@@ -159,7 +159,12 @@ def celery_beat(*, env: Mapping[str, str], log_dir: Path, name: str = "beat") ->
 
 
 def celery_flower(
-    *, env: Mapping[str, str], log_dir: Path, port: int, address: str = "127.0.0.1", extra: tuple[str, ...] = (),
+    *,
+    env: Mapping[str, str],
+    log_dir: Path,
+    port: int,
+    address: str = "127.0.0.1",
+    extra: tuple[str, ...] = (),
     name: str = "flower",
 ) -> ManagedProcess:
     """`celery -A k8s_dispatch.tasks flower` on `address:port`; its state (--persistent off) stays in memory."""

@@ -19,7 +19,14 @@ from rich.text import Text
 from sqlalchemy.orm import Session
 
 from k8s_dispatch.engine import store
-from k8s_dispatch.engine.models import TERMINAL_EVENT_TYPES, TERMINAL_STATES, CaseEvent, Dispatch, DispatchState, EventType
+from k8s_dispatch.engine.models import (
+    TERMINAL_EVENT_TYPES,
+    TERMINAL_STATES,
+    CaseEvent,
+    Dispatch,
+    DispatchState,
+    EventType,
+)
 
 DEFAULT_FAILURES = 10
 MAX_MESSAGE_CHARS = 200  # of a failure's message, in the report
@@ -110,7 +117,12 @@ class StatusReport:
             ],
             "create_waiting": self.create_waiting,
             "create_waits": [
-                {"dispatch_id": w.dispatch_id, "capability": w.capability, "error": w.error, "since": w.since.isoformat()}
+                {
+                    "dispatch_id": w.dispatch_id,
+                    "capability": w.capability,
+                    "error": w.error,
+                    "since": w.since.isoformat(),
+                }
                 for w in self.create_waits
             ],
         }
@@ -143,7 +155,10 @@ def read_status(session: Session, *, now: datetime, failures: int = DEFAULT_FAIL
     )
     waiting = _waiting_to_create(pending_states)
     wait_rows = session.scalars(
-        sa.select(Dispatch).where(waiting).order_by(Dispatch.create_error_at.desc(), Dispatch.dispatch_id).limit(failures)
+        sa.select(Dispatch)
+        .where(waiting)
+        .order_by(Dispatch.create_error_at.desc(), Dispatch.dispatch_id)
+        .limit(failures)
     ).all()
     create_waiting = session.scalar(sa.select(sa.func.count()).select_from(Dispatch).where(waiting))
     return StatusReport(
@@ -174,7 +189,8 @@ def read_status(session: Session, *, now: datetime, failures: int = DEFAULT_FAIL
         ],
         unnotified=int(unnotified or 0),
         create_waits=[
-            CreateWait(row.dispatch_id, row.capability, row.create_error or "", row.create_error_at) for row in wait_rows
+            CreateWait(row.dispatch_id, row.capability, row.create_error or "", row.create_error_at)
+            for row in wait_rows
         ],
         create_waiting=int(create_waiting or 0),
     )

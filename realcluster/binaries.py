@@ -25,8 +25,9 @@ class Binaries:
 def build(name: str) -> Path:
     """The directory holding tool `name`'s programs, building them first if needed (progress on
     stderr). Raises BuildFailed."""
-    result = subprocess.run(["bash", str(BUILD_SCRIPT), name], stdout=subprocess.PIPE, stderr=sys.stderr,
-                            text=True, check=False)
+    result = subprocess.run(
+        ["bash", str(BUILD_SCRIPT), name], stdout=subprocess.PIPE, stderr=sys.stderr, text=True, check=False
+    )
     lines = result.stdout.strip().splitlines()
     if result.returncode != 0 or not lines:
         raise BuildFailed(f"tools/build.sh {name} failed (exit {result.returncode})")

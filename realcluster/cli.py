@@ -19,10 +19,20 @@ def realcluster() -> None:
 
 
 @realcluster.command()
-@click.option("--kubeconfig", "kubeconfig_path", default="realcluster.kubeconfig", show_default=True,
-              type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--mode", type=click.Choice(["exec", "simulate", "none"]), default="exec", show_default=True,
-              help="How the node agent runs Pods (none: no node, Pods stay Pending).")
+@click.option(
+    "--kubeconfig",
+    "kubeconfig_path",
+    default="realcluster.kubeconfig",
+    show_default=True,
+    type=click.Path(dir_okay=False, path_type=Path),
+)
+@click.option(
+    "--mode",
+    type=click.Choice(["exec", "simulate", "none"]),
+    default="exec",
+    show_default=True,
+    help="How the node agent runs Pods (none: no node, Pods stay Pending).",
+)
 def serve(kubeconfig_path: Path, mode: str) -> None:
     """Start etcd, kube-apiserver, kube-controller-manager and a node agent; serve until stopped."""
     directory = Path(tempfile.mkdtemp(prefix="realcluster-"))

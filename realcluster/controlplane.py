@@ -26,8 +26,8 @@ from typing import Any
 
 import yaml
 
-from k8s_dispatch.realcluster import binaries, pki
 from k8s_dispatch.ops.processes import ManagedProcess, free_port, project_env, wait_until
+from k8s_dispatch.realcluster import binaries, pki
 
 CONTEXT = "realcluster"
 NODE_NAME = "k8s-dispatch-node"
@@ -108,7 +108,9 @@ class ControlPlane:
         node = User(f"system:node:{NODE_NAME}", secrets.token_urlsafe(24), ("system:nodes", "system:masters"))
         (self.directory / "tokens.csv").write_text(token_file_text([self.admin, controller_manager, node]))
         self._write_kubeconfig(self.kubeconfig, keys, self.admin)
-        cm_kubeconfig = self._write_kubeconfig(self.directory / "controller-manager.kubeconfig", keys, controller_manager)
+        cm_kubeconfig = self._write_kubeconfig(
+            self.directory / "controller-manager.kubeconfig", keys, controller_manager
+        )
         node_kubeconfig = self._write_kubeconfig(self.directory / "node.kubeconfig", keys, node)
         try:
             self._start_etcd(bins)
@@ -233,8 +235,11 @@ class ControlPlane:
         ])  # fmt: skip
         # The ServiceAccount controller has run once a namespace has its `default` account, and
         # the Job controller starts with it: until then a Pod could not even be admitted.
-        self._wait(proc, lambda: self.get("/api/v1/namespaces/default/serviceaccounts/default")[0] == 200,
-                   "the default ServiceAccount (kube-controller-manager running)")
+        self._wait(
+            proc,
+            lambda: self.get("/api/v1/namespaces/default/serviceaccounts/default")[0] == 200,
+            "the default ServiceAccount (kube-controller-manager running)",
+        )
 
     def _start_node(self, kubeconfig: Path) -> None:
         workdir = self.directory / "node"
@@ -280,8 +285,9 @@ def serve(directory: Path, *, kubeconfig: Path | None, mode: str) -> int:
         if kubeconfig is not None:
             kubeconfig.write_text(cp.kubeconfig.read_text())
             kubeconfig.chmod(0o600)
-        print(f"realcluster: kube-apiserver listening on {cp.url} (kubeconfig {kubeconfig or cp.kubeconfig})",
-              flush=True)
+        print(
+            f"realcluster: kube-apiserver listening on {cp.url} (kubeconfig {kubeconfig or cp.kubeconfig})", flush=True
+        )
         while not stop["now"] and all(p.alive for p in cp.processes.values()):
             time.sleep(0.2)
         dead = [n for n, p in cp.processes.items() if not p.alive]

@@ -167,7 +167,7 @@ class Proxy:
             ) as answer:  # fmt: skip
                 await answer.read()
                 self.ready = answer.status == 200
-        except (ClientError, OSError, asyncio.TimeoutError):
+        except (TimeoutError, ClientError, OSError):
             self.ready = False
 
     async def keep_checking(self) -> None:
@@ -214,7 +214,7 @@ class Proxy:
                     await response.write(chunk)
                 await response.write_eof()
                 return response
-        except (ClientError, OSError, asyncio.TimeoutError):
+        except (TimeoutError, ClientError, OSError):
             # kube-apiserver down or gone mid-answer: so is the client's connection
             if self.health_token is not None:
                 self.ready = False  # until a check says otherwise
@@ -227,8 +227,11 @@ class Proxy:
         if request.method == "POST":
             try:
                 settings = await request.json()
-                self.faults.set(float(settings.get("rate", self.faults.rate)),
-                                int(settings.get("latency_ms", self.faults.latency_ms)), settings.get("kinds"))
+                self.faults.set(
+                    float(settings.get("rate", self.faults.rate)),
+                    int(settings.get("latency_ms", self.faults.latency_ms)),
+                    settings.get("kinds"),
+                )
             except (ValueError, TypeError, AttributeError) as e:
                 return web.json_response({"error": f"invalid fault settings: {e}"}, status=400)
         return web.json_response(self.faults.report() | {"ready": self.ready, "unready_cuts": self.unready_cuts})
@@ -256,7 +259,9 @@ def process(plane: Any, *, port: int, token_file: Path, log_dir: Path, ready_gat
     return ManagedProcess(name, argv, project_env({}), log_dir / f"{name}.log")
 
 
-def call(url: str, *, token: str, ca_file: Path, settings: dict[str, Any] | None = None, timeout: float = 10.0) -> dict[str, Any]:
+def call(
+    url: str, *, token: str, ca_file: Path, settings: dict[str, Any] | None = None, timeout: float = 10.0
+) -> dict[str, Any]:
     """GET (settings None) or POST the proxy's fault settings; returns its report. Raises OSError."""
     import urllib.error
     import urllib.request
@@ -315,8 +320,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cert", type=Path, required=True, help="the proxy's serving certificate (CA-signed)")
     parser.add_argument("--key", type=Path, required=True)
     parser.add_argument("--token-file", type=Path, required=True, help="the bearer token of the control endpoint")
-    parser.add_argument("--health-token-file", type=Path, default=None,
-                        help="a token that may GET /readyz: forward only while kube-apiserver is ready")
+    parser.add_argument(
+        "--health-token-file",
+        type=Path,
+        default=None,
+        help="a token that may GET /readyz: forward only while kube-apiserver is ready",
+    )
     parser.add_argument("--fault-rate", type=float, default=0.0)
     parser.add_argument("--latency-ms", type=int, default=0)
     args = parser.parse_args(argv)

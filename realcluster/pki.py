@@ -48,17 +48,47 @@ def make(directory: Path) -> Pki:
     if all(p.exists() for p in (pki.ca_cert, pki.server_cert, pki.sa_key, pki.sa_pub)):
         return pki
     ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
-    _openssl("req", "-x509", *ec, "-keyout", str(pki.ca_key), "-out", str(pki.ca_cert), "-days", "3650",
-             "-subj", "/CN=k8s-dispatch-test-ca",
-             "-addext", "basicConstraints=critical,CA:TRUE",
-             "-addext", "keyUsage=critical,digitalSignature,keyCertSign")
+    _openssl(
+        "req",
+        "-x509",
+        *ec,
+        "-keyout",
+        str(pki.ca_key),
+        "-out",
+        str(pki.ca_cert),
+        "-days",
+        "3650",
+        "-subj",
+        "/CN=k8s-dispatch-test-ca",
+        "-addext",
+        "basicConstraints=critical,CA:TRUE",
+        "-addext",
+        "keyUsage=critical,digitalSignature,keyCertSign",
+    )
     csr = d / "apiserver.csr"
     _openssl("req", *ec, "-keyout", str(pki.server_key), "-out", str(csr), "-subj", "/CN=kube-apiserver")
     ext = d / "apiserver.ext"
-    ext.write_text(f"subjectAltName={SERVER_NAMES}\nextendedKeyUsage=serverAuth\n"
-                   "keyUsage=critical,digitalSignature,keyEncipherment\n")
-    _openssl("x509", "-req", "-in", str(csr), "-CA", str(pki.ca_cert), "-CAkey", str(pki.ca_key),
-             "-CAcreateserial", "-out", str(pki.server_cert), "-days", "3650", "-extfile", str(ext))
+    ext.write_text(
+        f"subjectAltName={SERVER_NAMES}\nextendedKeyUsage=serverAuth\n"
+        "keyUsage=critical,digitalSignature,keyEncipherment\n"
+    )
+    _openssl(
+        "x509",
+        "-req",
+        "-in",
+        str(csr),
+        "-CA",
+        str(pki.ca_cert),
+        "-CAkey",
+        str(pki.ca_key),
+        "-CAcreateserial",
+        "-out",
+        str(pki.server_cert),
+        "-days",
+        "3650",
+        "-extfile",
+        str(ext),
+    )
     # ServiceAccount tokens are signed with RSA (RS256), which every client verifies.
     _openssl("genpkey", "-algorithm", "RSA", "-pkeyopt", "rsa_keygen_bits:2048", "-out", str(pki.sa_key))
     _openssl("pkey", "-in", str(pki.sa_key), "-pubout", "-out", str(pki.sa_pub))

@@ -13,12 +13,12 @@ import signal
 import threading
 from collections import Counter
 from collections.abc import Mapping
-from enum import Enum
+from enum import StrEnum
 
 ENV_VAR = "K8S_DISPATCH_CRASH_AT"
 
 
-class Point(str, Enum):
+class Point(StrEnum):
     AFTER_SCHEDULE_COMMIT = "after_schedule_commit"  # dispatch committed, create_job not enqueued
     BEFORE_JOB_CREATE = "before_job_create"  # create_job task started, Job not created
     AFTER_JOB_CREATE = "after_job_create"  # Job created, dispatch not marked created

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
-from sqlalchemy.exc import DBAPIError
 import redis
+from sqlalchemy.exc import DBAPIError
 
 from k8s_dispatch.engine import store
 from k8s_dispatch.engine.db import transaction
@@ -237,7 +237,9 @@ def _mark_created(rt: Runtime, made: list[tuple[DispatchRecord, CreateOutcome, s
     those that ended (were cancelled) meanwhile."""
     if not made:
         return
-    jobs = [store.CreatedJob(record.dispatch_id, name, namespace, record.attempts) for record, _, namespace, name in made]
+    jobs = [
+        store.CreatedJob(record.dispatch_id, name, namespace, record.attempts) for record, _, namespace, name in made
+    ]
     with transaction(rt.sessions) as session:
         marked = store.mark_created_many(session, jobs)
     for record, outcome, namespace, name in made:
@@ -249,7 +251,9 @@ def _mark_created(rt: Runtime, made: list[tuple[DispatchRecord, CreateOutcome, s
             statelog.dispatch_changed(record, DispatchState.CREATED, job=f"{namespace}/{name}", attempt=record.attempts)
 
 
-def _adopt_or_fail(rt: Runtime, record: DispatchRecord, error: UnknownCapability) -> tuple[CreateOutcome, tuple[str, str] | None]:
+def _adopt_or_fail(
+    rt: Runtime, record: DispatchRecord, error: UnknownCapability
+) -> tuple[CreateOutcome, tuple[str, str] | None]:
     """The capability is gone from the config: adopt the dispatch's Job if one was made where
     its row records, else fail the dispatch with `error`'s reason."""
     if record.job_namespace is None:
@@ -330,9 +334,7 @@ class Completed:
         return any(o in (CompleteOutcome.COMPLETED, CompleteOutcome.ALREADY_TERMINAL) for o in self.outcomes)
 
 
-def complete_jobs(
-    rt: Runtime, namespace: str, jobs: Sequence[Mapping[str, Any]], *, delete: bool = True
-) -> Completed:
+def complete_jobs(rt: Runtime, namespace: str, jobs: Sequence[Mapping[str, Any]], *, delete: bool = True) -> Completed:
     """Deliver finished Jobs of one namespace as a LIST (or a GET) read them: the one completion path.
 
     A LIST's snapshot is as good as a fresh read here: a finished Job's status is final
@@ -382,7 +384,7 @@ class _Batch:
         contexts = _contexts(rt, self.jobs)
         # What each Job needs, decided before any side effect: None = claim and complete it.
         decided: list[CompleteOutcome | None] = []
-        for job, context in zip(self.jobs, contexts):
+        for job, context in zip(self.jobs, contexts, strict=True):
             if context is None:
                 decided.append(CompleteOutcome.REFUSED)
             elif context.record.terminal:
@@ -391,14 +393,14 @@ class _Batch:
                 decided.append(CompleteOutcome.RUNNING)
             else:
                 decided.append(None)
-        wanted = [c.dispatch_id for c, d in zip(contexts, decided) if c is not None and d is None]
+        wanted = [c.dispatch_id for c, d in zip(contexts, decided, strict=True) if c is not None and d is None]
         claims = rt.guard.claim_many(wanted) if wanted else {}
         try:
             won = self._record(contexts, decided, claims)
             if won:
                 notify_engines(rt, sorted(won))
             self._rerun(contexts, decided)
-            for job, context, outcome in zip(self.jobs, contexts, decided):
+            for job, context, outcome in zip(self.jobs, contexts, decided, strict=True):
                 assert outcome is not None
                 if context is not None and outcome in (CompleteOutcome.COMPLETED, CompleteOutcome.ALREADY_TERMINAL):
                     # The Pods first: while the Job keeps our finalizer, the sweep frees what a
@@ -422,7 +424,7 @@ class _Batch:
         events: dict[int, store.TerminalEvent | None] = {}
         writing: set[str] = set()
         repeats: list[int] = []  # a Job listed twice in the batch: its first entry delivers it
-        for i, (job, context) in enumerate(zip(self.jobs, contexts)):
+        for i, (job, context) in enumerate(zip(self.jobs, contexts, strict=True)):
             if decided[i] is not None or context is None:
                 continue
             if context.dispatch_id in writing:
@@ -441,7 +443,9 @@ class _Batch:
                 continue
             event, payload = terminal_event(done)
             # A payload the store cannot keep fails its own dispatch here, never the batch.
-            events[i] = store.storable_terminal(store.TerminalEvent(context.dispatch_id, event, payload), reason=RESULT_NOT_JSON)
+            events[i] = store.storable_terminal(
+                store.TerminalEvent(context.dispatch_id, event, payload), reason=RESULT_NOT_JSON
+            )
             writing.add(context.dispatch_id)
         lost = {contexts[i].dispatch_id for i in self._lost}  # type: ignore[union-attr]
         for i in repeats:  # a repeat of a lost result is run again once, by its first entry
@@ -490,7 +494,9 @@ class _Batch:
                 continue
             except (Permanent, DBAPIError) as e:
                 why = _why(e)
-            log.warning("the terminal event of dispatch %s was refused (%s); failing it instead", event.dispatch_id, why)
+            log.warning(
+                "the terminal event of dispatch %s was refused (%s); failing it instead", event.dispatch_id, why
+            )
             failure = store.TerminalEvent(
                 event.dispatch_id, EventType.WORKER_FAILED,
                 {"reason": RESULT_NOT_JSON, "message": f"the database refused the result: {why}"},
@@ -499,7 +505,11 @@ class _Batch:
                 won |= self._write_alone(failure)
                 events[i] = failure
             except (Permanent, DBAPIError) as e:
-                log.warning("dispatch %s: its failure was refused too (%s); its job is not delivered", event.dispatch_id, _why(e))
+                log.warning(
+                    "dispatch %s: its failure was refused too (%s); its job is not delivered",
+                    event.dispatch_id,
+                    _why(e),
+                )
                 events[i] = None
                 self.rt.stats.incr(stats.JOBS_REFUSED)
         return won
@@ -523,12 +533,18 @@ class _Batch:
                 continue
             try:
                 decided[i] = rerun_lost(
-                    self.rt, record, snapshot=self.jobs[i], attempt=context.attempt, pods=self._pods.of(context.job_name)
+                    self.rt,
+                    record,
+                    snapshot=self.jobs[i],
+                    attempt=context.attempt,
+                    pods=self._pods.of(context.job_name),
                 )
             except Transient as e:
                 # Left as it is: the old Job, while it exists, comes back to poll; once gone, the
                 # sweep re-creates it as a lost Job (category 5).
-                log.warning("dispatch %s: running its lost result again stopped (%s); retried later", record.dispatch_id, e)
+                log.warning(
+                    "dispatch %s: running its lost result again stopped (%s); retried later", record.dispatch_id, e
+                )
                 decided[i] = CompleteOutcome.RERUN
 
 
@@ -608,7 +624,7 @@ def _contexts(rt: Runtime, jobs: Sequence[Mapping[str, Any]]) -> list[DeliveryCo
             refs.append(e)
     records = load_records(rt, [ref.dispatch_id for ref in refs if not isinstance(ref, LabelMismatch)])
     contexts: list[DeliveryContext | None] = []
-    for job, ref in zip(jobs, refs):
+    for job, ref in zip(jobs, refs, strict=True):
         try:
             if isinstance(ref, LabelMismatch):
                 raise ref
@@ -641,7 +657,12 @@ def _refuse(rt: Runtime, job: Mapping[str, Any], error: Permanent) -> None:
 
 
 def rerun_lost(
-    rt: Runtime, record: DispatchRecord, *, snapshot: Mapping[str, Any], attempt: int, pods: Iterable[Mapping[str, Any]] = ()
+    rt: Runtime,
+    record: DispatchRecord,
+    *,
+    snapshot: Mapping[str, Any],
+    attempt: int,
+    pods: Iterable[Mapping[str, Any]] = (),
 ) -> CompleteOutcome:
     """A Job (`snapshot`, of `attempt`) succeeded but no Pod holds its result any more (removed
     before our finalizer was on Pods, or stripped of it): run the work again as a lost Job is,
@@ -663,7 +684,9 @@ def rerun_lost(
     namespace, name = str(metadata.get("namespace", "")), str(metadata.get("name", ""))
     latest = attempt >= record.attempts
     if latest and out_of_attempts(attempt, rt.settings.max_job_attempts):
-        message = f"job {namespace}/{name} succeeded but its result was lost with its Pod, after {attempt + 1} attempt(s)"
+        message = (
+            f"job {namespace}/{name} succeeded but its result was lost with its Pod, after {attempt + 1} attempt(s)"
+        )
         log.warning("dispatch %s: %s", record.dispatch_id, message)
         won = fail_dispatch(rt, record.dispatch_id, reason=JOB_LOST_REASON, message=message)
         return CompleteOutcome.COMPLETED if won else CompleteOutcome.ALREADY_TERMINAL
@@ -748,7 +771,9 @@ def cancel_dispatch(rt: Runtime, dispatch_id: str, *, reason: str = CANCELLED_RE
         if row is None:
             raise UnknownDispatch(f"dispatch {dispatch_id} does not exist")
         record = DispatchRecord.from_row(row)
-        won = not recorded and store.record_terminal(session, dispatch_id, EventType.WORKER_CANCELLED, {"reason": reason})
+        won = not recorded and store.record_terminal(
+            session, dispatch_id, EventType.WORKER_CANCELLED, {"reason": reason}
+        )
     if won:
         statelog.dispatch_changed(record, DispatchState.CANCELLED, reason=reason)
     if won or (recorded and record.state is DispatchState.CANCELLED and not record.notified):

@@ -71,12 +71,14 @@ class Guard:
             GuardUnavailable: Redis cannot be reached (claims taken meanwhile expire by themselves).
         """
         wanted = list(dict.fromkeys(dispatch_ids))
-        claims = {d: Claim(dispatch_id=d, key=self.key(d), owner=f"{self._owner_base}:{uuid.uuid4().hex}") for d in wanted}
+        claims = {
+            d: Claim(dispatch_id=d, key=self.key(d), owner=f"{self._owner_base}:{uuid.uuid4().hex}") for d in wanted
+        }
         try:
             pipe = self._redis.pipeline(transaction=False)
             for c in claims.values():
                 pipe.set(c.key, c.owner, nx=True, px=self._lease_ms)
-            taken = dict(zip(wanted, pipe.execute()))
+            taken = dict(zip(wanted, pipe.execute(), strict=True))
             held_elsewhere = [d for d in wanted if not taken[d]]
             if held_elsewhere:
                 self._redis.incrby(self.duplicates_key, len(held_elsewhere))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterable, Mapping
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, start_http_server
@@ -133,14 +133,14 @@ class Metrics:
             self.recovery_actions.labels(category=category).inc(counts.acted)
             self.recovery_errors.labels(category=category).inc(counts.errors)
         self.sweeps.inc()
-        finished = report.finished_at or datetime.now(timezone.utc)
+        finished = report.finished_at or datetime.now(UTC)
         self.last_sweep.set(finished.timestamp())
 
     def poll_done(self, *, finished: int, lag_s: float) -> None:
         """Record a whole poll: the finished Jobs it saw and the oldest one's wait (`poll_lag_s`)."""
         self.finished_jobs_waiting.set(finished)
         self.poll_lag.set(lag_s)
-        self.last_poll.set(datetime.now(timezone.utc).timestamp())
+        self.last_poll.set(datetime.now(UTC).timestamp())
 
 
 # --- pure -------------------------------------------------------------------------------
@@ -174,7 +174,7 @@ def _timestamp(value: object) -> datetime | None:
         parsed = datetime.fromisoformat(value)
     except ValueError:
         return None
-    return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=timezone.utc)
+    return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=UTC)
 
 
 # --- the process's metrics and their endpoint --------------------------------------------

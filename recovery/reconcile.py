@@ -162,7 +162,9 @@ def _sweep_jobs(rt: Runtime, namespace: str, act: Executor, *, now: datetime, po
     lost = _LostJobs(rt, namespace, act, now=now, policy=policy)
     selector = job_labels.undelivered_selector(rt.settings.effective_deployment)
     try:
-        for page in _prefetched(rt.kube.iter_jobs(namespace, label_selector=selector, page_size=rt.settings.poll_page_size)):
+        for page in _prefetched(
+            rt.kube.iter_jobs(namespace, label_selector=selector, page_size=rt.settings.poll_page_size)
+        ):
             report.jobs_listed += len(page)
             views = _views_for_jobs(rt, page)
             act.all(plan_jobs(page, views, now=now, policy=policy))
@@ -196,7 +198,7 @@ def _adopt_unlabelled(rt: Runtime, namespace: str, act: Executor, *, now: dateti
             report.jobs_listed += len(page)
             actions = plan_jobs(page, _views_for_jobs(rt, page), now=now, policy=report_only)
             act.all([a for a in actions if isinstance(a, ReportOrphan)])
-            ours = [job for job, a in zip(page, actions) if not isinstance(a, ReportOrphan)]
+            ours = [job for job, a in zip(page, actions, strict=True) if not isinstance(a, ReportOrphan)]
             act.label_all(namespace, ours)
     except DispatchError as e:  # the LIST, or the page's dispatches: the next sweep tries again
         log.warning("sweep: going through unlabelled jobs in %s stopped: %s: %s", namespace, e.reason, e)
@@ -208,7 +210,10 @@ def _sweep_pods(rt: Runtime, namespace: str, act: Executor) -> None:
     finalizer, page by page (one LIST per page, each page's dispatches read with one query)."""
     try:
         pages = rt.kube.iter_pods(
-            namespace, label_selector=job_labels.selector(rt.settings.effective_deployment), field_selector=FINISHED_PODS, page_size=rt.settings.poll_page_size
+            namespace,
+            label_selector=job_labels.selector(rt.settings.effective_deployment),
+            field_selector=FINISHED_PODS,
+            page_size=rt.settings.poll_page_size,
         )
         for page in pages:
             act.all(plan_pods(page, _views_for_jobs(rt, page), releasing=act.releasing))
@@ -465,7 +470,7 @@ class Executor:
             for action in actions:
                 self._count(counts, action, lambda action=action: self._carry_out(action))
             return
-        for action, outcome in zip(actions, done.outcomes):
+        for action, outcome in zip(actions, done.outcomes, strict=True):
             acted = _Outcome.ACTED if outcome in _COMPLETE_ACTED else _Outcome.SKIPPED
             self._count(counts, action, lambda acted=acted: acted)
         if done.error is not None:  # the Jobs after the error were not tried: the next sweep does
@@ -524,7 +529,7 @@ class Executor:
             return list(actions)
         with self._lock:
             self.report.completions_deferred += sum(queued)
-        return [action for action, is_queued in zip(actions, queued) if not is_queued]
+        return [action for action, is_queued in zip(actions, queued, strict=True) if not is_queued]
 
     def one(self, action: Action) -> None:
         counts = self.report.categories[action.category]
@@ -608,7 +613,9 @@ class Executor:
             adopted = delivery.create_job_for(rt, action.dispatch_id)
             return _Outcome.ACTED if adopted is delivery.CreateOutcome.ADOPTED else _Outcome.SKIPPED
         if isinstance(action, CleanUpJob):
-            return self._clean_up(action, delivery.pods_by_job(rt, action.namespace, [action.job_name])[action.job_name])
+            return self._clean_up(
+                action, delivery.pods_by_job(rt, action.namespace, [action.job_name])[action.job_name]
+            )
         if isinstance(action, FreePod):
             freed = delivery.release_pods(rt, action.namespace, [action.pod])
             return _Outcome.ACTED if freed else _Outcome.SKIPPED
@@ -713,4 +720,3 @@ def _job_exists(rt: Runtime, namespace: str, name: str) -> bool:
     except NotFound:
         return False
     return True
-

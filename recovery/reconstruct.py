@@ -126,10 +126,14 @@ def context_from_job(
             )
     name, namespace = metadata.get("name"), metadata.get("namespace")
     if name != job_name(record.dispatch_id):
-        raise LabelMismatch(f"job {_where(metadata)} is not dispatch {record.dispatch_id}'s Job ({job_name(record.dispatch_id)})")
+        raise LabelMismatch(
+            f"job {_where(metadata)} is not dispatch {record.dispatch_id}'s Job ({job_name(record.dispatch_id)})"
+        )
     belongs_in = record.job_namespace or expected_namespace
     if belongs_in is not None and namespace != belongs_in:
-        raise LabelMismatch(f"job {_where(metadata)} is not in namespace {belongs_in!r}, where dispatch {record.dispatch_id}'s Job is")
+        raise LabelMismatch(
+            f"job {_where(metadata)} is not in namespace {belongs_in!r}, where dispatch {record.dispatch_id}'s Job is"
+        )
     return DeliveryContext(
         ref=ref,
         record=record,

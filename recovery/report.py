@@ -64,7 +64,7 @@ class SweepReport:
     def rows(self) -> list[tuple[str, Counts]]:
         """(row name, counts) in table order: the six categories, then re-notifications."""
         named = [(f"{c.value} {c.label}", counts) for c, counts in sorted(self.categories.items())]
-        return named + [(UNNOTIFIED_ROW, self.unnotified)]
+        return [*named, (UNNOTIFIED_ROW, self.unnotified)]
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -100,7 +100,8 @@ class SweepReport:
 
         def line(cells: tuple[str, ...]) -> str:
             return "  ".join(
-                cell.ljust(width) if i == 0 else cell.rjust(width) for i, (cell, width) in enumerate(zip(cells, widths))
+                cell.ljust(width) if i == 0 else cell.rjust(width)
+                for i, (cell, width) in enumerate(zip(cells, widths, strict=True))
             ).rstrip()
 
         lines = [line(header), *(line(row) for row in body)]

@@ -39,4 +39,4 @@ class Stats:
         """Every counter under the prefix."""
         keys = sorted(self._redis.scan_iter(match=self._prefix + "*", count=100))
         values = self._redis.mget(keys) if keys else []
-        return {k.decode()[len(self._prefix) :]: int(v or 0) for k, v in zip(keys, values)}
+        return {k.decode()[len(self._prefix) :]: int(v or 0) for k, v in zip(keys, values, strict=True)}

@@ -11,7 +11,7 @@ from collections.abc import Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from enum import IntEnum
-from typing import Any, ClassVar, Union
+from typing import Any, ClassVar
 
 from k8s_dispatch.engine.errors import LabelMismatch, TenancyMismatch, UnknownDispatch
 from k8s_dispatch.engine.ids import is_dispatch_id
@@ -202,7 +202,7 @@ class ReportOrphan:
     category: ClassVar[Category] = Category.ORPHAN
 
 
-Action = Union[CreateJob, CompleteJob, ReportRunning, CleanUpJob, FreePod, RecreateJob, FailJobLost, ReportOrphan]
+Action = CreateJob | CompleteJob | ReportRunning | CleanUpJob | FreePod | RecreateJob | FailJobLost | ReportOrphan
 
 
 # --- decisions -------------------------------------------------------------------------
@@ -308,7 +308,9 @@ def plan_pods(
         metadata = _metadata(pod)
         if FINALIZER not in (metadata.get("finalizers") or []):
             continue
-        owner = next((o for o in metadata.get("ownerReferences") or [] if o.get("controller") and o.get("kind") == "Job"), None)
+        owner = next(
+            (o for o in metadata.get("ownerReferences") or [] if o.get("controller") and o.get("kind") == "Job"), None
+        )
         if owner is not None and (metadata.get("namespace", ""), owner.get("name", "")) in releasing:
             continue
         dispatch = next((dispatches[i] for i in named_dispatch_ids(pod) if i in dispatches), None)

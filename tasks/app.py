@@ -121,7 +121,9 @@ def _stop_beat_between_ticks(sender: Any = None, **_: Any) -> None:
 
 
 @signals.task_revoked.connect
-def _count_discarded(sender: Any = None, request: Any = None, terminated: bool = False, expired: bool = False, **_: Any) -> None:
+def _count_discarded(
+    sender: Any = None, request: Any = None, terminated: bool = False, expired: bool = False, **_: Any
+) -> None:
     """A message this worker dropped unrun: logged as a warning and counted, never silent.
 
     Expired ones are the danger: an `expires` is an absolute time from the sender's clock that

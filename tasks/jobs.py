@@ -53,7 +53,7 @@ def schedule(
     case_id: str,
     tenancy_id: str,
     capability: str,
-    input: Any,  # noqa: A002 - the engine's word
+    input: Any,
     idempotency_key: str,
     dispatch_id: str | None = None,
 ) -> str:
@@ -77,7 +77,11 @@ def schedule(
         )
     if result.created:
         statelog.state_changed(
-            DispatchState.SCHEDULED, dispatch_id=result.dispatch_id, case_id=case_id, tenancy_id=tenancy_id, capability=capability
+            DispatchState.SCHEDULED,
+            dispatch_id=result.dispatch_id,
+            case_id=case_id,
+            tenancy_id=tenancy_id,
+            capability=capability,
         )
     crashpoint(Point.AFTER_SCHEDULE_COMMIT)
     if result.state is DispatchState.SCHEDULED:
@@ -121,7 +125,10 @@ def complete_batch(self: Task, namespace: str, jobs: list[dict[str, Any]]) -> di
         delivery.delete_delivered_later(rt, namespace)
     if done.error is not None:
         countdown = get_exponential_backoff_interval(
-            factor=RETRY["retry_backoff"], retries=self.request.retries, maximum=RETRY["retry_backoff_max"], full_jitter=True
+            factor=RETRY["retry_backoff"],
+            retries=self.request.retries,
+            maximum=RETRY["retry_backoff_max"],
+            full_jitter=True,
         )
         raise self.retry(args=(namespace, done.unavailable), exc=done.error, countdown=countdown)
     counts: dict[str, int] = {}
@@ -195,7 +202,7 @@ def _hand_off(
     to their queued message; with `renew`, the markers of those handed off before are renewed);
     the number of Jobs handed off."""
     marked = handoff.mark(client, prefix, namespace, jobs, ttl_s, renew=renew)
-    fresh = [delivery.job_snapshot(job) for job, is_new in zip(jobs, marked) if is_new]
+    fresh = [delivery.job_snapshot(job) for job, is_new in zip(jobs, marked, strict=True) if is_new]
     for batch in batches(fresh, workers=workers):
         complete_batch.delay(namespace, batch)
     return len(fresh)
@@ -214,7 +221,9 @@ def _queued(queue: str) -> int:
         return 0
 
 
-def batches(items: list[T], *, workers: int, least: int = HANDOFF_BATCH_MIN, most: int = HANDOFF_BATCH_MAX) -> list[list[T]]:
+def batches(
+    items: list[T], *, workers: int, least: int = HANDOFF_BATCH_MIN, most: int = HANDOFF_BATCH_MAX
+) -> list[list[T]]:
     """`items` in order, cut into as many batches as `workers` but none under `least` items
     (one batch if there are fewer), more only where a batch would pass `most`; their sizes as
     even as can be (pure)."""

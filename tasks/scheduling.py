@@ -81,7 +81,7 @@ def schedule_many_in_session(
     """
     results = store.schedule_many(session, requests, router=router, max_input_bytes=max_input_bytes, now=now)
     sender = via if via is not None else app
-    for request, result in zip(requests, results):
+    for request, result in zip(requests, results, strict=True):
         if result.created:
             statelog.on_commit(
                 session,
@@ -137,7 +137,7 @@ def send_schedule_until_recorded(
     case_id: str,
     tenancy_id: str,
     capability: str,
-    input: Any,  # noqa: A002 - the engine's word
+    input: Any,
     idempotency_key: str,
     dispatch_id: str | None = None,
     timeout_s: float = 120.0,
@@ -203,7 +203,9 @@ def _recorded(sessions: sessionmaker[Session], tenancy_id: str, idempotency_key:
         return None
 
 
-def _after_commit_send(session: Session, dispatch_ids: list[str], sender: Celery, *, task: str = names.CREATE_JOBS_TASK) -> None:
+def _after_commit_send(
+    session: Session, dispatch_ids: list[str], sender: Celery, *, task: str = names.CREATE_JOBS_TASK
+) -> None:
     # Remember the innermost SAVEPOINT the dispatches were written in: rolling that one back
     # takes them with it; releasing it hands them to the enclosing one.
     savepoint = session.get_nested_transaction()
@@ -235,9 +237,13 @@ def _on_commit(session: Session) -> None:
     pending = session.info.pop(_PENDING_KEY, [])
     for p in [p for p in pending if p.task == names.CANCEL_TASK]:
         try:
-            p.sender.send_task(names.CANCEL_TASK, args=[p.dispatch_id], kwargs={"recorded": True}, queue=names.JOBS_QUEUE)
+            p.sender.send_task(
+                names.CANCEL_TASK, args=[p.dispatch_id], kwargs={"recorded": True}, queue=names.JOBS_QUEUE
+            )
         except OperationalError as e:
-            log.warning("dispatch %s is cancelled but cancel was not sent (%s); the sweep will delete its Job", p.dispatch_id, e)
+            log.warning(
+                "dispatch %s is cancelled but cancel was not sent (%s); the sweep will delete its Job", p.dispatch_id, e
+            )
     for sender, ids in _by_sender([p for p in pending if p.task == names.CREATE_JOBS_TASK]):
         for start in range(0, len(ids), CREATE_BATCH):
             batch = ids[start : start + CREATE_BATCH]

@@ -70,9 +70,11 @@ class ClusterHandle:
                 doc["metadata"]["namespace"] = namespace
                 for subject in doc.get("subjects") or []:
                     subject["namespace"] = namespace
-                create = {"ServiceAccount": core.create_namespaced_service_account,
-                          "Role": rbac.create_namespaced_role,
-                          "RoleBinding": rbac.create_namespaced_role_binding}[doc["kind"]]
+                create = {
+                    "ServiceAccount": core.create_namespaced_service_account,
+                    "Role": rbac.create_namespaced_role,
+                    "RoleBinding": rbac.create_namespaced_role_binding,
+                }[doc["kind"]]
                 try:
                     create(namespace, doc)
                 except client.ApiException as e:
@@ -81,7 +83,8 @@ class ClusterHandle:
                 if doc["kind"] == "ServiceAccount":
                     account = doc["metadata"]["name"]
             token = core.create_namespaced_service_account_token(
-                account, namespace, {"spec": {"expirationSeconds": 3600}}).status.token
+                account, namespace, {"spec": {"expirationSeconds": 3600}}
+            ).status.token
         doc = yaml.safe_load(self.kubeconfig.read_text())
         for user in doc["users"]:
             user["user"] = {"token": token}
@@ -91,8 +94,16 @@ class ClusterHandle:
         path.chmod(0o600)
         return path
 
-    def raw(self, method: str, path: str, body: Any = None, *, content_type: str = "application/json",
-            token: str | None = None, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+    def raw(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        content_type: str = "application/json",
+        token: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> tuple[int, dict[str, str], bytes]:
         """One request as sent, answered as received: (status, headers lower-cased, body)."""
         url = urllib.parse.urlsplit(self.url)
         conn: http.client.HTTPConnection
@@ -134,5 +145,6 @@ def local_handle(cluster: Any) -> ClusterHandle:
 
 
 def real_handle(plane: Any) -> ClusterHandle:
-    return ClusterHandle(REAL, plane.kubeconfig, plane.url, plane.token, ca_file=plane.directory / "pki" / "ca.crt",
-                         backend=plane)
+    return ClusterHandle(
+        REAL, plane.kubeconfig, plane.url, plane.token, ca_file=plane.directory / "pki" / "ca.crt", backend=plane
+    )

@@ -15,10 +15,9 @@ from collections.abc import Callable, Iterator
 import psycopg
 import pytest
 import redis
+from clusters import LOCAL, REAL, ClusterHandle, local_handle, real_handle
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.orm import Session, sessionmaker
-
-from clusters import LOCAL, REAL, ClusterHandle, local_handle, real_handle
 
 from k8s_dispatch.engine import migrate
 from k8s_dispatch.engine.db import make_engine, make_sessionmaker

@@ -13,7 +13,7 @@ import enum
 import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from k8s_dispatch.engine.errors import InputNotSerialisable
@@ -124,7 +124,10 @@ def parse_result(message: str | None, *, exit_ok: bool) -> Result:
         output = json.loads(message, parse_constant=_refuse_constant)
         canonical_json(output, what="the result")
     except InputNotSerialisable as e:
-        return Result(reason=RESULT_NOT_JSON, detail=f"{e}: the store keeps only canonical JSON; the message begins {message[:200]!r}")
+        return Result(
+            reason=RESULT_NOT_JSON,
+            detail=f"{e}: the store keeps only canonical JSON; the message begins {message[:200]!r}",
+        )
     except (ValueError, RecursionError) as e:
         return Result(reason=RESULT_NOT_JSON, detail=f"{e}; the message begins {message[:200]!r}")
     return Result(output=output)
@@ -187,7 +190,7 @@ def pick_termination(
         )
     if not found:
         return None
-    epoch = datetime.min.replace(tzinfo=timezone.utc)
+    epoch = datetime.min.replace(tzinfo=UTC)
     return max(found, key=lambda t: (t.pod_succeeded or t.exit_ok, t.finished_at or epoch, t.pod_name))
 
 
@@ -291,4 +294,4 @@ def _timestamp(value: object) -> datetime | None:
             return None
     else:
         return None
-    return parsed if parsed.tzinfo else parsed.replace(tzinfo=timezone.utc)
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)

@@ -31,9 +31,9 @@ from kubernetes.client.exceptions import ApiException
 
 from k8s_dispatch.engine.errors import (
     AlreadyExists,
-    AuthorizationNotReady,
     ApiRejected,
     ApiUnavailable,
+    AuthorizationNotReady,
     ConfigError,
     Conflict,
     DispatchError,
@@ -122,7 +122,9 @@ class KubeClient:
 
     def create_job(self, namespace: str, body: JsonDict) -> JsonDict:
         """Create a Job. Raises AlreadyExists (409) when a Job of that name exists."""
-        return self._request(f"create job in {namespace}", "POST", JOBS_PATH, body, schema=k8s.V1Job, namespace=namespace)
+        return self._request(
+            f"create job in {namespace}", "POST", JOBS_PATH, body, schema=k8s.V1Job, namespace=namespace
+        )
 
     def get_job(self, namespace: str, name: str) -> JsonDict:
         """Read one Job. Raises NotFound."""
@@ -143,7 +145,9 @@ class KubeClient:
                 again from the start.
         """
         try:
-            return self._list_jobs_raw(namespace, label_selector=label_selector, limit=limit, continue_token=continue_token)
+            return self._list_jobs_raw(
+                namespace, label_selector=label_selector, limit=limit, continue_token=continue_token
+            )
         except _Expired as e:
             raise ApiUnavailable(f"list jobs in {namespace}: continue token expired", reason="Expired") from e
 
@@ -163,7 +167,9 @@ class KubeClient:
         token: str | None = None
         while True:
             try:
-                page = self._list_jobs_raw(namespace, label_selector=label_selector, limit=page_size, continue_token=token)
+                page = self._list_jobs_raw(
+                    namespace, label_selector=label_selector, limit=page_size, continue_token=token
+                )
             except _Expired as e:
                 restarts += 1
                 if restarts > LIST_RESTARTS:
@@ -218,7 +224,13 @@ class KubeClient:
                 return False
             try:
                 self._request(
-                    what, "PATCH", JOB_PATH, patch, content_type="application/json-patch+json", namespace=namespace, name=name
+                    what,
+                    "PATCH",
+                    JOB_PATH,
+                    patch,
+                    content_type="application/json-patch+json",
+                    namespace=namespace,
+                    name=name,
                 )
                 return True
             except NotFound:
@@ -240,7 +252,15 @@ class KubeClient:
             return False
         what = f"label job {namespace}/{name} ({label[0]}={label[1]})"
         try:
-            self._request(what, "PATCH", JOB_PATH, patch, content_type="application/json-patch+json", namespace=namespace, name=name)
+            self._request(
+                what,
+                "PATCH",
+                JOB_PATH,
+                patch,
+                content_type="application/json-patch+json",
+                namespace=namespace,
+                name=name,
+            )
         except (NotFound, Conflict):
             return False
         except ApiRejected as e:
@@ -332,7 +352,13 @@ class KubeClient:
         what = f"release pod {namespace}/{name} (finalizer {finalizer})"
         try:
             self._request(
-                what, "PATCH", POD_PATH, patch, content_type="application/json-patch+json", namespace=namespace, name=name
+                what,
+                "PATCH",
+                POD_PATH,
+                patch,
+                content_type="application/json-patch+json",
+                namespace=namespace,
+                name=name,
             )
         except NotFound:
             return False
@@ -364,7 +390,9 @@ class KubeClient:
                 raise _Expired(what) from e
             raise _mapped(e, what) from e
 
-    def _call(self, what: str, method: Callable[..., Any], *args: Any, _raw_errors: bool = False, **kwargs: Any) -> JsonDict:
+    def _call(
+        self, what: str, method: Callable[..., Any], *args: Any, _raw_errors: bool = False, **kwargs: Any
+    ) -> JsonDict:
         """Call one API method raw and decode its JSON body, mapping every failure."""
         try:
             response = method(*args, _preload_content=False, _request_timeout=self._timeout, **kwargs)
@@ -412,7 +440,9 @@ class KubeClient:
         as `_call`'s do, an error answer through the same `ApiException`.
         """
         configuration = self._configuration
-        path = path.format_map({k: quote(v, safe=configuration.safe_chars_for_path_param) for k, v in path_params.items()})
+        path = path.format_map(
+            {k: quote(v, safe=configuration.safe_chars_for_path_param) for k, v in path_params.items()}
+        )
         headers = {**self._api_client.default_headers, "Accept": "application/json", "Content-Type": content_type}
         auth = self._auth_header()
         if auth is not None:
@@ -439,7 +469,9 @@ class KubeClient:
         except (urllib3.exceptions.HTTPError, OSError) as e:  # refused, reset, timed out, TLS
             raise ApiUnavailable(f"{what}: {type(e).__name__}: {e}") from e
         if not 200 <= response.status <= 299:
-            error = ApiException(status=response.status, reason=response.reason, body=response.data.decode("utf-8", "replace"))
+            error = ApiException(
+                status=response.status, reason=response.reason, body=response.data.decode("utf-8", "replace")
+            )
             raise _mapped(error, what) from error
         return _decoded(response.data, what)
 
@@ -458,7 +490,9 @@ def _load_configuration(kubeconfig: Path | str | None) -> k8s.Configuration:
     configuration = k8s.Configuration()
     try:
         if kubeconfig is not None:
-            k8s_config.load_kube_config(config_file=str(kubeconfig), client_configuration=configuration, persist_config=False)
+            k8s_config.load_kube_config(
+                config_file=str(kubeconfig), client_configuration=configuration, persist_config=False
+            )
             return configuration
         try:
             k8s_config.load_incluster_config(client_configuration=configuration)

@@ -87,7 +87,7 @@ def job_name(dispatch_id: DispatchId | str) -> str:
 def build_job(
     ref: DispatchRef,
     *,
-    input: object,  # noqa: A002 - the name the callers use
+    input: object,
     spec: CapabilitySpec,
     namespace: str,
     deployment: str,

@@ -83,7 +83,9 @@ _JSON_SUFFIXES = (".json",)
 class CapabilityResolver:
     """The validated capability table. Build it with `from_file`, `from_mapping` or `demo_resolver`."""
 
-    def __init__(self, specs: Mapping[str, CapabilitySpec], *, source: str, default_namespace: str | None = None) -> None:
+    def __init__(
+        self, specs: Mapping[str, CapabilitySpec], *, source: str, default_namespace: str | None = None
+    ) -> None:
         """Prefer the `from_*` constructors; this one checks the specs but not the raw config.
 
         `default_namespace` is where a capability that names none runs (the settings'
@@ -343,7 +345,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 
 def _load_yaml(text: str) -> object:
-    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    return yaml.load(text, Loader=_UniqueKeyLoader)
 
 
 # --- the demo capabilities -------------------------------------------------------------

@@ -94,7 +94,7 @@ def run(target: str, environ: Mapping[str, str]) -> int:
         return e.exit_code
     try:
         result = function(value)
-    except Exception:  # noqa: BLE001 - whatever the function raises ends the container as failed
+    except Exception:
         traceback.print_exc()
         print(f"k8s_dispatch.workers.runner: {target} raised; no result written", file=sys.stderr)
         return EXIT_FAILED

@@ -58,11 +58,7 @@ def new_dispatch_id() -> DispatchId:
 
 def is_capability_name(value: object) -> bool:
     """The stricter rule for capability names declared in config (see `_CAPABILITY_NAME`)."""
-    return (
-        isinstance(value, str)
-        and len(value) <= CAPABILITY_NAME_MAX
-        and bool(_CAPABILITY_NAME.match(value))
-    )
+    return isinstance(value, str) and len(value) <= CAPABILITY_NAME_MAX and bool(_CAPABILITY_NAME.match(value))
 
 
 def is_worker_name(value: object) -> bool:

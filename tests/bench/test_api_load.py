@@ -47,7 +47,10 @@ def test_requests_per_job_and_per_second_are_counted_for_both_patterns(result: B
             # at least the create of each finished Job's successor, and far fewer than a GET a second
             assert 1 <= figure(result, f"requests_per_job_{variant}_{n}") <= 20, counted
             assert figure(result, f"requests_per_s_{variant}_{n}") > 0
-        ours, baseline = result.params[f"ours_{n}"]["requests_by_verb"], result.params[f"baseline_{n}"]["requests_by_verb"]
+        ours, baseline = (
+            result.params[f"ours_{n}"]["requests_by_verb"],
+            result.params[f"baseline_{n}"]["requests_by_verb"],
+        )
         assert any(key.startswith("LIST jobs ") for key in ours), ours  # poll: one LIST per page
         assert any(key.startswith("POST jobs 201") for key in ours), ours
         assert any(key.startswith("GET jobs ") for key in baseline), baseline  # a GET per Job
@@ -86,7 +89,9 @@ def test_the_real_control_plane_splits_every_request_by_who_sent_it(result: Benc
         p50 = figure(result, f"completion_latency_p50_s_real_{n}")
         p99 = figure(result, f"completion_latency_p99_s_real_{n}")
         assert 0 < p50 <= p99 < 10 * api_load.POLL_INTERVAL_S, (p50, p99)
-        assert {"kube-apiserver", "etcd", "kube-controller-manager", "node", "worker"} <= set(counted["cpu_percent_of_a_core"])
+        assert {"kube-apiserver", "etcd", "kube-controller-manager", "node", "worker"} <= set(
+            counted["cpu_percent_of_a_core"]
+        )
 
 
 def _audit_line(at: str, *, user: str, verb: str, resource: str = "", sub: str = "", code: int = 200,
@@ -134,8 +139,15 @@ def test_audited_counts_the_requests_answered_between_the_two_scrapes_by_sender(
         # the Job controller behind, then the node agent behind: whichever is further back counts
         ({api_load.CREATED: 10, ("POST", "pods", "", 201): 4, ("POST", "pods", "binding", 201): 4}, 6),
         ({api_load.CREATED: 10, ("POST", "pods", "", 201): 9, ("POST", "pods", "binding", 201): 7}, 3),
-        ({api_load.CREATED: 3, ("POST", "pods", "", 201): 3, ("POST", "pods", "binding", 201): 3,
-          ("POST", "jobs", "", 409): 5}, 0),  # a refused create makes no Job
+        (
+            {
+                api_load.CREATED: 3,
+                ("POST", "pods", "", 201): 3,
+                ("POST", "pods", "binding", 201): 3,
+                ("POST", "jobs", "", 409): 5,
+            },
+            0,
+        ),  # a refused create makes no Job
     ],
 )
 def test_pods_behind_counts_the_jobs_without_a_bound_pod(counts: dict[api_load.Key, int], behind: int) -> None:

@@ -48,11 +48,15 @@ def test_smoke_bench_writes_every_figure_as_a_positive_number(tmp_path: Path, re
     code = main(
         [
             "--smoke",
-            "--results", str(results),
-            "--json-out", str(json_out),
-            "--pg-admin-url", PG_ADMIN_URL,
-            "--redis-url", redis_url,
-        ]  # fmt: skip
+            "--results",
+            str(results),
+            "--json-out",
+            str(json_out),
+            "--pg-admin-url",
+            PG_ADMIN_URL,
+            "--redis-url",
+            redis_url,
+        ]
     )
 
     assert code == 0

@@ -59,14 +59,26 @@ def test_a_clean_run_passes_and_counts_its_outcomes():
         ({"events": {"a": [completed({"simulated": True, "input": {"n": 2}})], "b": [FAIL_EVENT]}}, "wrong_output", 1),
         ({"events": {"a": [GOOD_EVENT], "b": [failed("BackoffLimitExceeded")]}}, "wrong_output", 1),
         ({"events": {"a": [failed("JobLost")], "b": [FAIL_EVENT]}}, "wrong_output", 1),
-        ({"events": {"a": [GOOD_EVENT], "b": [TerminalEvent("WORKER_CANCELLED", {"reason": "Cancelled"})]}}, "wrong_output", 1),
+        (
+            {"events": {"a": [GOOD_EVENT], "b": [TerminalEvent("WORKER_CANCELLED", {"reason": "Cancelled"})]}},
+            "wrong_output",
+            1,
+        ),
         ({"rows": {"a": RowSnapshot("COMPLETED", output=None), "b": FAIL_ROW}}, "wrong_output", 1),
         ({"rows": {"a": RowSnapshot("FAILED", output=DONE.output), "b": FAIL_ROW}}, "wrong_output", 1),
-        ({"jobs": [{"metadata": {"name": "kd-1", "namespace": "chaos", "labels": {MANAGED_BY_LABEL: MANAGED_BY}}}]}, "leftover_jobs", 1),
+        (
+            {"jobs": [{"metadata": {"name": "kd-1", "namespace": "chaos", "labels": {MANAGED_BY_LABEL: MANAGED_BY}}}]},
+            "leftover_jobs",
+            1,
+        ),
         ({"jobs": [{"metadata": {"name": "x", "namespace": "chaos", "finalizers": [FINALIZER]}}]}, "leftover_jobs", 1),
         ({"claims": [("p:claim:a", 1200)]}, "held_claims", 1),
         ({"claims": [("p:claim:a", -1), ("p:claim:b", 10)]}, "held_claims", 2),
-        ({"rows": {"a": GOOD_ROW, "b": RowSnapshot("FAILED", reason="DeadlineExceeded", notified=False)}}, "unnotified", 1),
+        (
+            {"rows": {"a": GOOD_ROW, "b": RowSnapshot("FAILED", reason="DeadlineExceeded", notified=False)}},
+            "unnotified",
+            1,
+        ),
     ],
 )
 def test_each_kind_of_damage_fails_the_run_and_is_counted_once(damage, field, count):
@@ -137,13 +149,24 @@ def test_the_capability_file_is_valid_and_names_every_kind(mode):
 @pytest.mark.parametrize(
     "kind, mode, want",
     [
-        (Kind.QUICK, "simulate", Expected(EventType.WORKER_COMPLETED, output={"simulated": True, "input": {"n": 1, "seconds": 1.5}})),
-        (Kind.SLOW, "simulate", Expected(EventType.WORKER_COMPLETED, output={"simulated": True, "input": {"n": 1, "seconds": 1.5}})),
+        (
+            Kind.QUICK,
+            "simulate",
+            Expected(EventType.WORKER_COMPLETED, output={"simulated": True, "input": {"n": 1, "seconds": 1.5}}),
+        ),
+        (
+            Kind.SLOW,
+            "simulate",
+            Expected(EventType.WORKER_COMPLETED, output={"simulated": True, "input": {"n": 1, "seconds": 1.5}}),
+        ),
         (Kind.QUICK, "exec", Expected(EventType.WORKER_COMPLETED, output={"n": 1, "seconds": 1.5})),
         (Kind.SLOW, "exec", Expected(EventType.WORKER_COMPLETED, output={"slept": 1.5})),
         (Kind.FAIL, "simulate", Expected(EventType.WORKER_FAILED, reason="BackoffLimitExceeded")),
-        (Kind.TIMEOUT, "exec", Expected(EventType.WORKER_FAILED, reason="DeadlineExceeded",
-                                        also=frozenset({"BackoffLimitExceeded"}))),
+        (
+            Kind.TIMEOUT,
+            "exec",
+            Expected(EventType.WORKER_FAILED, reason="DeadlineExceeded", also=frozenset({"BackoffLimitExceeded"})),
+        ),
     ],
 )
 def test_the_expected_end_follows_from_kind_input_and_mode(kind, mode, want):

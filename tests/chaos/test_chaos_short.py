@@ -64,7 +64,9 @@ def processes_mentioning(text: str, *, besides: int | None = None) -> list[str]:
         try:
             cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
             environ = (entry / "environ").read_bytes().decode(errors="replace")
-            state = next((line for line in (entry / "status").read_text().splitlines() if line.startswith("State:")), "")
+            state = next(
+                (line for line in (entry / "status").read_text().splitlines() if line.startswith("State:")), ""
+            )
         except OSError:
             continue
         if (text in cmdline or text in environ) and "zombie" not in state:
@@ -95,7 +97,12 @@ def test_a_short_chaos_run_loses_nothing_doubles_nothing_and_leaves_nothing(redi
     assert match, f"the last line is not the chaos line:\n{output}"
     numbers = {k: float(v) if k == "converged_s" else int(v) for k, v in match.groupdict().items()}
     assert numbers["dispatched"] == 330 and numbers["terminal"] == 330, output  # 300, and 30 of the second deployment
-    assert (numbers["lost"], numbers["duplicates"], numbers["wrong_output"], numbers["leftover_jobs"]) == (0, 0, 0, 0), output
+    assert (numbers["lost"], numbers["duplicates"], numbers["wrong_output"], numbers["leftover_jobs"]) == (
+        0,
+        0,
+        0,
+        0,
+    ), output
     assert numbers["second_jobs"] == 0, output
     assert numbers["kills"] == 8 and numbers["broker_flushes"] == 1 and numbers["seed"] == 11, output
     assert numbers["api_faults"] > 0, "the API server injected no error at all"
@@ -135,7 +142,9 @@ def test_an_interrupted_run_still_removes_its_processes_database_and_keys(redis_
             "--work-dir", str(work_dir)]  # fmt: skip
     stderr_path = tmp_path / "stderr.txt"
     with stderr_path.open("w") as stderr:
-        proc = subprocess.Popen(CLI + args, cwd=REPO, env=chaos_env(redis_url), stdout=subprocess.DEVNULL, stderr=stderr)
+        proc = subprocess.Popen(
+            CLI + args, cwd=REPO, env=chaos_env(redis_url), stdout=subprocess.DEVNULL, stderr=stderr
+        )
         try:
             deadline = time.monotonic() + 180
             while "fed " not in stderr_path.read_text():  # set up, and feeding

@@ -10,9 +10,8 @@ from collections.abc import Iterator
 
 import pytest
 import yaml
-from kubernetes.client import ApiClient
-
 from deploy_files import COMPOSE_FILE, DEPLOY, Doc, interpolate, load_docs
+from kubernetes.client import ApiClient
 
 
 @pytest.fixture(scope="session")

@@ -58,7 +58,6 @@ def load_docs(path: Path) -> list[Doc]:
         return [doc for doc in yaml.safe_load_all(f) if doc is not None]
 
 
-
 def role_permissions(path: Path = DEPLOY / "rbac.yaml") -> set[tuple[str, str, str]]:
     """(API group, resource, verb) for everything the Role in `path` grants ("" = core group)."""
     (role,) = [doc for doc in load_docs(path) if doc["kind"] == "Role"]

@@ -16,17 +16,26 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from deploy_files import DEPLOY
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from deploy_files import DEPLOY
 from k8s_dispatch.workers.job_status import parse_result
 from k8s_dispatch.workers.manifest import INPUT_ENV, build_job, encode_input
 from k8s_dispatch.workers.resolver import CapabilityResolver
-from k8s_dispatch.workers.types import CapabilityName, CaseId, DispatchId, DispatchRef, IdempotencyKey, TenancyId, WorkerName
+from k8s_dispatch.workers.types import (
+    CapabilityName,
+    CaseId,
+    DispatchId,
+    DispatchRef,
+    IdempotencyKey,
+    TenancyId,
+    WorkerName,
+)
 
 # The images' interpreters, played by this machine's.
 LOCAL = {"sh": shutil.which("sh"), "python": sys.executable}
+
 
 @functools.cache
 def _resolver() -> CapabilityResolver:
@@ -38,7 +47,7 @@ ODD_INPUTS = [
     {"text": "hello"},
     [],
     "plain string",
-    {"price": "$5 and $(HOME) and ${PATH}", "pct": "100%s %d", "quote": "it's \"quoted\"\\n"},
+    {"price": "$5 and $(HOME) and ${PATH}", "pct": "100%s %d", "quote": 'it\'s "quoted"\\n'},
     {"unicode": "zürich · 東京 · 🚀", "nested": {"a": [1, 2.5, None, True]}},
 ]
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 import yaml
-
 from deploy_files import COMPOSE_FILE, REPO, Doc, interpolate, interpolated_names, settings_env_names
+
 from k8s_dispatch.engine.settings import ENV_PREFIX, load_settings
 
 APP_SERVICES = ("migrate", "worker", "beat", "flower")
@@ -77,7 +77,9 @@ def test_celery_app_is_found_where_the_commands_look(tmp_path: Path) -> None:
     # `celery -A tasks` resolves the app with Celery's own finder. Run it in a fresh process
     # outside the tree, as in the image: in this one, tests/tasks/ can shadow the package.
     probe = "from celery.app.utils import find_app; app = find_app('k8s_dispatch.tasks'); print(type(app).__name__, app.main)"
-    done = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=60, check=False
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["Celery", "k8s-dispatch"]
 
@@ -173,7 +175,9 @@ def test_configuration_is_valid_settings(compose: Doc, service: str) -> None:
 def test_database_url_matches_the_postgres_service(compose: Doc) -> None:
     pg = compose["services"]["postgres"]["environment"]
     url = _environment(compose["services"]["worker"])[ENV_PREFIX + "DATABASE_URL"]
-    assert url == f"postgresql+psycopg://{pg['POSTGRES_USER']}:{pg['POSTGRES_PASSWORD']}@postgres:5432/{pg['POSTGRES_DB']}"
+    assert (
+        url == f"postgresql+psycopg://{pg['POSTGRES_USER']}:{pg['POSTGRES_PASSWORD']}@postgres:5432/{pg['POSTGRES_DB']}"
+    )
 
 
 def test_worker_mounts_a_kubeconfig_for_a_real_cluster(compose: Doc) -> None:

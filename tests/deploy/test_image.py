@@ -9,7 +9,6 @@ import re
 import shlex
 
 import pytest
-
 from deploy_files import DEPLOY, DOCKERFILE, DOCKERIGNORE, load_docs
 
 Instruction = tuple[str, str]  # (INSTRUCTION, arguments)
@@ -125,7 +124,9 @@ def test_local_state_and_secrets_stay_out_of_the_context(ignore_patterns: list[s
     assert _ignored(path, ignore_patterns)
 
 
-@pytest.mark.parametrize("path", ["pyproject.toml", "README.md", "celeryconfig.py", "tasks", "engine", "workers", "bench"])
+@pytest.mark.parametrize(
+    "path", ["pyproject.toml", "README.md", "celeryconfig.py", "tasks", "engine", "workers", "bench"]
+)
 def test_what_pip_install_needs_is_in_the_context(ignore_patterns: list[str], path: str) -> None:
     # pyproject names README.md as the readme and installs these packages and modules.
     assert not _ignored(path, ignore_patterns)

@@ -17,9 +17,9 @@ from urllib.parse import urlsplit
 
 import pytest
 import redis
+from deploy_files import DEPLOY, REPO, Doc, role_permissions, settings_env_names
 from kubernetes.client import ApiClient
 
-from deploy_files import DEPLOY, REPO, Doc, load_docs, role_permissions, settings_env_names
 from k8s_dispatch.engine.settings import ENV_PREFIX, Settings, load_settings
 from k8s_dispatch.workers import kube
 
@@ -268,7 +268,9 @@ def test_pdb_covers_the_workers_only(objects: dict[tuple[str, str], Doc]) -> Non
     assert pdb["selector"]["matchLabels"] == objects[("Deployment", WORKER)]["spec"]["selector"]["matchLabels"]
     for (kind, name), doc in objects.items():
         if kind in ("Deployment", "Job"):
-            assert _selects(pdb["selector"]["matchLabels"], doc["spec"]["template"]["metadata"]["labels"]) == (name == WORKER)
+            assert _selects(pdb["selector"]["matchLabels"], doc["spec"]["template"]["metadata"]["labels"]) == (
+                name == WORKER
+            )
     assert pdb["maxUnavailable"] == 1
 
 
@@ -291,7 +293,12 @@ def test_container_commands(objects: dict[tuple[str, str], Doc], kind: str, name
 
 
 def test_commands_match_compose(objects: dict[tuple[str, str], Doc], compose: Doc) -> None:
-    pairs = {"worker": ("Deployment", WORKER), "beat": ("Deployment", BEAT), "flower": ("Deployment", FLOWER), "migrate": ("Job", MIGRATE)}
+    pairs = {
+        "worker": ("Deployment", WORKER),
+        "beat": ("Deployment", BEAT),
+        "flower": ("Deployment", FLOWER),
+        "migrate": ("Job", MIGRATE),
+    }
     for service, (kind, name) in pairs.items():
         assert compose["services"][service]["command"] == _container(objects, kind, name)["command"], service
 
@@ -408,7 +415,9 @@ def test_capabilities_setting_points_into_the_generated_configmap(
             assert mount["readOnly"] is True
 
 
-@pytest.mark.parametrize(("kind", "name"), [("Deployment", WORKER), ("Deployment", BEAT), ("Deployment", FLOWER), ("Job", MIGRATE)])
+@pytest.mark.parametrize(
+    ("kind", "name"), [("Deployment", WORKER), ("Deployment", BEAT), ("Deployment", FLOWER), ("Job", MIGRATE)]
+)
 def test_environment_builds_valid_settings(objects: dict[tuple[str, str], Doc], kind: str, name: str) -> None:
     doc = objects[(kind, name)]
     env = _resolved_env(doc, _container(objects, kind, name), objects)
@@ -441,9 +450,22 @@ def test_role_grants_exactly_the_calls_the_code_makes() -> None:
 
 
 _API_GROUPS = {"BatchV1Api": "batch", "CoreV1Api": ""}
-_VERBS = {"create": "create", "read": "get", "list": "list", "patch": "patch", "delete": "delete",
-          "delete_collection": "deletecollection", "replace": "update"}
-_RESOURCES = {"job": "jobs", "job_status": "jobs/status", "pod": "pods", "pod_log": "pods/log", "pod_status": "pods/status"}
+_VERBS = {
+    "create": "create",
+    "read": "get",
+    "list": "list",
+    "patch": "patch",
+    "delete": "delete",
+    "delete_collection": "deletecollection",
+    "replace": "update",
+}
+_RESOURCES = {
+    "job": "jobs",
+    "job_status": "jobs/status",
+    "pod": "pods",
+    "pod_log": "pods/log",
+    "pod_status": "pods/status",
+}
 
 
 def _api_calls_in_kube_module() -> set[tuple[str, str, str]]:
@@ -452,13 +474,24 @@ def _api_calls_in_kube_module() -> set[tuple[str, str, str]]:
     tree = ast.parse((REPO / "workers" / "kube.py").read_text(encoding="utf-8"))
     group_of_attr: dict[str, str] = {}
     for node in ast.walk(tree):  # self._batch = k8s.BatchV1Api(...)
-        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) and isinstance(node.value.func, ast.Attribute):
-            if node.value.func.attr in _API_GROUPS and isinstance(node.targets[0], ast.Attribute):
-                group_of_attr[node.targets[0].attr] = _API_GROUPS[node.value.func.attr]
+        if (
+            (
+                isinstance(node, ast.Assign)
+                and isinstance(node.value, ast.Call)
+                and isinstance(node.value.func, ast.Attribute)
+            )
+            and node.value.func.attr in _API_GROUPS
+            and isinstance(node.targets[0], ast.Attribute)
+        ):
+            group_of_attr[node.targets[0].attr] = _API_GROUPS[node.value.func.attr]
     assert set(group_of_attr.values()) == {"batch", ""}
     calls = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) and node.value.attr in group_of_attr:
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Attribute)
+            and node.value.attr in group_of_attr
+        ):
             verb, _, resource = node.attr.partition("_namespaced_")
             calls.add((group_of_attr[node.value.attr], _RESOURCES[resource], _VERBS[verb]))
         # self._request(what, "POST", JOBS_PATH, ...): the lean path, by HTTP method and URL template
@@ -507,7 +540,11 @@ def test_only_the_workers_hold_an_api_token(objects: dict[tuple[str, str], Doc])
 
 def test_keda_scales_the_worker_deployment(objects: dict[tuple[str, str], Doc]) -> None:
     ref = objects[("ScaledObject", WORKER)]["spec"]["scaleTargetRef"]
-    assert (ref.get("apiVersion", "apps/v1"), ref.get("kind", "Deployment"), ref["name"]) == ("apps/v1", "Deployment", WORKER)
+    assert (ref.get("apiVersion", "apps/v1"), ref.get("kind", "Deployment"), ref["name"]) == (
+        "apps/v1",
+        "Deployment",
+        WORKER,
+    )
     assert ("Deployment", ref["name"]) in objects
 
 
@@ -528,7 +565,13 @@ def _run_as_worker(objects: dict[tuple[str, str], Doc], tmp_path: Path, **overri
     env |= overrides
     env |= {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX) and k not in env}
     done = subprocess.run(
-        [sys.executable, "-c", _SEND_CREATE_JOB], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60, check=False
+        [sys.executable, "-c", _SEND_CREATE_JOB],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )
     assert done.returncode == 0, done.stderr
     return done.stdout.strip()

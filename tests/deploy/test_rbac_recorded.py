@@ -25,10 +25,10 @@ from k8s_dispatch.engine.db import transaction
 from k8s_dispatch.engine.errors import ApiRejected
 from k8s_dispatch.engine.settings import load_settings
 from k8s_dispatch.localcluster import LocalCluster
+from k8s_dispatch.ops.processes import wait_until
 from k8s_dispatch.recovery import delivery
 from k8s_dispatch.recovery.reconcile import run_sweep
 from k8s_dispatch.recovery.runtime import Runtime
-from k8s_dispatch.ops.processes import wait_until
 from k8s_dispatch.workers import labels as job_labels
 from k8s_dispatch.workers.job_status import job_state
 from k8s_dispatch.workers.resolver import CapabilityResolver
@@ -50,7 +50,9 @@ def recorded() -> Iterator[LocalCluster]:
         yield cluster
 
 
-def _runtime(database_url: str, redis_url: str, prefix: str, kubeconfig: Path, *, namespace: str = "default") -> Runtime:
+def _runtime(
+    database_url: str, redis_url: str, prefix: str, kubeconfig: Path, *, namespace: str = "default"
+) -> Runtime:
     settings = load_settings(
         {
             "K8S_DISPATCH_DATABASE_URL": _migrated(database_url),
@@ -121,7 +123,7 @@ def walk_the_delivery_path(rt: Runtime, *, timeout_s: float = 15) -> None:
     })  # fmt: skip
     report = run_sweep(rt)
     assert not report.errors, report.to_dict()
-    wait_until(lambda: not list(rt.kube.iter_jobs(namespace, label_selector=job_labels.selector(), page_size=50))[0],
+    wait_until(lambda: not next(iter(rt.kube.iter_jobs(namespace, label_selector=job_labels.selector(), page_size=50))),
                timeout=timeout_s, what="every Job gone (the orphan deleted by policy)")  # fmt: skip
 
 

@@ -94,7 +94,9 @@ def count_rows() -> Callable[[sessionmaker[Session]], dict[str, int]]:
     return row_counts
 
 
-def run_concurrently(threads: int, rounds: int, work: Callable[[int, int], T], *, timeout: float = 120) -> list[list[T]]:
+def run_concurrently(
+    threads: int, rounds: int, work: Callable[[int, int], T], *, timeout: float = 120
+) -> list[list[T]]:
     """Run `work(round, thread)` on `threads` threads, released together by a barrier each
     round; returns results[round][thread]. Any error in a thread fails the caller."""
     barrier = threading.Barrier(threads, timeout=timeout)

@@ -4,7 +4,7 @@ connections turned into `DatabaseUnavailable` (against real PostgreSQL and SQLit
 from __future__ import annotations
 
 import uuid
-from datetime import timedelta, timezone
+from datetime import UTC, timedelta
 
 import psycopg
 import pytest
@@ -34,15 +34,22 @@ def test_postgres_urls_use_psycopg_3(given: str, driver: str) -> None:
 
 def test_sqlite_connections_have_foreign_keys_wal_and_a_busy_timeout(sqlite_url, engine_factory) -> None:
     with engine_factory(sqlite_url).connect() as connection:
-        pragmas = {p: connection.exec_driver_sql(f"PRAGMA {p}").scalar() for p in ("foreign_keys", "journal_mode", "busy_timeout")}
+        pragmas = {
+            p: connection.exec_driver_sql(f"PRAGMA {p}").scalar()
+            for p in ("foreign_keys", "journal_mode", "busy_timeout")
+        }
     assert pragmas == {"foreign_keys": 1, "journal_mode": "wal", "busy_timeout": 30_000}
 
 
 def test_sqlite_enforces_foreign_keys(sqlite_url, engine_factory) -> None:
     sm = make_sessionmaker(engine_factory(sqlite_url))
     with pytest.raises(IntegrityError), transaction(sm) as session:
-        session.execute(sa.text("INSERT INTO dispatches (dispatch_id, case_id, tenancy_id, capability, worker_name, "
-                                "idempotency_key, input, state) VALUES ('d', 'no-such-case', 't', 'c', 'w', 'k', '{}', 'SCHEDULED')"))
+        session.execute(
+            sa.text(
+                "INSERT INTO dispatches (dispatch_id, case_id, tenancy_id, capability, worker_name, "
+                "idempotency_key, input, state) VALUES ('d', 'no-such-case', 't', 'c', 'w', 'k', '{}', 'SCHEDULED')"
+            )
+        )
 
 
 def test_transaction_commits_on_success_and_rolls_back_on_error(db_sessionmaker) -> None:
@@ -90,7 +97,6 @@ def test_a_dropped_connection_is_database_unavailable_and_the_pool_recovers(pg_u
         assert session.execute(sa.text("SELECT pg_backend_pid()")).scalar_one() != pid
 
 
-
 def test_the_database_clock_is_aware_utc_and_what_rows_are_written_with(db_sessionmaker) -> None:
     """Row times default to the database's clock (the one the sweep's grace compares with)."""
     case_id = f"case-{uuid.uuid4().hex[:8]}"
@@ -104,7 +110,7 @@ def test_the_database_clock_is_aware_utc_and_what_rows_are_written_with(db_sessi
         ).dispatch_id  # fmt: skip
         row = store.get_dispatch(session, dispatch_id)
         after = database_now(session)
-    assert before.tzinfo is timezone.utc and after.tzinfo is timezone.utc
+    assert before.tzinfo is UTC and after.tzinfo is UTC
     assert before <= row.created_at == row.updated_at <= after < before + timedelta(seconds=30)
 
 

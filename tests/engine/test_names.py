@@ -55,7 +55,7 @@ TABLE = [
 @pytest.mark.parametrize("row", TABLE, ids=[repr(r[0])[:24] for r in TABLE])
 def test_both_sides_judge_the_table_as_kubernetes_does(row: tuple) -> None:
     value, *expected = row
-    for (mine, theirs), want in zip(CHECKS, expected):
+    for (mine, theirs), want in zip(CHECKS, expected, strict=True):
         assert (mine(value), theirs(value)) == (want, want), (mine.__name__, value)
 
 

@@ -9,6 +9,7 @@ Before rows were sorted, `mark_created_many` updated them in the caller's order 
 from __future__ import annotations
 
 import uuid
+
 import pytest
 import sqlalchemy as sa
 
@@ -53,7 +54,9 @@ def test_mark_created_many_on_overlapping_batches_in_opposite_orders_never_deadl
     assert {(row.state, row.attempts) for row in rows.values()} == {(DispatchState.CREATED, THREADS - 1)}
 
 
-def test_schedule_many_with_the_same_keys_in_opposite_orders_never_deadlocks(pg_sessions, new_case, router, race) -> None:
+def test_schedule_many_with_the_same_keys_in_opposite_orders_never_deadlocks(
+    pg_sessions, new_case, router, race
+) -> None:
     case = new_case(pg_sessions)
     keys = [[f"key-{uuid.uuid4().hex}" for _ in range(BATCH)] for _ in range(ROUNDS)]
 
@@ -64,7 +67,7 @@ def test_schedule_many_with_the_same_keys_in_opposite_orders_never_deadlocks(pg_
         ]
         with transaction(pg_sessions) as session:  # a deadlock would raise DatabaseUnavailable here
             results = store.schedule_many(session, requests, router=router, max_input_bytes=MAX_INPUT_BYTES)
-        return {request.idempotency_key: result.dispatch_id for request, result in zip(requests, results)}
+        return {request.idempotency_key: result.dispatch_id for request, result in zip(requests, results, strict=True)}
 
     results = race(THREADS, ROUNDS, schedule)
     for round_, row in enumerate(results):
@@ -72,7 +75,9 @@ def test_schedule_many_with_the_same_keys_in_opposite_orders_never_deadlocks(pg_
         assert set(row[0]) == set(keys[round_])
     with transaction(pg_sessions) as session:
         ids = [d for row in results for d in row[0].values()]
-        assert session.scalar(sa.select(sa.func.count()).select_from(Dispatch).where(Dispatch.dispatch_id.in_(ids))) == len(ids)
+        assert session.scalar(
+            sa.select(sa.func.count()).select_from(Dispatch).where(Dispatch.dispatch_id.in_(ids))
+        ) == len(ids)
         events = session.scalar(sa.select(sa.func.count()).select_from(CaseEvent).where(CaseEvent.dispatch_id.in_(ids)))
         assert events == len(ids)  # one WORKER_SCHEDULED each: every key written once
 
@@ -81,4 +86,3 @@ def test_the_orders_overlap_and_differ() -> None:
     ids = list(range(8))
     seen = [orders(ids, t) for t in range(THREADS)]
     assert all(sorted(o) == ids for o in seen) and len({tuple(o) for o in seen}) == THREADS
-

@@ -35,7 +35,9 @@ def table_names(engine: Engine) -> set[str]:
     return set(sa.inspect(engine).get_table_names())
 
 
-def test_upgrade_from_empty_downgrade_to_base_and_upgrade_again(empty_url: str, engine_factory: Callable[..., Engine]) -> None:
+def test_upgrade_from_empty_downgrade_to_base_and_upgrade_again(
+    empty_url: str, engine_factory: Callable[..., Engine]
+) -> None:
     engine = engine_factory(empty_url)
     assert table_names(engine) == set()
     assert migrate.current(empty_url) is None
@@ -63,7 +65,10 @@ def test_indexes_and_constraints_the_store_relies_on(db_url: str, engine_factory
     inspector = sa.inspect(engine_factory(db_url))
     events = {index["name"]: index for index in inspector.get_indexes("case_events")}
     dialect = "postgresql" if db_url.startswith("postgresql") else "sqlite"
-    for name, predicate in (("uq_case_events_scheduled", "WORKER_SCHEDULED"), ("uq_case_events_terminal", "WORKER_CANCELLED")):
+    for name, predicate in (
+        ("uq_case_events_scheduled", "WORKER_SCHEDULED"),
+        ("uq_case_events_terminal", "WORKER_CANCELLED"),
+    ):
         assert events[name]["unique"] and events[name]["column_names"] == ["dispatch_id"]
         assert predicate in str(events[name]["dialect_options"][f"{dialect}_where"])
     dispatches = {index["name"]: index for index in inspector.get_indexes("dispatches")}
@@ -83,10 +88,19 @@ def test_models_match_the_migrated_schema(db_url: str, engine_factory: Callable[
     assert differences == []
 
 
-def test_migrate_runs_from_any_directory_without_alembic_ini(new_pg_database: Callable[[], str], tmp_path: Path) -> None:
+def test_migrate_runs_from_any_directory_without_alembic_ini(
+    new_pg_database: Callable[[], str], tmp_path: Path
+) -> None:
     url = new_pg_database()
     subprocess.run(
-        [sys.executable, "-W", "error", "-c", "import sys; from k8s_dispatch.engine.migrate import upgrade; upgrade(sys.argv[1])", url],
+        [
+            sys.executable,
+            "-W",
+            "error",
+            "-c",
+            "import sys; from k8s_dispatch.engine.migrate import upgrade; upgrade(sys.argv[1])",
+            url,
+        ],
         cwd=tmp_path,
         check=True,
         timeout=120,
@@ -96,7 +110,9 @@ def test_migrate_runs_from_any_directory_without_alembic_ini(new_pg_database: Ca
 
 
 def test_package_data_ships_every_migration_file() -> None:
-    patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["k8s_dispatch.engine"]
+    patterns = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"][
+        "k8s_dispatch.engine"
+    ]
     package = ROOT / "engine"
     files = [
         path.relative_to(package).as_posix()

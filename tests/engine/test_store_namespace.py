@@ -58,7 +58,9 @@ def test_schedule_records_the_namespace_the_router_names_now(db_sessionmaker, ne
     assert namespace_of(db_sessionmaker, later.dispatch_id) == "ns-b"
 
 
-def test_a_router_without_namespaces_leaves_the_namespace_to_the_first_worker(db_sessionmaker, new_case, router) -> None:
+def test_a_router_without_namespaces_leaves_the_namespace_to_the_first_worker(
+    db_sessionmaker, new_case, router
+) -> None:
     case = new_case(db_sessionmaker)
     with transaction(db_sessionmaker) as session:
         result = store.schedule_many(session, [request(case)], router=router, max_input_bytes=MAX_INPUT_BYTES)[0]
@@ -95,7 +97,6 @@ def test_a_router_naming_an_invalid_namespace_is_refused_and_nothing_is_written(
     case = new_case(db_sessionmaker)
     router = NamespaceRouter({"echo": "w"}, {"echo": bad})
     before = count_rows(db_sessionmaker)
-    with pytest.raises(ConfigError, match="namespace"):
-        with transaction(db_sessionmaker) as session:
-            store.schedule_many(session, [request(case)], router=router, max_input_bytes=MAX_INPUT_BYTES)
+    with pytest.raises(ConfigError, match="namespace"), transaction(db_sessionmaker) as session:
+        store.schedule_many(session, [request(case)], router=router, max_input_bytes=MAX_INPUT_BYTES)
     assert count_rows(db_sessionmaker) == before

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -18,7 +18,7 @@ from k8s_dispatch.engine.errors import InputNotSerialisable, InvalidInput, Unkno
 from k8s_dispatch.engine.models import CaseEvent, CaseInstance, DispatchState, EventType
 
 Schedule = Callable[..., store.ScheduleResult]
-T0 = datetime(2024, 5, 1, 12, 0, tzinfo=timezone.utc)
+T0 = datetime(2024, 5, 1, 12, 0, tzinfo=UTC)
 
 
 def _dispatch(sm, dispatch_id: str):
@@ -46,7 +46,9 @@ def test_mark_created_records_the_job(db_sessionmaker, new_case, schedule_for: S
     assert dispatch.job_created_at == at and dispatch.updated_at == at and dispatch.created_at == T0
 
 
-def test_mark_created_again_is_harmless_and_attempts_never_go_down(db_sessionmaker, new_case, schedule_for: Schedule) -> None:
+def test_mark_created_again_is_harmless_and_attempts_never_go_down(
+    db_sessionmaker, new_case, schedule_for: Schedule
+) -> None:
     result = schedule_for(db_sessionmaker, new_case(db_sessionmaker))
     with transaction(db_sessionmaker) as session:
         assert store.mark_created(session, result.dispatch_id, job_name="job-2", namespace="ns", attempt=2)
@@ -99,7 +101,9 @@ def test_mark_created_many_marks_a_mixed_batch_and_leaves_terminal_rows_alone(
     with transaction(db_sessionmaker) as session:
         assert store.mark_created_many(session, []) == set()
         with pytest.raises(UnknownDispatch):
-            store.mark_created_many(session, [store.CreatedJob(fresh, "j", "ns", 0), store.CreatedJob(str(uuid.uuid4()), "j", "ns", 0)])
+            store.mark_created_many(
+                session, [store.CreatedJob(fresh, "j", "ns", 0), store.CreatedJob(str(uuid.uuid4()), "j", "ns", 0)]
+            )
 
 
 def test_record_attempt_counts_up(db_sessionmaker, new_case, schedule_for: Schedule) -> None:
@@ -146,13 +150,19 @@ def test_the_winner_writes_the_event_and_updates_dispatch_and_case(
         event = store.terminal_event(session, result.dispatch_id)
         case_row = session.get(CaseInstance, case.case_id)
     assert dispatch is not None and event is not None and case_row is not None
-    assert (dispatch.state, dispatch.reason, dispatch.output) == (state, "BackoffLimitExceeded", {"lines": ["a", "b"], "code": 3})
+    assert (dispatch.state, dispatch.reason, dispatch.output) == (
+        state,
+        "BackoffLimitExceeded",
+        {"lines": ["a", "b"], "code": 3},
+    )
     assert dispatch.finished_at == at and dispatch.updated_at == at and dispatch.terminal
     assert (event.type, event.case_id, event.payload, event.created_at) == (event_type, case.case_id, payload, at)
     assert case_row.updated_at == at
 
 
-def test_a_payload_without_reason_or_output_leaves_them_empty(db_sessionmaker, new_case, schedule_for: Schedule) -> None:
+def test_a_payload_without_reason_or_output_leaves_them_empty(
+    db_sessionmaker, new_case, schedule_for: Schedule
+) -> None:
     result = schedule_for(db_sessionmaker, new_case(db_sessionmaker))
     with transaction(db_sessionmaker) as session:
         assert store.record_terminal(session, result.dispatch_id, EventType.WORKER_COMPLETED, {})
@@ -160,7 +170,9 @@ def test_a_payload_without_reason_or_output_leaves_them_empty(db_sessionmaker, n
     assert (dispatch.state, dispatch.reason, dispatch.output) == (DispatchState.COMPLETED, None, None)
 
 
-def test_a_second_terminal_event_loses_and_writes_nothing(db_sessionmaker, new_case, schedule_for: Schedule, count_rows) -> None:
+def test_a_second_terminal_event_loses_and_writes_nothing(
+    db_sessionmaker, new_case, schedule_for: Schedule, count_rows
+) -> None:
     case = new_case(db_sessionmaker)
     result = schedule_for(db_sessionmaker, case)
     with transaction(db_sessionmaker) as session:
@@ -168,7 +180,9 @@ def test_a_second_terminal_event_loses_and_writes_nothing(db_sessionmaker, new_c
     before_rows, before = count_rows(db_sessionmaker), _dispatch(db_sessionmaker, result.dispatch_id)
     for event_type in (EventType.WORKER_COMPLETED, EventType.WORKER_FAILED, EventType.WORKER_CANCELLED):
         with transaction(db_sessionmaker) as session:
-            assert not store.record_terminal(session, result.dispatch_id, event_type, {"reason": "Late", "output": {"n": 2}})
+            assert not store.record_terminal(
+                session, result.dispatch_id, event_type, {"reason": "Late", "output": {"n": 2}}
+            )
     after = _dispatch(db_sessionmaker, result.dispatch_id)
     assert count_rows(db_sessionmaker) == before_rows
     assert (after.state, after.reason, after.output, after.finished_at) == (
@@ -189,7 +203,9 @@ BAD_TERMINALS: list[tuple[str, Any, Any, type[Exception]]] = [
 ]
 
 
-@pytest.mark.parametrize(("event_type", "payload", "error"), [b[1:] for b in BAD_TERMINALS], ids=[b[0] for b in BAD_TERMINALS])
+@pytest.mark.parametrize(
+    ("event_type", "payload", "error"), [b[1:] for b in BAD_TERMINALS], ids=[b[0] for b in BAD_TERMINALS]
+)
 def test_a_bad_terminal_request_is_refused_and_writes_nothing(
     db_sessionmaker, new_case, schedule_for: Schedule, count_rows, event_type: Any, payload: Any, error: type[Exception]
 ) -> None:
@@ -205,9 +221,7 @@ def test_a_bad_terminal_request_is_refused_and_writes_nothing(
 
 
 def _raw_event(session, case_id: str, dispatch_id: str, event_type: str) -> None:
-    session.execute(
-        sa.insert(CaseEvent).values(case_id=case_id, dispatch_id=dispatch_id, type=event_type, payload={})
-    )
+    session.execute(sa.insert(CaseEvent).values(case_id=case_id, dispatch_id=dispatch_id, type=event_type, payload={}))
 
 
 @pytest.mark.parametrize(
@@ -285,7 +299,9 @@ def test_a_batch_of_ends_writes_each_winner_and_skips_those_recorded_before(
     assert count_rows(db_sessionmaker) == before
 
 
-def test_a_batch_with_one_bad_or_unknown_end_writes_nothing(db_sessionmaker, new_case, schedule_for: Schedule, count_rows) -> None:
+def test_a_batch_with_one_bad_or_unknown_end_writes_nothing(
+    db_sessionmaker, new_case, schedule_for: Schedule, count_rows
+) -> None:
     case = new_case(db_sessionmaker)
     good = schedule_for(db_sessionmaker, case).dispatch_id
     before = count_rows(db_sessionmaker)
@@ -299,7 +315,9 @@ def test_a_batch_with_one_bad_or_unknown_end_writes_nothing(db_sessionmaker, new
     assert _dispatch(db_sessionmaker, good).state is DispatchState.SCHEDULED
 
 
-def test_an_object_the_session_holds_is_fresh_after_the_batch(db_sessionmaker, new_case, schedule_for: Schedule) -> None:
+def test_an_object_the_session_holds_is_fresh_after_the_batch(
+    db_sessionmaker, new_case, schedule_for: Schedule
+) -> None:
     dispatch_id = schedule_for(db_sessionmaker, new_case(db_sessionmaker)).dispatch_id
     with transaction(db_sessionmaker) as session:
         held = store.get_dispatch(session, dispatch_id)
@@ -308,7 +326,9 @@ def test_an_object_the_session_holds_is_fresh_after_the_batch(db_sessionmaker, n
         assert (held.state, held.reason) == (DispatchState.FAILED, "R")
 
 
-def test_mark_notified_many_marks_terminal_unnotified_dispatches_once(db_sessionmaker, new_case, schedule_for: Schedule) -> None:
+def test_mark_notified_many_marks_terminal_unnotified_dispatches_once(
+    db_sessionmaker, new_case, schedule_for: Schedule
+) -> None:
     case = new_case(db_sessionmaker)
     ended, running = (schedule_for(db_sessionmaker, case).dispatch_id for _ in range(2))
     with transaction(db_sessionmaker) as session:

@@ -5,7 +5,6 @@ and all are released together by a barrier."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -15,7 +14,14 @@ from sqlalchemy.exc import IntegrityError
 
 from k8s_dispatch.engine import store
 from k8s_dispatch.engine.db import make_sessionmaker, transaction
-from k8s_dispatch.engine.models import CaseEvent, Dispatch, DispatchState, EventType, STATE_FOR_TERMINAL_EVENT, TERMINAL_EVENT_TYPES
+from k8s_dispatch.engine.models import (
+    STATE_FOR_TERMINAL_EVENT,
+    TERMINAL_EVENT_TYPES,
+    CaseEvent,
+    Dispatch,
+    DispatchState,
+    EventType,
+)
 
 TYPES = [EventType.WORKER_COMPLETED, EventType.WORKER_FAILED, EventType.WORKER_CANCELLED]
 
@@ -45,7 +51,7 @@ def _terminal_race(url: str, *, threads: int, rounds: int, engine_factory, new_c
         dispatches = store.get_dispatches(session, dispatch_ids)
         events = {d: store.terminal_event(session, d) for d in dispatch_ids}
     assert terminal_counts == {d: 1 for d in dispatch_ids}, "exactly one terminal event per dispatch"
-    for dispatch_id, (winner,) in zip(dispatch_ids, winners):
+    for dispatch_id, (winner,) in zip(dispatch_ids, winners, strict=True):
         dispatch, event = dispatches[dispatch_id], events[dispatch_id]
         assert event is not None and event.payload["output"] == {"thread": winner}
         assert event.type == TYPES[winner % 3]
@@ -59,13 +65,29 @@ def _terminal_race(url: str, *, threads: int, rounds: int, engine_factory, new_c
 def test_sixteen_connections_finish_the_same_dispatch_one_wins_postgresql(
     pg_url, engine_factory, new_case, schedule_for, race
 ) -> None:
-    _terminal_race(pg_url, threads=16, rounds=50, engine_factory=engine_factory, new_case=new_case, schedule_for=schedule_for, race=race)
+    _terminal_race(
+        pg_url,
+        threads=16,
+        rounds=50,
+        engine_factory=engine_factory,
+        new_case=new_case,
+        schedule_for=schedule_for,
+        race=race,
+    )
 
 
 def test_eight_connections_finish_the_same_dispatch_one_wins_sqlite(
     sqlite_url, engine_factory, new_case, schedule_for, race
 ) -> None:
-    _terminal_race(sqlite_url, threads=8, rounds=10, engine_factory=engine_factory, new_case=new_case, schedule_for=schedule_for, race=race)
+    _terminal_race(
+        sqlite_url,
+        threads=8,
+        rounds=10,
+        engine_factory=engine_factory,
+        new_case=new_case,
+        schedule_for=schedule_for,
+        race=race,
+    )
 
 
 @pytest.mark.parametrize("rounds", [10])
@@ -114,11 +136,15 @@ def test_eight_connections_schedule_one_key_one_dispatch(
         rows = session.execute(
             sa.select(Dispatch.idempotency_key, Dispatch.dispatch_id).where(Dispatch.tenancy_id == case.tenancy_id)
         ).all()
-        scheduled = session.execute(
-            sa.select(CaseEvent.dispatch_id).where(
-                CaseEvent.case_id == case.case_id, CaseEvent.type == EventType.WORKER_SCHEDULED
+        scheduled = (
+            session.execute(
+                sa.select(CaseEvent.dispatch_id).where(
+                    CaseEvent.case_id == case.case_id, CaseEvent.type == EventType.WORKER_SCHEDULED
+                )
             )
-        ).scalars().all()
+            .scalars()
+            .all()
+        )
     if engine.dialect.name == "postgresql":  # SQLite's BEGIN IMMEDIATE serialises instead
         assert collisions, "no insert collided: the race did not happen"
     stored = dict(rows)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
@@ -14,10 +14,12 @@ from k8s_dispatch.engine.db import transaction
 from k8s_dispatch.engine.models import DispatchState, EventType
 
 Schedule = Callable[..., store.ScheduleResult]
-T0 = datetime(2024, 5, 1, 12, 0, tzinfo=timezone.utc)
+T0 = datetime(2024, 5, 1, 12, 0, tzinfo=UTC)
 
 
-def test_get_dispatches_returns_those_that_exist_across_batches(db_sessionmaker, new_case, schedule_for: Schedule) -> None:
+def test_get_dispatches_returns_those_that_exist_across_batches(
+    db_sessionmaker, new_case, schedule_for: Schedule
+) -> None:
     case = new_case(db_sessionmaker)
     ids = [schedule_for(db_sessionmaker, case).dispatch_id for _ in range(3)]
     missing = [str(uuid.uuid4()) for _ in range(store.QUERY_BATCH * 2)]  # forces three IN queries
@@ -28,7 +30,9 @@ def test_get_dispatches_returns_those_that_exist_across_batches(db_sessionmaker,
     assert all(found[i].dispatch_id == i and found[i].case_id == case.case_id for i in ids)
 
 
-def test_iter_dispatches_pages_by_id_and_filters_by_state_and_age(db_sessionmaker, new_case, schedule_for: Schedule) -> None:
+def test_iter_dispatches_pages_by_id_and_filters_by_state_and_age(
+    db_sessionmaker, new_case, schedule_for: Schedule
+) -> None:
     case = new_case(db_sessionmaker)
     old = [schedule_for(db_sessionmaker, case, now=T0 + timedelta(seconds=i)).dispatch_id for i in range(5)]
     new = [schedule_for(db_sessionmaker, case, now=T0 + timedelta(hours=1)).dispatch_id for _ in range(2)]
@@ -47,9 +51,9 @@ def test_iter_dispatches_pages_by_id_and_filters_by_state_and_age(db_sessionmake
 
     assert listed(states=[DispatchState.SCHEDULED], batch=2) == sorted(old + new)
     assert listed(states=["SCHEDULED"], older_than=T0 + timedelta(minutes=1), batch=2) == sorted(old)
-    assert listed(states=[DispatchState.SCHEDULED, DispatchState.CREATED], older_than=T0 + timedelta(seconds=3), batch=1) == sorted(
-        old[:3] + [created]
-    )
+    assert listed(
+        states=[DispatchState.SCHEDULED, DispatchState.CREATED], older_than=T0 + timedelta(seconds=3), batch=1
+    ) == sorted([*old[:3], created])
     assert listed(states=[DispatchState.FAILED], batch=500) == [finished]
     assert listed(states=[]) == []
     with transaction(db_sessionmaker) as session, pytest.raises(ValueError):

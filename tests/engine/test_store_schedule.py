@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Callable
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
 
 import pytest
@@ -53,17 +53,24 @@ def test_schedule_writes_the_dispatch_and_its_event_together(db_sessionmaker, ne
     )
     assert (dispatch.idempotency_key, dispatch.input, dispatch.attempts) == ("order-1", {"a": "é", "b": [1, 2.5]}, 0)
     assert dispatch.state is DispatchState.SCHEDULED and dispatch.job_name is None and dispatch.finished_at is None
-    assert dispatch.created_at.tzinfo is timezone.utc
+    assert dispatch.created_at.tzinfo is UTC
     assert [(e.type, e.case_id, e.payload) for e in events] == [
         (
             EventType.WORKER_SCHEDULED,
             case.case_id,
-            {"capability": "echo", "worker_name": "echo-worker", "idempotency_key": "order-1", "input": {"a": "é", "b": [1, 2.5]}},
+            {
+                "capability": "echo",
+                "worker_name": "echo-worker",
+                "idempotency_key": "order-1",
+                "input": {"a": "é", "b": [1, 2.5]},
+            },
         )
     ]
 
 
-def test_same_key_twice_gives_one_dispatch_and_one_event(db_sessionmaker, new_case, schedule_for: Schedule, count_rows) -> None:
+def test_same_key_twice_gives_one_dispatch_and_one_event(
+    db_sessionmaker, new_case, schedule_for: Schedule, count_rows
+) -> None:
     case = new_case(db_sessionmaker)
     first = schedule_for(db_sessionmaker, case, idempotency_key="same", input={"x": 1, "y": [1, 2]})
     before = count_rows(db_sessionmaker)
@@ -75,7 +82,9 @@ def test_same_key_twice_gives_one_dispatch_and_one_event(db_sessionmaker, new_ca
     assert count_rows(db_sessionmaker) == before
     with transaction(db_sessionmaker) as session:
         ids = session.scalars(
-            sa.select(Dispatch.dispatch_id).where(Dispatch.tenancy_id == case.tenancy_id, Dispatch.idempotency_key == "same")
+            sa.select(Dispatch.dispatch_id).where(
+                Dispatch.tenancy_id == case.tenancy_id, Dispatch.idempotency_key == "same"
+            )
         ).all()
         scheduled = session.scalars(
             sa.select(CaseEvent).where(CaseEvent.case_id == case.case_id, CaseEvent.type == EventType.WORKER_SCHEDULED)
@@ -112,13 +121,13 @@ def test_timestamps_are_stored_and_read_as_utc(db_sessionmaker, new_case, schedu
     with transaction(db_sessionmaker) as session:
         dispatch = store.get_dispatch(session, result.dispatch_id)
     assert dispatch is not None
-    assert dispatch.created_at == datetime(2021, 1, 2, 3, 4, 5, 123456, tzinfo=timezone.utc)
-    assert dispatch.created_at.tzinfo is timezone.utc and dispatch.updated_at == dispatch.created_at
+    assert dispatch.created_at == datetime(2021, 1, 2, 3, 4, 5, 123456, tzinfo=UTC)
+    assert dispatch.created_at.tzinfo is UTC and dispatch.updated_at == dispatch.created_at
 
 
 AWKWARD_INPUTS = [
     {"big": 2**70, "neg": -(2**63), "float": 1e20, "tiny": 5e-324, "zero": -0.0, "one": 1.0},
-    {"unicode": "日本語 🚀 \u2028 \x01 \\u0000 \"quoted\"", "nul": "a\x00b", "empty": {}, "list": []},
+    {"unicode": '日本語 🚀 \u2028 \x01 \\u0000 "quoted"', "nul": "a\x00b", "empty": {}, "list": []},
     ["a", None, True, False, 0, [[[]]]],
     "just a string",
     None,
@@ -184,7 +193,7 @@ BAD_REQUESTS: list[tuple[str, dict[str, Any], type[DispatchError]]] = [
     ("input-set", {"input": {"s": {1, 2}}}, InputNotSerialisable),
     ("input-bytes", {"input": b"raw"}, InputNotSerialisable),
     ("input-object", {"input": object()}, InputNotSerialisable),
-    ("input-datetime", {"input": {"at": datetime.now(timezone.utc)}}, InputNotSerialisable),
+    ("input-datetime", {"input": {"at": datetime.now(UTC)}}, InputNotSerialisable),
     ("input-lone-surrogate", {"input": {"s": "\ud800"}}, InputNotSerialisable),
     ("input-cycle", {"input": _cyclic()}, InputNotSerialisable),
     ("input-too-deep", {"input": _deep(100_000)}, InputNotSerialisable),
@@ -195,7 +204,9 @@ BAD_REQUESTS: list[tuple[str, dict[str, Any], type[DispatchError]]] = [
 ]
 
 
-@pytest.mark.parametrize(("overrides", "error"), [(o, e) for _, o, e in BAD_REQUESTS], ids=[n for n, _, _ in BAD_REQUESTS])
+@pytest.mark.parametrize(
+    ("overrides", "error"), [(o, e) for _, o, e in BAD_REQUESTS], ids=[n for n, _, _ in BAD_REQUESTS]
+)
 def test_a_bad_request_gets_its_typed_error_and_writes_nothing(
     db_sessionmaker, new_case, schedule_for: Schedule, count_rows, overrides: dict[str, Any], error: type[DispatchError]
 ) -> None:
@@ -255,7 +266,9 @@ def test_a_dispatch_id_already_in_use_is_refused(db_sessionmaker, new_case, sche
 def test_a_refused_request_leaves_the_callers_transaction_usable(db_sessionmaker, new_case, router) -> None:
     """Nothing is half-written: the caller can carry on in the same transaction."""
     case = new_case(db_sessionmaker)
-    request = dict(case_id=case.case_id, tenancy_id=case.tenancy_id, capability="echo", router=router, max_input_bytes=100)
+    request = dict(
+        case_id=case.case_id, tenancy_id=case.tenancy_id, capability="echo", router=router, max_input_bytes=100
+    )
     with transaction(db_sessionmaker) as session:
         with pytest.raises(InputTooLarge):
             store.schedule(session, input="x" * 200, idempotency_key="a", **request)

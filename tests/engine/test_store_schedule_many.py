@@ -58,7 +58,7 @@ def test_one_bad_request_writes_nothing_of_its_batch(db_sessionmaker, new_case, 
 
 def test_a_key_used_for_another_request_refuses_the_batch(db_sessionmaker, new_case, router, count_rows) -> None:
     case = new_case(db_sessionmaker)
-    (first,) = schedule_many(db_sessionmaker, [req(case, "taken", input={"n": 1})], router)
+    (_first,) = schedule_many(db_sessionmaker, [req(case, "taken", input={"n": 1})], router)
     before = count_rows(db_sessionmaker)
     with pytest.raises(IdempotencyConflict):
         schedule_many(db_sessionmaker, [req(case), req(case, "taken", input={"n": 2})], router)
@@ -86,7 +86,9 @@ def test_repeats_within_and_across_batches_are_one_dispatch_each(db_sessionmaker
         rows = session.scalars(sa.select(Dispatch).where(Dispatch.case_id == case.case_id)).all()
         events = session.scalars(sa.select(CaseEvent).where(CaseEvent.case_id == case.case_id)).all()
     assert sorted(r.idempotency_key for r in rows) == ["new", "old", "other"]
-    assert sorted(e.dispatch_id for e in events if e.type == EventType.WORKER_SCHEDULED) == sorted(r.dispatch_id for r in rows)
+    assert sorted(e.dispatch_id for e in events if e.type == EventType.WORKER_SCHEDULED) == sorted(
+        r.dispatch_id for r in rows
+    )
 
 
 @pytest.fixture

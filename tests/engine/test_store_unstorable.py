@@ -45,7 +45,12 @@ def test_an_unstorable_payload_becomes_its_dispatchs_failure(payload, why) -> No
 
 @pytest.mark.parametrize(
     "payload",
-    [{"output": nested(MAX_DEPTH)}, {"output": 1e308, "reason": None}, {"output": "\x00 😀"}, {"reason": "R", "message": "m"}],
+    [
+        {"output": nested(MAX_DEPTH)},
+        {"output": 1e308, "reason": None},
+        {"output": "\x00 😀"},
+        {"reason": "R", "message": "m"},
+    ],
 )
 def test_a_storable_payload_is_left_as_it_is(payload) -> None:
     event = store.TerminalEvent("d-1", COMPLETED, payload)

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import pytest
+from clusters import ClusterHandle, local_handle
 from kubernetes import client
 
-from clusters import ClusterHandle, local_handle
 from k8s_dispatch.localcluster import LocalCluster
 
 T = TypeVar("T")
@@ -36,9 +36,16 @@ def wait_for(fn: Callable[[], T], *, timeout: float = 10.0, interval: float = 0.
         time.sleep(interval)
 
 
-def job_manifest(name: str, *, annotations: dict[str, str] | None = None, labels: dict[str, str] | None = None,
-                 command: list[str] | None = None, env: list[dict[str, Any]] | None = None,
-                 container: dict[str, Any] | None = None, **spec: Any) -> dict[str, Any]:
+def job_manifest(
+    name: str,
+    *,
+    annotations: dict[str, str] | None = None,
+    labels: dict[str, str] | None = None,
+    command: list[str] | None = None,
+    env: list[dict[str, Any]] | None = None,
+    container: dict[str, Any] | None = None,
+    **spec: Any,
+) -> dict[str, Any]:
     c: dict[str, Any] = {"name": "main", "image": "python:3.11"}
     if command is not None:
         c["command"] = command
@@ -54,9 +61,16 @@ def job_manifest(name: str, *, annotations: dict[str, str] | None = None, labels
     return {"apiVersion": "batch/v1", "kind": "Job", "metadata": meta, "spec": {"template": template, **spec}}
 
 
-def raw_request(cluster: LocalCluster | ClusterHandle, method: str, path: str, body: Any = None, *,
-                content_type: str = "application/json", token: str | None = None,
-                headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+def raw_request(
+    cluster: LocalCluster | ClusterHandle,
+    method: str,
+    path: str,
+    body: Any = None,
+    *,
+    content_type: str = "application/json",
+    token: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> tuple[int, dict[str, str], bytes]:
     """One request as sent (for what the typed client cannot send): to a handle's URL (https for the
     real control plane), or to a LocalCluster's plain-http listener."""
     handle = cluster if isinstance(cluster, ClusterHandle) else local_handle(cluster)
@@ -83,11 +97,16 @@ class Api:
 
     def wait_job(self, name: str, *types: str, timeout: float = 10.0) -> Any:
         wanted = set(types or ("Complete", "Failed"))
-        return wait_for(lambda: (lambda j: j if wanted & set(condition_types(j)) else None)(self.job(name)),
-                        timeout=timeout, what=f"job {name} to reach {sorted(wanted)}")
+        return wait_for(
+            lambda: (lambda j: j if wanted & set(condition_types(j)) else None)(self.job(name)),
+            timeout=timeout,
+            what=f"job {name} to reach {sorted(wanted)}",
+        )
 
     def pods_of(self, name: str) -> list[Any]:
-        return self.core.list_namespaced_pod(self.namespace, label_selector=f"batch.kubernetes.io/job-name={name}").items
+        return self.core.list_namespaced_pod(
+            self.namespace, label_selector=f"batch.kubernetes.io/job-name={name}"
+        ).items
 
     def gone(self, read: Callable[[], Any]) -> bool:
         try:

@@ -13,10 +13,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import condition_types, job_manifest, raw_request, wait_for
 from kubernetes import client, config
 from kubernetes.client import ApiException
 
-from conftest import condition_types, job_manifest, raw_request, wait_for
 from k8s_dispatch.localcluster import LocalCluster
 
 SIM = "localcluster.k8s-dispatch.io/"
@@ -74,13 +74,31 @@ def test_the_fault_endpoint_drives_a_partial_rate() -> None:
 class ServeProcess:
     def __init__(self, tmp: Path, *, mode: str, port: int = 0, tls_port: int = 0) -> None:
         self.kubeconfig = tmp / "kubeconfig"
-        cmd = [sys.executable, "-m", "k8s_dispatch.localcluster", "serve", "--mode", mode, "--state", str(tmp / "state.jsonl"),
-               "--kubeconfig", str(self.kubeconfig), "--port", str(port), "--tls-port", str(tls_port)]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     cwd=Path(__file__).resolve().parents[2])
+        cmd = [
+            sys.executable,
+            "-m",
+            "k8s_dispatch.localcluster",
+            "serve",
+            "--mode",
+            mode,
+            "--state",
+            str(tmp / "state.jsonl"),
+            "--kubeconfig",
+            str(self.kubeconfig),
+            "--port",
+            str(port),
+            "--tls-port",
+            str(tls_port),
+        ]
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[2]
+        )
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
-        assert line.startswith("listening on http://127.0.0.1:"), (line, self.proc.stderr.read() if self.proc.poll() is not None else "")
+        assert line.startswith("listening on http://127.0.0.1:"), (
+            line,
+            self.proc.stderr.read() if self.proc.poll() is not None else "",
+        )
         self.url = line.split()[-1]
 
     def api(self) -> client.ApiClient:
@@ -111,20 +129,29 @@ def serve(tmp_path: Path) -> Iterator[type[ServeProcess]]:
             s.stop(signal.SIGKILL)
 
 
-def test_state_survives_a_restart_and_running_exec_pods_fail_like_a_lost_node(tmp_path: Path, serve: type[ServeProcess]) -> None:
+def test_state_survives_a_restart_and_running_exec_pods_fail_like_a_lost_node(
+    tmp_path: Path, serve: type[ServeProcess]
+) -> None:
     first = serve(tmp_path, mode="exec")
     api = first.api()
     try:
-        batch, core = client.BatchV1Api(api), client.CoreV1Api(api)
+        batch, _core = client.BatchV1Api(api), client.CoreV1Api(api)
         batch.create_namespaced_job("default", job_manifest("done", command=["python", "-c", "print('ok')"]))
         keep = job_manifest("kept", labels={"keep": "me"}, annotations={"a": "b"}, command=["python", "-c", "print(1)"])
         keep["metadata"]["finalizers"] = ["k8s-dispatch.io/result-protection"]
         batch.create_namespaced_job("default", keep)
-        batch.create_namespaced_job("default", job_manifest("lost", command=["python", "-c", "import time; time.sleep(120)"],
-                                                            backoffLimit=0))
-        wait_for(lambda: "Complete" in condition_types(batch.read_namespaced_job("done", "default")), timeout=30, what="done")
-        wait_for(lambda: "Complete" in condition_types(batch.read_namespaced_job("kept", "default")), timeout=30, what="kept")
-        wait_for(lambda: batch.read_namespaced_job("lost", "default").status.ready == 1, timeout=30, what="lost running")
+        batch.create_namespaced_job(
+            "default", job_manifest("lost", command=["python", "-c", "import time; time.sleep(120)"], backoffLimit=0)
+        )
+        wait_for(
+            lambda: "Complete" in condition_types(batch.read_namespaced_job("done", "default")), timeout=30, what="done"
+        )
+        wait_for(
+            lambda: "Complete" in condition_types(batch.read_namespaced_job("kept", "default")), timeout=30, what="kept"
+        )
+        wait_for(
+            lambda: batch.read_namespaced_job("lost", "default").status.ready == 1, timeout=30, what="lost running"
+        )
         rv_before = int(batch.list_namespaced_job("default").metadata.resource_version)
         uid = batch.read_namespaced_job("kept", "default").metadata.uid
     finally:
@@ -134,14 +161,19 @@ def test_state_survives_a_restart_and_running_exec_pods_fail_like_a_lost_node(tm
     second = serve(tmp_path, mode="exec")
     api = second.api()  # the same kubeconfig: token and certificate kept
     try:
-        batch, core = client.BatchV1Api(api), client.CoreV1Api(api)
+        batch, _core = client.BatchV1Api(api), client.CoreV1Api(api)
         kept = batch.read_namespaced_job("kept", "default")
         assert kept.metadata.uid == uid and kept.metadata.labels["keep"] == "me"
         assert kept.metadata.finalizers == ["k8s-dispatch.io/result-protection"]
         assert "Complete" in condition_types(kept)
         assert int(batch.list_namespaced_job("default").metadata.resource_version) >= rv_before
-        lost = wait_for(lambda: (lambda j: j if "Failed" in condition_types(j) else None)(batch.read_namespaced_job("lost", "default")),
-                        timeout=20, what="lost job failed")
+        lost = wait_for(
+            lambda: (lambda j: j if "Failed" in condition_types(j) else None)(
+                batch.read_namespaced_job("lost", "default")
+            ),
+            timeout=20,
+            what="lost job failed",
+        )
         assert lost.status.conditions[-1].reason == "BackoffLimitExceeded"
         # the new server keeps writing state: a job created now survives the next restart
         batch.create_namespaced_job("default", job_manifest("later", command=["python", "-c", "print(2)"]))
@@ -159,11 +191,15 @@ def test_state_survives_a_restart_and_running_exec_pods_fail_like_a_lost_node(tm
     third.stop()
 
 
-def test_state_is_written_soon_after_a_change_even_if_the_server_is_killed(tmp_path: Path, serve: type[ServeProcess]) -> None:
+def test_state_is_written_soon_after_a_change_even_if_the_server_is_killed(
+    tmp_path: Path, serve: type[ServeProcess]
+) -> None:
     first = serve(tmp_path, mode="simulate")
     api = first.api()
     try:
-        client.BatchV1Api(api).create_namespaced_job("default", job_manifest("quick", annotations={SIM + "outcome": "hang"}))
+        client.BatchV1Api(api).create_namespaced_job(
+            "default", job_manifest("quick", annotations={SIM + "outcome": "hang"})
+        )
         state = tmp_path / "state.jsonl"
         wait_for(lambda: state.exists() and b'"name":"quick"' in state.read_bytes(), timeout=5, what="snapshot")
     finally:

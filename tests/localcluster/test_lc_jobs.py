@@ -10,14 +10,13 @@ import time
 from pathlib import Path
 
 import pytest
-from kubernetes.client import ApiException
-
 from conftest import Api, condition_types, job_manifest, raw_request, wait_for
+from kubernetes.client import ApiException
 
 SIM = "localcluster.k8s-dispatch.io/"
 
 
-def _terminated(pod):  # noqa: ANN001, ANN202
+def _terminated(pod):
     return pod.status.container_statuses[0].state.terminated
 
 
@@ -45,8 +44,10 @@ def test_simulated_success_echoes_the_input(sim: Api) -> None:
     assert {c.reason for c in job.status.conditions} == {"CompletionsReached"}
     assert job.status.succeeded == 1 and not job.status.failed and not job.status.active
     assert job.status.completion_time >= job.status.start_time
-    pod = wait_for(lambda: (lambda ps: ps[0] if ps and not ps[0].metadata.finalizers else None)(sim.pods_of("ok")),
-                   what="pod counted (finalizer removed)")
+    pod = wait_for(
+        lambda: (lambda ps: ps[0] if ps and not ps[0].metadata.finalizers else None)(sim.pods_of("ok")),
+        what="pod counted (finalizer removed)",
+    )
     term = _terminated(pod)
     assert pod.status.phase == "Succeeded" and term.exit_code == 0 and term.reason == "Completed"
     assert json.loads(term.message) == {"simulated": True, "input": {"n": 3, "s": "x"}}
@@ -77,7 +78,9 @@ def test_a_quick_job_writes_its_status_once_per_phase(lsim: Api) -> None:
     assert done["succeeded"] == 1 and [c["type"] for c in done["conditions"]] == ["SuccessCriteriaMet", "Complete"]
     pods = events("pods")
     assert [(t, o["status"]["phase"], bool(o["metadata"].get("finalizers"))) for t, o in pods] == [
-        ("ADDED", "Pending", True), ("MODIFIED", "Running", True), ("MODIFIED", "Succeeded", True),
+        ("ADDED", "Pending", True),
+        ("MODIFIED", "Running", True),
+        ("MODIFIED", "Succeeded", True),
         ("MODIFIED", "Succeeded", False),
     ]
     rvs = [int(o["metadata"]["resourceVersion"]) for _, o in jobs + pods]
@@ -85,7 +88,7 @@ def test_a_quick_job_writes_its_status_once_per_phase(lsim: Api) -> None:
 
 
 def test_simulated_failure_retries_until_the_backoff_limit(sim: Api) -> None:
-    ann = {SIM + "outcome": "fail", SIM + "exit-code": "7", SIM + "duration-ms": "5", SIM + "result": "{\"error\": 1}"}
+    ann = {SIM + "outcome": "fail", SIM + "exit-code": "7", SIM + "duration-ms": "5", SIM + "result": '{"error": 1}'}
     sim.create_job(job_manifest("bad", annotations=ann, backoffLimit=2))
     # the real controller waits 10 s, then 20 s, before each replacement Pod
     job = sim.wait_job("bad", "Failed", timeout=90 if sim.cluster.is_real else 10)
@@ -95,7 +98,9 @@ def test_simulated_failure_retries_until_the_backoff_limit(sim: Api) -> None:
     assert job.status.failed == 3 and not job.status.succeeded and job.status.completion_time is None
     pods = sim.pods_of("bad")
     assert len(pods) == 3
-    assert {(_terminated(p).exit_code, _terminated(p).reason, _terminated(p).message) for p in pods} == {(7, "Error", '{"error": 1}')}
+    assert {(_terminated(p).exit_code, _terminated(p).reason, _terminated(p).message) for p in pods} == {
+        (7, "Error", '{"error": 1}')
+    }
 
 
 def test_a_hanging_job_hits_its_deadline(sim: Api) -> None:
@@ -119,7 +124,9 @@ def test_parallel_completions(sim: Api) -> None:
 
 def test_suspend_and_resume(sim: Api) -> None:
     sim.create_job(job_manifest("sus", annotations={SIM + "duration-ms": "10"}, suspend=True))
-    job = wait_for(lambda: (lambda j: j if "Suspended" in condition_types(j) else None)(sim.job("sus")), what="Suspended")
+    job = wait_for(
+        lambda: (lambda j: j if "Suspended" in condition_types(j) else None)(sim.job("sus")), what="Suspended"
+    )
     assert job.status.conditions[0].reason == "JobSuspended" and not sim.pods_of("sus")
     sim.batch.patch_namespaced_job("sus", sim.namespace, {"spec": {"suspend": False}})
     job = sim.wait_job("sus", "Complete")
@@ -142,13 +149,20 @@ def test_ttl_respects_finalizers(sim: Api) -> None:
     manifest["metadata"]["finalizers"] = [finalizer]
     manifest["spec"]["template"]["metadata"]["finalizers"] = [finalizer]
     sim.create_job(manifest)
-    job = wait_for(lambda: (lambda j: j if j.metadata.deletion_timestamp else None)(sim.job("ttlf")),
-                   timeout=30, what="ttl marks deletion")
+    job = wait_for(
+        lambda: (lambda j: j if j.metadata.deletion_timestamp else None)(sim.job("ttlf")),
+        timeout=30,
+        what="ttl marks deletion",
+    )
     assert "Complete" in condition_types(job)  # the result is still readable
     [pod] = sim.pods_of("ttlf")
     assert _terminated(pod).exit_code == 0 and finalizer in pod.metadata.finalizers
-    sim.core.patch_namespaced_pod(pod.metadata.name, sim.namespace, {"metadata": {"$deleteFromPrimitiveList/finalizers": [finalizer]}})
-    sim.batch.patch_namespaced_job("ttlf", sim.namespace, {"metadata": {"$deleteFromPrimitiveList/finalizers": [finalizer]}})
+    sim.core.patch_namespaced_pod(
+        pod.metadata.name, sim.namespace, {"metadata": {"$deleteFromPrimitiveList/finalizers": [finalizer]}}
+    )
+    sim.batch.patch_namespaced_job(
+        "ttlf", sim.namespace, {"metadata": {"$deleteFromPrimitiveList/finalizers": [finalizer]}}
+    )
     wait_for(lambda: sim.gone(lambda: sim.job("ttlf")), timeout=30, what="job gone once the finalizers are removed")
     wait_for(lambda: not sim.pods_of("ttlf"), timeout=30, what="its pod gone too")
 
@@ -160,7 +174,8 @@ def test_job_names_longer_than_63_characters_are_invalid(sim: Api) -> None:
     assert e.value.status == 422
     # the name itself may be a 253-character subdomain: it is the job-name label it gets that is too long
     assert json.loads(e.value.body)["message"] == (
-        f'Job.batch "{name}" is invalid: spec.template.labels: Invalid value: "{name}": must be no more than 63 bytes')
+        f'Job.batch "{name}" is invalid: spec.template.labels: Invalid value: "{name}": must be no more than 63 bytes'
+    )
 
 
 # --- exec mode -------------------------------------------------------------------------------
@@ -193,8 +208,12 @@ def test_exec_runs_the_command_with_env_and_reads_the_termination_message(ex: Ap
 
 def test_exec_failure_falls_back_to_the_log_tail_and_retries(ex: Api) -> None:
     script = "import sys; [print('line', i) for i in range(200)]; sys.exit(3)"
-    manifest = job_manifest("fails", command=["python", "-c", script], backoffLimit=1,
-                            container={"terminationMessagePolicy": "FallbackToLogsOnError"})
+    manifest = job_manifest(
+        "fails",
+        command=["python", "-c", script],
+        backoffLimit=1,
+        container={"terminationMessagePolicy": "FallbackToLogsOnError"},
+    )
     ex.create_job(manifest)
     job = ex.wait_job("fails", "Failed", timeout=30)
     assert job.status.conditions[-1].reason == "BackoffLimitExceeded" and job.status.failed == 2
@@ -209,7 +228,9 @@ def test_exec_failure_falls_back_to_the_log_tail_and_retries(ex: Api) -> None:
 
 def test_exec_deadline_kills_the_process(ex: Api) -> None:
     marker = f"sleeps-{ex.namespace}"
-    ex.create_job(job_manifest("sleeps", command=["python", "-c", "import time; time.sleep(60)", marker], activeDeadlineSeconds=1))
+    ex.create_job(
+        job_manifest("sleeps", command=["python", "-c", "import time; time.sleep(60)", marker], activeDeadlineSeconds=1)
+    )
     wait_for(lambda: _processes_with(marker), what="the process to start")
     job = ex.wait_job("sleeps", "Failed", timeout=20)
     assert job.status.conditions[-1].reason == "DeadlineExceeded"
@@ -245,8 +266,12 @@ def test_exec_bounds_the_processes_running_at_once() -> None:
                 pods = core.list_namespaced_pod("default").items
                 running = [p for p in pods if p.status.phase == "Running"]
                 most = max(most, len(running))
-                waiting_seen |= any(p.status.phase == "Pending" and p.status.container_statuses
-                                    and p.status.container_statuses[0].state.waiting.reason == "ContainerCreating" for p in pods)
+                waiting_seen |= any(
+                    p.status.phase == "Pending"
+                    and p.status.container_statuses
+                    and p.status.container_statuses[0].state.waiting.reason == "ContainerCreating"
+                    for p in pods
+                )
                 return len(pods) == 3 and all(p.status.phase == "Succeeded" for p in pods)
 
             wait_for(all_done, timeout=30, interval=0.05, what="three queued jobs to finish")
@@ -258,11 +283,15 @@ def test_exec_bounds_the_processes_running_at_once() -> None:
 def test_following_a_running_pods_log_streams_until_it_ends(sim: Api) -> None:
     # on the real control plane kube-apiserver proxies this to the node agent's endpoint
     sim.create_job(job_manifest("follow", annotations={SIM + "duration-ms": "1500", SIM + "result": '{"ok": 1}'}))
-    pod = wait_for(lambda: next((p for p in sim.pods_of("follow") if p.status.phase == "Running"), None),
-                   timeout=30, what="the pod running")
+    pod = wait_for(
+        lambda: next((p for p in sim.pods_of("follow") if p.status.phase == "Running"), None),
+        timeout=30,
+        what="the pod running",
+    )
     started = time.monotonic()
-    code, _, body = raw_request(sim.cluster, "GET",
-                                f"/api/v1/namespaces/{sim.namespace}/pods/{pod.metadata.name}/log?follow=true")
+    code, _, body = raw_request(
+        sim.cluster, "GET", f"/api/v1/namespaces/{sim.namespace}/pods/{pod.metadata.name}/log?follow=true"
+    )
     assert code == 200
     assert time.monotonic() - started < 20  # the stream ends with the container, it does not hang
     assert sim.job("follow").status.succeeded == 1 or sim.wait_job("follow", "Complete", timeout=30)

@@ -12,7 +12,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from conftest import Api, wait_for
 
 KUBECTL = shutil.which("kubectl")
@@ -45,7 +44,15 @@ def kubectl(sim: Api, tmp_path: Path) -> Iterator:
         pytest.fail("kubectl is not on PATH: these tests check kubectl 1.32 against localcluster")
     home = tmp_path / "home"
     home.mkdir()
-    base = [KUBECTL, "--kubeconfig", str(sim.cluster.kubeconfig), "--cache-dir", str(tmp_path / "cache"), "-n", sim.namespace]
+    base = [
+        KUBECTL,
+        "--kubeconfig",
+        str(sim.cluster.kubeconfig),
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        "-n",
+        sim.namespace,
+    ]
     env = {"HOME": str(home), "PATH": "/usr/bin:/bin"}
 
     def run(*args: str, input: str | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -59,14 +66,14 @@ def kubectl(sim: Api, tmp_path: Path) -> Iterator:
     yield run
 
 
-def _create(kubectl, tmp_path: Path, name: str, *, tier: str = "a", duration: int = 50) -> None:  # noqa: ANN001
+def _create(kubectl, tmp_path: Path, name: str, *, tier: str = "a", duration: int = 50) -> None:
     path = tmp_path / f"{name}.yaml"
     path.write_text(JOB_YAML.format(name=name, tier=tier, duration=duration))
     out = kubectl("create", "-f", str(path))
     assert out.stdout.strip() == f"job.batch/{name} created"
 
 
-def test_create_get_wait_logs(kubectl, sim: Api, tmp_path: Path) -> None:  # noqa: ANN001
+def test_create_get_wait_logs(kubectl, sim: Api, tmp_path: Path) -> None:
     _create(kubectl, tmp_path, "kc1", tier="front")
     _create(kubectl, tmp_path, "kc2", tier="back")
     out = kubectl("wait", "--for=condition=complete", "job/kc1", "--timeout=20s")
@@ -87,19 +94,35 @@ def test_create_get_wait_logs(kubectl, sim: Api, tmp_path: Path) -> None:  # noq
     assert missing.stderr.strip() == 'Error from server (NotFound): jobs.batch "nope" not found'
 
 
-def test_label_patch_and_delete(kubectl, sim: Api, tmp_path: Path) -> None:  # noqa: ANN001
+def test_label_patch_and_delete(kubectl, sim: Api, tmp_path: Path) -> None:
     _create(kubectl, tmp_path, "kl", duration=10)
     assert kubectl("label", "job", "kl", "owner=me").stdout.strip() == "job.batch/kl labeled"
     assert sim.job("kl").metadata.labels["owner"] == "me"
-    assert kubectl("patch", "job", "kl", "-p", '{"metadata":{"annotations":{"note":"x"}}}').stdout.strip() == "job.batch/kl patched"
-    kubectl("patch", "job", "kl", "--type", "merge", "-p", '{"metadata":{"finalizers":["k8s-dispatch.io/result-protection"]}}')
+    assert (
+        kubectl("patch", "job", "kl", "-p", '{"metadata":{"annotations":{"note":"x"}}}').stdout.strip()
+        == "job.batch/kl patched"
+    )
+    kubectl(
+        "patch",
+        "job",
+        "kl",
+        "--type",
+        "merge",
+        "-p",
+        '{"metadata":{"finalizers":["k8s-dispatch.io/result-protection"]}}',
+    )
     kubectl("patch", "job", "kl", "--type", "json", "-p", '[{"op":"add","path":"/metadata/labels/step","value":"3"}]')
     job = sim.job("kl")
     assert job.metadata.annotations["note"] == "x" and job.metadata.labels["step"] == "3"
     assert job.metadata.finalizers == ["k8s-dispatch.io/result-protection"]
     # delete waits for the Job to go: it goes once the finalizer is removed
-    proc = subprocess.Popen([*kubectl.base, "delete", "job", "kl", "--timeout=30s"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=kubectl.env)
+    proc = subprocess.Popen(
+        [*kubectl.base, "delete", "job", "kl", "--timeout=30s"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=kubectl.env,
+    )
     try:
         wait_for(lambda: sim.job("kl").metadata.deletion_timestamp, what="deletionTimestamp")
         assert proc.poll() is None  # still waiting
@@ -115,9 +138,10 @@ def test_label_patch_and_delete(kubectl, sim: Api, tmp_path: Path) -> None:  # n
     wait_for(lambda: not sim.pods_of("kl"), what="kubectl's Background deletion removes the pods")
 
 
-def test_get_watch_streams_changes(kubectl, sim: Api, tmp_path: Path) -> None:  # noqa: ANN001
-    proc = subprocess.Popen([*kubectl.base, "get", "jobs", "-w"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=kubectl.env)
+def test_get_watch_streams_changes(kubectl, sim: Api, tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [*kubectl.base, "get", "jobs", "-w"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=kubectl.env
+    )
     try:
         assert proc.stdout is not None
         time.sleep(0.5)  # kubectl lists then watches; a Job created meanwhile shows up either way
@@ -139,9 +163,13 @@ def test_get_watch_streams_changes(kubectl, sim: Api, tmp_path: Path) -> None:  
         proc.communicate()
 
 
-def test_create_rejects_unknown_fields_like_the_real_server(kubectl, sim: Api, tmp_path: Path) -> None:  # noqa: ANN001
+def test_create_rejects_unknown_fields_like_the_real_server(kubectl, sim: Api, tmp_path: Path) -> None:
     path = tmp_path / "bad.yaml"
-    path.write_text(JOB_YAML.format(name="kbad", tier="a", duration=5).replace("  backoffLimit: 1\n", "  backoffLimit: 1\n  bogus: 2\n"))
+    path.write_text(
+        JOB_YAML.format(name="kbad", tier="a", duration=5).replace(
+            "  backoffLimit: 1\n", "  backoffLimit: 1\n  bogus: 2\n"
+        )
+    )
     out = kubectl("create", "-f", str(path), check=False)
     assert out.returncode == 1
     assert 'strict decoding error: unknown field "spec.bogus"' in out.stderr

@@ -9,10 +9,10 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from conftest import Api, job_manifest, raw_request
 from kubernetes import client, watch
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import Api, job_manifest, raw_request
 from k8s_dispatch.localcluster import LocalCluster
 from k8s_dispatch.localcluster.audit import METRIC, RequestCount
 from k8s_dispatch.ops.processes import wait_until
@@ -28,7 +28,9 @@ def sim(lsim: Api) -> Api:
 
 
 def counts(rows: list[RequestCount]) -> Counter[Key]:
-    return Counter({(r.labels.verb, r.labels.resource, r.labels.subresource, r.labels.scope, r.code): r.count for r in rows})
+    return Counter(
+        {(r.labels.verb, r.labels.resource, r.labels.subresource, r.labels.scope, r.code): r.count for r in rows}
+    )
 
 
 def made(cluster: LocalCluster, before: Counter[Key]) -> Counter[Key]:
@@ -61,19 +63,21 @@ def test_each_client_call_is_counted_with_the_servers_verb_scope_and_code(sim: A
     sim.batch.delete_namespaced_job("m1", sim.namespace, propagation_policy="Background")
     sim.batch.delete_collection_namespaced_job(sim.namespace, propagation_policy="Background")
 
-    assert created + made(sim.cluster.backend, before) == Counter({
-        ("POST", "jobs", "", "resource", 201): 2,
-        ("GET", "jobs", "", "resource", 200): 2,
-        ("GET", "jobs", "", "resource", 404): 1,
-        ("LIST", "jobs", "", "namespace", 200): 2,
-        ("LIST", "jobs", "", "cluster", 200): 1,
-        ("PATCH", "jobs", "", "resource", 200): 1,
-        ("PATCH", "jobs", "status", "resource", 200): 1,
-        ("PUT", "jobs", "", "resource", 200): 1,
-        ("WATCH", "jobs", "", "namespace", 200): 1,
-        ("DELETE", "jobs", "", "resource", 200): 1,
-        ("DELETECOLLECTION", "jobs", "", "namespace", 200): 1,
-    })
+    assert created + made(sim.cluster.backend, before) == Counter(
+        {
+            ("POST", "jobs", "", "resource", 201): 2,
+            ("GET", "jobs", "", "resource", 200): 2,
+            ("GET", "jobs", "", "resource", 404): 1,
+            ("LIST", "jobs", "", "namespace", 200): 2,
+            ("LIST", "jobs", "", "cluster", 200): 1,
+            ("PATCH", "jobs", "", "resource", 200): 1,
+            ("PATCH", "jobs", "status", "resource", 200): 1,
+            ("PUT", "jobs", "", "resource", 200): 1,
+            ("WATCH", "jobs", "", "namespace", 200): 1,
+            ("DELETE", "jobs", "", "resource", 200): 1,
+            ("DELETECOLLECTION", "jobs", "", "namespace", 200): 1,
+        }
+    )
     # the RBAC record, kept alongside
     assert {("batch", "jobs", "deletecollection"), ("batch", "jobs/status", "patch"), ("batch", "jobs", "watch"),
             ("batch", "jobs", "list"), ("batch", "jobs", "update")} <= sim.cluster.backend.audit()  # fmt: skip
@@ -99,10 +103,18 @@ def test_metrics_endpoint_serves_the_counters_as_prometheus_text_behind_the_toke
     families = {f.name: f for f in text_string_to_metric_families(body.decode())}
     # the parser names a counter without its _total suffix
     samples = families[METRIC.removesuffix("_total")].samples
-    served = Counter({
-        (s.labels["verb"], s.labels["resource"], s.labels["subresource"], s.labels["scope"], int(s.labels["code"])): int(s.value)
-        for s in samples
-    })
+    served = Counter(
+        {
+            (
+                s.labels["verb"],
+                s.labels["resource"],
+                s.labels["subresource"],
+                s.labels["scope"],
+                int(s.labels["code"]),
+            ): int(s.value)
+            for s in samples
+        }
+    )
     assert served == expected
     assert {s.labels["component"] for s in samples} == {"apiserver"}
     assert ("POST", "jobs", "", "resource", 201) in served
@@ -115,7 +127,10 @@ def test_kubectl_get_raw_metrics(sim: Api, tmp_path: Path) -> None:
     sim.create_job(job_manifest("m4", annotations=SIM))
     result = subprocess.run(
         [kubectl, "--kubeconfig", str(sim.cluster.kubeconfig), "get", "--raw", "/metrics"],
-        capture_output=True, text=True, timeout=60, env={"HOME": str(tmp_path), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"HOME": str(tmp_path), "PATH": "/usr/bin:/bin"},
     )
     assert result.returncode == 0, result.stderr
     assert f"# TYPE {METRIC} counter" in result.stdout

@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import job_manifest, wait_for
 from kubernetes import client, config, watch
 
-from conftest import job_manifest, wait_for
 from k8s_dispatch.localcluster import LocalCluster
 from k8s_dispatch.localcluster.kubelet import has_started
 from k8s_dispatch.localcluster.node import KUBELET_VERSION, log_slice, micro_time, node_status, schedulable
@@ -45,11 +45,25 @@ class Agent:
 
     def start(self) -> Agent:
         self.workdir.mkdir(parents=True, exist_ok=True)
-        stderr = open(self.workdir / "agent.log", "ab")
+        stderr = open(self.workdir / "agent.log", "ab")  # noqa: SIM115 - the agent writes to it for its whole life
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "k8s_dispatch.localcluster", "node", "--kubeconfig", str(self.kubeconfig), "--mode", self.mode,
-             "--name", self.name, "--workdir", str(self.workdir)],
-            stdout=subprocess.PIPE, stderr=stderr)
+            [
+                sys.executable,
+                "-m",
+                "k8s_dispatch.localcluster",
+                "node",
+                "--kubeconfig",
+                str(self.kubeconfig),
+                "--mode",
+                self.mode,
+                "--name",
+                self.name,
+                "--workdir",
+                str(self.workdir),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+        )
         stderr.close()
         assert self.proc.stdout is not None
         ready, _, _ = select.select([self.proc.stdout], [], [], 60)
@@ -104,12 +118,20 @@ class Node:
         return pods[0] if pods else None
 
     def wait_pod(self, job: str, phase: str, *, timeout: float = 30) -> Any:
-        return wait_for(lambda: (lambda p: p if p is not None and p.status.phase == phase else None)(self.pod_of(job)),
-                        timeout=timeout, what=f"the pod of {job} {phase}")
+        return wait_for(
+            lambda: (lambda p: p if p is not None and p.status.phase == phase else None)(self.pod_of(job)),
+            timeout=timeout,
+            what=f"the pod of {job} {phase}",
+        )
 
     def kubectl(self, *args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(["kubectl", "--kubeconfig", str(self.cluster.kubeconfig), "-n", self.namespace, *args],
-                              capture_output=True, text=True, timeout=60, check=False)
+        return subprocess.run(
+            ["kubectl", "--kubeconfig", str(self.cluster.kubeconfig), "-n", self.namespace, *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
 
 
 def _cluster_with_agent(tmp: Path, mode: str, name: str) -> Iterator[tuple[LocalCluster, Agent]]:
@@ -139,8 +161,9 @@ def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         yield cp
 
 
-@pytest.fixture(scope="module", params=[(c, m) for c in CLUSTERS for m in ("exec", "simulate")],
-                ids=lambda p: f"{p[0]}-{p[1]}")
+@pytest.fixture(
+    scope="module", params=[(c, m) for c in CLUSTERS for m in ("exec", "simulate")], ids=lambda p: f"{p[0]}-{p[1]}"
+)
 def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Served, Agent]]:
     kind, mode = request.param
     tmp = tmp_path_factory.mktemp(f"{kind}-{mode}")
@@ -164,8 +187,11 @@ def node(served: tuple[Served, Agent], namespace: str) -> Iterator[Node]:
     n = Node(cluster, agent, namespace)
     n.core.create_namespace({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}})
     if cluster.real:  # a Pod is admitted once its namespace has the default ServiceAccount
-        wait_for(lambda: n.core.list_namespaced_service_account(namespace).items, timeout=30,
-                 what="the default ServiceAccount")
+        wait_for(
+            lambda: n.core.list_namespaced_service_account(namespace).items,
+            timeout=30,
+            what="the default ServiceAccount",
+        )
     try:
         yield n
     finally:
@@ -173,25 +199,38 @@ def node(served: tuple[Served, Agent], namespace: str) -> Iterator[Node]:
         n.api.close()
 
 
-def _job(name: str, mode: str, *, code: int = 0, message: str = RESULT, hang: bool = False,
-         marks: Path | None = None) -> dict[str, Any]:
+def _job(
+    name: str, mode: str, *, code: int = 0, message: str = RESULT, hang: bool = False, marks: Path | None = None
+) -> dict[str, Any]:
     """A Job that does the same in both modes: prints `hello`, writes `message` as its result (or
     hangs, noting its pid and a SIGTERM in files under `marks`), exits `code`. Exec mode runs the
     command, simulate mode reads the annotations."""
     if hang:
-        script = ("import os, signal, sys, time\n"
-                  "def term(*_):\n    open(os.environ['MARK'], 'w').write('TERM'); sys.exit(0)\n"
-                  "signal.signal(signal.SIGTERM, term)\nopen(os.environ['MARK'] + '.pid', 'w').write(str(os.getpid()))\n"
-                  "print('hello', flush=True)\ntime.sleep(120)\n")
+        script = (
+            "import os, signal, sys, time\n"
+            "def term(*_):\n    open(os.environ['MARK'], 'w').write('TERM'); sys.exit(0)\n"
+            "signal.signal(signal.SIGTERM, term)\nopen(os.environ['MARK'] + '.pid', 'w').write(str(os.getpid()))\n"
+            "print('hello', flush=True)\ntime.sleep(120)\n"
+        )
     else:
-        script = (f"import os, sys\nprint('hello', flush=True)\nif {message!r}:\n"
-                  f"    open(os.environ['TERMINATION_MESSAGE_PATH'], 'w').write({message!r})\nsys.exit({code})\n")
-    annotations = {SIM + "outcome": "hang" if hang else ("succeed" if code == 0 else "fail"),
-                   SIM + "exit-code": str(code), SIM + "result": message, SIM + "duration-ms": "300"}
+        script = (
+            f"import os, sys\nprint('hello', flush=True)\nif {message!r}:\n"
+            f"    open(os.environ['TERMINATION_MESSAGE_PATH'], 'w').write({message!r})\nsys.exit({code})\n"
+        )
+    annotations = {
+        SIM + "outcome": "hang" if hang else ("succeed" if code == 0 else "fail"),
+        SIM + "exit-code": str(code),
+        SIM + "result": message,
+        SIM + "duration-ms": "300",
+    }
     return job_manifest(
-        name, command=["python", "-c", script], annotations=annotations if mode == "simulate" else None,
+        name,
+        command=["python", "-c", script],
+        annotations=annotations if mode == "simulate" else None,
         env=[{"name": "MARK", "value": str((marks or Path("/nonexistent")) / f"{name}-{time.time_ns()}")}],
-        container={"terminationMessagePolicy": "FallbackToLogsOnError"}, backoffLimit=0)
+        container={"terminationMessagePolicy": "FallbackToLogsOnError"},
+        backoffLimit=0,
+    )
 
 
 def _terminated(pod: Any) -> Any:
@@ -228,8 +267,13 @@ def test_a_job_that_succeeds_is_bound_run_and_reported_with_its_result(node: Nod
     assert (term.exit_code, term.reason, term.message) == (0, "Completed", RESULT)
     assert term.container_id.startswith("localcluster://") and term.started_at <= term.finished_at
     assert pod.status.host_ip == "127.0.0.1" and pod.status.start_time is not None
-    job = wait_for(lambda: (lambda j: j if j.status.succeeded == 1 else None)(node.batch.read_namespaced_job("ok", node.namespace)),
-                   timeout=30, what="the job counts its success")
+    job = wait_for(
+        lambda: (lambda j: j if j.status.succeeded == 1 else None)(
+            node.batch.read_namespaced_job("ok", node.namespace)
+        ),
+        timeout=30,
+        what="the job counts its success",
+    )
     assert [c.type for c in job.status.conditions if c.status == "True"][-1] == "Complete"
     expected = "hello" if node.mode == "exec" else RESULT
     logs = node.kubectl("logs", pod.metadata.name)  # proxied by the API server to the agent
@@ -245,8 +289,11 @@ def test_a_job_that_fails_reports_its_exit_code_and_message(node: Node) -> None:
     assert (term.exit_code, term.reason) == (3, "Error")
     if node.mode == "exec":  # no termination message: FallbackToLogsOnError takes the log's tail
         assert term.message == "hello\n"
-    wait_for(lambda: node.batch.read_namespaced_job("bad", node.namespace).status.failed == 1, timeout=30,
-             what="the job counts its failure")
+    wait_for(
+        lambda: node.batch.read_namespaced_job("bad", node.namespace).status.failed == 1,
+        timeout=30,
+        what="the job counts its failure",
+    )
 
 
 def test_a_long_result_is_cut_at_4_kib(node: Node) -> None:
@@ -264,10 +311,18 @@ def test_deleting_a_running_pod_stops_its_container_within_the_grace_period(node
     assert {c.type: c.status for c in pod.status.conditions}["Ready"] == "True"
     name = pod.metadata.name
     if node.mode == "exec":  # its SIGTERM handler is in place once it printed
-        wait_for(lambda: node.agent.get(f"/containerLogs/{node.namespace}/{name}/main") == (200, b"hello\n"),
-                 timeout=30, what="the container's first line")
-    events = watch.Watch().stream(node.core.list_namespaced_pod, node.namespace, field_selector=f"metadata.name={name}",
-                                  resource_version=pod.metadata.resource_version, timeout_seconds=30)
+        wait_for(
+            lambda: node.agent.get(f"/containerLogs/{node.namespace}/{name}/main") == (200, b"hello\n"),
+            timeout=30,
+            what="the container's first line",
+        )
+    events = watch.Watch().stream(
+        node.core.list_namespaced_pod,
+        node.namespace,
+        field_selector=f"metadata.name={name}",
+        resource_version=pod.metadata.resource_version,
+        timeout_seconds=30,
+    )
     node.core.delete_namespaced_pod(name, node.namespace, grace_period_seconds=5)
     last = None
     for event in events:
@@ -296,9 +351,17 @@ def test_restart_policy_on_failure_restarts_the_container(node: Node) -> None:
     manifest["spec"]["backoffLimit"] = 6
     manifest["spec"]["template"]["spec"]["restartPolicy"] = "OnFailure"
     node.batch.create_namespaced_job(node.namespace, manifest)
-    pod = wait_for(lambda: (lambda p: p if p is not None and p.status.container_statuses
-                            and p.status.container_statuses[0].restart_count >= 2 else None)(node.pod_of("again")),
-                   timeout=30, what="two restarts")
+    pod = wait_for(
+        lambda: (
+            lambda p: (
+                p
+                if p is not None and p.status.container_statuses and p.status.container_statuses[0].restart_count >= 2
+                else None
+            )
+        )(node.pod_of("again")),
+        timeout=30,
+        what="two restarts",
+    )
     last = pod.status.container_statuses[0].last_state.terminated
     assert last is not None and last.exit_code == 5
 
@@ -307,19 +370,22 @@ def test_restart_policy_on_failure_restarts_the_container(node: Node) -> None:
 
 
 @pytest.mark.parametrize("mode", ["exec", "simulate"])
-def test_after_a_crash_the_restarted_agent_fails_lost_processes_and_resumes_simulated_ones(tmp_path: Path, mode: str) -> None:
+def test_after_a_crash_the_restarted_agent_fails_lost_processes_and_resumes_simulated_ones(
+    tmp_path: Path, mode: str
+) -> None:
     for cluster, agent in _cluster_with_agent(tmp_path, mode, "crashy"):
         n = Node(cluster, agent, "default")
         manifest = _job("cut", mode, hang=True, marks=tmp_path)
         if mode == "simulate":
-            manifest["spec"]["template"]["metadata"]["annotations"].update({SIM + "outcome": "succeed",
-                                                                            SIM + "duration-ms": "3000"})
+            manifest["spec"]["template"]["metadata"]["annotations"].update(
+                {SIM + "outcome": "succeed", SIM + "duration-ms": "3000"}
+            )
         mark = Path(manifest["spec"]["template"]["spec"]["containers"][0]["env"][0]["value"])
         n.batch.create_namespaced_job("default", manifest)
         started = n.wait_pod("cut", "Running").status.container_statuses[0].state.running.started_at
         agent.signal(signal.SIGKILL)
         if mode == "exec":  # the process outlives its agent, as a container would its kubelet: end it
-            wait_for(lambda: Path(str(mark) + ".pid").exists(), what="the pid file")
+            wait_for(lambda mark=mark: Path(str(mark) + ".pid").exists(), what="the pid file")
             os.kill(int(Path(str(mark) + ".pid").read_text()), signal.SIGKILL)
         agent.start()
         if mode == "exec":
@@ -336,8 +402,12 @@ def test_after_a_crash_the_restarted_agent_fails_lost_processes_and_resumes_simu
 def test_the_agent_rides_out_an_api_server_restart(tmp_path: Path) -> None:
     """The API server goes away and comes back (same ports and state, its watch history gone):
     the agent's status write waits for it, its watches reconnect and list again."""
-    options: dict[str, Any] = {"mode": "simulate", "kubelet": False, "kubeconfig_path": tmp_path / "kubeconfig",
-                               "state_path": tmp_path / "state.jsonl"}
+    options: dict[str, Any] = {
+        "mode": "simulate",
+        "kubelet": False,
+        "kubeconfig_path": tmp_path / "kubeconfig",
+        "state_path": tmp_path / "state.jsonl",
+    }
     first = LocalCluster(**options)
     first.start()
     agent = Agent(first.kubeconfig, mode="simulate", name="steady", workdir=tmp_path / "node").start()
@@ -373,8 +443,10 @@ def test_sigterm_stops_the_containers_removes_the_node_and_exits_0(tmp_path: Pat
         pod = n.pod_of("stay")
         assert (pod.status.phase, pod.status.reason) == ("Failed", "Terminated")
         assert {c.type: c.reason for c in pod.status.conditions}["DisruptionTarget"] == "TerminationByKubelet"
-        for read in (lambda: n.core.read_node("leaving"),
-                     lambda: client.CoordinationV1Api(n.api).read_namespaced_lease("leaving", "kube-node-lease")):
+        for read in (
+            lambda n=n: n.core.read_node("leaving"),
+            lambda n=n: client.CoordinationV1Api(n.api).read_namespaced_lease("leaving", "kube-node-lease"),
+        ):
             with pytest.raises(client.ApiException) as e:
                 read()
             assert e.value.status == 404
@@ -388,15 +460,28 @@ def test_binding_assigns_an_unscheduled_pod_once() -> None:
     with LocalCluster(mode="simulate", kubelet=False) as cluster:
         api = config.new_client_from_config(config_file=str(cluster.kubeconfig))
         core = client.CoreV1Api(api)
-        pod = core.create_namespaced_pod("default", {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"}, "spec": {
-            "restartPolicy": "Never", "containers": [{"name": "c", "image": "i"}]}})
-        assert [p.metadata.name for p in core.list_namespaced_pod("default", field_selector="spec.nodeName=").items] == ["p"]
+        pod = core.create_namespaced_pod(
+            "default",
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": "p"},
+                "spec": {"restartPolicy": "Never", "containers": [{"name": "c", "image": "i"}]},
+            },
+        )
+        assert [
+            p.metadata.name for p in core.list_namespaced_pod("default", field_selector="spec.nodeName=").items
+        ] == ["p"]
         time.sleep(0.3)
         assert core.read_namespaced_pod("p", "default").status.phase == "Pending"  # no node runs it
 
         def bind(node: str, uid: str | None = None) -> tuple[int, dict[str, Any]]:
-            body = {"apiVersion": "v1", "kind": "Binding", "metadata": {"name": "p", "uid": uid},
-                    "target": {"apiVersion": "v1", "kind": "Node", "name": node}}
+            body = {
+                "apiVersion": "v1",
+                "kind": "Binding",
+                "metadata": {"name": "p", "uid": uid},
+                "target": {"apiVersion": "v1", "kind": "Node", "name": node},
+            }
             try:
                 resp = core.create_namespaced_pod_binding("p", "default", body, _preload_content=False)
                 return resp.status, json.loads(resp.data)
@@ -405,7 +490,9 @@ def test_binding_assigns_an_unscheduled_pod_once() -> None:
 
         code, status = bind("n1", uid="not-the-uid")  # the words kube-apiserver 1.36 uses
         assert (code, status["reason"], status["details"]) == (409, "Conflict", {"name": "p", "kind": "pods"})
-        assert status["message"].endswith(f"Precondition failed: UID in precondition: not-the-uid, UID in object meta: {pod.metadata.uid}")
+        assert status["message"].endswith(
+            f"Precondition failed: UID in precondition: not-the-uid, UID in object meta: {pod.metadata.uid}"
+        )
         code, status = bind("n1", uid=pod.metadata.uid)
         assert (code, status["status"]) == (201, "Success")
         bound = core.read_namespaced_pod("p", "default")
@@ -413,8 +500,13 @@ def test_binding_assigns_an_unscheduled_pod_once() -> None:
         assert [(c.type, c.status) for c in bound.status.conditions] == [("PodScheduled", "True")]
         code, status = bind("n2")
         assert (code, status["reason"]) == (409, "Conflict")
-        assert status["message"] == 'Operation cannot be fulfilled on pods/binding "p": pod p is already assigned to node "n1"'
-        assert [p.metadata.name for p in core.list_namespaced_pod("default", field_selector="spec.nodeName=n1").items] == ["p"]
+        assert (
+            status["message"]
+            == 'Operation cannot be fulfilled on pods/binding "p": pod p is already assigned to node "n1"'
+        )
+        assert [
+            p.metadata.name for p in core.list_namespaced_pod("default", field_selector="spec.nodeName=n1").items
+        ] == ["p"]
         assert core.list_namespaced_pod("default", field_selector="spec.nodeName=").items == []
         api.close()
 
@@ -422,26 +514,39 @@ def test_binding_assigns_an_unscheduled_pod_once() -> None:
 # --- pure ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("spec", "meta", "expected"), [
-    ({}, {}, True),
-    ({"schedulerName": "default-scheduler"}, {}, True),
-    ({"nodeName": "n"}, {}, False),
-    ({"schedulerName": "other"}, {}, False),
-    ({"schedulingGates": [{"name": "wait"}]}, {}, False),
-    ({}, {"deletionTimestamp": "2024-01-01T00:00:00Z"}, False),
-])
+@pytest.mark.parametrize(
+    ("spec", "meta", "expected"),
+    [
+        ({}, {}, True),
+        ({"schedulerName": "default-scheduler"}, {}, True),
+        ({"nodeName": "n"}, {}, False),
+        ({"schedulerName": "other"}, {}, False),
+        ({"schedulingGates": [{"name": "wait"}]}, {}, False),
+        ({}, {"deletionTimestamp": "2024-01-01T00:00:00Z"}, False),
+    ],
+)
 def test_which_pods_the_agent_binds(spec: dict[str, Any], meta: dict[str, Any], expected: bool) -> None:
     assert schedulable({"metadata": meta, "spec": spec}) is expected
 
 
-@pytest.mark.parametrize(("status", "expected"), [
-    ({}, False),
-    ({"phase": "Pending", "containerStatuses": [{"state": {"waiting": {"reason": "ContainerCreating"}}}]}, False),
-    ({"phase": "Running"}, True),
-    ({"phase": "Pending", "containerStatuses": [{"state": {"running": {}}}]}, True),
-    ({"phase": "Pending", "containerStatuses": [{"state": {"waiting": {"reason": "CrashLoopBackOff"}},
-                                                 "lastState": {"terminated": {"exitCode": 1}}}]}, True),
-])
+@pytest.mark.parametrize(
+    ("status", "expected"),
+    [
+        ({}, False),
+        ({"phase": "Pending", "containerStatuses": [{"state": {"waiting": {"reason": "ContainerCreating"}}}]}, False),
+        ({"phase": "Running"}, True),
+        ({"phase": "Pending", "containerStatuses": [{"state": {"running": {}}}]}, True),
+        (
+            {
+                "phase": "Pending",
+                "containerStatuses": [
+                    {"state": {"waiting": {"reason": "CrashLoopBackOff"}}, "lastState": {"terminated": {"exitCode": 1}}}
+                ],
+            },
+            True,
+        ),
+    ],
+)
 def test_a_pod_with_no_process_is_lost_only_if_it_ever_started(status: dict[str, Any], expected: bool) -> None:
     assert has_started({"status": status}) is expected
 
@@ -458,4 +563,7 @@ def test_log_slice_micro_time_and_node_status() -> None:
     assert status["daemonEndpoints"] == {"kubeletEndpoint": {"Port": 12345}}
     ready = next(c for c in status["conditions"] if c["type"] == "Ready")
     assert (ready["status"], ready["lastHeartbeatTime"], ready["lastTransitionTime"]) == (
-        "True", "2023-11-14T22:14:20Z", "2023-11-14T22:13:20Z")
+        "True",
+        "2023-11-14T22:14:20Z",
+        "2023-11-14T22:13:20Z",
+    )

@@ -47,7 +47,7 @@ def free(sim: Api, pod: Any) -> None:
     ])  # fmt: skip
 
 
-def stays(read, *, for_s: float = 0.5) -> bool:  # noqa: ANN001 - a reader that raises 404 once gone
+def stays(read, *, for_s: float = 0.5) -> bool:
     """True if `read` keeps finding its object for `for_s` (a controller has had its chance)."""
     deadline = time.monotonic() + for_s
     while time.monotonic() < deadline:

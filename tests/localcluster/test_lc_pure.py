@@ -8,7 +8,7 @@ import uuid
 import pytest
 
 from k8s_dispatch.localcluster import paths, simrunner
-from k8s_dispatch.localcluster.jobsync import PodView, TRACKING_FINALIZER, plan_job
+from k8s_dispatch.localcluster.jobsync import TRACKING_FINALIZER, PodView, plan_job
 from k8s_dispatch.localcluster.patching import PatchError, json_patch, merge_patch, strategic_merge_patch
 from k8s_dispatch.localcluster.registry import new_uid
 from k8s_dispatch.localcluster.resources import JOBS, NAMESPACES, PODS
@@ -19,9 +19,17 @@ NOW = 1_700_000_000.0
 
 
 def _job(**spec: object) -> dict:
-    return {"metadata": {"name": "j", "namespace": "d", "uid": "u"},
-            "spec": {"completions": 1, "parallelism": 1, "backoffLimit": 6, "template": {"spec": {"restartPolicy": "Never"}}, **spec},
-            "status": {}}
+    return {
+        "metadata": {"name": "j", "namespace": "d", "uid": "u"},
+        "spec": {
+            "completions": 1,
+            "parallelism": 1,
+            "backoffLimit": 6,
+            "template": {"spec": {"restartPolicy": "Never"}},
+            **spec,
+        },
+        "status": {},
+    }
 
 
 def _pod(name: str, phase: str, *, tracked: bool = True, deleting: bool = False, ready: bool = False) -> PodView:
@@ -82,8 +90,10 @@ def test_the_deadline_is_scheduled_then_enforced() -> None:
 
 def test_ttl_after_finished() -> None:
     job = _job(ttlSecondsAfterFinished=30)
-    job["status"] = {"conditions": [{"type": "Complete", "status": "True", "lastTransitionTime": rfc3339(NOW)}],
-                     "completionTime": rfc3339(NOW)}
+    job["status"] = {
+        "conditions": [{"type": "Complete", "status": "True", "lastTransitionTime": rfc3339(NOW)}],
+        "completionTime": rfc3339(NOW),
+    }
     assert plan_job(job, [], NOW + 10).requeue_at == NOW + 30
     assert plan_job(job, [], NOW + 30).delete_job
 
@@ -107,22 +117,39 @@ def test_terminating_pods_are_replaced_and_reported() -> None:
 
 
 def test_merge_patch_rfc7386() -> None:
-    assert merge_patch({"a": {"b": 1, "c": 2}, "l": [1]}, {"a": {"b": None, "d": 3}, "l": [2]}) == {"a": {"c": 2, "d": 3}, "l": [2]}
+    assert merge_patch({"a": {"b": 1, "c": 2}, "l": [1]}, {"a": {"b": None, "d": 3}, "l": [2]}) == {
+        "a": {"c": 2, "d": 3},
+        "l": [2],
+    }
 
 
 def test_strategic_merge_patch_directives() -> None:
-    pod = {"metadata": {"finalizers": ["a"], "labels": {"x": "1"}},
-           "spec": {"containers": [{"name": "c1", "image": "i1"}, {"name": "c2", "image": "i2"}]}}
-    out = strategic_merge_patch(pod, {"metadata": {"finalizers": ["b", "a"]},
-                                      "spec": {"containers": [{"name": "c2", "$patch": "delete"}, {"name": "c3", "image": "i3"}]}}, "Pod")
+    pod = {
+        "metadata": {"finalizers": ["a"], "labels": {"x": "1"}},
+        "spec": {"containers": [{"name": "c1", "image": "i1"}, {"name": "c2", "image": "i2"}]},
+    }
+    out = strategic_merge_patch(
+        pod,
+        {
+            "metadata": {"finalizers": ["b", "a"]},
+            "spec": {"containers": [{"name": "c2", "$patch": "delete"}, {"name": "c3", "image": "i3"}]},
+        },
+        "Pod",
+    )
     # kube-apiserver's order: the patch's own order, and an item new to the server before the server's next
     assert out["metadata"]["finalizers"] == ["b", "a"]
     assert [c["name"] for c in out["spec"]["containers"]] == ["c3", "c1"]
     env = {"spec": {"containers": [{"name": "c", "env": [{"name": "A", "value": "1"}, {"name": "C", "value": "3"}]}]}}
-    out = strategic_merge_patch(env, {"spec": {"containers": [{"name": "c", "env": [
-        {"name": "B", "value": "2"}, {"name": "C", "value": "33"}]}]}}, "Pod")
-    assert out["spec"]["containers"][0]["env"] == [{"name": "B", "value": "2"}, {"name": "A", "value": "1"},
-                                                   {"name": "C", "value": "33"}]  # as seen on kube-apiserver 1.36
+    out = strategic_merge_patch(
+        env,
+        {"spec": {"containers": [{"name": "c", "env": [{"name": "B", "value": "2"}, {"name": "C", "value": "33"}]}]}},
+        "Pod",
+    )
+    assert out["spec"]["containers"][0]["env"] == [
+        {"name": "B", "value": "2"},
+        {"name": "A", "value": "1"},
+        {"name": "C", "value": "33"},
+    ]  # as seen on kube-apiserver 1.36
     out = strategic_merge_patch(pod, {"metadata": {"labels": {"$patch": "replace", "y": "2"}}}, "Pod")
     assert out["metadata"]["labels"] == {"y": "2"}
     assert pod["metadata"]["labels"] == {"x": "1"}  # inputs untouched
@@ -132,11 +159,23 @@ def test_strategic_merge_patch_directives() -> None:
 
 def test_json_patch_operations() -> None:
     doc = {"a": [1, 2], "b": {"c": 1}}
-    out = json_patch(doc, [{"op": "add", "path": "/a/-", "value": 3}, {"op": "move", "from": "/b/c", "path": "/d"},
-                           {"op": "copy", "from": "/d", "path": "/e"}, {"op": "replace", "path": "/a/0", "value": 0},
-                           {"op": "test", "path": "/e", "value": 1}])
+    out = json_patch(
+        doc,
+        [
+            {"op": "add", "path": "/a/-", "value": 3},
+            {"op": "move", "from": "/b/c", "path": "/d"},
+            {"op": "copy", "from": "/d", "path": "/e"},
+            {"op": "replace", "path": "/a/0", "value": 0},
+            {"op": "test", "path": "/e", "value": 1},
+        ],
+    )
     assert out == {"a": [0, 2, 3], "b": {}, "d": 1, "e": 1} and doc == {"a": [1, 2], "b": {"c": 1}}
-    for bad in ([{"op": "remove", "path": "/zz"}], [{"op": "test", "path": "/a/0", "value": 9}], [{"op": "nope", "path": "/a"}], {"op": "add"}):
+    for bad in (
+        [{"op": "remove", "path": "/zz"}],
+        [{"op": "test", "path": "/a/0", "value": 9}],
+        [{"op": "nope", "path": "/a"}],
+        {"op": "add"},
+    ):
         with pytest.raises(PatchError):
             json_patch(doc, bad)
 
@@ -144,8 +183,20 @@ def test_json_patch_operations() -> None:
 # --- misc -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("seconds", "text"), [(0, "0s"), (59, "59s"), (119, "119s"), (150, "2m30s"), (600, "10m"),
-                                                (3 * 3600 + 60, "3h1m"), (10 * 3600, "10h"), (3 * 86400, "3d"), (-5, "<invalid>")])
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [
+        (0, "0s"),
+        (59, "59s"),
+        (119, "119s"),
+        (150, "2m30s"),
+        (600, "10m"),
+        (3 * 3600 + 60, "3h1m"),
+        (10 * 3600, "10h"),
+        (3 * 86400, "3d"),
+        (-5, "<invalid>"),
+    ],
+)
 def test_human_durations_match_kubectl(seconds: float, text: str) -> None:
     assert human_duration(seconds) == text
 
@@ -162,8 +213,10 @@ def test_paths() -> None:
 
 
 def test_simulate_plan_from_annotations() -> None:
-    pod = {"metadata": {"annotations": {simrunner.OUTCOME: "fail", simrunner.DURATION: "250"}},
-           "spec": {"containers": [{"env": [{"name": "K8S_DISPATCH_INPUT", "value": "[1, 2]"}]}]}}
+    pod = {
+        "metadata": {"annotations": {simrunner.OUTCOME: "fail", simrunner.DURATION: "250"}},
+        "spec": {"containers": [{"env": [{"name": "K8S_DISPATCH_INPUT", "value": "[1, 2]"}]}]},
+    }
     p = simrunner.plan(pod)
     assert (p.outcome, p.exit_code, p.duration, p.message) == ("fail", 1, 0.25, '{"simulated":true,"input":[1,2]}')
     assert simrunner.plan({"metadata": {}, "spec": {}}).message == '{"simulated":true,"input":null}'

@@ -38,22 +38,37 @@ def test_label_values_follow_the_label_grammar(value: str) -> None:
 def _job(**spec_and_template: object) -> dict:
     containers = spec_and_template.pop("containers", [{"name": "c", "image": "i"}])
     restart = spec_and_template.pop("restartPolicy", "Never")
-    return {"metadata": {"name": "j", "namespace": "default"},
-            "spec": {"selector": {}, "template": {"spec": {"restartPolicy": restart, "containers": containers}},
-                     **spec_and_template}}
+    return {
+        "metadata": {"name": "j", "namespace": "default"},
+        "spec": {
+            "selector": {},
+            "template": {"spec": {"restartPolicy": restart, "containers": containers}},
+            **spec_and_template,
+        },
+    }
 
 
 @pytest.mark.parametrize(
     ("job", "field", "message"),
     [
-        (_job(restartPolicy="Always"), "spec.template.spec.restartPolicy",
-         'Required value: valid values: "OnFailure", "Never"'),  # as kube-apiserver 1.36 words it
+        (
+            _job(restartPolicy="Always"),
+            "spec.template.spec.restartPolicy",
+            'Required value: valid values: "OnFailure", "Never"',
+        ),  # as kube-apiserver 1.36 words it
         (_job(containers=[]), "spec.template.spec.containers", "Required value"),
         (_job(containers=[{"name": "c"}]), "spec.template.spec.containers[0].image", "Required value"),
-        (_job(containers=[{"name": "C_1", "image": "i"}]), "spec.template.spec.containers[0].name", 'Invalid value: "C_1"'),
+        (
+            _job(containers=[{"name": "C_1", "image": "i"}]),
+            "spec.template.spec.containers[0].name",
+            'Invalid value: "C_1"',
+        ),
         (_job(backoffLimit=-1), "spec.backoffLimit", "Invalid value: -1: must be greater than or equal to 0"),
-        (_job(containers=[{"name": "c", "image": "i", "env": [{"name": "1X", "value": "v"}]}]),
-         "spec.template.spec.containers[0].env[0].name", 'Invalid value: "1X"'),
+        (
+            _job(containers=[{"name": "c", "image": "i", "env": [{"name": "1X", "value": "v"}]}]),
+            "spec.template.spec.containers[0].env[0].name",
+            'Invalid value: "1X"',
+        ),
     ],
 )
 def test_invalid_jobs_name_the_field(job: dict, field: str, message: str) -> None:

@@ -8,10 +8,10 @@ import json
 import threading
 
 import pytest
+from conftest import Api, job_manifest, raw_request, wait_for
 from kubernetes import client, watch
 from kubernetes.client import ApiException
 
-from conftest import Api, job_manifest, raw_request, wait_for
 from k8s_dispatch.localcluster import LocalCluster
 
 HANG = {"localcluster.k8s-dispatch.io/outcome": "hang"}
@@ -25,8 +25,13 @@ def test_watch_from_a_list_sees_changes_in_order(sim: Api) -> None:
     w = watch.Watch()
 
     def consume() -> None:
-        for ev in w.stream(sim.batch.list_namespaced_job, sim.namespace, label_selector="w=yes",
-                           resource_version=listed.metadata.resource_version, timeout_seconds=5):
+        for ev in w.stream(
+            sim.batch.list_namespaced_job,
+            sim.namespace,
+            label_selector="w=yes",
+            resource_version=listed.metadata.resource_version,
+            timeout_seconds=5,
+        ):
             events.append((ev["type"], ev["object"].metadata.name, ev["object"].metadata.labels or {}))
             if ev["type"] == "DELETED" and ev["object"].metadata.name == "w2":
                 w.stop()
@@ -50,8 +55,10 @@ def test_watch_from_zero_replays_current_objects_and_honours_timeout(sim: Api) -
     sim.create_job(job_manifest("z1", annotations=HANG))
     sim.create_job(job_manifest("z2", annotations=HANG))
     w = watch.Watch()
-    names = [(e["type"], e["object"].metadata.name)
-             for e in w.stream(sim.batch.list_namespaced_job, sim.namespace, resource_version="0", timeout_seconds=1)]
+    names = [
+        (e["type"], e["object"].metadata.name)
+        for e in w.stream(sim.batch.list_namespaced_job, sim.namespace, resource_version="0", timeout_seconds=1)
+    ]
     # each Job is replayed as ADDED; the controller's later status writes may follow as MODIFIED
     assert names[:2] == [("ADDED", "z1"), ("ADDED", "z2")]
     assert {t for t, _ in names[2:]} <= {"MODIFIED"}
@@ -60,7 +67,9 @@ def test_watch_from_zero_replays_current_objects_and_honours_timeout(sim: Api) -
 def test_watch_by_name_on_the_watch_path(sim: Api) -> None:
     sim.create_job(job_manifest("solo", annotations=HANG))
     sim.create_job(job_manifest("noise", annotations=HANG))
-    code, _, body = raw_request(sim.cluster, "GET", f"/apis/batch/v1/watch/namespaces/{sim.namespace}/jobs/solo?timeoutSeconds=1")
+    code, _, body = raw_request(
+        sim.cluster, "GET", f"/apis/batch/v1/watch/namespaces/{sim.namespace}/jobs/solo?timeoutSeconds=1"
+    )
     lines = [json.loads(line) for line in body.splitlines()]
     assert code == 200 and lines
     assert {ln["object"]["metadata"]["name"] for ln in lines} == {"solo"}
@@ -69,10 +78,12 @@ def test_watch_by_name_on_the_watch_path(sim: Api) -> None:
 
 def test_bookmarks_carry_a_resource_version(sim: Api) -> None:
     rv = sim.batch.list_namespaced_job(sim.namespace).metadata.resource_version
-    code, _, body = raw_request(
-        sim.cluster, "GET",
+    _code, _, body = raw_request(
+        sim.cluster,
+        "GET",
         f"/apis/batch/v1/namespaces/{sim.namespace}/jobs?watch=true&allowWatchBookmarks=true&sendInitialEvents=true"
-        f"&resourceVersionMatch=NotOlderThan&resourceVersion={rv}&timeoutSeconds=1")
+        f"&resourceVersionMatch=NotOlderThan&resourceVersion={rv}&timeoutSeconds=1",
+    )
     events = [json.loads(line) for line in body.splitlines()]
     bookmark = next(e for e in events if e["type"] == "BOOKMARK")
     assert bookmark["object"]["metadata"]["annotations"] == {"k8s.io/initial-events-end": "true"}
@@ -82,6 +93,7 @@ def test_bookmarks_carry_a_resource_version(sim: Api) -> None:
 def test_a_too_old_resource_version_is_a_410_error_event() -> None:
     with LocalCluster(mode="simulate", event_log_size=20, tls=False) as cluster:
         from kubernetes import config
+
         api_client = config.new_client_from_config(config_file=str(cluster.kubeconfig))
         try:
             batch = client.BatchV1Api(api_client)
@@ -89,7 +101,9 @@ def test_a_too_old_resource_version_is_a_410_error_event() -> None:
             for i in range(15):  # each Job makes several events: the log forgets old_rv
                 batch.create_namespaced_job("default", job_manifest(f"o{i}", annotations=HANG))
             wait_for(lambda: len(client.CoreV1Api(api_client).list_namespaced_pod("default").items) == 15, what="pods")
-            code, _, body = raw_request(cluster, "GET", f"/apis/batch/v1/namespaces/default/jobs?watch=1&resourceVersion={old_rv}")
+            code, _, body = raw_request(
+                cluster, "GET", f"/apis/batch/v1/namespaces/default/jobs?watch=1&resourceVersion={old_rv}"
+            )
             event = json.loads(body.splitlines()[0])
             assert code == 200 and event["type"] == "ERROR"
             assert event["object"]["code"] == 410 and event["object"]["reason"] == "Expired"
@@ -160,12 +174,20 @@ def test_foreground_deletion_waits_for_the_pods(sim: Api) -> None:
 
 
 def test_pod_deletion_grace_and_preconditions(sim: Api) -> None:
-    sim.core.create_namespaced_pod(sim.namespace, {"metadata": {"name": "p", "annotations": HANG},
-                                                   "spec": {"containers": [{"name": "c", "image": "i"}]}})
-    running = wait_for(lambda: (lambda p: p if p.status.phase == "Running" else None)(sim.core.read_namespaced_pod("p", sim.namespace)),
-                       what="pod running")
+    sim.core.create_namespaced_pod(
+        sim.namespace,
+        {"metadata": {"name": "p", "annotations": HANG}, "spec": {"containers": [{"name": "c", "image": "i"}]}},
+    )
+    running = wait_for(
+        lambda: (lambda p: p if p.status.phase == "Running" else None)(
+            sim.core.read_namespaced_pod("p", sim.namespace)
+        ),
+        what="pod running",
+    )
     with pytest.raises(ApiException) as e:
-        sim.core.delete_namespaced_pod("p", sim.namespace, body=client.V1DeleteOptions(preconditions=client.V1Preconditions(uid="other")))
+        sim.core.delete_namespaced_pod(
+            "p", sim.namespace, body=client.V1DeleteOptions(preconditions=client.V1Preconditions(uid="other"))
+        )
     assert e.value.status == 409
     out = sim.core.delete_namespaced_pod("p", sim.namespace, grace_period_seconds=0)
     assert out.metadata.uid == running.metadata.uid
@@ -176,8 +198,10 @@ def test_deleting_a_running_jobs_pod_counts_a_failure_and_replaces_it(sim: Api) 
     sim.create_job(job_manifest("replace", annotations=HANG, backoffLimit=3))
     first = wait_for(lambda: sim.pods_of("replace"), what="pod")[0].metadata.name
     sim.core.delete_namespaced_pod(first, sim.namespace)
-    job = wait_for(lambda: (lambda j: j if j.status.failed == 1 and j.status.active == 1 else None)(sim.job("replace")),
-                   what="failed=1, active=1")
+    job = wait_for(
+        lambda: (lambda j: j if j.status.failed == 1 and j.status.active == 1 else None)(sim.job("replace")),
+        what="failed=1, active=1",
+    )
     names = [p.metadata.name for p in sim.pods_of("replace")]
     assert first not in names and len(names) == 1
     assert job.status.terminating == 0

@@ -63,7 +63,9 @@ def run_demo(tmp_path: Path, env: dict[str, str], *args: str) -> tuple[subproces
     cwd, tmp = tmp_path / "cwd", tmp_path / "tmp"
     cwd.mkdir()
     tmp.mkdir()
-    result = subprocess.run([SCRIPT, "demo", *args], env=demo_env(tmp, **env), cwd=cwd, capture_output=True, text=True, timeout=150)
+    result = subprocess.run(
+        [SCRIPT, "demo", *args], env=demo_env(tmp, **env), cwd=cwd, capture_output=True, text=True, timeout=150
+    )
     print(result.stdout, result.stderr)
     return result, cwd, tmp
 
@@ -84,7 +86,9 @@ def test_the_demo_runs_on_embedded_defaults_when_no_redis_answers(tmp_path: Path
 
 def test_the_demo_uses_the_configured_redis_and_postgresql(tmp_path: Path, redis_url: str, new_pg_database) -> None:
     pg_url = new_pg_database()  # its own: the demo's sweeps act on every row of the database
-    result, cwd, tmp = run_demo(tmp_path, {"redis_url": redis_url, "database_url": pg_url}, "--count", "12", "--broker", "redis")
+    result, cwd, tmp = run_demo(
+        tmp_path, {"redis_url": redis_url, "database_url": pg_url}, "--count", "12", "--broker", "redis"
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr
     assert f"Redis at {redis_url}" in result.stdout and "postgresql" in result.stdout
     match = OK_LINE.search(result.stdout)
@@ -141,7 +145,9 @@ def test_the_plan_spreads_capabilities_and_tenancies_and_has_one_bad_input() -> 
 def test_a_summary_holds_only_when_every_dispatch_ended_once_as_expected() -> None:
     good = DemoRequest("demo.x", {}, "c", "t", "k1", expected={"n": 1})
     bad = DemoRequest("demo.x", {}, "c", "t", "k2", must_fail=True)
-    ok = summarise([good, bad], ["a", "b"], {"a": outcome("COMPLETED", {"n": 1}), "b": outcome("FAILED")}, jobs_left=0, elapsed_s=1)
+    ok = summarise(
+        [good, bad], ["a", "b"], {"a": outcome("COMPLETED", {"n": 1}), "b": outcome("FAILED")}, jobs_left=0, elapsed_s=1
+    )
     assert ok.ok and (ok.completed, ok.failed, ok.failed_as_intended, ok.right_outputs) == (1, 1, 1, 1)
 
     cases = {
@@ -154,7 +160,9 @@ def test_a_summary_holds_only_when_every_dispatch_ended_once_as_expected() -> No
     }
     for name, outcomes in cases.items():
         assert not summarise([good, bad], ["a", "b"], outcomes, jobs_left=0, elapsed_s=1).ok, name
-    assert not summarise([good, bad], ["a", "b"], {"a": outcome("COMPLETED", {"n": 1}), "b": outcome("FAILED")}, jobs_left=1, elapsed_s=1).ok
+    assert not summarise(
+        [good, bad], ["a", "b"], {"a": outcome("COMPLETED", {"n": 1}), "b": outcome("FAILED")}, jobs_left=1, elapsed_s=1
+    ).ok
     unnotified = {"a": Outcome("COMPLETED", {"n": 1}, None, 1, notified=False), "b": outcome("FAILED")}
     assert not summarise([good, bad], ["a", "b"], unnotified, jobs_left=0, elapsed_s=1).ok
 

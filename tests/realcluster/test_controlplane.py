@@ -12,19 +12,20 @@ from pathlib import Path
 
 import pytest
 import yaml
+from clusters import ClusterHandle
 from kubernetes import client
 
-from clusters import ClusterHandle
-from k8s_dispatch.realcluster import binaries
 from k8s_dispatch.ops.processes import wait_until
+from k8s_dispatch.realcluster import binaries
 
 ROOT = Path(__file__).resolve().parents[2]
 SIM = "localcluster.k8s-dispatch.io/"
 
 
 def _kubectl(*args: str, kubeconfig: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["kubectl", "--kubeconfig", str(kubeconfig), *args],
-                          capture_output=True, text=True, timeout=60, check=False)
+    return subprocess.run(
+        ["kubectl", "--kubeconfig", str(kubeconfig), *args], capture_output=True, text=True, timeout=60, check=False
+    )
 
 
 def _wait(fn, *, timeout: float = 60.0, what: str):
@@ -41,7 +42,9 @@ def test_the_build_is_keyed_and_idempotent(real_cluster: ClusterHandle) -> None:
 
 
 def test_kubectl_shows_the_pinned_version(real_cluster: ClusterHandle) -> None:
-    pinned = re.search(r"^(?:require)?\s*k8s\.io/kubernetes (v\S+)", (ROOT / "tools/kube/go.mod").read_text(), re.M).group(1)
+    pinned = re.search(
+        r"^(?:require)?\s*k8s\.io/kubernetes (v\S+)", (ROOT / "tools/kube/go.mod").read_text(), re.M
+    ).group(1)
     out = _kubectl("version", "-o", "json", kubeconfig=real_cluster.kubeconfig)
     assert out.returncode == 0, out.stderr
     server = json.loads(out.stdout)["serverVersion"]
@@ -55,7 +58,8 @@ def test_rbac_is_enforced_for_a_service_account(real_cluster: ClusterHandle, tmp
         core = client.CoreV1Api(api)
         core.create_namespaced_service_account(ns, {"metadata": {"name": "nobody"}})
         token = core.create_namespaced_service_account_token(
-            "nobody", ns, {"spec": {"expirationSeconds": 600}}).status.token
+            "nobody", ns, {"spec": {"expirationSeconds": 600}}
+        ).status.token
     status, _, body = real_cluster.raw("GET", f"/apis/batch/v1/namespaces/{ns}/jobs", token=token)
     assert status == 403, body
     assert json.loads(body)["reason"] == "Forbidden"
@@ -68,10 +72,18 @@ def test_the_job_controller_runs_a_pod_on_our_node(real_cluster: ClusterHandle, 
     if restart_first:
         real_cluster.backend.restart_controller_manager()
     ns = real_cluster.ensure_namespace(f"job-runs-{int(restart_first)}")
-    job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "hello"},
-           "spec": {"backoffLimit": 0, "template": {
-               "metadata": {"annotations": {SIM + "duration-ms": "200", SIM + "result": '{"ok": 1}'}},
-               "spec": {"restartPolicy": "Never", "containers": [{"name": "main", "image": "sim:1"}]}}}}
+    job = {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": "hello"},
+        "spec": {
+            "backoffLimit": 0,
+            "template": {
+                "metadata": {"annotations": {SIM + "duration-ms": "200", SIM + "result": '{"ok": 1}'}},
+                "spec": {"restartPolicy": "Never", "containers": [{"name": "main", "image": "sim:1"}]},
+            },
+        },
+    }
     with real_cluster.api_client() as api:
         batch, core = client.BatchV1Api(api), client.CoreV1Api(api)
         batch.create_namespaced_job(ns, job)
@@ -106,15 +118,23 @@ def test_serve_writes_a_kubeconfig_and_removes_everything_on_sigterm(tmp_path: P
 
     kubeconfig = tmp_path / "rc.kubeconfig"
     env = {**os.environ, "TMPDIR": str(tmp_path)}
-    proc = subprocess.Popen([sys.executable, "-m", "k8s_dispatch.realcluster", "serve", "--kubeconfig", str(kubeconfig),
-                             "--mode", "none"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "k8s_dispatch.realcluster", "serve", "--kubeconfig", str(kubeconfig), "--mode", "none"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         _wait(lambda: kubeconfig.exists(), timeout=120, what="the kubeconfig")
         doc = yaml.safe_load(kubeconfig.read_text())
         assert doc["clusters"][0]["cluster"]["server"].startswith("https://127.0.0.1:")
-        _wait(lambda: _kubectl("get", "--raw", "/readyz", kubeconfig=kubeconfig).returncode == 0,
-              timeout=60, what="readyz through the written kubeconfig")
+        _wait(
+            lambda: _kubectl("get", "--raw", "/readyz", kubeconfig=kubeconfig).returncode == 0,
+            timeout=60,
+            what="readyz through the written kubeconfig",
+        )
     finally:
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)

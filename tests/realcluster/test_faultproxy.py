@@ -13,13 +13,14 @@ import threading
 import types
 from collections.abc import Iterator
 from dataclasses import replace
+
 import pytest
+from clusters import ClusterHandle
 from kubernetes import client, watch
 
-from clusters import ClusterHandle
+from k8s_dispatch.ops.processes import free_port, wait_for_log
 from k8s_dispatch.realcluster import faultproxy
 from k8s_dispatch.realcluster.controlplane import User, kubeconfig_text
-from k8s_dispatch.ops.processes import free_port, wait_for_log
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +60,9 @@ def config_map(name: str) -> dict:
     return {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": name}, "data": {"k": "v"}}
 
 
-def test_requests_errors_and_watches_pass_through_as_sent(faults_off: ClusterHandle, real_cluster: ClusterHandle) -> None:
+def test_requests_errors_and_watches_pass_through_as_sent(
+    faults_off: ClusterHandle, real_cluster: ClusterHandle
+) -> None:
     ns = real_cluster.ensure_namespace("faultproxy-pass")
     with faults_off.api_client() as api:
         core = client.CoreV1Api(api)
@@ -75,8 +78,12 @@ def test_requests_errors_and_watches_pass_through_as_sent(faults_off: ClusterHan
 
         def watch_through_proxy() -> None:
             w = watch.Watch()
-            for event in w.stream(core.list_namespaced_config_map, ns, resource_version=listed.metadata.resource_version,
-                                  timeout_seconds=20):
+            for event in w.stream(
+                core.list_namespaced_config_map,
+                ns,
+                resource_version=listed.metadata.resource_version,
+                timeout_seconds=20,
+            ):
                 seen.append(f"{event['type']} {event['object'].metadata.name}")
                 if event["object"].metadata.name == "later":
                     w.stop()

@@ -10,7 +10,9 @@ from k8s_dispatch.workers.types import DispatchRef
 SIM = "localcluster.k8s-dispatch.io/"  # localcluster's simulate-mode annotations
 
 
-def forge_job(kube, namespace: str, ref: DispatchRef, *, deployment: str | None, result: str = '{"forged": true}') -> str:
+def forge_job(
+    kube, namespace: str, ref: DispatchRef, *, deployment: str | None, result: str = '{"forged": true}'
+) -> str:
     """Create a Job carrying `ref`'s labels, `deployment`'s (None: none, as a Job made before the
     label existed) and our finalizer; return its name."""
     labels, annotations = job_labels.encode(ref, deployment=deployment)

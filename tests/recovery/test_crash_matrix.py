@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 import yaml
 from celery import Celery
+from clusters import LOCAL, REAL, ClusterHandle, local_handle
 from forged_jobs import SIM, forge_job
 
 from k8s_dispatch import celeryconfig as names
@@ -34,15 +35,14 @@ from k8s_dispatch.engine.db import transaction
 from k8s_dispatch.engine.errors import ApiUnavailable
 from k8s_dispatch.engine.models import DispatchState, EventType
 from k8s_dispatch.engine.settings import Settings, load_settings
-from clusters import LOCAL, REAL, ClusterHandle, local_handle
 from k8s_dispatch.localcluster import LocalCluster
 from k8s_dispatch.localcluster.cluster import token_from_kubeconfig
+from k8s_dispatch.ops.processes import ManagedProcess, celery_beat, celery_worker, wait_until
 from k8s_dispatch.recovery import delivery, stats
 from k8s_dispatch.recovery.crashpoints import ENV_VAR as CRASH_AT
 from k8s_dispatch.recovery.crashpoints import Point
 from k8s_dispatch.recovery.reconcile import ORPHANS_REPORTED
 from k8s_dispatch.recovery.runtime import Runtime
-from k8s_dispatch.ops.processes import ManagedProcess, celery_beat, celery_worker, wait_until
 from k8s_dispatch.tasks.recovery_tasks import STARTUP_SWEEP_DONE
 from k8s_dispatch.tasks.scheduling import schedule_in_session
 from k8s_dispatch.workers import labels as job_labels
@@ -133,7 +133,11 @@ class Site:
                     idempotency_key=f"key-{uuid.uuid4()}", router=self.rt.resolver,
                     max_input_bytes=self.settings.max_input_bytes,
                 )  # fmt: skip
-                result = schedule_in_session(session, via=self.producer, **request) if send else store.schedule(session, **request)
+                result = (
+                    schedule_in_session(session, via=self.producer, **request)
+                    if send
+                    else store.schedule(session, **request)
+                )
                 ids.append(result.dispatch_id)
         return ids
 
@@ -141,7 +145,7 @@ class Site:
         """Dispatches requested with the Celery `schedule` task; ids chosen here."""
         case_id = self.new_case()
         ids = [str(uuid.uuid4()) for _ in values]
-        for dispatch_id, value in zip(ids, values):
+        for dispatch_id, value in zip(ids, values, strict=True):
             self.producer.send_task(
                 names.SCHEDULE_TASK,
                 args=[case_id, "tenant-a", "sim.ok", value, f"key-{dispatch_id}"],
@@ -168,7 +172,11 @@ class Site:
         """Our Jobs in the namespace; the test's own reads retry the faults a flaky API injects."""
         for _ in range(20):
             try:
-                return [j for page in self.rt.kube.iter_jobs(self.namespace, label_selector=job_labels.selector()) for j in page]
+                return [
+                    j
+                    for page in self.rt.kube.iter_jobs(self.namespace, label_selector=job_labels.selector())
+                    for j in page
+                ]
             except ApiUnavailable:
                 time.sleep(0.05)
         raise AssertionError("the API server kept failing the test's own reads")
@@ -189,8 +197,10 @@ class Site:
         """Every dispatch: exactly one terminal event, the right output; no Job, finalizer or claim left."""
         self.wait(lambda: self.all_terminal(ids), what=f"{len(ids)} dispatches terminal")
         events = self.terminal_events(ids)
-        for dispatch_id, value in zip(ids, values):
-            assert events[dispatch_id] == [(EventType.WORKER_COMPLETED, {"output": expected_output(value)})], dispatch_id
+        for dispatch_id, value in zip(ids, values, strict=True):
+            assert events[dispatch_id] == [(EventType.WORKER_COMPLETED, {"output": expected_output(value)})], (
+                dispatch_id
+            )
         self.wait(lambda: not self.jobs(), timeout_s=30, what="no Job (and so no finalizer) left")
         self.wait(lambda: set(self.notifications()) >= set(ids), timeout_s=30, what="every dispatch notified")
         # A claim whose holder died expires (lease 5 s): none is held for ever.
@@ -308,7 +318,9 @@ def crashed_before_complete_write(site: Site, ids: list[str]) -> None:
 def crashed_after_complete_write(site: Site, ids: list[str]) -> None:
     with_finalizer = {j["metadata"]["name"] for j in site.jobs() if FINALIZER in j["metadata"].get("finalizers", [])}
     rows = site.rows(ids)
-    assert any(r.terminal and r.notified_at is None and job_name(r.dispatch_id) in with_finalizer for r in rows.values())
+    assert any(
+        r.terminal and r.notified_at is None and job_name(r.dispatch_id) in with_finalizer for r in rows.values()
+    )
 
 
 def crashed_mid_sweep(site: Site, ids: list[str]) -> None:
@@ -404,7 +416,7 @@ def test_three_replicas_starting_at_once_on_300_finished_jobs_deliver_each_once(
 
     events = site.terminal_events(ids)
     assert sum(len(e) for e in events.values()) == 300
-    for dispatch_id, value in zip(ids, values):
+    for dispatch_id, value in zip(ids, values, strict=True):
         assert events[dispatch_id] == [(EventType.WORKER_COMPLETED, {"output": expected_output(value)})]
     assert site.rt.stats.get(stats.COMPLETIONS_WRITTEN) == 300
     # The replicas met on the same dispatches: the guard turned duplicates away, or a replica
@@ -515,7 +527,12 @@ def test_a_forged_job_and_a_tenancy_mismatched_job_are_never_delivered(cluster, 
     forged = forge_job(site.rt.kube, site.namespace, forged_ref, deployment=site.settings.effective_deployment)
     [victim] = site.schedule([{"victim": 1}], send=False)
     victim_ref = delivery.load_record(site.rt, victim).ref
-    forge_job(site.rt.kube, site.namespace, DispatchRef(**{**victim_ref.__dict__, "tenancy_id": "tenant-b"}), deployment=site.settings.effective_deployment)
+    forge_job(
+        site.rt.kube,
+        site.namespace,
+        DispatchRef(**{**victim_ref.__dict__, "tenancy_id": "tenant-b"}),
+        deployment=site.settings.effective_deployment,
+    )
     values = [{"honest": i} for i in range(4)]
     honest = site.schedule(values)
 
@@ -531,7 +548,10 @@ def test_a_forged_job_and_a_tenancy_mismatched_job_are_never_delivered(cluster, 
     assert not {victim, forged_ref.dispatch_id} & set(site.notifications())
     assert "never delivering job" in site.procs[0].log_path.read_text()
     events = site.terminal_events(honest)
-    assert all(events[d] == [(EventType.WORKER_COMPLETED, {"output": expected_output(v)})] for d, v in zip(honest, values))
+    assert all(
+        events[d] == [(EventType.WORKER_COMPLETED, {"output": expected_output(v)})]
+        for d, v in zip(honest, values, strict=True)
+    )
 
 
 # --- start-up ordering ------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from typing import Any
 import kubernetes
 import pytest
 import sqlalchemy as sa
+from clusters import LOCAL, REAL, ClusterHandle
 from forged_jobs import SIM, forge_job
 
 from k8s_dispatch.engine import store
@@ -22,8 +23,8 @@ from k8s_dispatch.engine.db import transaction
 from k8s_dispatch.engine.errors import ApiUnavailable, BrokerUnavailable, InvalidId, UnknownDispatch
 from k8s_dispatch.engine.models import DispatchState, EventType
 from k8s_dispatch.engine.settings import load_settings
-from clusters import LOCAL, REAL, ClusterHandle
 from k8s_dispatch.localcluster import LocalCluster
+from k8s_dispatch.ops.processes import wait_until
 from k8s_dispatch.recovery import stats
 from k8s_dispatch.recovery.delivery import (
     JOB_NAME_LABEL,
@@ -43,7 +44,6 @@ from k8s_dispatch.recovery.delivery import (
 )
 from k8s_dispatch.recovery.reconcile import run_sweep
 from k8s_dispatch.recovery.runtime import Runtime
-from k8s_dispatch.ops.processes import wait_until
 from k8s_dispatch.workers import labels as job_labels
 from k8s_dispatch.workers.job_status import job_state
 from k8s_dispatch.workers.manifest import FINALIZER, job_name
@@ -146,7 +146,7 @@ def rt(make_runtime, notified) -> Runtime:
     return make_runtime(notifier=notified)
 
 
-def schedule(rt: Runtime, capability: str, input: Any = None, *, tenancy: str = "tenant-a") -> str:  # noqa: A002
+def schedule(rt: Runtime, capability: str, input: Any = None, *, tenancy: str = "tenant-a") -> str:
     case_id = f"case-{uuid.uuid4().hex[:8]}"
     with transaction(rt.sessions) as session:
         store.create_case(session, case_id=case_id, tenancy_id=tenancy)
@@ -167,7 +167,9 @@ def job_finished(rt: Runtime, dispatch_id: str) -> dict[str, Any]:
     namespace = rt.settings.namespace
     return wait_until(
         lambda: (lambda j: j if job_state(j).terminal else None)(rt.kube.get_job(namespace, job_name(dispatch_id))),
-        what=f"job of {dispatch_id} finished", timeout=30.0)
+        what=f"job of {dispatch_id} finished",
+        timeout=30.0,
+    )
 
 
 def events(rt: Runtime, dispatch_id: str) -> list[tuple[str, Any]]:
@@ -231,7 +233,9 @@ def test_a_second_create_adopts_the_job_instead_of_doubling_it(rt):
 
 def listed_finished(rt: Runtime) -> list[dict[str, Any]]:
     """What poll hands off: snapshots of the finished Jobs one LIST of undelivered Jobs shows."""
-    pages = rt.kube.iter_jobs(rt.settings.namespace, label_selector=job_labels.undelivered_selector(rt.settings.effective_deployment))
+    pages = rt.kube.iter_jobs(
+        rt.settings.namespace, label_selector=job_labels.undelivered_selector(rt.settings.effective_deployment)
+    )
     return [job_snapshot(job) for page in pages for job in page if job_state(job).terminal]
 
 
@@ -255,7 +259,9 @@ def test_a_batch_of_listed_jobs_is_delivered_without_a_get_or_a_delete_per_job(c
     }  # fmt: skip
 
     for dispatch_id, value in inputs.items():
-        assert events(rt, dispatch_id)[1:] == [(EventType.WORKER_COMPLETED, {"output": {"simulated": True, "input": value}})]
+        assert events(rt, dispatch_id)[1:] == [
+            (EventType.WORKER_COMPLETED, {"output": {"simulated": True, "input": value}})
+        ]
     assert sorted(notified.ids) == sorted(inputs)
     selector = f"{JOB_NAME_LABEL} in ({','.join(names)})"
     wait_until(lambda: not any(job_exists(rt, d) for d in inputs), what="every job deleted", timeout=10.0)
@@ -334,7 +340,9 @@ def test_a_mixed_batch_gives_each_job_its_own_outcome_in_order(rt, notified):
         job_finished(rt, dispatch_id)
     held = rt.guard.claim(elsewhere)  # another replica is delivering it
     assert held is not None
-    pages = rt.kube.iter_jobs(rt.settings.namespace, label_selector=job_labels.undelivered_selector(rt.settings.effective_deployment))
+    pages = rt.kube.iter_jobs(
+        rt.settings.namespace, label_selector=job_labels.undelivered_selector(rt.settings.effective_deployment)
+    )
     listed = {j["metadata"]["name"]: job_snapshot(j) for page in pages for j in page}
     batch = [listed[job_name(d)] for d in (running, elsewhere, ok, ok)]  # ok twice: delivered once
 
@@ -362,7 +370,9 @@ def test_a_job_recreated_under_the_same_name_after_the_list_is_left_alone(rt):
     assert complete_jobs(rt, rt.settings.namespace, [stale]).outcomes == [CompleteOutcome.COMPLETED]
     wait_until(lambda: not job_exists(rt, dispatch_id), what="job deleted", timeout=10.0)
     # A Job of the same name and labels appears (another uid); then the old snapshot comes again.
-    name = forge_job(rt.kube, rt.settings.namespace, load_record(rt, dispatch_id).ref, deployment=rt.settings.effective_deployment)
+    name = forge_job(
+        rt.kube, rt.settings.namespace, load_record(rt, dispatch_id).ref, deployment=rt.settings.effective_deployment
+    )
     uid = rt.kube.get_job(rt.settings.namespace, name)["metadata"]["uid"]
     assert uid != stale["metadata"]["uid"]
 
@@ -385,7 +395,9 @@ def test_a_job_snapshot_keeps_what_delivery_reads_and_drops_the_rest(rt):
     assert "spec" not in snapshot and "managedFields" not in snapshot["metadata"]
     assert {"name", "namespace", "uid", "labels", "finalizers"} <= set(snapshot["metadata"])
     # It delivers exactly as the whole Job does.
-    assert complete_job(rt, rt.settings.namespace, job_name(dispatch_id), snapshot=snapshot) is CompleteOutcome.COMPLETED
+    assert (
+        complete_job(rt, rt.settings.namespace, job_name(dispatch_id), snapshot=snapshot) is CompleteOutcome.COMPLETED
+    )
     assert events(rt, dispatch_id)[1][0] == EventType.WORKER_COMPLETED
 
 
@@ -417,7 +429,9 @@ def held_pods(rt: Runtime) -> list[str]:
 
 def nothing_left(rt: Runtime, dispatch_id: str) -> None:
     """The Job and its Pods gone, and no Pod of ours held by our finalizer: nothing leaks."""
-    wait_until(lambda: not job_exists(rt, dispatch_id) and not pods_of(rt, dispatch_id), what="job and pods gone", timeout=30.0)
+    wait_until(
+        lambda: not job_exists(rt, dispatch_id) and not pods_of(rt, dispatch_id), what="job and pods gone", timeout=30.0
+    )
     assert held_pods(rt) == []
 
 
@@ -434,7 +448,9 @@ def test_a_succeeded_jobs_pod_deleted_before_poll_sees_it_is_still_delivered_wit
     dispatch_id = schedule(rt, "sim.ok", {"text": "kept"})
     create_job_for(rt, dispatch_id)
     pod = finished_pod(rt, dispatch_id)
-    kubernetes.client.CoreV1Api(api).delete_namespaced_pod(pod["metadata"]["name"], rt.settings.namespace, grace_period_seconds=0)
+    kubernetes.client.CoreV1Api(api).delete_namespaced_pod(
+        pod["metadata"]["name"], rt.settings.namespace, grace_period_seconds=0
+    )
     [marked] = pods_of(rt, dispatch_id)
     assert marked["metadata"].get("deletionTimestamp")
 
@@ -455,12 +471,16 @@ def test_a_succeeded_job_deleted_in_the_foreground_before_delivery_is_delivered_
     kubernetes.client.BatchV1Api(api).delete_namespaced_job(
         job_name(dispatch_id), rt.settings.namespace, propagation_policy="Foreground"
     )
-    wait_until(lambda: pods_of(rt, dispatch_id)[0]["metadata"].get("deletionTimestamp"), what="pod deleted", timeout=10.0)
+    wait_until(
+        lambda: pods_of(rt, dispatch_id)[0]["metadata"].get("deletionTimestamp"), what="pod deleted", timeout=10.0
+    )
 
     [listed] = listed_finished(rt)  # deleting, and still to deliver
     assert listed["metadata"].get("deletionTimestamp")
     assert complete_jobs(rt, rt.settings.namespace, [listed]).outcomes == [CompleteOutcome.COMPLETED]
-    assert events(rt, dispatch_id)[1:] == [(EventType.WORKER_COMPLETED, {"output": {"simulated": True, "input": {"text": "fg"}}})]
+    assert events(rt, dispatch_id)[1:] == [
+        (EventType.WORKER_COMPLETED, {"output": {"simulated": True, "input": {"text": "fg"}}})
+    ]
     nothing_left(rt, dispatch_id)  # the Pods freed, the Job then went with the foreground deletion
 
 
@@ -475,7 +495,9 @@ def lose_pod(rt: Runtime, api: Any, dispatch_id: str) -> None:
 
 
 @ON_BOTH
-def test_a_succeeded_job_whose_pod_is_really_gone_is_run_again_and_completes_on_the_next_attempt(make_runtime, notified, api):
+def test_a_succeeded_job_whose_pod_is_really_gone_is_run_again_and_completes_on_the_next_attempt(
+    make_runtime, notified, api
+):
     rt = make_runtime(notifier=notified, sweep_grace_s="0")
     dispatch_id = schedule(rt, "sim.ok", {"text": "again"})
     create_job_for(rt, dispatch_id)
@@ -487,8 +509,11 @@ def test_a_succeeded_job_whose_pod_is_really_gone_is_run_again_and_completes_on_
     if load_record(rt, dispatch_id).attempts == 0:
         # kube-apiserver can still answer the re-create's POST with the old Job (409) and its GET
         # with 404: a Transient the caller leaves to the sweep, whose category 5 re-creates it
-        wait_until(lambda: run_sweep(rt) and load_record(rt, dispatch_id).attempts == 1, timeout=30.0,
-                   what="the sweep re-creating the lost Job")
+        wait_until(
+            lambda: run_sweep(rt) and load_record(rt, dispatch_id).attempts == 1,
+            timeout=30.0,
+            what="the sweep re-creating the lost Job",
+        )
     record = load_record(rt, dispatch_id)
     assert (record.state, record.attempts) == (DispatchState.CREATED, 1)
     job = rt.kube.get_job(rt.settings.namespace, job_name(dispatch_id))
@@ -635,10 +660,17 @@ def test_a_job_whose_tenancy_disagrees_with_the_db_is_never_delivered(rt, notifi
 
 def test_a_job_naming_a_dispatch_that_does_not_exist_is_never_delivered(rt):
     ref = DispatchRef(
-        dispatch_id=str(uuid.uuid4()), case_id="c", tenancy_id="t", capability="sim.ok", worker_name="sim", idempotency_key="k"
+        dispatch_id=str(uuid.uuid4()),
+        case_id="c",
+        tenancy_id="t",
+        capability="sim.ok",
+        worker_name="sim",
+        idempotency_key="k",
     )
     name = forge_job(rt.kube, rt.settings.namespace, ref, deployment=rt.settings.effective_deployment)
-    wait_until(lambda: job_state(rt.kube.get_job(rt.settings.namespace, name)).terminal, what="forged job done", timeout=10.0)
+    wait_until(
+        lambda: job_state(rt.kube.get_job(rt.settings.namespace, name)).terminal, what="forged job done", timeout=10.0
+    )
     assert complete_job(rt, rt.settings.namespace, name) is CompleteOutcome.REFUSED
     with transaction(rt.sessions) as session:
         assert store.get_dispatch(session, ref.dispatch_id) is None
@@ -650,7 +682,9 @@ def test_a_copy_of_the_job_in_another_namespace_is_never_delivered(rt):
     dispatch_id = schedule(rt, "sim.ok")
     assert create_job_for(rt, dispatch_id) is CreateOutcome.CREATED
     copy_namespace = rt.settings.namespace + "-copy"
-    name = forge_job(rt.kube, copy_namespace, load_record(rt, dispatch_id).ref, deployment=rt.settings.effective_deployment)
+    name = forge_job(
+        rt.kube, copy_namespace, load_record(rt, dispatch_id).ref, deployment=rt.settings.effective_deployment
+    )
     wait_until(lambda: job_state(rt.kube.get_job(copy_namespace, name)).terminal, what="copy done", timeout=10.0)
     assert complete_job(rt, copy_namespace, name) is CompleteOutcome.REFUSED
     assert events(rt, dispatch_id)[1:] == []
@@ -690,7 +724,7 @@ def test_concurrent_completions_and_cancels_leave_exactly_one_terminal_event(mak
         barrier.wait()
         try:
             target()
-        except BaseException as e:  # noqa: BLE001 - reported by the assertion below
+        except BaseException as e:
             errors.append(e)
 
     def complete_all(r: Runtime) -> None:

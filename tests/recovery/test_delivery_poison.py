@@ -28,14 +28,14 @@ from k8s_dispatch.engine.db import transaction
 from k8s_dispatch.engine.models import DispatchState, EventType
 from k8s_dispatch.engine.settings import load_settings
 from k8s_dispatch.localcluster import LocalCluster
+from k8s_dispatch.ops.processes import wait_until
 from k8s_dispatch.recovery.delivery import CompleteOutcome, CreateOutcome, complete_jobs, create_jobs_for, job_snapshot
 from k8s_dispatch.recovery.runtime import Runtime
-from k8s_dispatch.ops.processes import wait_until
-from tests.workers import strategies as S
 from k8s_dispatch.workers import labels as job_labels
 from k8s_dispatch.workers.job_status import RESULT_MISSING, RESULT_NOT_JSON, RESULT_TOO_LARGE, job_state
 from k8s_dispatch.workers.manifest import FINALIZER, job_name
 from k8s_dispatch.workers.resolver import CapabilityResolver
+from tests.workers import strategies as S
 
 MULTIBYTE = "é€😀"  # 2, 3 and 4 bytes in UTF-8
 # The bytes of the issue, each with the reason it must end in (None: WORKER_COMPLETED).
@@ -92,7 +92,8 @@ def base_rt(cluster, pg_url, redis_url, key_prefix) -> Iterator[Runtime]:
         }
     )
     rt = Runtime.from_settings(
-        settings_, resolver=CapabilityResolver.from_mapping({"capabilities": {"sim.good": capability()}}, source="<test>")
+        settings_,
+        resolver=CapabilityResolver.from_mapping({"capabilities": {"sim.good": capability()}}, source="<test>"),
     )
     yield rt
     rt.close()
@@ -103,7 +104,9 @@ def with_results(base: Runtime, results: list[bytes]) -> Runtime:
     capabilities = {"sim.good": capability()}
     for i, written in enumerate(results):
         capabilities[f"sim.bytes-{i}"] = capability(**{SIM + "result-base64": base64.b64encode(written).decode()})
-    return dataclasses.replace(base, resolver=CapabilityResolver.from_mapping({"capabilities": capabilities}, source="<t>"))
+    return dataclasses.replace(
+        base, resolver=CapabilityResolver.from_mapping({"capabilities": capabilities}, source="<t>")
+    )
 
 
 def schedule(rt: Runtime, capability_name: str, input_: Any) -> str:
@@ -121,7 +124,9 @@ def finished_snapshots(rt: Runtime, ids: list[str]) -> list[dict[str, Any]]:
     names = [job_name(d) for d in ids]
 
     def listed() -> dict[str, dict[str, Any]] | None:
-        pages = rt.kube.iter_jobs(rt.settings.namespace, label_selector=job_labels.undelivered_selector(rt.settings.effective_deployment))
+        pages = rt.kube.iter_jobs(
+            rt.settings.namespace, label_selector=job_labels.undelivered_selector(rt.settings.effective_deployment)
+        )
         jobs = {j["metadata"]["name"]: j for page in pages for j in page if j["metadata"]["name"] in names}
         return jobs if len(jobs) == len(names) and all(job_state(j).terminal for j in jobs.values()) else None
 
@@ -131,7 +136,9 @@ def finished_snapshots(rt: Runtime, ids: list[str]) -> list[dict[str, Any]]:
 
 def terminal_events(rt: Runtime, dispatch_id: str) -> list[tuple[str, Any]]:
     with transaction(rt.sessions) as session:
-        return [(e.type, e.payload) for e in store.events_for(session, dispatch_id) if e.type != EventType.WORKER_SCHEDULED]
+        return [
+            (e.type, e.payload) for e in store.events_for(session, dispatch_id) if e.type != EventType.WORKER_SCHEDULED
+        ]
 
 
 def deliver_mixed_batch(base: Runtime, results: list[bytes]) -> tuple[Runtime, list[str], list[str]]:
@@ -156,7 +163,7 @@ def test_any_bytes_a_container_writes_end_in_one_terminal_event_and_spare_the_ba
         assert terminal_events(rt, dispatch_id) == [
             (EventType.WORKER_COMPLETED, {"output": {"simulated": True, "input": {"good": i}}})
         ]
-    for written, dispatch_id in zip(results, bads):
+    for written, dispatch_id in zip(results, bads, strict=True):
         [(event_type, payload)] = terminal_events(rt, dispatch_id)  # exactly one
         if event_type == EventType.WORKER_COMPLETED:
             # What the API server shows of the bytes, as JSON, kept exactly.
@@ -166,12 +173,16 @@ def test_any_bytes_a_container_writes_end_in_one_terminal_event_and_spare_the_ba
             assert payload["reason"] in FAILURE_REASONS
             assert isinstance(payload.get("message"), str) and payload["message"].strip()
         if written in SPECIAL:
-            assert (None if event_type == EventType.WORKER_COMPLETED else payload["reason"]) == SPECIAL[written], written[:40]
+            assert (None if event_type == EventType.WORKER_COMPLETED else payload["reason"]) == SPECIAL[written], (
+                written[:40]
+            )
     with transaction(rt.sessions) as session:
         rows = store.dispatch_rows(session, goods + bads)  # every row readable back, from this deep stack
     assert {DispatchState(row.state) for row in rows.values()} <= {DispatchState.COMPLETED, DispatchState.FAILED}
     # Every Job released: none is left undelivered (with our finalizer).
-    pages = rt.kube.iter_jobs(rt.settings.namespace, label_selector=job_labels.undelivered_selector(rt.settings.effective_deployment))
+    pages = rt.kube.iter_jobs(
+        rt.settings.namespace, label_selector=job_labels.undelivered_selector(rt.settings.effective_deployment)
+    )
     left = {j["metadata"]["name"] for page in pages for j in page if FINALIZER in j["metadata"].get("finalizers", [])}
     assert left.isdisjoint(job_name(d) for d in goods + bads)
 

@@ -20,13 +20,15 @@ from k8s_dispatch.engine.models import DispatchState, EventType, utcnow
 from k8s_dispatch.engine.settings import load_settings
 from k8s_dispatch.localcluster import LocalCluster
 from k8s_dispatch.localcluster.quota import QUOTA_JOBS
+from k8s_dispatch.ops.status import read_status
 from k8s_dispatch.recovery.delivery import CreateOutcome, cancel_dispatch, create_jobs_for, load_record
 from k8s_dispatch.recovery.runtime import Runtime
-from k8s_dispatch.ops.status import read_status
 from k8s_dispatch.workers.resolver import CapabilityResolver
 
 SIM = "localcluster.k8s-dispatch.io/"
-CAPABILITIES = {"capabilities": {"sim.hang": {"worker": "sim", "image": "sim:1", "annotations": {SIM + "outcome": "hang"}}}}
+CAPABILITIES = {
+    "capabilities": {"sim.hang": {"worker": "sim", "image": "sim:1", "annotations": {SIM + "outcome": "hang"}}}
+}
 
 
 @pytest.fixture(scope="module")

@@ -17,10 +17,10 @@ from k8s_dispatch.engine.errors import ConfigError
 from k8s_dispatch.engine.models import EventType
 from k8s_dispatch.engine.settings import load_settings
 from k8s_dispatch.localcluster import LocalCluster
+from k8s_dispatch.ops.processes import wait_until
 from k8s_dispatch.recovery.delivery import CreateOutcome, create_jobs_for
 from k8s_dispatch.recovery.reconcile import run_sweep
 from k8s_dispatch.recovery.runtime import Runtime
-from k8s_dispatch.ops.processes import wait_until
 from k8s_dispatch.workers import labels as job_labels
 from k8s_dispatch.workers.job_status import job_state
 from k8s_dispatch.workers.manifest import FINALIZER, job_name
@@ -81,7 +81,9 @@ def deployment(cluster, namespace, new_pg_database, redis_url, key_prefix) -> It
 
 def schedule(rt: Runtime, capability: str, count: int) -> list[str]:
     case_id = f"case-{uuid.uuid4().hex[:8]}"
-    requests = [store.ScheduleRequest(case_id, "tenant-a", capability, {"i": i}, f"key-{uuid.uuid4()}") for i in range(count)]
+    requests = [
+        store.ScheduleRequest(case_id, "tenant-a", capability, {"i": i}, f"key-{uuid.uuid4()}") for i in range(count)
+    ]
     with transaction(rt.sessions) as session:
         store.create_case(session, case_id=case_id, tenancy_id="tenant-a")
         return [r.dispatch_id for r in store.schedule_many(session, requests, router=rt.resolver, max_input_bytes=1024)]
@@ -97,7 +99,12 @@ def unlabelled_job(rt: Runtime, namespace: str, ref: DispatchRef, *, duration_ms
         {
             "apiVersion": "batch/v1",
             "kind": "Job",
-            "metadata": {"name": job_name(ref.dispatch_id), "labels": labels, "annotations": annotations, "finalizers": [FINALIZER]},
+            "metadata": {
+                "name": job_name(ref.dispatch_id),
+                "labels": labels,
+                "annotations": annotations,
+                "finalizers": [FINALIZER],
+            },
             "spec": {
                 "backoffLimit": 0,
                 "template": {
@@ -113,7 +120,9 @@ def ref_of(rt: Runtime, dispatch_id: str) -> DispatchRef:
     with transaction(rt.sessions) as session:
         row = store.get_dispatch(session, dispatch_id)
         assert row is not None
-        return DispatchRef(row.dispatch_id, row.case_id, row.tenancy_id, row.capability, row.worker_name, row.idempotency_key)  # type: ignore[arg-type]
+        return DispatchRef(
+            row.dispatch_id, row.case_id, row.tenancy_id, row.capability, row.worker_name, row.idempotency_key
+        )  # type: ignore[arg-type]
 
 
 def mark_created(rt: Runtime, ids: list[str], namespace: str) -> None:
@@ -123,12 +132,19 @@ def mark_created(rt: Runtime, ids: list[str], namespace: str) -> None:
 
 def jobs(rt: Runtime, namespace: str) -> dict[str, dict[str, Any]]:
     """Every deployment's Jobs in the namespace, by name."""
-    return {j["metadata"]["name"]: j for page in rt.kube.iter_jobs(namespace, label_selector=job_labels.selector()) for j in page}
+    return {
+        j["metadata"]["name"]: j
+        for page in rt.kube.iter_jobs(namespace, label_selector=job_labels.selector())
+        for j in page
+    }
 
 
 def events(rt: Runtime, ids: list[str]) -> dict[str, list[tuple[str, Any]]]:
     with transaction(rt.sessions) as session:
-        return {d: [(e.type, e.payload) for e in store.events_for(session, d) if e.type != EventType.WORKER_SCHEDULED] for d in ids}
+        return {
+            d: [(e.type, e.payload) for e in store.events_for(session, d) if e.type != EventType.WORKER_SCHEDULED]
+            for d in ids
+        }
 
 
 def test_two_deployments_on_one_namespace_deliver_their_own_and_never_touch_the_others(deployment, namespace):
@@ -152,7 +168,10 @@ def test_two_deployments_on_one_namespace_deliver_their_own_and_never_touch_the_
     labelled = {"a": 0, "b": 0}
 
     def both_done() -> bool:
-        for who, rt in (("b", b), ("a", a)):  # B first: it meets A's Jobs, labelled and not, before A has delivered them
+        for who, rt in (
+            ("b", b),
+            ("a", a),
+        ):  # B first: it meets A's Jobs, labelled and not, before A has delivered them
             report = run_sweep(rt)
             assert report.errors == 0, report.table()
             labelled[who] += report.jobs_labelled
@@ -176,8 +195,14 @@ def test_two_deployments_on_one_namespace_deliver_their_own_and_never_touch_the_
 
 
 def test_each_selector_names_the_deployment() -> None:
-    assert job_labels.undelivered_selector("prod") == "app.kubernetes.io/managed-by=k8s-dispatch,k8s-dispatch.io/deployment=prod,!k8s-dispatch.io/delivered"
-    assert job_labels.delivered_selector("prod") == "app.kubernetes.io/managed-by=k8s-dispatch,k8s-dispatch.io/deployment=prod,k8s-dispatch.io/delivered=true"
+    assert (
+        job_labels.undelivered_selector("prod")
+        == "app.kubernetes.io/managed-by=k8s-dispatch,k8s-dispatch.io/deployment=prod,!k8s-dispatch.io/delivered"
+    )
+    assert (
+        job_labels.delivered_selector("prod")
+        == "app.kubernetes.io/managed-by=k8s-dispatch,k8s-dispatch.io/deployment=prod,k8s-dispatch.io/delivered=true"
+    )
     assert job_labels.unlabelled_selector() == "app.kubernetes.io/managed-by=k8s-dispatch,!k8s-dispatch.io/deployment"
 
 
@@ -196,13 +221,15 @@ def test_the_deployment_defaults_to_the_key_prefix(environ: dict[str, str], expe
 def test_a_key_prefix_that_is_no_label_value_derives_a_distinct_valid_one() -> None:
     from k8s_dispatch.engine.names import is_label_value
 
-    derived = {load_settings({"K8S_DISPATCH_KEY_PREFIX": p}).effective_deployment for p in ("a:b", "a/b", "a b", "x" * 64, ":")}
+    derived = {
+        load_settings({"K8S_DISPATCH_KEY_PREFIX": p}).effective_deployment for p in ("a:b", "a/b", "a b", "x" * 64, ":")
+    }
     assert len(derived) == 5 and all(is_label_value(d) and d for d in derived)
 
 
 @pytest.mark.parametrize("bad", ["", "two words", "-lead", "trail.", "x" * 64, "ünï"])
 def test_a_deployment_that_is_no_label_value_stops_the_process_naming_the_variable(bad: str) -> None:
-    with pytest.raises(ConfigError, match="K8S_DISPATCH_DEPLOYMENT.*not a valid label value"):
+    with pytest.raises(ConfigError, match=r"K8S_DISPATCH_DEPLOYMENT.*not a valid label value"):
         load_settings({"K8S_DISPATCH_DEPLOYMENT": bad})
 
 

@@ -10,8 +10,8 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from k8s_dispatch.engine.errors import GuardUnavailable
-from k8s_dispatch.recovery.guard import Claim, Guard
 from k8s_dispatch.ops.processes import wait_until
+from k8s_dispatch.recovery.guard import Claim, Guard
 
 
 @pytest.fixture

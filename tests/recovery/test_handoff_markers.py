@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import redis
 
-from k8s_dispatch.recovery import handoff
 from k8s_dispatch.ops.processes import wait_until
+from k8s_dispatch.recovery import handoff
 
 
 def job(name: str, uid: str | None = None) -> dict[str, Any]:

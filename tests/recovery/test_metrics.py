@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import urllib.request
 import uuid
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -23,7 +23,7 @@ from k8s_dispatch.recovery.metrics import Metrics, job_finished_at, poll_lag_s
 from k8s_dispatch.recovery.report import SweepReport
 from k8s_dispatch.recovery.sweep import Category
 
-NOW = datetime(2025, 3, 1, 12, 0, 0, tzinfo=timezone.utc)
+NOW = datetime(2025, 3, 1, 12, 0, 0, tzinfo=UTC)
 
 
 def value(registry: CollectorRegistry, name: str, **labels: str) -> float:
@@ -92,7 +92,10 @@ def test_a_sweep_adds_its_findings_actions_and_errors_per_category() -> None:
     # Every category is present, zero when nothing was found: dashboards need no special case.
     assert registry.get_sample_value(found, {"category": "orphan"}) == 0
     assert value(registry, "k8s_dispatch_recovery_sweeps_total") == 2
-    assert value(registry, "k8s_dispatch_recovery_last_sweep_timestamp_seconds") == (NOW + timedelta(seconds=2)).timestamp()
+    assert (
+        value(registry, "k8s_dispatch_recovery_last_sweep_timestamp_seconds")
+        == (NOW + timedelta(seconds=2)).timestamp()
+    )
 
 
 def test_a_dry_run_sweep_counts_nothing() -> None:
@@ -124,7 +127,13 @@ def stamp(seconds_ago: float) -> str:
         # The interim condition (1.31+) counts as the finish too.
         (job(conditions=[{"type": "SuccessCriteriaMet", "status": "True", "lastTransitionTime": stamp(4)}]), 4),
         # A condition that is not True says nothing; completionTime is the fallback.
-        (job(conditions=[{"type": "Complete", "status": "False", "lastTransitionTime": stamp(99)}], completion=stamp(12)), 12),
+        (
+            job(
+                conditions=[{"type": "Complete", "status": "False", "lastTransitionTime": stamp(99)}],
+                completion=stamp(12),
+            ),
+            12,
+        ),
         (job(conditions=[{"type": "Suspended", "status": "True", "lastTransitionTime": stamp(99)}]), None),
         (job(), None),
         (job(completion="not a time"), None),
@@ -172,9 +181,15 @@ def test_the_endpoint_serves_the_process_metrics_over_http() -> None:
     finally:
         metrics.stop_serving()
     families = {f.name: f for f in text_string_to_metric_families(text)}
-    completed = [s for s in families["k8s_dispatch_dispatch_state_changes"].samples if s.labels == {"state": "COMPLETED"}]
+    completed = [
+        s for s in families["k8s_dispatch_dispatch_state_changes"].samples if s.labels == {"state": "COMPLETED"}
+    ]
     assert completed and completed[0].value >= 1
-    for name in ("k8s_dispatch_recovery_findings", "k8s_dispatch_duplicates_prevented", "k8s_dispatch_poll_lag_seconds"):
+    for name in (
+        "k8s_dispatch_recovery_findings",
+        "k8s_dispatch_duplicates_prevented",
+        "k8s_dispatch_poll_lag_seconds",
+    ):
         assert name in families
     with pytest.raises(OSError):
         urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
@@ -191,7 +206,13 @@ def test_a_state_change_is_one_logfmt_line_with_dispatch_case_and_tenancy(caplog
     caplog.set_level(logging.INFO, logger="k8s_dispatch.state")
     before = REGISTRY.get_sample_value("k8s_dispatch_dispatch_state_changes_total", {"state": "FAILED"}) or 0
     statelog.state_changed(
-        "FAILED", dispatch_id="d-1", case_id="case 7", tenancy_id="acme", capability="demo.x", reason="JobLost", attempt=None
+        "FAILED",
+        dispatch_id="d-1",
+        case_id="case 7",
+        tenancy_id="acme",
+        capability="demo.x",
+        reason="JobLost",
+        attempt=None,
     )
     [record] = state_lines(caplog)
     assert record.levelno == logging.WARNING

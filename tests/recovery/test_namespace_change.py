@@ -16,14 +16,14 @@ from k8s_dispatch.engine.db import transaction
 from k8s_dispatch.engine.models import EventType
 from k8s_dispatch.engine.settings import load_settings
 from k8s_dispatch.localcluster import LocalCluster
+from k8s_dispatch.ops.processes import wait_until
 from k8s_dispatch.recovery.delivery import CreateOutcome, create_jobs_for
 from k8s_dispatch.recovery.reconcile import run_sweep
 from k8s_dispatch.recovery.runtime import Runtime
-from k8s_dispatch.ops.processes import wait_until
-from tests.engine.conftest import StaticRouter
 from k8s_dispatch.workers import labels as job_labels
 from k8s_dispatch.workers.manifest import FINALIZER, job_name
 from k8s_dispatch.workers.resolver import CapabilityResolver
+from tests.engine.conftest import StaticRouter
 
 SIM = "localcluster.k8s-dispatch.io/"
 
@@ -77,7 +77,9 @@ def fresh(prefix: str) -> str:
 
 def schedule(rt: Runtime, capability: str, count: int, *, router: Any = None) -> list[str]:
     case_id = f"case-{uuid.uuid4().hex[:8]}"
-    requests = [store.ScheduleRequest(case_id, "tenant-a", capability, {"i": i}, f"key-{uuid.uuid4()}") for i in range(count)]
+    requests = [
+        store.ScheduleRequest(case_id, "tenant-a", capability, {"i": i}, f"key-{uuid.uuid4()}") for i in range(count)
+    ]
     with transaction(rt.sessions) as session:
         store.create_case(session, case_id=case_id, tenancy_id="tenant-a")
         results = store.schedule_many(session, requests, router=router or rt.resolver, max_input_bytes=1024)
@@ -86,12 +88,20 @@ def schedule(rt: Runtime, capability: str, count: int, *, router: Any = None) ->
 
 def job_creates(cluster: LocalCluster) -> int:
     """Jobs the API server created so far (successful POSTs), in every namespace."""
-    return sum(c.count for c in cluster.request_counts() if c.labels.verb == "POST" and c.labels.resource == "jobs" and c.code == 201)
+    return sum(
+        c.count
+        for c in cluster.request_counts()
+        if c.labels.verb == "POST" and c.labels.resource == "jobs" and c.code == 201
+    )
 
 
 def jobs_in(rt: Runtime, namespace: str) -> dict[str, dict[str, Any]]:
     """Every deployment's Jobs in the namespace, by name."""
-    return {j["metadata"]["name"]: j for page in rt.kube.iter_jobs(namespace, label_selector=job_labels.selector()) for j in page}
+    return {
+        j["metadata"]["name"]: j
+        for page in rt.kube.iter_jobs(namespace, label_selector=job_labels.selector())
+        for j in page
+    }
 
 
 def rows(rt: Runtime, ids: list[str]) -> dict[str, Any]:
@@ -101,7 +111,10 @@ def rows(rt: Runtime, ids: list[str]) -> dict[str, Any]:
 
 def terminal_events(rt: Runtime, ids: list[str]) -> dict[str, list[tuple[str, Any]]]:
     with transaction(rt.sessions) as session:
-        return {d: [(e.type, e.payload) for e in store.events_for(session, d) if e.type != EventType.WORKER_SCHEDULED] for d in ids}
+        return {
+            d: [(e.type, e.payload) for e in store.events_for(session, d) if e.type != EventType.WORKER_SCHEDULED]
+            for d in ids
+        }
 
 
 def sweep_until_delivered(rt: Runtime, ids: list[str], namespaces: list[str]) -> None:

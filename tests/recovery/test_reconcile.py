@@ -24,12 +24,12 @@ from k8s_dispatch.engine.errors import BrokerUnavailable
 from k8s_dispatch.engine.models import DispatchState, EventType
 from k8s_dispatch.engine.settings import load_settings
 from k8s_dispatch.localcluster import LocalCluster
+from k8s_dispatch.ops.processes import wait_until
 from k8s_dispatch.recovery import delivery
 from k8s_dispatch.recovery.reconcile import ORPHANS_REPORTED, Executor, run_sweep
 from k8s_dispatch.recovery.report import SweepReport
 from k8s_dispatch.recovery.runtime import Runtime
 from k8s_dispatch.recovery.sweep import Category, CompleteJob, CreateJob, RecreateJob
-from k8s_dispatch.ops.processes import wait_until
 from k8s_dispatch.workers import labels as job_labels
 from k8s_dispatch.workers.job_status import job_state
 from k8s_dispatch.workers.manifest import FINALIZER, job_name
@@ -150,7 +150,9 @@ def schedule(rt: Runtime, capability_name: str = "sim.ok", value: Any = None, *,
 def jobs(rt: Runtime, namespace: str | None = None) -> dict[str, dict[str, Any]]:
     """Our Jobs in the namespace, by name."""
     ns = namespace or rt.settings.namespace
-    return {j["metadata"]["name"]: j for page in rt.kube.iter_jobs(ns, label_selector=job_labels.selector()) for j in page}
+    return {
+        j["metadata"]["name"]: j for page in rt.kube.iter_jobs(ns, label_selector=job_labels.selector()) for j in page
+    }
 
 
 def our_pods(rt: Runtime, namespace: str | None = None) -> dict[str, dict[str, Any]]:
@@ -169,7 +171,9 @@ def wait_finished(rt: Runtime, names: list[str], namespace: str | None = None) -
 
 def terminal_events(rt: Runtime, dispatch_id: str) -> list[tuple[str, Any]]:
     with transaction(rt.sessions) as session:
-        return [(e.type, e.payload) for e in store.events_for(session, dispatch_id) if e.type != EventType.WORKER_SCHEDULED]
+        return [
+            (e.type, e.payload) for e in store.events_for(session, dispatch_id) if e.type != EventType.WORKER_SCHEDULED
+        ]
 
 
 def record(rt: Runtime, dispatch_id: str) -> Any:
@@ -211,7 +215,7 @@ def test_scheduled_dispatches_without_a_job_are_created_then_completed_once(rt, 
     second = run_sweep(rt)
     assert found(second) == {2: 10} and counts(second, C2) == (10, 10, 0, 0)
     assert second.jobs_listed == 10
-    for dispatch_id, value in zip(ids, values):
+    for dispatch_id, value in zip(ids, values, strict=True):
         assert terminal_events(rt, dispatch_id) == [(EventType.WORKER_COMPLETED, {"output": expected_output(value)})]
     assert sorted(notified.ids) == sorted(ids)
     wait_until(lambda: not jobs(rt), what="no job left", timeout=15.0)
@@ -241,7 +245,9 @@ def test_a_job_in_a_namespace_the_config_no_longer_names_is_still_found_and_comp
     report = run_sweep(after)
     assert old_namespace in report.namespaces
     assert counts(report, C2) == (1, 1, 0, 0)
-    assert terminal_events(after, dispatch_id) == [(EventType.WORKER_COMPLETED, {"output": expected_output({"moved": True})})]
+    assert terminal_events(after, dispatch_id) == [
+        (EventType.WORKER_COMPLETED, {"output": expected_output({"moved": True})})
+    ]
     wait_until(lambda: not jobs(after, old_namespace), what="the job cleaned up where it was", timeout=15.0)
 
 
@@ -256,7 +262,13 @@ def test_running_jobs_are_reported_and_a_job_never_marked_created_is_adopted(rt)
     rec = record(rt, unmarked)
     from k8s_dispatch.workers.manifest import build_job
 
-    body = build_job(rec.ref, input=rec.input, spec=rt.resolver.spec(rec.capability), namespace=rt.settings.namespace, deployment=rt.settings.effective_deployment)
+    body = build_job(
+        rec.ref,
+        input=rec.input,
+        spec=rt.resolver.spec(rec.capability),
+        namespace=rt.settings.namespace,
+        deployment=rt.settings.effective_deployment,
+    )
     rt.kube.create_job(rt.settings.namespace, body)
     assert record(rt, unmarked).state is SCHEDULED
 
@@ -309,7 +321,9 @@ def test_a_delivered_job_the_bulk_delete_missed_is_in_no_category_and_the_sweep_
         )
     left = jobs(rt)
     assert set(left) == {job_name(d) for d in ids}
-    assert all(job_labels.is_delivered(j["metadata"]["labels"]) and not j["metadata"].get("finalizers") for j in left.values())
+    assert all(
+        job_labels.is_delivered(j["metadata"]["labels"]) and not j["metadata"].get("finalizers") for j in left.values()
+    )
 
     cluster.audit(clear=True)
     report = run_sweep(rt)
@@ -336,7 +350,9 @@ def test_a_pod_an_ended_dispatch_left_held_is_freed_and_one_of_an_open_dispatch_
 
     report = run_sweep(rt)
     assert counts(report, C4) == (1, 1, 0, 0) and counts(report, C5) == (1, 1, 0, 0), report.to_dict()
-    wait_until(lambda: len(our_pods(rt)) == 2, what="the ended dispatch's pod gone (the re-run's is there)", timeout=15.0)
+    wait_until(
+        lambda: len(our_pods(rt)) == 2, what="the ended dispatch's pod gone (the re-run's is there)", timeout=15.0
+    )
     old = [name for name, pod in our_pods(rt).items() if pod["metadata"].get("deletionTimestamp")]
     assert len(old) == 1 and old[0] in held  # the open dispatch's old Pod, still held
 
@@ -377,7 +393,9 @@ def test_a_lost_job_inside_the_grace_period_is_not_recreated_yet(make_runtime):
     rt = make_runtime(sweep_grace_s="60")
     dispatch_id = schedule(rt, "sim.hang")
     with transaction(rt.sessions) as session:  # an old row, so category 1 does not wait for it
-        store.mark_created(session, dispatch_id, job_name=job_name(dispatch_id), namespace=rt.settings.namespace, attempt=0)
+        store.mark_created(
+            session, dispatch_id, job_name=job_name(dispatch_id), namespace=rt.settings.namespace, attempt=0
+        )
     assert found(run_sweep(rt)) == {}
     assert record(rt, dispatch_id).attempts == 0 and jobs(rt) == {}
 
@@ -440,7 +458,7 @@ def test_a_dry_run_counts_everything_and_changes_nothing(make_runtime, notified)
     scheduled = schedule(rt, "sim.ok")
     finished = schedule(rt, "sim.ok")
     delivery.create_job_for(rt, finished)
-    _, forged, _victim = mismatched(rt)
+    _, _forged, _victim = mismatched(rt)
     wait_finished(rt, [job_name(finished)])
     before = jobs(rt)
 
@@ -514,7 +532,7 @@ def test_sweeps_racing_each_other_deliver_each_result_once(make_runtime):
     assert len(reports) == 3 and all(r.errors == 0 for r in reports), [r.to_dict() for r in reports]
     assert sum(r.categories[C2].acted for r in reports) == 30
     assert sum(r.categories[C5].acted for r in reports) == 3  # each lost Job re-created once
-    for dispatch_id, value in zip(ids, values):
+    for dispatch_id, value in zip(ids, values, strict=True):
         assert terminal_events(rt, dispatch_id) == [(EventType.WORKER_COMPLETED, {"output": expected_output(value)})]
     for dispatch_id in lost:
         assert record(rt, dispatch_id).attempts == 1

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
@@ -78,7 +78,9 @@ def test_a_job_without_our_finalizer_being_deleted_is_still_matched():
 
 def test_namespace_unrecorded_falls_back_to_the_expected_one():
     record = replace(RECORD, job_namespace=None, job_name=None, state=DispatchState.SCHEDULED)
-    assert context_from_job(job_for(RECORD.ref, namespace="jobs"), record, expected_namespace="jobs").namespace == "jobs"
+    assert (
+        context_from_job(job_for(RECORD.ref, namespace="jobs"), record, expected_namespace="jobs").namespace == "jobs"
+    )
     with pytest.raises(LabelMismatch, match="not in namespace 'jobs'"):
         context_from_job(job_for(RECORD.ref, namespace="elsewhere"), record, expected_namespace="jobs")
     # Nothing recorded and nothing expected: any namespace the poll lists is accepted.
@@ -92,11 +94,31 @@ REFUSALS = [
     ("case differs", job_for(replace(RECORD.ref, case_id="case-2")), LabelMismatch, "case_id 'case-2'"),
     ("capability differs", job_for(replace(RECORD.ref, capability="demo.sha256")), LabelMismatch, "capability"),
     ("worker differs", job_for(replace(RECORD.ref, worker_name="demo-math")), LabelMismatch, "worker_name"),
-    ("idempotency key differs", job_for(replace(RECORD.ref, idempotency_key="other")), LabelMismatch, "idempotency_key"),
-    ("names another dispatch", job_for(replace(RECORD.ref, dispatch_id=OTHER_ID), name=job_name(DISPATCH_ID)), LabelMismatch, OTHER_ID),
+    (
+        "idempotency key differs",
+        job_for(replace(RECORD.ref, idempotency_key="other")),
+        LabelMismatch,
+        "idempotency_key",
+    ),
+    (
+        "names another dispatch",
+        job_for(replace(RECORD.ref, dispatch_id=OTHER_ID), name=job_name(DISPATCH_ID)),
+        LabelMismatch,
+        OTHER_ID,
+    ),
     ("not the dispatch's job name", job_for(RECORD.ref, name="kd-copy"), LabelMismatch, "kd-copy"),
-    ("another namespace than recorded", job_for(RECORD.ref, namespace="default"), LabelMismatch, "not in namespace 'jobs'"),
-    ("not managed by us", job_for(RECORD.ref, label_overrides={job_labels.MANAGED_BY_LABEL: "helm"}), LabelMismatch, "managed-by"),
+    (
+        "another namespace than recorded",
+        job_for(RECORD.ref, namespace="default"),
+        LabelMismatch,
+        "not in namespace 'jobs'",
+    ),
+    (
+        "not managed by us",
+        job_for(RECORD.ref, label_overrides={job_labels.MANAGED_BY_LABEL: "helm"}),
+        LabelMismatch,
+        "managed-by",
+    ),
     (
         "hashed label without its annotation",
         {**job_for(RECORD.ref), "metadata": {**job_for(RECORD.ref)["metadata"], "annotations": {}}},
@@ -115,8 +137,18 @@ REFUSALS = [
         LabelMismatch,
         "disagrees",
     ),
-    ("no labels at all", {"metadata": {"name": job_name(DISPATCH_ID), "namespace": "jobs"}}, LabelMismatch, "managed-by"),
-    ("bad attempt annotation", job_for(RECORD.ref, extra_annotations={job_labels.ATTEMPT_KEY: "-1"}), LabelMismatch, "attempt"),
+    (
+        "no labels at all",
+        {"metadata": {"name": job_name(DISPATCH_ID), "namespace": "jobs"}},
+        LabelMismatch,
+        "managed-by",
+    ),
+    (
+        "bad attempt annotation",
+        job_for(RECORD.ref, extra_annotations={job_labels.ATTEMPT_KEY: "-1"}),
+        LabelMismatch,
+        "attempt",
+    ),
 ]
 
 
@@ -142,7 +174,7 @@ def test_record_from_row_reads_every_field():
         worker_name = "demo-text"
         idempotency_key = LONG_KEY
         state = "COMPLETED"
-        input = {"text": "a b"}
+        input: ClassVar[dict[str, str]] = {"text": "a b"}
         job_name = job_name(DISPATCH_ID)
         job_namespace = "jobs"
         attempts = 1

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 from k8s_dispatch.recovery.report import MAX_PROBLEMS, SweepReport
 from k8s_dispatch.recovery.sweep import Category
 
-START = datetime(2025, 1, 1, tzinfo=timezone.utc)
+START = datetime(2025, 1, 1, tzinfo=UTC)
 
 
 def report_with_counts() -> SweepReport:

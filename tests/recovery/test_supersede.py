@@ -12,8 +12,8 @@ import pytest
 import redis
 from prometheus_client import REGISTRY
 
-from k8s_dispatch.recovery import supersede
 from k8s_dispatch.ops.processes import wait_until
+from k8s_dispatch.recovery import supersede
 
 TASK = "k8s-dispatch.poll"
 
@@ -31,7 +31,9 @@ def prefix(key_prefix: str) -> str:
 
 
 def superseded_count(task: str = TASK) -> float:
-    return REGISTRY.get_sample_value("k8s_dispatch_tasks_discarded_total", {"task": task, "reason": "superseded"}) or 0.0
+    return (
+        REGISTRY.get_sample_value("k8s_dispatch_tasks_discarded_total", {"task": task, "reason": "superseded"}) or 0.0
+    )
 
 
 def test_the_window_is_half_the_interval() -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -34,7 +34,7 @@ from k8s_dispatch.workers import labels as job_labels
 from k8s_dispatch.workers.manifest import FINALIZER, job_name
 from k8s_dispatch.workers.types import DispatchRef
 
-NOW = datetime(2025, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
+NOW = datetime(2025, 1, 1, 12, 0, 0, tzinfo=UTC)
 GRACE = timedelta(seconds=30)
 POLICY = Policy(grace=GRACE, max_job_attempts=3, orphan_policy=OrphanPolicy.REPORT)
 DELETE_POLICY = replace(POLICY, orphan_policy=OrphanPolicy.DELETE)
@@ -113,7 +113,9 @@ def job(
     return {"apiVersion": "batch/v1", "kind": "Job", "metadata": metadata, "status": status}
 
 
-def orphan(reason: str, *, delete: bool = False, namespace: str = NS, name: str = NAME, dispatch_id: str | None = DID) -> ReportOrphan:
+def orphan(
+    reason: str, *, delete: bool = False, namespace: str = NS, name: str = NAME, dispatch_id: str | None = DID
+) -> ReportOrphan:
     return ReportOrphan(namespace=namespace, job_name=name, dispatch_id=dispatch_id, reason=reason, delete=delete)
 
 
@@ -244,7 +246,9 @@ CASES = [
     ("dispatches", "jobs", "policy", "expected"),
     [pytest.param(*case[1:], id=case[0]) for case in CASES],
 )
-def test_plan(dispatches: list[DispatchView], jobs: list[dict[str, Any]], policy: Policy, expected: list[object]) -> None:
+def test_plan(
+    dispatches: list[DispatchView], jobs: list[dict[str, Any]], policy: Policy, expected: list[object]
+) -> None:
     assert plan(dispatches, jobs, now=NOW, policy=policy) == expected
 
 

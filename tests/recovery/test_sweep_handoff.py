@@ -23,12 +23,12 @@ from k8s_dispatch.engine.db import transaction
 from k8s_dispatch.engine.models import EventType
 from k8s_dispatch.engine.settings import load_settings
 from k8s_dispatch.localcluster import LocalCluster
+from k8s_dispatch.ops.processes import wait_until
 from k8s_dispatch.recovery import delivery, handoff
 from k8s_dispatch.recovery.reconcile import run_sweep
 from k8s_dispatch.recovery.report import SweepReport
 from k8s_dispatch.recovery.runtime import Runtime
 from k8s_dispatch.recovery.sweep import Category
-from k8s_dispatch.ops.processes import wait_until
 from k8s_dispatch.workers import labels as job_labels
 from k8s_dispatch.workers.job_status import job_state
 from k8s_dispatch.workers.manifest import job_name
@@ -36,7 +36,12 @@ from k8s_dispatch.workers.manifest import job_name
 C2 = Category.FINISHED_UNRECORDED
 CAPABILITIES = {
     "capabilities": {
-        "sim.ok": {"worker": "sim", "image": "sim:1", "activeDeadlineSeconds": None, "annotations": {SIM + "duration-ms": "20"}}
+        "sim.ok": {
+            "worker": "sim",
+            "image": "sim:1",
+            "activeDeadlineSeconds": None,
+            "annotations": {SIM + "duration-ms": "20"},
+        }
     }
 }
 
@@ -111,7 +116,9 @@ def finished_jobs(rt: Runtime, count: int) -> list[str]:
 
 def listed(rt: Runtime) -> dict[str, dict[str, Any]]:
     """Our undelivered Jobs, by name, as poll's LIST reads them."""
-    pages = rt.kube.iter_jobs(rt.settings.namespace, label_selector=job_labels.undelivered_selector(rt.settings.effective_deployment))
+    pages = rt.kube.iter_jobs(
+        rt.settings.namespace, label_selector=job_labels.undelivered_selector(rt.settings.effective_deployment)
+    )
     return {job["metadata"]["name"]: job for page in pages for job in page}
 
 

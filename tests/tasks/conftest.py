@@ -23,20 +23,26 @@ import redis
 import sqlalchemy as sa
 import yaml
 from celery import Celery
+from clusters import LOCAL, REAL, ClusterHandle, local_handle
 
 from k8s_dispatch import celeryconfig
 from k8s_dispatch.engine import migrate, store
 from k8s_dispatch.engine.db import make_engine, make_sessionmaker, transaction
 from k8s_dispatch.engine.models import Dispatch, EventType
 from k8s_dispatch.engine.settings import Settings, load_settings
-from clusters import LOCAL, REAL, ClusterHandle, local_handle
 from k8s_dispatch.localcluster import LocalCluster
 from k8s_dispatch.ops import processes
 from k8s_dispatch.workers import labels as job_labels
 from k8s_dispatch.workers.kube import KubeClient
 
 
-def wait_until(predicate: Callable[[], Any], *, timeout_s: float = 30.0, what: str = "condition", on_fail: Callable[[], str] = lambda: "") -> Any:
+def wait_until(
+    predicate: Callable[[], Any],
+    *,
+    timeout_s: float = 30.0,
+    what: str = "condition",
+    on_fail: Callable[[], str] = lambda: "",
+) -> Any:
     """Poll `predicate` until it returns something truthy; after `timeout_s`, fail with `on_fail()`."""
     return processes.wait_until(predicate, timeout=timeout_s, what=what, details=on_fail)
 
@@ -135,7 +141,8 @@ class Deployment:
 
         case_id = self.new_case()
         requests = [
-            store.ScheduleRequest(case_id, "tenant-a", capability, {"i": i}, f"key-{uuid.uuid4()}") for i in range(count)
+            store.ScheduleRequest(case_id, "tenant-a", capability, {"i": i}, f"key-{uuid.uuid4()}")
+            for i in range(count)
         ]
         with transaction(self.sessions) as session:
             results = schedule_many_in_session(
@@ -190,7 +197,9 @@ class Deployment:
     def dispatch_by_key(self, tenancy_id: str, idempotency_key: str) -> Any:
         with transaction(self.sessions) as session:
             return session.scalars(
-                sa.select(Dispatch).where(Dispatch.tenancy_id == tenancy_id, Dispatch.idempotency_key == idempotency_key)
+                sa.select(Dispatch).where(
+                    Dispatch.tenancy_id == tenancy_id, Dispatch.idempotency_key == idempotency_key
+                )
             ).one_or_none()
 
     def send(self, task: str, *args: Any, **kwargs: Any) -> None:
@@ -231,8 +240,9 @@ def deploy(new_pg_database, redis_url, key_prefix, tmp_path) -> Iterator[Callabl
     """`deploy(cluster, capabilities=None, **settings)`: a Deployment; stopped cleanly at the end."""
     made: list[tuple[Deployment, Any]] = []
 
-    def make(cluster: LocalCluster | ClusterHandle, *, capabilities: dict[str, Any] | None = None,
-             **overrides: str) -> Deployment:
+    def make(
+        cluster: LocalCluster | ClusterHandle, *, capabilities: dict[str, Any] | None = None, **overrides: str
+    ) -> Deployment:
         pg_url = new_pg_database()
         migrate.upgrade(pg_url)
         values = {
@@ -246,7 +256,9 @@ def deploy(new_pg_database, redis_url, key_prefix, tmp_path) -> Iterator[Callabl
             "K8S_DISPATCH_GUARD_LEASE_MS": "15000",
         }
         if capabilities is not None:
-            values["K8S_DISPATCH_CAPABILITIES"] = str(capabilities_file(tmp_path / f"caps-{len(made)}.yaml", capabilities))
+            values["K8S_DISPATCH_CAPABILITIES"] = str(
+                capabilities_file(tmp_path / f"caps-{len(made)}.yaml", capabilities)
+            )
         values.update({f"K8S_DISPATCH_{k.upper()}": v for k, v in overrides.items()})
         settings = load_settings(values)
         if isinstance(cluster, ClusterHandle):

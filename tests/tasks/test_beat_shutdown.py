@@ -48,7 +48,7 @@ def test_beat_exits_on_sigterm_at_random_moments_under_load(deploy, sim_cluster,
         try:
             sends = rng.randint(1, 4)
 
-            def sent_enough() -> bool:
+            def sent_enough(beat: processes.ManagedProcess = beat, sends: int = sends) -> bool:
                 if not beat.alive:
                     pytest.fail(f"beat exited with {beat.returncode} before sending\n{beat.log_tail()}")
                 return beat.log_path.read_text(errors="replace").count(SENDING) >= sends

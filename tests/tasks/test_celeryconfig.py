@@ -15,7 +15,9 @@ from k8s_dispatch.tasks import app
 
 
 def settings_for(prefix: str, **values: str):
-    return load_settings({"K8S_DISPATCH_KEY_PREFIX": prefix, **{f"K8S_DISPATCH_{k.upper()}": v for k, v in values.items()}})
+    return load_settings(
+        {"K8S_DISPATCH_KEY_PREFIX": prefix, **{f"K8S_DISPATCH_{k.upper()}": v for k, v in values.items()}}
+    )
 
 
 def test_the_config_carries_the_safety_settings_from_the_environment():
@@ -32,7 +34,11 @@ def test_the_config_carries_the_safety_settings_from_the_environment():
     assert (conf["worker_pool"], conf["worker_concurrency"]) == ("threads", 3)
     assert conf["task_ignore_result"] is True
     assert conf["worker_send_task_events"] is True and conf["task_send_sent_event"] is True
-    assert [q.name for q in conf["task_queues"]] == [celeryconfig.JOBS_QUEUE, celeryconfig.COMPLETE_QUEUE, celeryconfig.SWEEP_QUEUE]
+    assert [q.name for q in conf["task_queues"]] == [
+        celeryconfig.JOBS_QUEUE,
+        celeryconfig.COMPLETE_QUEUE,
+        celeryconfig.SWEEP_QUEUE,
+    ]
     assert conf["task_default_queue"] == celeryconfig.JOBS_QUEUE
     assert conf["task_routes"][celeryconfig.COMPLETE_TASK] == {"queue": celeryconfig.COMPLETE_QUEUE}
     assert conf["task_routes"][celeryconfig.COMPLETE_BATCH_TASK] == {"queue": celeryconfig.COMPLETE_QUEUE}
@@ -46,7 +52,11 @@ def test_the_package_app_is_configured_from_celeryconfig():
     assert app.main == "k8s-dispatch"
     assert app.conf.task_acks_late is True
     assert app.conf.worker_pool == "threads"
-    assert set(app.conf.task_routes) >= {celeryconfig.CREATE_JOB_TASK, celeryconfig.COMPLETE_TASK, celeryconfig.POLL_TASK}
+    assert set(app.conf.task_routes) >= {
+        celeryconfig.CREATE_JOB_TASK,
+        celeryconfig.COMPLETE_TASK,
+        celeryconfig.POLL_TASK,
+    }
 
 
 def test_every_broker_key_lives_under_the_prefix(redis_url, key_prefix):

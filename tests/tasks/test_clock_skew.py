@@ -14,15 +14,15 @@ import uuid
 from datetime import timedelta
 
 import pytest
+from test_monitoring import scrape  # the same /metrics reader
 
 from k8s_dispatch import celeryconfig as names
 from k8s_dispatch.engine import store
 from k8s_dispatch.engine.db import database_now, transaction
 from k8s_dispatch.engine.models import EventType
+from k8s_dispatch.ops import processes
 from k8s_dispatch.recovery.reconcile import SWEEPS_RUN
 from k8s_dispatch.recovery.stats import Stats
-from test_monitoring import scrape  # the same /metrics reader
-from k8s_dispatch.ops import processes
 from k8s_dispatch.tasks.recovery_tasks import STARTUP_SWEEP_DONE
 from k8s_dispatch.workers.resolver import CapabilityResolver
 
@@ -57,10 +57,8 @@ def skew_of(env: dict[str, str]) -> float:
     return float(out) - before
 
 
-
 def discarded(port: int, task: str, reason: str) -> float:
     return scrape(port).get(("k8s_dispatch_tasks_discarded_total", (("reason", reason), ("task", task))), 0.0)
-
 
 
 @pytest.mark.parametrize("offset", [f"+{SKEW_S}s", f"-{SKEW_S}s"])
@@ -131,7 +129,9 @@ def test_a_message_the_workers_clock_expires_is_logged_and_counted(deploy, sim_c
 def test_a_backlog_of_polls_and_sweeps_runs_once_each_the_rest_superseded(deploy, sim_cluster):
     port = processes.free_port()
     # Long intervals: the whole backlog falls within one window (half an interval).
-    d = deploy(sim_cluster, capabilities=CAPABILITIES, metrics_port=str(port), poll_interval_s="20", sweep_interval_s="60")
+    d = deploy(
+        sim_cluster, capabilities=CAPABILITIES, metrics_port=str(port), poll_interval_s="20", sweep_interval_s="60"
+    )
     for _ in range(10):
         d.send(names.POLL_TASK)
     for _ in range(3):
@@ -142,8 +142,11 @@ def test_a_backlog_of_polls_and_sweeps_runs_once_each_the_rest_superseded(deploy
 
     def drained() -> bool:
         # the sweep that runs counts itself when it ends, which may be after the others were skipped
-        return (discarded(port, names.POLL_TASK, "superseded") == 9 and discarded(port, names.SWEEP_TASK, "superseded") == 2
-                and stats.get(SWEEPS_RUN) >= 2)
+        return (
+            discarded(port, names.POLL_TASK, "superseded") == 9
+            and discarded(port, names.SWEEP_TASK, "superseded") == 2
+            and stats.get(SWEEPS_RUN) >= 2
+        )
 
     d.wait(drained, what="9 polls and 2 sweeps superseded, the other sweep done")
     assert worker.log().count(f"{names.POLL_TASK} skipped: superseded") == 9

@@ -18,7 +18,6 @@ from k8s_dispatch.recovery.reconcile import ORPHANS_REPORTED
 from k8s_dispatch.recovery.stats import Stats
 from k8s_dispatch.tasks.scheduling import schedule_in_session
 from k8s_dispatch.workers.resolver import CapabilityResolver
-
 from tests.tasks.conftest import Deployment, capabilities_file, wait_until
 
 SIM = "localcluster.k8s-dispatch.io/"
@@ -95,7 +94,9 @@ def test_a_crash_between_create_and_mark_then_a_namespace_change_still_makes_one
 
     doomed = d.start_worker("doomed", env={CRASH_AT: Point.AFTER_JOB_CREATE.value})
     ids = schedule(d, "sim.ok", 4)
-    wait_until(lambda: not doomed.managed.alive, timeout_s=60, what="the worker to die at its crash point", on_fail=doomed.tail)
+    wait_until(
+        lambda: not doomed.managed.alive, timeout_s=60, what="the worker to die at its crash point", on_fail=doomed.tail
+    )
     assert doomed.managed.returncode == -signal.SIGKILL
     d.procs.remove(doomed)
     assert job_creates(sim_cluster) - before == 1  # one Job made, its row not marked

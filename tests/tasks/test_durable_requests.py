@@ -36,7 +36,6 @@ CAPABILITIES = {
 WORKER_START_S = 90.0
 
 
-
 def queued(d, queue: str = names.JOBS_QUEUE) -> list[tuple[str, list[Any], dict[str, Any]]]:
     """(task, args, kwargs) of the messages waiting in `queue`, oldest first."""
     out = []
@@ -136,8 +135,10 @@ def test_a_cancel_in_session_racing_completions_leaves_exactly_one_terminal_even
             barrier.wait()
             try:  # in id order, one by one, while the cancels come the other way: they meet
                 for dispatch_id in ids:
-                    delivery.complete_job(rt, d.namespace, job_name(dispatch_id), snapshot=snapshots[job_name(dispatch_id)])
-            except BaseException as e:  # noqa: BLE001 - reported by the assertion below
+                    delivery.complete_job(
+                        rt, d.namespace, job_name(dispatch_id), snapshot=snapshots[job_name(dispatch_id)]
+                    )
+            except BaseException as e:
                 errors.append(e)
 
         def cancel() -> None:
@@ -146,7 +147,7 @@ def test_a_cancel_in_session_racing_completions_leaves_exactly_one_terminal_even
                 for dispatch_id in reversed(ids):
                     with transaction(d.sessions) as session:
                         cancelled[dispatch_id] = cancel_in_session(session, dispatch_id, via=d.producer)
-            except BaseException as e:  # noqa: BLE001
+            except BaseException as e:
                 errors.append(e)
 
         threads = [threading.Thread(target=complete), threading.Thread(target=cancel)]
@@ -168,15 +169,13 @@ def test_a_cancel_in_session_racing_completions_leaves_exactly_one_terminal_even
 
 def test_cancel_in_session_of_an_unknown_dispatch_writes_and_sends_nothing(deploy, sim_cluster):
     d = deploy(sim_cluster, capabilities=CAPABILITIES)
-    with pytest.raises(UnknownDispatch):
-        with transaction(d.sessions) as session:
-            cancel_in_session(session, str(uuid.uuid4()), via=d.producer)
+    with pytest.raises(UnknownDispatch), transaction(d.sessions) as session:
+        cancel_in_session(session, str(uuid.uuid4()), via=d.producer)
     (dispatch_id,) = d.schedule_batch("sim.ok", 1)
     d.redis.delete(f"{d.prefix}:{names.JOBS_QUEUE}")
-    with pytest.raises(RuntimeError):
-        with transaction(d.sessions) as session:
-            cancel_in_session(session, dispatch_id, via=d.producer)
-            raise RuntimeError("the engine's own step failed")
+    with pytest.raises(RuntimeError), transaction(d.sessions) as session:
+        cancel_in_session(session, dispatch_id, via=d.producer)
+        raise RuntimeError("the engine's own step failed")
     assert queued(d) == [] and state(d, dispatch_id) is DispatchState.SCHEDULED
 
 
@@ -194,7 +193,7 @@ def test_send_schedule_until_recorded_re_sends_after_a_broker_flush(deploy, sim_
                 d.sessions, case_id=case_id, tenancy_id="tenant-a", capability="sim.ok", input={"x": 1},
                 idempotency_key=key, timeout_s=240, resend_s=2.0, via=d.producer,
             )  # fmt: skip
-        except BaseException as e:  # noqa: BLE001 - reported below
+        except BaseException as e:
             found["error"] = e
 
     sender = threading.Thread(target=send)

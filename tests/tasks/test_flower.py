@@ -48,7 +48,7 @@ def flower(deploy, sim_cluster, tmp_path) -> Iterator[tuple[Any, int]]:
     )
     process.start()
     try:
-        processes.wait_until(lambda: process.alive and answers(port) or _exited(process), timeout=60, what="Flower")
+        processes.wait_until(lambda: (process.alive and answers(port)) or _exited(process), timeout=60, what="Flower")
         yield d, port
     finally:
         process.stop(timeout=15)
@@ -68,7 +68,15 @@ def test_flower_sees_the_worker_and_the_tasks_of_a_dispatch(flower) -> None:
     case_id = d.new_case()
     ids = [str(uuid.uuid4()) for _ in range(3)]
     for dispatch_id in ids:
-        d.send(names.SCHEDULE_TASK, case_id, "tenant-a", "demo.wordcount", {"text": "a b"}, f"k-{dispatch_id}", dispatch_id=dispatch_id)
+        d.send(
+            names.SCHEDULE_TASK,
+            case_id,
+            "tenant-a",
+            "demo.wordcount",
+            {"text": "a b"},
+            f"k-{dispatch_id}",
+            dispatch_id=dispatch_id,
+        )
     d.wait_terminal(ids)
 
     # The API is not open to anyone: without credentials it refuses.

@@ -81,10 +81,9 @@ def test_create_job_is_sent_once_the_transaction_commits(world):
 def test_nothing_is_sent_when_the_transaction_rolls_back(world):
     producer, sessions, client, queue = world
     case_id = new_case(sessions)
-    with pytest.raises(RuntimeError):
-        with transaction(sessions) as session:
-            result = schedule_in_session(session, via=producer, **request(case_id))
-            raise RuntimeError("the engine's own step failed")
+    with pytest.raises(RuntimeError), transaction(sessions) as session:
+        result = schedule_in_session(session, via=producer, **request(case_id))
+        raise RuntimeError("the engine's own step failed")
     assert sent(client, queue) == []
     with transaction(sessions) as session:
         assert store.get_dispatch(session, result.dispatch_id) is None
@@ -119,9 +118,8 @@ def test_a_repeated_request_is_one_dispatch_and_a_bad_one_writes_nothing(world):
     with transaction(sessions) as session:
         again = schedule_in_session(session, via=producer, **same)
     assert (again.dispatch_id, again.created) == (first.dispatch_id, False)
-    with pytest.raises(UnknownCapability):
-        with transaction(sessions) as session:
-            schedule_in_session(session, via=producer, **request(case_id, capability="no.such"))
+    with pytest.raises(UnknownCapability), transaction(sessions) as session:
+        schedule_in_session(session, via=producer, **request(case_id, capability="no.such"))
     # Sent again for the repeat (create_job is idempotent; a lost first message is covered).
     assert sent(client, queue) == [first.dispatch_id, first.dispatch_id]
 
@@ -133,13 +131,13 @@ def test_a_transaction_of_60_dispatches_is_sent_in_batches_after_its_commit(worl
 
     def requests(n: int) -> list[store.ScheduleRequest]:
         return [
-            store.ScheduleRequest(case_id, "tenant-a", "demo.wordcount", {"i": i}, f"key-{uuid.uuid4()}") for i in range(n)
+            store.ScheduleRequest(case_id, "tenant-a", "demo.wordcount", {"i": i}, f"key-{uuid.uuid4()}")
+            for i in range(n)
         ]
 
-    with pytest.raises(RuntimeError):
-        with transaction(sessions) as session:
-            schedule_many_in_session(session, requests(30), router=router, max_input_bytes=1024, via=producer)
-            raise RuntimeError("the engine's own step failed")
+    with pytest.raises(RuntimeError), transaction(sessions) as session:
+        schedule_many_in_session(session, requests(30), router=router, max_input_bytes=1024, via=producer)
+        raise RuntimeError("the engine's own step failed")
     assert sent(client, queue) == []
 
     with transaction(sessions) as session:

@@ -11,7 +11,7 @@ import os
 import subprocess
 import sys
 import uuid
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -22,7 +22,7 @@ from k8s_dispatch.engine.db import make_engine, make_sessionmaker, transaction
 from k8s_dispatch.engine.models import EventType
 from k8s_dispatch.ops.status import CreateWait, Failure, Pending, StatusReport, format_age, read_status, render
 
-NOW = datetime(2025, 6, 1, 12, 0, 0, tzinfo=timezone.utc)
+NOW = datetime(2025, 6, 1, 12, 0, 0, tzinfo=UTC)
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -69,7 +69,9 @@ def populate(url: str) -> dict[str, str]:
             created = schedule("created", 30)
             store.mark_created(session, created, job_name="j", namespace="default", attempt=0, now=NOW)
             done = schedule("completed", 200)  # older, but ended: not pending
-            store.record_terminal(session, done, EventType.WORKER_COMPLETED, {"output": 1}, now=NOW - timedelta(minutes=100))
+            store.record_terminal(
+                session, done, EventType.WORKER_COMPLETED, {"output": 1}, now=NOW - timedelta(minutes=100)
+            )
             store.mark_notified(session, done)
             first = schedule("failed-first", 60)
             store.record_terminal(
@@ -130,21 +132,31 @@ def sample_report() -> StatusReport:
         generated_at=NOW,
         counts={"SCHEDULED": 4, "CREATED": 2, "COMPLETED": 10, "FAILED": 1, "CANCELLED": 0},
         oldest_pending=Pending(
-            dispatch_id="d-old", state="CREATED", capability="demo.x", case_id="c1", tenancy_id="acme",
-            created_at=NOW - timedelta(seconds=185), age_s=185.0,
-        ),  # fmt: skip
+            dispatch_id="d-old",
+            state="CREATED",
+            capability="demo.x",
+            case_id="c1",
+            tenancy_id="acme",
+            created_at=NOW - timedelta(seconds=185),
+            age_s=185.0,
+        ),
         recent_failures=[
             Failure(
-                dispatch_id="d-f", capability="demo.y", case_id="c2", tenancy_id="globex", reason="BackoffLimitExceeded",
-                message="exit 2", finished_at=NOW,
-            )  # fmt: skip
+                dispatch_id="d-f",
+                capability="demo.y",
+                case_id="c2",
+                tenancy_id="globex",
+                reason="BackoffLimitExceeded",
+                message="exit 2",
+                finished_at=NOW,
+            )
         ],
         unnotified=1,
     )
 
 
 def rendered(report: StatusReport) -> str:
-    console = Console(record=True, width=160, file=open(os.devnull, "w"))  # noqa: SIM115 - closed below
+    console = Console(record=True, width=160, file=open(os.devnull, "w"))  # noqa: SIM115 - closed below, after export
     try:
         console.print(render(report))
         return console.export_text()
@@ -160,7 +172,15 @@ def test_the_tables_show_every_state_the_oldest_pending_and_each_failure() -> No
     assert "oldest pending: d-old CREATED demo.x case=c1 tenancy=acme, waiting 3m05s" in text
     assert "engine not told yet: 1" in text
     failure = text.splitlines()[text.splitlines().index("latest 1 failures") + 1 :]
-    assert failure[0].split() == ["2025-06-01", "12:00:00", "BackoffLimitExceeded", "demo.y", "tenancy=globex", "case=c2", "d-f"]
+    assert failure[0].split() == [
+        "2025-06-01",
+        "12:00:00",
+        "BackoffLimitExceeded",
+        "demo.y",
+        "tenancy=globex",
+        "case=c2",
+        "d-f",
+    ]
     assert failure[1].strip() == "exit 2"
 
 
@@ -212,12 +232,19 @@ def test_the_command_prints_json_for_scripts_and_tables_for_people(fresh_db_url)
 def test_dispatches_waiting_for_their_create_are_shown_with_why() -> None:
     quota = 'QuotaExceeded: create job in ns: 403 Forbidden: jobs.batch "kd-w" is forbidden: exceeded quota: q'
     report = dataclasses.replace(
-        sample_report(), create_waiting=3, create_waits=[CreateWait("d-wait", "demo.x", quota, NOW - timedelta(seconds=9))]
+        sample_report(),
+        create_waiting=3,
+        create_waits=[CreateWait("d-wait", "demo.x", quota, NOW - timedelta(seconds=9))],
     )
     text = rendered(report)
     assert "waiting for their Job to be created: 3 (retried)" in text
     assert "d-wait" in text and "exceeded quota: q" in text
     assert report.to_dict()["create_waits"] == [
-        {"dispatch_id": "d-wait", "capability": "demo.x", "error": quota, "since": (NOW - timedelta(seconds=9)).isoformat()}
+        {
+            "dispatch_id": "d-wait",
+            "capability": "demo.x",
+            "error": quota,
+            "since": (NOW - timedelta(seconds=9)).isoformat(),
+        }
     ]
     assert "waiting for their Job" not in rendered(sample_report())

@@ -45,7 +45,15 @@ def schedule_many(d, requests: list[tuple[str, dict]], *, by_task_every: int = 2
     for i, (capability, data) in enumerate(requests):
         if i % by_task_every == 0:
             dispatch_id = str(uuid.uuid4())
-            d.send(names.SCHEDULE_TASK, case_id, "tenant-a", capability, data, f"key-{dispatch_id}", dispatch_id=dispatch_id)
+            d.send(
+                names.SCHEDULE_TASK,
+                case_id,
+                "tenant-a",
+                capability,
+                data,
+                f"key-{dispatch_id}",
+                dispatch_id=dispatch_id,
+            )
         else:
             with transaction(d.sessions) as session:
                 result = schedule_in_session(
@@ -75,7 +83,7 @@ def test_a_hundred_dispatches_across_three_capabilities_complete_once_each(deplo
     events = d.wait_terminal(ids, timeout_s=90)
     elapsed = time.monotonic() - started
 
-    for dispatch_id, (capability, data) in zip(ids, requests):
+    for dispatch_id, (_capability, data) in zip(ids, requests, strict=True):
         # Simulate mode echoes the input the Job carried: proof it went through the Job.
         assert events[dispatch_id] == [(EventType.WORKER_COMPLETED, {"output": {"simulated": True, "input": data}})]
     with transaction(d.sessions) as session:
@@ -100,14 +108,19 @@ def test_exec_mode_runs_the_demo_capabilities_for_real(exec_cluster, deploy):
     requests = [(c, demo_input(c, i)) for i, c in enumerate(DEMO * 2)]
     ids = schedule_many(d, requests)
     events = d.wait_terminal(ids, timeout_s=90)
-    for dispatch_id, (capability, data) in zip(ids, requests):
+    for dispatch_id, (capability, data) in zip(ids, requests, strict=True):
         assert events[dispatch_id] == [(EventType.WORKER_COMPLETED, {"output": demo_output(capability, data)})]
     d.wait_no_jobs()
 
 
 FAILING = {
     "sim.fail": {"worker": "sim", "image": "sim:1", "annotations": {SIM + "outcome": "fail", SIM + "exit-code": "2"}},
-    "sim.slow": {"worker": "sim", "image": "sim:1", "annotations": {SIM + "outcome": "hang"}, "activeDeadlineSeconds": 1},
+    "sim.slow": {
+        "worker": "sim",
+        "image": "sim:1",
+        "annotations": {SIM + "outcome": "hang"},
+        "activeDeadlineSeconds": 1,
+    },
     "sim.hang": {"worker": "sim", "image": "sim:1", "annotations": {SIM + "outcome": "hang"}},
     "sim.notjson": {"worker": "sim", "image": "sim:1", "annotations": {SIM + "result": "<html>oops</html>"}},
 }
@@ -179,7 +192,7 @@ def test_bad_requests_to_the_schedule_task_write_nothing(deploy, any_cluster):
     d.send(names.SCHEDULE_TASK, "has\ttab", "tenant-a", "demo.wordcount", {}, "bad-InvalidId")
     d.send(names.SCHEDULE_TASK, case_id, "tenant-b", "demo.wordcount", {}, "bad-TenancyMismatch")
     for reason in [*bad, "InvalidId", "TenancyMismatch"]:
-        d.wait(lambda: reason in worker.log(), what=f"{reason} logged")
+        d.wait(lambda reason=reason: reason in worker.log(), what=f"{reason} logged")
     for reason in [*bad, "InvalidId", "TenancyMismatch"]:
         assert d.dispatch_by_key("tenant-a", f"bad-{reason}") is None
         assert d.dispatch_by_key("tenant-b", f"bad-{reason}") is None
@@ -188,7 +201,10 @@ def test_bad_requests_to_the_schedule_task_write_nothing(deploy, any_cluster):
 
 
 def test_a_worker_with_a_broken_capability_file_stops_at_start_naming_the_problem(deploy, any_cluster):
-    d = deploy(any_cluster, capabilities={"demo.good": {"worker": "w", "image": "x"}, "demo.bad": {"worker": "Not A Label", "image": "x"}})
+    d = deploy(
+        any_cluster,
+        capabilities={"demo.good": {"worker": "w", "image": "x"}, "demo.bad": {"worker": "Not A Label", "image": "x"}},
+    )
     proc = d.start_worker("w-broken", wait=False)
     code = proc.popen.wait(timeout=30)
     d.procs.remove(proc)
@@ -250,8 +266,20 @@ def test_the_cli_schedule_refuses_bad_input_with_its_typed_error(deploy, any_clu
     d = deploy(any_cluster)
     key = f"cli-{uuid.uuid4()}"
     result = subprocess.run(
-        [sys.executable, "-m", "k8s_dispatch.ops.cli", "schedule", "--case", "c-cli", "--tenancy", "tenant-a", "--create-case",
-         "--idempotency-key", key, *cli_args],  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "k8s_dispatch.ops.cli",
+            "schedule",
+            "--case",
+            "c-cli",
+            "--tenancy",
+            "tenant-a",
+            "--create-case",
+            "--idempotency-key",
+            key,
+            *cli_args,
+        ],
         env=d.env,
         capture_output=True,
         text=True,
@@ -272,7 +300,11 @@ def test_the_cli_schedules_and_cancels(deploy, any_cluster):
 
     def cli(*args: str) -> dict:
         result = subprocess.run(
-            [sys.executable, "-m", "k8s_dispatch.ops.cli", *args, "--json"], env=d.env, capture_output=True, text=True, timeout=60
+            [sys.executable, "-m", "k8s_dispatch.ops.cli", *args, "--json"],
+            env=d.env,
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
         assert result.returncode == 0, result.stderr
         return json.loads(result.stdout)
@@ -282,7 +314,11 @@ def test_the_cli_schedules_and_cancels(deploy, any_cluster):
     assert scheduled["created"] is True and scheduled["state"] == "SCHEDULED"
     dispatch_id = scheduled["dispatch_id"]
     d.wait(lambda: d.jobs(), what="job created by the worker")
-    assert cli("cancel", dispatch_id, "--reason", "NotNeeded") == {"dispatch_id": dispatch_id, "cancelled": True, "state": "CANCELLED"}
+    assert cli("cancel", dispatch_id, "--reason", "NotNeeded") == {
+        "dispatch_id": dispatch_id,
+        "cancelled": True,
+        "state": "CANCELLED",
+    }
     assert cli("cancel", dispatch_id) == {"dispatch_id": dispatch_id, "cancelled": False, "state": "CANCELLED"}
     assert d.terminal_events([dispatch_id])[dispatch_id] == [(EventType.WORKER_CANCELLED, {"reason": "NotNeeded"})]
     d.wait_no_jobs()

@@ -28,7 +28,9 @@ def printable_text(max_size: int) -> st.SearchStrategy[str]:
     return st.text(PRINTABLE, min_size=1, max_size=max_size)
 
 
-def mostly(valid: st.SearchStrategy[Any], invalid: st.SearchStrategy[Any], *, one_in: int = 12) -> st.SearchStrategy[Any]:
+def mostly(
+    valid: st.SearchStrategy[Any], invalid: st.SearchStrategy[Any], *, one_in: int = 12
+) -> st.SearchStrategy[Any]:
     """`valid`, but `invalid` about once in `one_in` draws: with a dozen fields per case,
     a good share of cases is still fully valid and gets built."""
     return st.integers(0, one_in - 1).flatmap(lambda i: invalid if i == one_in - 1 else valid)
@@ -40,7 +42,9 @@ dispatch_ids_any = mostly(dispatch_ids, st.one_of(st.text(max_size=40), dispatch
 engine_ids = st.one_of(label_values, printable_text(128), hash_lookalikes)
 engine_ids_any = mostly(engine_ids, st.one_of(st.text(max_size=140), st.just(""), printable_text(200)))
 
-idempotency_keys = st.one_of(label_values, printable_text(256), hash_lookalikes, st.text(PRINTABLE, min_size=200, max_size=256))
+idempotency_keys = st.one_of(
+    label_values, printable_text(256), hash_lookalikes, st.text(PRINTABLE, min_size=200, max_size=256)
+)
 idempotency_keys_any = mostly(idempotency_keys, st.one_of(st.text(max_size=300), st.just(""), printable_text(400)))
 
 # Config-valid names: capabilities longer than 63 or with ':' or '/' need a hash as labels.
@@ -92,12 +96,16 @@ inputs_any = mostly(json_values, non_json_values)
 _BASE_SPEC = demo_resolver().spec("demo.wordcount")
 
 metadata_keys = st.one_of(
-    st.from_regex(r"\A([a-z0-9]([-a-z0-9]{0,20}[a-z0-9])?\.)?example\.com/[A-Za-z0-9]([-A-Za-z0-9_.]{0,20}[A-Za-z0-9])?\Z"),
+    st.from_regex(
+        r"\A([a-z0-9]([-a-z0-9]{0,20}[a-z0-9])?\.)?example\.com/[A-Za-z0-9]([-A-Za-z0-9_.]{0,20}[A-Za-z0-9])?\Z"
+    ),
     label_values.filter(lambda key: key not in ("job-name", "controller-uid")),  # the Job controller's
 )
 metadata_keys_any = mostly(
     metadata_keys,
-    st.one_of(st.text(max_size=20), st.sampled_from(["k8s-dispatch.io/case-id", "app.kubernetes.io/managed-by", "job-name"])),
+    st.one_of(
+        st.text(max_size=20), st.sampled_from(["k8s-dispatch.io/case-id", "app.kubernetes.io/managed-by", "job-name"])
+    ),
     one_in=40,
 )
 quantities = st.one_of(
@@ -111,7 +119,9 @@ resources = st.dictionaries(
 )
 resources_any = mostly(
     resources,
-    st.dictionaries(st.text(max_size=8), st.dictionaries(st.text(max_size=8), st.text(max_size=8), max_size=2), max_size=2),
+    st.dictionaries(
+        st.text(max_size=8), st.dictionaries(st.text(max_size=8), st.text(max_size=8), max_size=2), max_size=2
+    ),
 )
 env_names = st.from_regex(r"\A[A-Za-z_][A-Za-z0-9_]{0,20}\Z")
 env_values = st.text(st.characters(exclude_characters="\x00"), max_size=30)
@@ -133,10 +143,18 @@ def capability_specs(draw: Any, *, name: str, worker_name: str, valid: bool = Fa
         worker_name=worker_name,
         env=draw(st.dictionaries(env_names, env_values, max_size=4) if valid else env_any),
         resources=draw(resources.filter(_requests_within_limits) if valid else resources_any),
-        labels=draw(st.dictionaries(keys, label_values if valid else mostly(label_values, st.text(max_size=70), one_in=40), max_size=3)),
+        labels=draw(
+            st.dictionaries(
+                keys, label_values if valid else mostly(label_values, st.text(max_size=70), one_in=40), max_size=3
+            )
+        ),
         annotations=draw(st.dictionaries(keys, st.text(max_size=100), max_size=3)),
         namespace=draw(st.none() | (namespaces if valid else namespaces_any)),
-        active_deadline_seconds=draw(st.none() | st.integers(1, 86_400) if valid else mostly(st.none() | st.integers(1, 86_400), st.integers(-5, 0))),
+        active_deadline_seconds=draw(
+            st.none() | st.integers(1, 86_400)
+            if valid
+            else mostly(st.none() | st.integers(1, 86_400), st.integers(-5, 0))
+        ),
         backoff_limit=draw(st.integers(0, 6) if valid else mostly(st.integers(0, 6), st.integers(-2, -1))),
     )
 

@@ -9,9 +9,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from k8s_dispatch.engine.errors import ConfigError, UnknownCapability
-from tests.workers import strategies as S
 from k8s_dispatch.workers.backends import Backend, CompositeBackend, Worker
 from k8s_dispatch.workers.resolver import CapabilityResolver, demo_resolver
+from tests.workers import strategies as S
 
 
 @pytest.mark.parametrize(
@@ -100,7 +100,7 @@ def test_composite_first_backend_wins_on_overlap() -> None:
 
 @pytest.mark.parametrize("backends", [[], [_backend("text", "demo.wordcount")]])
 def test_composite_unknown_capability(backends: list[Backend]) -> None:
-    with pytest.raises(UnknownCapability, match="'demo.nope'"):
+    with pytest.raises(UnknownCapability, match=r"'demo.nope'"):
         CompositeBackend(backends).backend_for("demo.nope")
 
 

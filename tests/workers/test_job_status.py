@@ -14,7 +14,6 @@ from kubernetes import client as k8s
 
 from k8s_dispatch.engine import store
 from k8s_dispatch.engine.models import EventType
-from tests.workers import strategies as S
 from k8s_dispatch.workers.job_status import (
     CONTAINER_FAILED,
     JOB_DELETED,
@@ -34,6 +33,7 @@ from k8s_dispatch.workers.job_status import (
     pick_termination,
 )
 from k8s_dispatch.workers.manifest import encode_input
+from tests.workers import strategies as S
 
 JOB_UID = "7d0f4a6e-0000-4000-8000-000000000001"
 LOST = "the Job succeeded but no Pod of it holds the result any more"
@@ -67,12 +67,22 @@ def job(*conditions: dict[str, Any], deleting: bool = False) -> dict[str, Any]:
         (job(condition("Failed", status="Unknown")), JobState(Outcome.RUNNING)),
         (job(condition("Complete")), JobState(Outcome.SUCCEEDED)),
         (
-            job(condition("SuccessCriteriaMet", reason="CompletionsReached"), condition("Complete", reason="CompletionsReached")),
+            job(
+                condition("SuccessCriteriaMet", reason="CompletionsReached"),
+                condition("Complete", reason="CompletionsReached"),
+            ),
             JobState(Outcome.SUCCEEDED, "CompletionsReached"),
         ),
-        (job(condition("SuccessCriteriaMet", reason="CompletionsReached")), JobState(Outcome.SUCCEEDED, "CompletionsReached")),
         (
-            job(condition("Failed", reason="BackoffLimitExceeded", message="Job has reached the specified backoff limit")),
+            job(condition("SuccessCriteriaMet", reason="CompletionsReached")),
+            JobState(Outcome.SUCCEEDED, "CompletionsReached"),
+        ),
+        (
+            job(
+                condition(
+                    "Failed", reason="BackoffLimitExceeded", message="Job has reached the specified backoff limit"
+                )
+            ),
             JobState(Outcome.FAILED, "BackoffLimitExceeded", "Job has reached the specified backoff limit"),
         ),
         (
@@ -88,7 +98,10 @@ def job(*conditions: dict[str, Any], deleting: bool = False) -> dict[str, Any]:
         (job(condition("SuccessCriteriaMet"), condition("Failed", reason="X")), JobState(Outcome.FAILED, "X")),
         (job(deleting=True), JobState(Outcome.FAILED, JOB_DELETED, "the Job was deleted before it finished")),
         (job(condition("Complete"), deleting=True), JobState(Outcome.SUCCEEDED)),
-        (job(condition("Failed", reason="DeadlineExceeded"), deleting=True), JobState(Outcome.FAILED, "DeadlineExceeded")),
+        (
+            job(condition("Failed", reason="DeadlineExceeded"), deleting=True),
+            JobState(Outcome.FAILED, "DeadlineExceeded"),
+        ),
         ({"status": {"conditions": ["junk", {"status": "True"}, condition("Complete")]}}, JobState(Outcome.SUCCEEDED)),
     ],
 )
@@ -107,14 +120,16 @@ def test_job_state_reads_what_the_python_client_serialises() -> None:
                     status="True",
                     reason="DeadlineExceeded",
                     message="Job was active longer than specified deadline",
-                    last_transition_time=dt.datetime(2024, 5, 1, tzinfo=dt.timezone.utc),
+                    last_transition_time=dt.datetime(2024, 5, 1, tzinfo=dt.UTC),
                 )
             ]
         ),
     )
     with k8s.ApiClient() as api:
         as_dict = api.sanitize_for_serialization(model)
-    assert job_state(as_dict) == JobState(Outcome.FAILED, "DeadlineExceeded", "Job was active longer than specified deadline")
+    assert job_state(as_dict) == JobState(
+        Outcome.FAILED, "DeadlineExceeded", "Job was active longer than specified deadline"
+    )
 
 
 OK_JSON = '{"words":3}'
@@ -130,7 +145,11 @@ OK_JSON = '{"words":3}'
         (None, True, Result(reason=RESULT_MISSING, detail="the container exited 0 without writing a result")),
         ("", True, Result(reason=RESULT_MISSING, detail="the container exited 0 without writing a result")),
         (" \n", True, Result(reason=RESULT_MISSING, detail="the container exited 0 without writing a result")),
-        ("Traceback (most recent call last):\nboom", False, Result(reason=CONTAINER_FAILED, detail="Traceback (most recent call last):\nboom")),
+        (
+            "Traceback (most recent call last):\nboom",
+            False,
+            Result(reason=CONTAINER_FAILED, detail="Traceback (most recent call last):\nboom"),
+        ),
         (None, False, Result(reason=CONTAINER_FAILED)),
         ("", False, Result(reason=CONTAINER_FAILED)),
     ],
@@ -199,7 +218,9 @@ def test_a_result_the_store_cannot_keep_is_not_json(message: str, why: str) -> N
     result = parse_result(message, exit_ok=True)
     assert (result.reason, result.output) == (RESULT_NOT_JSON, None)
     assert result.detail is not None and re.search(why, result.detail)
-    assert store.storable_terminal(terminal(result), reason=RESULT_NOT_JSON) == terminal(result)  # its failure is storable
+    assert store.storable_terminal(terminal(result), reason=RESULT_NOT_JSON) == terminal(
+        result
+    )  # its failure is storable
 
 
 def terminal(result: Result) -> store.TerminalEvent:
@@ -270,7 +291,10 @@ def pod(
         metadata["ownerReferences"] = [{"kind": "Job", "name": "kd-x", "uid": owner_uid, "controller": True}]
     if phase is None:
         phase = "Running" if running else ("Succeeded" if exit_code == 0 else "Failed")
-    return {"metadata": metadata, "status": {"phase": phase, "containerStatuses": [{"name": container, "state": state}]}}
+    return {
+        "metadata": metadata,
+        "status": {"phase": phase, "containerStatuses": [{"name": container, "state": state}]},
+    }
 
 
 @pytest.mark.parametrize(
@@ -282,8 +306,20 @@ def pod(
         ([pod("a")], "a"),
         # A succeeded pod wins over a later failed one, and the latest failure over older ones.
         ([pod("ok", finished="2024-05-01T10:00:00Z"), pod("bad", exit_code=1, finished="2024-05-01T11:00:00Z")], "ok"),
-        ([pod("old", exit_code=1, finished="2024-05-01T10:00:00Z"), pod("new", exit_code=2, finished="2024-05-01T11:00:00Z")], "new"),
-        ([pod("new", exit_code=2, finished="2024-05-01T11:00:00+00:00"), pod("old", exit_code=1, finished="2024-05-01T10:00:00Z")], "new"),
+        (
+            [
+                pod("old", exit_code=1, finished="2024-05-01T10:00:00Z"),
+                pod("new", exit_code=2, finished="2024-05-01T11:00:00Z"),
+            ],
+            "new",
+        ),
+        (
+            [
+                pod("new", exit_code=2, finished="2024-05-01T11:00:00+00:00"),
+                pod("old", exit_code=1, finished="2024-05-01T10:00:00Z"),
+            ],
+            "new",
+        ),
         ([pod("no-time", exit_code=1, finished=None), pod("timed", exit_code=1)], "timed"),
         ([pod("running", running=True), pod("failed", exit_code=1)], "failed"),
         # Another Job's pods (an earlier Job of the same name) are ignored; ownerless ones kept.
@@ -315,7 +351,7 @@ def test_pick_termination_prefers_the_worker_container_among_several() -> None:
 
 
 def test_pick_termination_reads_what_the_python_client_serialises() -> None:
-    finished = dt.datetime(2024, 5, 1, 10, tzinfo=dt.timezone.utc)
+    finished = dt.datetime(2024, 5, 1, 10, tzinfo=dt.UTC)
     model = k8s.V1Pod(
         metadata=k8s.V1ObjectMeta(name="kd-x-abcde"),
         status=k8s.V1PodStatus(
@@ -352,7 +388,9 @@ def test_pick_termination_reads_what_the_python_client_serialises() -> None:
         (
             job(condition("Complete")),
             [pod("a", message=None)],
-            Completion(succeeded=False, reason=RESULT_MISSING, detail="the container exited 0 without writing a result"),
+            Completion(
+                succeeded=False, reason=RESULT_MISSING, detail="the container exited 0 without writing a result"
+            ),
         ),
         (
             job(condition("Complete")),
@@ -376,9 +414,13 @@ def test_pick_termination_reads_what_the_python_client_serialises() -> None:
             Completion(succeeded=False, reason="BackoffLimitExceeded", detail="Traceback...\nValueError: bad"),
         ),
         (
-            job(condition("Failed", reason="DeadlineExceeded", message="Job was active longer than specified deadline")),
+            job(
+                condition("Failed", reason="DeadlineExceeded", message="Job was active longer than specified deadline")
+            ),
             [],  # pods killed at the deadline and gone
-            Completion(succeeded=False, reason="DeadlineExceeded", detail="Job was active longer than specified deadline"),
+            Completion(
+                succeeded=False, reason="DeadlineExceeded", detail="Job was active longer than specified deadline"
+            ),
         ),
         (
             job(condition("Failed", reason="DeadlineExceeded", message="deadline")),
@@ -390,7 +432,11 @@ def test_pick_termination_reads_what_the_python_client_serialises() -> None:
             [pod("stale", owner_uid="other-uid", message='{"stale":true}'), pod("mine")],
             Completion(succeeded=True, output={"words": 3}),
         ),
-        (job(deleting=True), [], Completion(succeeded=False, reason=JOB_DELETED, detail="the Job was deleted before it finished")),
+        (
+            job(deleting=True),
+            [],
+            Completion(succeeded=False, reason=JOB_DELETED, detail="the Job was deleted before it finished"),
+        ),
     ],
 )
 def test_completion(the_job: dict[str, Any], pods: list[dict[str, Any]], expected: Completion | str | None) -> None:

@@ -12,14 +12,14 @@ from typing import Any
 
 import kubernetes
 import pytest
-from kubernetes.client.exceptions import ApiException
 import yaml
+from kubernetes.client.exceptions import ApiException
 
 from k8s_dispatch.engine.errors import (
     AlreadyExists,
-    AuthorizationNotReady,
     ApiRejected,
     ApiUnavailable,
+    AuthorizationNotReady,
     ConfigError,
     InvalidManifest,
     NotFound,
@@ -28,8 +28,8 @@ from k8s_dispatch.engine.errors import (
 )
 from k8s_dispatch.localcluster import LocalCluster
 from k8s_dispatch.localcluster.quota import QUOTA_JOBS
-from k8s_dispatch.workers import kube as kube_module
 from k8s_dispatch.ops.processes import wait_until
+from k8s_dispatch.workers import kube as kube_module
 from k8s_dispatch.workers.job_status import job_state
 from k8s_dispatch.workers.kube import KubeClient, release_patch
 
@@ -53,7 +53,9 @@ def ns():
     return f"kube-{uuid.uuid4().hex[:8]}"
 
 
-def job(name: str, *, labels: dict[str, str] | None = None, finalizers: list[str] | None = None, **annotations: str) -> dict[str, Any]:
+def job(
+    name: str, *, labels: dict[str, str] | None = None, finalizers: list[str] | None = None, **annotations: str
+) -> dict[str, Any]:
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
@@ -64,7 +66,9 @@ def job(name: str, *, labels: dict[str, str] | None = None, finalizers: list[str
                 "metadata": {"annotations": {"localcluster.k8s-dispatch.io/duration-ms": "10", **annotations}},
                 "spec": {
                     "restartPolicy": "Never",
-                    "containers": [{"name": "worker", "image": "busybox", "terminationMessagePolicy": "FallbackToLogsOnError"}],
+                    "containers": [
+                        {"name": "worker", "image": "busybox", "terminationMessagePolicy": "FallbackToLogsOnError"}
+                    ],
                 },
             },
         },
@@ -75,7 +79,7 @@ def job(name: str, *, labels: dict[str, str] | None = None, finalizers: list[str
 
 
 def test_a_missing_kubeconfig_is_a_config_error(tmp_path):
-    with pytest.raises(ConfigError, match="nope.yaml"):
+    with pytest.raises(ConfigError, match=r"nope.yaml"):
         KubeClient(tmp_path / "nope.yaml")
 
 
@@ -133,7 +137,9 @@ def test_a_create_past_the_namespaces_quota_is_passing_not_a_refusal(cluster, ku
     with pytest.raises(QuotaExceeded) as raised:
         kube.create_job(ns, job("q-2"))
     assert isinstance(raised.value, Transient) and raised.value.reason == "QuotaExceeded"
-    assert 'jobs.batch "q-2" is forbidden: exceeded quota: ' in str(raised.value) and "403 Forbidden" in str(raised.value)
+    assert 'jobs.batch "q-2" is forbidden: exceeded quota: ' in str(raised.value) and "403 Forbidden" in str(
+        raised.value
+    )
     kube.delete_job(ns, "q-1")  # no finalizer: gone at once, and the quota has room again
     assert kube.create_job(ns, job("q-2"))["metadata"]["name"] == "q-2"
     set_job_quota(cluster, ns, None)
@@ -142,21 +148,40 @@ def test_a_create_past_the_namespaces_quota_is_passing_not_a_refusal(cluster, ku
 @pytest.mark.parametrize(
     ("status", "message", "error", "reason"),
     [
-        (403, 'jobs.batch "kd-1" is forbidden: exceeded quota: q, requested: count/jobs.batch=1, used: '
-              "count/jobs.batch=5, limited: count/jobs.batch=5", QuotaExceeded, "QuotaExceeded"),
-        (403, 'jobs.batch "kd-1" is forbidden: status unknown for quota: q, resource: count/jobs.batch',
-         QuotaExceeded, "QuotaExceeded"),
+        (
+            403,
+            'jobs.batch "kd-1" is forbidden: exceeded quota: q, requested: count/jobs.batch=1, used: '
+            "count/jobs.batch=5, limited: count/jobs.batch=5",
+            QuotaExceeded,
+            "QuotaExceeded",
+        ),
+        (
+            403,
+            'jobs.batch "kd-1" is forbidden: status unknown for quota: q, resource: count/jobs.batch',
+            QuotaExceeded,
+            "QuotaExceeded",
+        ),
         (403, 'jobs.batch "kd-1" is forbidden: failed quota: q: must specify limits.cpu', ApiRejected, "Forbidden"),
-        (403, 'jobs.batch is forbidden: User "system:serviceaccount:x:y" cannot create resource "jobs"', ApiRejected,
-         "Forbidden"),
+        (
+            403,
+            'jobs.batch is forbidden: User "system:serviceaccount:x:y" cannot create resource "jobs"',
+            ApiRejected,
+            "Forbidden",
+        ),
         # kube-apiserver before its RBAC cache is filled (seen in the chaos run on the real one)
-        (403, 'jobs.batch is forbidden: User "system:serviceaccount:x:y" cannot create resource "jobs" in API group '
-              '"batch" in the namespace "x": RBAC: clusterrole.rbac.authorization.k8s.io "system:basic-user" not found',
-         AuthorizationNotReady, "AuthorizationNotReady"),
+        (
+            403,
+            'jobs.batch is forbidden: User "system:serviceaccount:x:y" cannot create resource "jobs" in API group '
+            '"batch" in the namespace "x": RBAC: clusterrole.rbac.authorization.k8s.io "system:basic-user" not found',
+            AuthorizationNotReady,
+            "AuthorizationNotReady",
+        ),
     ],
 )
 def test_which_403_is_passing(status, message, error, reason):
-    body = json.dumps({"kind": "Status", "status": "Failure", "reason": "Forbidden", "message": message, "code": status})
+    body = json.dumps(
+        {"kind": "Status", "status": "Failure", "reason": "Forbidden", "message": message, "code": status}
+    )
     mapped = kube_module._mapped(ApiException(status=status, reason="Forbidden", body=body), "create job in ns")
     assert type(mapped) is error and mapped.reason == reason and message in str(mapped)
 
@@ -393,9 +418,8 @@ def test_a_slow_api_times_out_as_api_unavailable(faulty_cluster, ns):
 def test_an_unreachable_api_is_api_unavailable(tmp_path, ns):
     kubeconfig = tmp_path / "kubeconfig"
     kubeconfig.write_text(_kubeconfig("http://127.0.0.1:1", token="x"))
-    with KubeClient(kubeconfig, timeout_s=1) as kube:
-        with pytest.raises(ApiUnavailable):
-            kube.get_job(ns, "x")
+    with KubeClient(kubeconfig, timeout_s=1) as kube, pytest.raises(ApiUnavailable):
+        kube.get_job(ns, "x")
 
 
 def test_a_wrong_token_is_rejected_as_unauthorized(cluster, tmp_path, ns):

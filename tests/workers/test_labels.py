@@ -10,9 +10,9 @@ from hypothesis import strategies as st
 
 from k8s_dispatch.engine.errors import InvalidInput, LabelMismatch
 from k8s_dispatch.engine.names import is_label_value, is_qualified_name
-from tests.workers import strategies as S
 from k8s_dispatch.workers import labels
 from k8s_dispatch.workers.types import DispatchRef, check_ref
+from tests.workers import strategies as S
 
 REF = DispatchRef(
     dispatch_id="0b8e2f1c-4f5a-4d0e-9a3b-2c1d0e9f8a7b",

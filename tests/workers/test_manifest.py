@@ -19,11 +19,11 @@ from k8s_dispatch.engine.errors import (
     InvalidManifest,
 )
 from k8s_dispatch.engine.names import is_dns1123_label, is_label_value, is_qualified_name
-from tests.workers import strategies as S
 from k8s_dispatch.workers import labels, manifest
 from k8s_dispatch.workers.manifest import build_job, encode_input, job_name, parse_quantity
 from k8s_dispatch.workers.resolver import demo_resolver
 from k8s_dispatch.workers.types import DispatchRef
+from tests.workers import strategies as S
 
 SPEC = demo_resolver().spec("demo.wordcount")
 DEPLOYMENT = "prod-eu"

@@ -16,11 +16,11 @@ from hypothesis import strategies as st
 
 from k8s_dispatch.engine.errors import InputNotSerialisable, InvalidId, InvalidIdempotencyKey, InvalidManifest
 from k8s_dispatch.localcluster import LocalCluster
-from tests.workers import strategies as S
 from k8s_dispatch.workers import labels
 from k8s_dispatch.workers.kube import KubeClient
 from k8s_dispatch.workers.manifest import FINALIZER, INPUT_ENV, build_job
 from k8s_dispatch.workers.types import DispatchRef
+from tests.workers import strategies as S
 
 TYPED = (InvalidId, InvalidIdempotencyKey, InputNotSerialisable, InvalidManifest)
 

@@ -109,7 +109,7 @@ def test_json_and_yaml_by_extension(tmp_path: Path, suffix: str) -> None:
 
 def test_unknown_capability() -> None:
     resolver = demo_resolver()
-    with pytest.raises(UnknownCapability, match="'demo.nope'.*demo.primes, demo.sha256, demo.wordcount"):
+    with pytest.raises(UnknownCapability, match=r"'demo.nope'.*demo.primes, demo.sha256, demo.wordcount"):
         resolver.spec("demo.nope")
     with pytest.raises(UnknownCapability):
         resolver.worker_for("demo.nope")
@@ -232,7 +232,10 @@ def test_file_level_errors_name_the_file(tmp_path: Path, text: str, complaint: s
 @pytest.mark.parametrize(
     ("text", "complaint"),
     [
-        ('{"capabilities": {"a": {"worker": "w", "image": "i"}, "a": {"worker": "v", "image": "j"}}}', "duplicate keys \\['a'\\]"),
+        (
+            '{"capabilities": {"a": {"worker": "w", "image": "i"}, "a": {"worker": "v", "image": "j"}}}',
+            "duplicate keys \\['a'\\]",
+        ),
         ('{"capabilities": ', "not valid JSON"),
         ("capabilities: {}", "not valid JSON"),  # YAML in a .json file
     ],
@@ -261,7 +264,7 @@ def test_unreadable_files(tmp_path: Path) -> None:
 
 def test_direct_construction_checks_specs_too() -> None:
     good = demo_resolver().spec("demo.sha256")
-    with pytest.raises(ConfigError, match="'demo.sha256': field 'name'"):
+    with pytest.raises(ConfigError, match=r"'demo.sha256': field 'name'"):
         CapabilityResolver({"demo.sha256": replace(good, name="other")}, source="code")
     with pytest.raises(ConfigError, match="code: no capability is defined"):
         CapabilityResolver({}, source="code")

@@ -23,7 +23,9 @@ ROOT = Path(workers.__file__).resolve().parent.parent
 TIMEOUT_S = 60
 
 
-def run_runner(args: list[str], *, input_text: str | None, result_path: Path | None) -> subprocess.CompletedProcess[str]:
+def run_runner(
+    args: list[str], *, input_text: str | None, result_path: Path | None
+) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k not in (INPUT_ENV, "TERMINATION_MESSAGE_PATH")}
     env["PYTHONPATH"] = str(ROOT)
     if input_text is not None:
@@ -51,7 +53,9 @@ def run_runner(args: list[str], *, input_text: str | None, result_path: Path | N
 )
 def test_runner_writes_the_result(tmp_path: Path, function: str, value: Any, expected: Any) -> None:
     result_path = tmp_path / "termination-log"
-    proc = run_runner([f"k8s_dispatch.workers.demo_functions:{function}"], input_text=encode_input(value), result_path=result_path)
+    proc = run_runner(
+        [f"k8s_dispatch.workers.demo_functions:{function}"], input_text=encode_input(value), result_path=result_path
+    )
     assert proc.returncode == 0, proc.stderr
     text = result_path.read_text(encoding="utf-8")
     assert json.loads(text) == expected
@@ -78,7 +82,11 @@ def test_function_exception_writes_nothing_and_exits_1(tmp_path: Path) -> None:
     [
         ("builtins:set", [1, 2], "the result of the function is not JSON"),
         ("builtins:float", "nan", "the result of the function is not JSON"),
-        ("k8s_dispatch.workers.demo_functions:echo", "x" * MAX_RESULT_BYTES, f"more than the {MAX_RESULT_BYTES} a termination message holds"),
+        (
+            "k8s_dispatch.workers.demo_functions:echo",
+            "x" * MAX_RESULT_BYTES,
+            f"more than the {MAX_RESULT_BYTES} a termination message holds",
+        ),
     ],
 )
 def test_results_that_cannot_be_delivered_exit_1(tmp_path: Path, target: str, value: Any, complaint: str) -> None:
@@ -92,7 +100,9 @@ def test_results_that_cannot_be_delivered_exit_1(tmp_path: Path, target: str, va
 def test_largest_result_that_fits(tmp_path: Path) -> None:
     value = "x" * (MAX_RESULT_BYTES - 2)  # plus two quotes: exactly the limit
     result_path = tmp_path / "termination-log"
-    proc = run_runner(["k8s_dispatch.workers.demo_functions:echo"], input_text=encode_input(value), result_path=result_path)
+    proc = run_runner(
+        ["k8s_dispatch.workers.demo_functions:echo"], input_text=encode_input(value), result_path=result_path
+    )
     assert proc.returncode == 0, proc.stderr
     assert len(result_path.read_bytes()) == MAX_RESULT_BYTES
 
@@ -104,7 +114,11 @@ def test_largest_result_that_fits(tmp_path: Path) -> None:
         (["a:b", "c:d"], "{}", "usage:"),
         (["k8s_dispatch.workers.demo_functions"], "{}", "is not MODULE:FUNCTION"),
         (["no_such_module_xyz:f"], "{}", "cannot load no_such_module_xyz:f: ModuleNotFoundError"),
-        (["k8s_dispatch.workers.demo_functions:nope"], "{}", "cannot load k8s_dispatch.workers.demo_functions:nope: AttributeError"),
+        (
+            ["k8s_dispatch.workers.demo_functions:nope"],
+            "{}",
+            "cannot load k8s_dispatch.workers.demo_functions:nope: AttributeError",
+        ),
         (["k8s_dispatch.workers.demo_functions:MAX_SLEEP_S"], "{}", "is not callable"),
         (["k8s_dispatch.workers.demo_functions:echo"], None, f"{INPUT_ENV} is not set"),
         (["k8s_dispatch.workers.demo_functions:echo"], "{not json", f"{INPUT_ENV} is not JSON"),
@@ -130,13 +144,20 @@ def test_a_built_job_runs_as_its_container_would(tmp_path: Path) -> None:
     resolver = demo_resolver(python=sys.executable)
     ref = DispatchRef(new_dispatch_id(), "case-1", "tenant one", "demo.wordcount", "demo-text", "key-1")
     text = "Dollars: $(HOME) and $$x\nsecond line"
-    job = build_job(ref, input={"text": text}, spec=resolver.spec("demo.wordcount"), namespace="default", deployment="test")
+    job = build_job(
+        ref, input={"text": text}, spec=resolver.spec("demo.wordcount"), namespace="default", deployment="test"
+    )
     (container,) = job["spec"]["template"]["spec"]["containers"]
     result_path = tmp_path / "termination-log"
     env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(ROOT), "TERMINATION_MESSAGE_PATH": str(result_path)}
     env.update({e["name"]: e["value"] for e in container["env"]})
     proc = subprocess.run(
-        [*container["command"], *container["args"]], env=env, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=tmp_path
+        [*container["command"], *container["args"]],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr
     result = parse_result(result_path.read_text(encoding="utf-8"), exit_ok=True)
@@ -150,7 +171,11 @@ def test_a_built_job_runs_as_its_container_would(tmp_path: Path) -> None:
         (demo_functions.primes, {"limit": 0}, {"limit": 0, "count": 0, "largest": None, "sum": 0}),
         (demo_functions.primes, {"limit": 1}, {"limit": 1, "count": 0, "largest": None, "sum": 0}),
         (demo_functions.primes, {"limit": 2}, {"limit": 2, "count": 1, "largest": 2, "sum": 2}),
-        (demo_functions.primes, {"limit": 1_000_000}, {"limit": 1_000_000, "count": 78498, "largest": 999983, "sum": 37550402023}),
+        (
+            demo_functions.primes,
+            {"limit": 1_000_000},
+            {"limit": 1_000_000, "count": 78498, "largest": 999983, "sum": 37550402023},
+        ),
         (demo_functions.sleep, {"seconds": 0}, {"slept": 0.0}),
     ],
 )
@@ -175,5 +200,5 @@ def test_demo_functions_refuse_bad_input(function: Any, value: Any) -> None:
 
 
 def test_demo_fail_raises_its_message() -> None:
-    with pytest.raises(RuntimeError, match="^planned$"):
+    with pytest.raises(RuntimeError, match=r"^planned$"):
         demo_functions.fail({"message": "planned"})
