@@ -92,7 +92,7 @@ class Kubelet:
 
     def start(self) -> None:
         """Look at every pod once (after a restart: pending pods start, running ones are lost)."""
-        for key in self.host:
+        for key in self.host.keys():  # noqa: SIM118 - a PodHost, not a dict
             self.mark(key)
 
     # --- event intake ----------------------------------------------------------------
