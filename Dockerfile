@@ -25,16 +25,15 @@ ENV PYTHONUNBUFFERED=1 \
 RUN groupadd --system --gid 10001 k8s-dispatch \
  && useradd --system --uid 10001 --gid 10001 --home-dir /app --shell /usr/sbin/nologin k8s-dispatch
 
-# Runtime dependencies first, from pyproject's list alone, so a code change does not
-# reinstall them (this layer is cached until pyproject.toml changes). No test extra.
-# Every dependency ships manylinux wheels: no compiler needed.
-COPY pyproject.toml /tmp/pyproject.toml
-RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('/tmp/pyproject.toml', 'rb'))['project']['dependencies']))" > /tmp/requirements.txt \
- && pip install -r /tmp/requirements.txt \
- && rm /tmp/requirements.txt /tmp/pyproject.toml
+# Runtime dependencies first, exactly as locked (versions and hashes: `make lock` writes the
+# file from pyproject's ranges), so a code change does not reinstall them (this layer is cached
+# until the lock changes). No test extra. Every dependency ships manylinux wheels: no compiler.
+COPY requirements.lock /tmp/requirements.lock
+RUN pip install --require-hashes -r /tmp/requirements.lock && rm /tmp/requirements.lock
 
+# The package itself, without resolving anything again: its dependencies are the locked ones.
 COPY --from=wheel /wheels /tmp/wheels
-RUN pip install /tmp/wheels/*.whl && rm -rf /tmp/wheels
+RUN pip install --no-deps /tmp/wheels/*.whl && rm -rf /tmp/wheels
 
 # A working directory of the app's own. Nothing is written at runtime but temp files; in
 # Kubernetes the root filesystem is read-only and /tmp an emptyDir.

@@ -91,6 +91,20 @@ def test_installs_the_package_without_dev_or_test_extras() -> None:
     assert "optional-dependencies" not in runs  # the requirements come from the runtime list only
 
 
+def test_installs_exactly_the_locked_runtime_dependencies() -> None:
+    """The image gets requirements.lock's versions with their hashes checked, and the wheel adds
+    nothing of its own choosing."""
+    installs = [words for words in _pip_installs() if words[:2] == ["pip", "install"]]
+    locked = [words for words in installs if "-r" in words]
+    assert [words[words.index("-r") + 1] for words in locked] == ["/tmp/requirements.lock"]
+    assert "--require-hashes" in locked[0]
+    copies = [args.split() for op, args in _instructions() if op == "COPY"]
+    assert ["requirements.lock", "/tmp/requirements.lock"] in copies
+    for words in installs:
+        if words not in locked:
+            assert "--no-deps" in words, words
+
+
 def test_pip_keeps_no_cache_in_the_image() -> None:
     env = " ".join(args for op, args in _final_stage() if op == "ENV")
     assert "PIP_NO_CACHE_DIR=1" in env
@@ -125,7 +139,8 @@ def test_local_state_and_secrets_stay_out_of_the_context(ignore_patterns: list[s
 
 
 @pytest.mark.parametrize(
-    "path", ["pyproject.toml", "README.md", "celeryconfig.py", "tasks", "engine", "workers", "bench"]
+    "path",
+    ["pyproject.toml", "README.md", "requirements.lock", "celeryconfig.py", "k8s_dispatch", "tasks", "engine", "ops"],
 )
 def test_what_pip_install_needs_is_in_the_context(ignore_patterns: list[str], path: str) -> None:
     # pyproject names README.md as the readme and installs these packages and modules.
