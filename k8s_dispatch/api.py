@@ -15,6 +15,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
+from k8s_dispatch import celeryconfig
 from k8s_dispatch.engine import store
 from k8s_dispatch.engine.db import make_engine, make_sessionmaker, transaction
 from k8s_dispatch.engine.errors import (
@@ -76,6 +77,7 @@ __all__ = [
     "make_engine",
     "make_sessionmaker",
     "migrate_database",
+    "notification_config",
     "outcome",
     "schedule_in_session",
     "schedule_many_in_session",
@@ -104,3 +106,13 @@ def outcome(session: Session, dispatch_id: str) -> Outcome | None:
     if event is None:
         return None
     return Outcome(dispatch_id=dispatch_id, event=EventType(event.type), payload=dict(event.payload or {}))
+
+
+def notification_config(settings: Settings) -> dict[str, Any]:
+    """Celery settings for the engine's own app to receive the notifications: our broker, under
+    our key prefix, with late acks (a notification a crashed engine worker took is sent to the
+    next one), JSON only."""
+    ours = celeryconfig.config(settings)
+    keys = ("broker_url", "broker_transport_options", "task_acks_late", "task_reject_on_worker_lost")
+    keys += ("task_serializer", "accept_content", "worker_prefetch_multiplier")
+    return {key: ours[key] for key in keys if key in ours}
