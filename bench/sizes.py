@@ -43,7 +43,8 @@ QUICK = Size(
     dispatch_threads=8,
     check_targets=True,
 )
-# The others as what they change of quick: the differences are the point of each.
+# The others as what they change of quick: the differences are the point of each (the same
+# keyword shape as above is a table's rows, not a copy).
 SMOKE = replace(
     QUICK,
     name="smoke",
