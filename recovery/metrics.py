@@ -124,6 +124,14 @@ class Metrics:
             namespace=NAMESPACE,
             registry=registry,
         )
+        self.oldest_scheduled = Gauge(
+            "recovery_oldest_scheduled_seconds",
+            "At the latest recovery sweep of this process, how long the oldest dispatch still scheduled "
+            "without a Job past the grace period had waited (0: none). Past the grace period plus a sweep "
+            "interval, its Job cannot be created (quota, API, config).",
+            namespace=NAMESPACE,
+            registry=registry,
+        )
         self.jobs_past_deadline = Gauge(
             "poll_jobs_past_deadline",
             "Running Jobs the latest poll saw past their activeDeadlineSeconds (by more than "
@@ -172,6 +180,7 @@ class Metrics:
             self.recovery_actions.labels(category=category).inc(counts.acted)
             self.recovery_errors.labels(category=category).inc(counts.errors)
             self.last_findings.labels(category=category).set(counts.found)
+        self.oldest_scheduled.set(report.oldest_scheduled_s)
         self.sweeps.inc()
         finished = report.finished_at or datetime.now(UTC)
         self.last_sweep.set(finished.timestamp())

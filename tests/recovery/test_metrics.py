@@ -167,15 +167,19 @@ def test_poll_done_sets_the_gauges() -> None:
     assert value(registry, "k8s_dispatch_poll_lag_seconds") == 0
 
 
-def test_the_latest_sweeps_findings_are_a_gauge_per_category_that_falls_back_to_zero() -> None:
+def test_the_latest_sweeps_findings_and_oldest_scheduled_wait_are_gauges_that_fall_back_to_zero() -> None:
     registry = CollectorRegistry()
     m = Metrics(registry)
     m.sweep_done(sweep_report())  # 3 scheduled without a Job
-    m.sweep_done(sweep_report())
+    stuck = sweep_report()
+    stuck.oldest_scheduled_s = 95.5
+    m.sweep_done(stuck)
     gauge = "k8s_dispatch_recovery_last_findings"
     assert value(registry, gauge, category="scheduled_without_job") == 3  # not added up: the latest
     assert value(registry, gauge, category="finished_unrecorded") == 5
+    assert value(registry, "k8s_dispatch_recovery_oldest_scheduled_seconds") == 95.5
     m.sweep_done(SweepReport(dry_run=False, started_at=NOW))  # found nothing
+    assert value(registry, "k8s_dispatch_recovery_oldest_scheduled_seconds") == 0
     assert value(registry, gauge, category="scheduled_without_job") == 0
     assert registry.get_sample_value(gauge, {"category": "orphan"}) == 0  # every category is exported
 
