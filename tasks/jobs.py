@@ -25,7 +25,7 @@ from k8s_dispatch.engine.errors import Transient
 from k8s_dispatch.engine.models import DispatchState, utcnow
 from k8s_dispatch.recovery import delivery, handoff, statelog, supersede
 from k8s_dispatch.recovery.crashpoints import Point, crashpoint
-from k8s_dispatch.recovery.metrics import METRICS, poll_lag_s
+from k8s_dispatch.recovery.metrics import METRICS, jobs_past_deadline, poll_lag_s
 from k8s_dispatch.tasks.app import app, get_runtime
 from k8s_dispatch.workers import labels as job_labels
 from k8s_dispatch.workers.job_status import job_state
@@ -185,7 +185,7 @@ def poll() -> dict[str, int]:
     ):
         return {"seen": 0, "handed_off": 0, "superseded": 1}
     ttl_s = handoff.ttl_s(rt.settings.poll_interval_s)
-    seen = handed = waiting = 0
+    seen = handed = waiting = overdue = 0
     lag_s = 0.0
     # A backlog of completions: the markers of Jobs still waiting in it are renewed, not handed again.
     renew = _queued(names.COMPLETE_QUEUE) > 0
@@ -196,6 +196,7 @@ def poll() -> dict[str, int]:
                 seen += len(page)
                 finished = [job for job in page if job_state(job).terminal]
                 waiting, lag_s = waiting + len(finished), max(lag_s, poll_lag_s(finished, now=utcnow()))
+                overdue += jobs_past_deadline([job for job in page if not job_state(job).terminal], now=utcnow())
                 handed += _hand_off(
                     rt.redis, rt.settings.key_prefix, namespace, finished,
                     ttl_s=ttl_s, workers=rt.settings.worker_concurrency, renew=renew,
@@ -204,7 +205,7 @@ def poll() -> dict[str, int]:
     except (Transient, redis.RedisError) as e:
         log.warning("poll stopped early (%s); the next one continues", e)
     else:
-        METRICS.poll_done(finished=waiting, lag_s=lag_s)
+        METRICS.poll_done(finished=waiting, lag_s=lag_s, past_deadline=overdue)
     return {"seen": seen, "handed_off": handed}
 
 
