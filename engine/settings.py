@@ -29,6 +29,13 @@ class OrphanPolicy(StrEnum):
     DELETE = "delete"
 
 
+class PollMode(StrEnum):
+    """How poll finds finished Jobs: resume a watch (pay per change), or LIST every Job every poll."""
+
+    WATCH = "watch"
+    LIST = "list"
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, frozen=True, extra="ignore")
 
@@ -43,6 +50,10 @@ class Settings(BaseSettings):
     poll_interval_s: float = Field(default=2.0, gt=0)
     poll_page_size: int = Field(default=500, gt=0, le=10_000)
     sweep_interval_s: float = Field(default=30.0, gt=0)
+    poll_mode: PollMode = PollMode.WATCH
+    # While poll's watch is healthy, the sweep LISTs a namespace's Jobs at most this often (its
+    # database side runs every sweep); with the watch down, or in LIST mode, every sweep lists.
+    sweep_list_interval_s: float = Field(default=600.0, gt=0)
     sweep_grace_s: float = Field(default=30.0, ge=0)
     # Actions of one page that a recovery sweep carries out at once (they wait on the API,
     # the DB and Redis); 1 = one after the other.

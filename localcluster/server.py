@@ -562,6 +562,8 @@ async def _watch(request: web.Request, core: ClusterCore, target: paths.Target) 
         if watcher.overflowed:
             err = apierrors.gone("the watch fell too far behind; restart it from a new list")
             await response.write(_event_bytes("ERROR", dumps(err.status())))
+    except ConnectionError:  # the client closed its watch (a bounded slice, a stopped informer): normal
+        return response
     finally:
         store.unwatch(watcher)
     with contextlib.suppress(ConnectionError):

@@ -31,8 +31,8 @@ from k8s_dispatch.engine import store
 from k8s_dispatch.engine.db import database_now, transaction
 from k8s_dispatch.engine.errors import DispatchError, NotFound
 from k8s_dispatch.engine.models import TERMINAL_STATES, Dispatch, DispatchState, EventType, utcnow
-from k8s_dispatch.engine.settings import OrphanPolicy
-from k8s_dispatch.recovery import delivery, handoff, statelog
+from k8s_dispatch.engine.settings import OrphanPolicy, PollMode
+from k8s_dispatch.recovery import delivery, handoff, jobwatch, statelog
 from k8s_dispatch.recovery.crashpoints import Point, crashpoint
 from k8s_dispatch.recovery.metrics import METRICS
 from k8s_dispatch.recovery.reconstruct import DispatchRecord
@@ -91,7 +91,7 @@ def _decided(outcome: _Outcome) -> _Outcome:
     return outcome
 
 
-def run_sweep(rt: Runtime, *, dry_run: bool = False, now: datetime | None = None) -> SweepReport:
+def run_sweep(rt: Runtime, *, dry_run: bool = False, now: datetime | None = None, watched: bool = False) -> SweepReport:
     """One full sweep of every namespace and every pending dispatch; never raises for one failure.
 
     Memory is bounded by a page (`poll_page_size` Jobs or rows), not by their number. Each
@@ -102,14 +102,23 @@ def run_sweep(rt: Runtime, *, dry_run: bool = False, now: datetime | None = None
     with, so a worker whose clock is off never shortens or stretches a grace period).
     Failures of single actions or listings are logged and counted in the report's errors;
     the next sweep tries again.
+
+    `watched` (beat's sweep): in a namespace whose Jobs poll's watch follows (`recovery.jobwatch`)
+    the Jobs are LISTed at most every `sweep_list_interval_s`, not every sweep; in between, the
+    database side runs (scheduled dispatches, and the dispatches whose Job the watch saw leave
+    undelivered). Every other sweep (at start-up, the CLI's) lists every namespace's Jobs.
     """
     report = SweepReport(dry_run=dry_run, started_at=utcnow())  # this process's clock: the duration
     now = now or _database_now(rt, report)
     policy = Policy.from_settings(rt.settings)
     report.namespaces = _namespaces(rt, report)
     with Executor(rt, report, dry_run=dry_run, concurrency=rt.settings.sweep_concurrency) as act:
-        matched = [ns for ns in report.namespaces if _sweep_jobs(rt, ns, act, now=now, policy=policy)]
-        _sweep_dispatches(rt, act, now=now, policy=policy, matched=matched)
+        followed = [ns for ns in report.namespaces if watched and not dry_run and not _list_due(rt, ns)]
+        listed = [ns for ns in report.namespaces if ns not in followed]
+        matched = [ns for ns in listed if _sweep_jobs(rt, ns, act, now=now, policy=policy)]
+        for namespace in followed:
+            _sweep_gone(rt, namespace, act, now=now, policy=policy)
+        _sweep_dispatches(rt, act, now=now, policy=policy, matched=[*matched, *followed], followed=followed)
         _sweep_unnotified(rt, act, now=now, policy=policy)
     report.finished_at = utcnow()
     METRICS.sweep_done(report)
@@ -150,6 +159,48 @@ def _namespaces(rt: Runtime, report: SweepReport) -> list[str]:
         report.add_problem(f"reading recorded namespaces: {e.reason}: {e}")
         recorded = []
     return sorted(configured | {ns for ns in recorded if ns})
+
+
+def _list_due(rt: Runtime, namespace: str) -> bool:
+    """Whether this sweep LISTs the namespace's Jobs: always in LIST mode or while poll's watch
+    of it is not healthy; otherwise once per `sweep_list_interval_s` (a Redis key's TTL, so the
+    replicas' sweeps share it and no clocks are compared). Redis unreachable: list."""
+    settings = rt.settings
+    if settings.poll_mode is not PollMode.WATCH:
+        return True
+    name = jobwatch.key(settings.key_prefix, settings.effective_deployment, namespace)
+    # A little under the interval, so that the sweep that falls due on it is not one late.
+    ttl_ms = max(1, int(1000 * (settings.sweep_list_interval_s - settings.sweep_interval_s / 2)))
+    try:
+        if not jobwatch.is_healthy(rt.redis, settings.key_prefix, settings.effective_deployment, namespace):
+            return True
+        return bool(rt.redis.set(f"{name}:sweep-listed", 1, nx=True, px=ttl_ms))
+    except redis.RedisError as e:
+        log.warning("sweep: cannot tell whether the watch of %s is healthy (%s); listing its jobs", namespace, e)
+        return True
+
+
+def _sweep_gone(rt: Runtime, namespace: str, act: Executor, *, now: datetime, policy: Policy) -> None:
+    """Category 5 where the watch is followed: the created dispatches whose Job poll's watch saw
+    leave without being delivered (`jobwatch.gone`), each checked as (B) checks one (its Job
+    looked up by label). Forgotten once checked past the grace period, or ended."""
+    settings = rt.settings
+    name = jobwatch.key(settings.key_prefix, settings.effective_deployment, namespace)
+    try:
+        ids = jobwatch.gone(rt.redis, name)
+        if not ids:
+            return
+        query = sa.select(Dispatch).where(Dispatch.dispatch_id.in_(sorted(ids)))
+        checked: set[str] = set(ids)
+        for views in _pages(rt, query, lambda row: _view(rt, row)):
+            open_views = [v for v in views if v.state is DispatchState.CREATED and v.namespace == namespace]
+            checked -= {v.dispatch_id for v in open_views if now - v.updated_at < policy.grace}
+            act.report.dispatches_checked += len(open_views)
+            act.all(plan_dispatches(open_views, _present_jobs(rt, open_views), now=now, policy=policy))
+        jobwatch.forget_gone(rt.redis, name, checked)
+    except (DispatchError, redis.RedisError) as e:
+        log.warning("sweep: checking the jobs the watch of %s saw leave failed: %s", namespace, e)
+        act.report.add_problem(f"jobs gone from {namespace}: {e}")
 
 
 # --- (A) the Jobs: categories 2, 3, 4, 6 ------------------------------------------------------
@@ -309,10 +360,18 @@ def _view(rt: Runtime, row: Dispatch | sa.Row[Any]) -> DispatchView:
 
 
 def _sweep_dispatches(
-    rt: Runtime, act: Executor, *, now: datetime, policy: Policy, matched: Sequence[str] = ()
+    rt: Runtime,
+    act: Executor,
+    *,
+    now: datetime,
+    policy: Policy,
+    matched: Sequence[str] = (),
+    followed: Sequence[str] = (),
 ) -> None:
     """Scheduled dispatches, and created ones outside the `matched` namespaces (whose Job
-    listings (A) matched them with already), each page's Jobs looked up by label."""
+    listings (A) matched them with already), each page's Jobs looked up by label. In the
+    `followed` namespaces (no LIST of their Jobs this sweep) a scheduled dispatch whose Job
+    exists is adopted here, as (A) would (its create answers 409 and adopts the Job)."""
     report = act.report
     query = sa.select(Dispatch).where(
         sa.or_(
@@ -336,6 +395,15 @@ def _sweep_dispatches(
                 report.add_problem(f"looking up jobs for {len(views)} dispatches: {e.reason}: {e}")
                 continue
             act.all(plan_dispatches(views, present, now=now, policy=policy))
+            act.all(
+                [
+                    CreateJob(dispatch_id=v.dispatch_id, namespace=v.namespace, job_name=v.job_name)
+                    for v in views
+                    if v.state is DispatchState.SCHEDULED
+                    and v.namespace in followed
+                    and (v.namespace, v.job_name) in present
+                ]
+            )
     except DispatchError as e:  # the database: the next sweep starts over
         log.warning("sweep: reading dispatches stopped: %s: %s", e.reason, e)
         report.add_problem(f"reading dispatches: {e.reason}: {e}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from functools import partial
 from typing import Any, TypedDict, TypeVar, cast
 
 import redis
@@ -23,9 +24,11 @@ from k8s_dispatch.engine import store
 from k8s_dispatch.engine.db import transaction
 from k8s_dispatch.engine.errors import Transient
 from k8s_dispatch.engine.models import DispatchState, utcnow
-from k8s_dispatch.recovery import delivery, handoff, statelog, supersede
+from k8s_dispatch.engine.settings import PollMode
+from k8s_dispatch.recovery import delivery, handoff, jobwatch, statelog, supersede
 from k8s_dispatch.recovery.crashpoints import Point, crashpoint
 from k8s_dispatch.recovery.metrics import METRICS, jobs_past_deadline, poll_lag_s
+from k8s_dispatch.recovery.runtime import Runtime
 from k8s_dispatch.tasks.app import app, get_runtime
 from k8s_dispatch.workers import labels as job_labels
 from k8s_dispatch.workers.job_status import job_state
@@ -190,6 +193,8 @@ def poll() -> dict[str, int]:
     # A backlog of completions: the markers of Jobs still waiting in it are renewed, not handed again.
     renew = _queued(names.COMPLETE_QUEUE) > 0
     selector = job_labels.undelivered_selector(rt.settings.effective_deployment)  # never another deployment's
+    if rt.settings.poll_mode is PollMode.WATCH:
+        return _poll_watch(rt, ttl_s=ttl_s, renew=renew)
     try:
         for namespace in rt.namespaces():
             for page in rt.kube.iter_jobs(namespace, label_selector=selector, page_size=rt.settings.poll_page_size):
@@ -207,6 +212,30 @@ def poll() -> dict[str, int]:
     else:
         METRICS.poll_done(finished=waiting, lag_s=lag_s, past_deadline=overdue)
     return {"seen": seen, "handed_off": handed}
+
+
+def _poll_watch(rt: Runtime, *, ttl_s: float, renew: bool) -> dict[str, int]:
+    """Poll by resuming each namespace's watch (`recovery.jobwatch`): the events since the last
+    poll, not every Job; the finished Jobs not yet delivered are handed off as a LIST poll would."""
+    seen = handed = waiting = listed = 0
+    lag_s = 0.0
+    settings = rt.settings
+    try:
+        for namespace in rt.namespaces():
+            done = jobwatch.poll_namespace(
+                rt.kube, rt.redis, prefix=settings.key_prefix, deployment=settings.effective_deployment,
+                namespace=namespace, page_size=settings.poll_page_size, poll_interval_s=settings.poll_interval_s,
+                hand_off=partial(_hand_off, rt.redis, settings.key_prefix, namespace, ttl_s=ttl_s,
+                                 workers=settings.worker_concurrency, renew=renew),
+            )  # fmt: skip
+            seen, handed, listed = seen + done.seen, handed + done.handed_off, listed + done.listed
+            waiting, lag_s = waiting + len(done.finished), max(lag_s, poll_lag_s(done.finished, now=utcnow()))
+            delivery.delete_noted(rt, namespace)  # what the batches released since the last poll
+    except (Transient, redis.RedisError) as e:
+        log.warning("poll stopped early (%s); the next one resumes from the version stored", e)
+    else:
+        METRICS.poll_done(finished=waiting, lag_s=lag_s)
+    return {"seen": seen, "handed_off": handed, "listed": listed}
 
 
 def _hand_off(

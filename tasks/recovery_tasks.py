@@ -32,7 +32,7 @@ def sweep() -> dict[str, Any]:
         rt.redis, rt.settings.key_prefix, names.SWEEP_TASK, window_s=supersede.window_s(rt.settings.sweep_interval_s)
     ):
         return {"superseded": True}
-    return run_sweep(rt).to_dict()
+    return run_sweep(rt, watched=True).to_dict()  # LISTs less often where poll's watch is healthy
 
 
 @signals.worker_ready.connect

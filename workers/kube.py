@@ -17,8 +17,9 @@ import math
 import re
 import time
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import quote
 
 import orjson
@@ -71,6 +72,20 @@ JsonDict = dict[str, Any]
 # or "error" when none came (refused, reset, timed out).
 RequestObserver = Callable[[str, str], None]
 _HTTP_VERBS = {"GET": "get", "POST": "create", "PUT": "update", "PATCH": "patch", "DELETE": "delete"}
+
+
+# A watch slice ends after this long without a byte from the server: it has sent what it had
+# (the watch cache replays the events after a version at once), so the slice is caught up.
+WATCH_QUIET_S = 0.15
+
+
+@dataclass(frozen=True)
+class WatchSlice:
+    """What one bounded slice of a watch read: its events in order (the last may be a BOOKMARK),
+    and whether the server said the version was too old to resume from (LIST again)."""
+
+    events: list[JsonDict]
+    expired: bool
 
 
 class _Expired(Exception):
@@ -199,6 +214,90 @@ class KubeClient:
             token = (page.get("metadata") or {}).get("continue") or None
             if token is None:
                 return
+
+    def watch_jobs(
+        self,
+        namespace: str,
+        *,
+        label_selector: str,
+        resource_version: str,
+        bound_s: float,
+        quiet_s: float = WATCH_QUIET_S,
+    ) -> WatchSlice:
+        """One bounded slice of a Job watch from `resource_version` (with bookmarks): the events
+        the server sent until a BOOKMARK, `quiet_s` without a byte (caught up), or `bound_s` in
+        all, whichever comes first. The stream is then closed (its connection not reused).
+
+        A slice never loses an event: what it did not read, the next one (from the last version
+        read) reads. `expired` is set when the server says the version is too old (410 Gone or
+        Expired, as the HTTP status or an ERROR event): LIST again.
+
+        Raises:
+            ApiUnavailable: the watch could not be opened or broke off (an ERROR event other
+                than 410 included); the caller falls back to a LIST.
+        """
+        what = f"watch jobs in {namespace} from {resource_version}"
+        deadline = time.monotonic() + bound_s
+        try:
+            response = self._batch.list_namespaced_job(
+                namespace,
+                label_selector=label_selector,
+                watch=True,
+                allow_watch_bookmarks=True,
+                resource_version=resource_version,
+                timeout_seconds=max(1, math.ceil(bound_s)),
+                _preload_content=False,
+                _request_timeout=self._timeout,
+            )
+            stream = cast(urllib3.BaseHTTPResponse, response)  # raw: _preload_content=False
+        except ApiException as e:
+            self._observe("watch", str(e.status))
+            e.with_traceback(None)
+            if e.status == 410:
+                return WatchSlice(events=[], expired=True)
+            raise _mapped(e, what) from e
+        except (urllib3.exceptions.HTTPError, OSError) as e:
+            self._observe("watch", "error")
+            raise ApiUnavailable(f"{what}: {type(e).__name__}: {e}") from e
+        self._observe("watch", str(stream.status))
+        events: list[JsonDict] = []
+        buffer = b""
+        try:
+            sock = getattr(getattr(stream, "connection", None), "sock", None)
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                if sock is not None:
+                    sock.settimeout(min(quiet_s, left))
+                try:
+                    chunk = stream.read1(65536)
+                except (urllib3.exceptions.ReadTimeoutError, TimeoutError):
+                    break  # quiet: caught up with the server
+                if not chunk:
+                    break  # the server ended the watch (its timeoutSeconds)
+                buffer += chunk
+                *lines, buffer = buffer.split(b"\n")
+                for line in lines:
+                    if not line.strip():
+                        continue
+                    event = _decoded(line, what)
+                    if event.get("type") == "ERROR":
+                        status = event.get("object") or {}
+                        if status.get("code") == 410 or status.get("reason") in ("Expired", "Gone"):
+                            return WatchSlice(events=events, expired=True)
+                        raise ApiUnavailable(f"{what}: the watch broke off: {status.get('message') or status}")
+                    events.append(event)
+                    if event.get("type") == "BOOKMARK":
+                        return WatchSlice(events=events, expired=False)
+        except (urllib3.exceptions.HTTPError, OSError) as e:  # reset mid-stream: what was read stands
+            log.info("%s: the stream broke after %d events (%s)", what, len(events), e)
+            if not events:
+                raise ApiUnavailable(f"{what}: {type(e).__name__}: {e}") from e
+        finally:
+            stream.close()  # unread bytes left: the connection is not returned to the pool as is
+            stream.release_conn()
+        return WatchSlice(events=events, expired=False)
 
     def remove_finalizer(self, namespace: str, name: str, finalizer: str) -> bool:
         """Remove one finalizer from a Job; True if this call removed it (see `release_job`)."""

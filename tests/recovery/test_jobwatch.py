@@ -1,0 +1,310 @@
+"""Poll's watch (`recovery.jobwatch`): what each event means (a table), and the slices against both
+clusters: resumed from the stored version, a LIST on 410 Gone, two overlapping polls."""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from clusters import LOCAL, ClusterHandle, local_handle, real_handle
+
+from k8s_dispatch.recovery import handoff, jobwatch
+from k8s_dispatch.recovery.jobwatch import Position, Step, apply, decide
+from k8s_dispatch.workers import labels as job_labels
+from k8s_dispatch.workers.kube import KubeClient
+from k8s_dispatch.workers.manifest import FINALIZER
+
+SIM = "localcluster.k8s-dispatch.io/"
+POLL_INTERVAL_S = 2.0
+
+
+def job(name: str, *, rv: str = "1", uid: str = "u1", labels: dict[str, str] | None = None, **status: Any) -> dict:
+    return {"metadata": {"name": name, "uid": uid, "resourceVersion": rv, "labels": labels or {}}, "status": status}
+
+
+DONE = {"conditions": [{"type": "Complete", "status": "True"}], "succeeded": 1}
+FAILED = {"conditions": [{"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded"}], "failed": 1}
+DELIVERED = {job_labels.DELIVERED_LABEL: job_labels.DELIVERED}
+
+
+@pytest.mark.parametrize(
+    ("event", "step"),
+    [
+        ({"type": "ADDED", "object": job("a", active=1)}, Step.FORGET),
+        ({"type": "MODIFIED", "object": job("a", active=1)}, Step.FORGET),
+        ({"type": "MODIFIED", "object": job("a", **DONE)}, Step.KEEP),
+        ({"type": "MODIFIED", "object": job("a", **FAILED)}, Step.KEEP),
+        ({"type": "ADDED", "object": job("a", **DONE)}, Step.KEEP),  # finished before the watch began
+        # a delete while our finalizer holds it is a MODIFIED with deletionTimestamp: terminal (JobDeleted)
+        (
+            {"type": "MODIFIED", "object": {**job("a", active=1), "metadata": {"name": "a", "deletionTimestamp": "t"}}},
+            Step.KEEP,
+        ),
+        ({"type": "DELETED", "object": job("a", labels=DELIVERED, **DONE)}, Step.DELIVERED),  # released
+        ({"type": "DELETED", "object": job("a", **DONE)}, Step.GONE),  # finalizer stripped by hand, deleted
+        ({"type": "DELETED", "object": job("a", active=1)}, Step.GONE),  # relabelled, or deleted, running
+        ({"type": "BOOKMARK", "object": {"metadata": {"resourceVersion": "9"}}}, Step.ADVANCE),
+    ],
+)
+def test_each_event_means_one_step(event: dict, step: Step) -> None:
+    assert decide(event) is step
+
+
+def test_apply_keeps_finished_until_delivered_and_follows_the_last_version() -> None:
+    start = Position("10", {"old": job("old", **DONE)})
+    events = [
+        {"type": "MODIFIED", "object": job("a", rv="11", **DONE)},
+        {"type": "MODIFIED", "object": job("b", rv="12", active=1)},
+        {"type": "DELETED", "object": job("old", rv="13", labels=DELIVERED, **DONE)},
+        {"type": "DELETED", "object": job("c", rv="14", active=1)},
+        {"type": "ADDED", "object": job("a", rv="15", uid="u2", active=1)},  # a re-created under its name
+        {"type": "MODIFIED", "object": job("d", rv="16", **FAILED)},
+        {"type": "BOOKMARK", "object": {"metadata": {"resourceVersion": "20"}}},
+    ]
+    applied = apply(start, events)
+    assert applied.position.version == "20"
+    assert sorted(applied.position.finished) == ["d"]
+    assert [j["metadata"]["name"] for j in applied.gone] == ["c"]
+    assert applied.events == len(events)
+    assert start.finished.keys() == {"old"}  # pure: the input is left as it was
+
+
+def test_apply_of_nothing_keeps_the_position() -> None:
+    start = Position("10", {"a": job("a", **DONE)})
+    assert apply(start, []).position == start
+
+
+@pytest.mark.parametrize(("interval", "bound"), [(2.0, 0.4), (1.0, 0.2), (0.5, 0.1), (30.0, 0.4)])
+def test_a_slice_reads_well_under_the_interval(interval: float, bound: float) -> None:
+    assert jobwatch.bound_s(interval) == pytest.approx(bound)
+
+
+# --- against the clusters -------------------------------------------------------------------
+
+
+@pytest.fixture
+def kube(cluster_under_test: ClusterHandle) -> Iterator[KubeClient]:
+    with KubeClient(cluster_under_test.kubeconfig) as client:
+        yield client
+
+
+@pytest.fixture
+def client(redis_url: str) -> Iterator[redis.Redis]:
+    c = redis.Redis.from_url(redis_url)
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def deployment() -> str:
+    return f"w{uuid.uuid4().hex[:10]}"
+
+
+def make_job(kube: KubeClient, namespace: str, deployment: str, *, ms: int) -> str:
+    name = f"kd-{uuid.uuid4()}"
+    labels = {job_labels.MANAGED_BY_LABEL: job_labels.MANAGED_BY, job_labels.DEPLOYMENT_LABEL: deployment}
+    kube.create_job(
+        namespace,
+        {
+            "apiVersion": "batch/v1",
+            "kind": "Job",
+            "metadata": {"name": name, "labels": labels, "finalizers": [FINALIZER]},
+            "spec": {
+                "backoffLimit": 0,
+                "template": {
+                    "metadata": {"annotations": {SIM + "duration-ms": str(ms), SIM + "result": "{}"}},
+                    "spec": {"restartPolicy": "Never", "containers": [{"name": "w", "image": "sim:1"}]},
+                },
+            },
+        },
+    )
+    return name
+
+
+class Recorder:
+    """The hand-off seam: marks each Job as poll's does (`recovery.handoff`) and records the ones
+    handed off now; `during` runs inside the hand-off (an overlapping poll)."""
+
+    def __init__(self, client: redis.Redis, prefix: str, namespace: str) -> None:
+        self.client, self.prefix, self.namespace = client, prefix, namespace
+        self.handed: list[str] = []
+        self.during: Callable[[], None] | None = None
+
+    def __call__(self, jobs: list[dict]) -> int:
+        marked = handoff.mark(self.client, self.prefix, self.namespace, jobs, 30.0)
+        fresh = [j["metadata"]["name"] for j, new in zip(jobs, marked, strict=True) if new]
+        self.handed += fresh
+        if self.during is not None:
+            during, self.during = self.during, None
+            during()
+        return len(fresh)
+
+
+def poll(kube: KubeClient, client: redis.Redis, prefix: str, deployment: str, namespace: str, rec: Recorder):
+    return jobwatch.poll_namespace(
+        kube, client, prefix=prefix, deployment=deployment, namespace=namespace, page_size=2,
+        poll_interval_s=POLL_INTERVAL_S, hand_off=rec,
+    )  # fmt: skip
+
+
+def wait_finished(kube: KubeClient, namespace: str, names: list[str], timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done = {
+            j["metadata"]["name"]
+            for page in kube.iter_jobs(namespace, label_selector=job_labels.selector())
+            for j in page
+            if any(c.get("type") == "Complete" for c in (j.get("status") or {}).get("conditions") or [])
+        }
+        if set(names) <= done:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"jobs not finished within {timeout}s")
+
+
+def release(kube: KubeClient, namespace: str, name: str) -> None:
+    """What a completion does last: our finalizer off, the delivered label on (the Job leaves the selector)."""
+    assert kube.release_job(namespace, name, finalizer=FINALIZER, label=(job_labels.DELIVERED_LABEL, "true"))
+
+
+def poll_until(check: Callable[[], bool], *, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "not within the deadline"
+        time.sleep(0.1)
+
+
+def test_a_poll_resumes_from_the_version_the_last_one_stored(
+    cluster_under_test: ClusterHandle, kube: KubeClient, client: redis.Redis, key_prefix: str, deployment: str
+) -> None:
+    namespace = cluster_under_test.ensure_namespace("watch-resume")
+    prefix = f"{key_prefix}-{deployment}"
+    rec = Recorder(client, prefix, namespace)
+    quick = [make_job(kube, namespace, deployment, ms=10) for _ in range(3)]
+    slow = make_job(kube, namespace, deployment, ms=3_000)
+    wait_finished(kube, namespace, quick)
+
+    first = poll(kube, client, prefix, deployment, namespace, rec)  # no version yet: the LIST
+    assert first.listed and first.stored and first.seen == 4
+    assert sorted(rec.handed) == sorted(quick)
+
+    release(kube, namespace, quick[0])  # delivered: leaves the finished set through a DELETED event
+    wait_finished(kube, namespace, [slow])
+    found: list[jobwatch.NamespacePoll] = []
+
+    def slow_handed_off() -> bool:
+        found.append(poll(kube, client, prefix, deployment, namespace, rec))
+        assert not found[-1].listed  # resumed, never listed again
+        return slow in rec.handed
+
+    poll_until(slow_handed_off)
+    assert sorted(rec.handed) == sorted([*quick, slow])  # each once: the markers are live
+    stored = jobwatch.load(client, jobwatch.key(prefix, deployment, namespace))
+    assert sorted(stored.finished) == sorted([*quick[1:], slow])  # the delivered one is forgotten
+    assert jobwatch.is_healthy(client, prefix, deployment, namespace)
+    # Nothing changed since: a poll reads no event and keeps the version.
+    quiet = poll(kube, client, prefix, deployment, namespace, rec)
+    assert (quiet.listed, quiet.seen) == (False, 0)
+    assert jobwatch.load(client, jobwatch.key(prefix, deployment, namespace)).version == stored.version
+
+
+def test_an_expired_version_falls_back_to_the_list_and_resumes_from_it(
+    cluster_under_test: ClusterHandle, kube: KubeClient, client: redis.Redis, key_prefix: str, deployment: str,
+    small_window: ClusterHandle,
+) -> None:  # fmt: skip
+    handle = small_window
+    with KubeClient(handle.kubeconfig) as kube:
+        namespace = handle.ensure_namespace("watch-gone")
+        prefix = f"{key_prefix}-{deployment}"
+        rec = Recorder(client, prefix, namespace)
+        name = make_job(kube, namespace, deployment, ms=10)
+        wait_finished(kube, namespace, [name])
+        assert poll(kube, client, prefix, deployment, namespace, rec).listed
+        key = jobwatch.key(prefix, deployment, namespace)
+        if handle.kind == LOCAL:  # push the stored version out of a 50-event window
+            for _ in range(30):
+                make_job(kube, "watch-churn", "someone-else", ms=10)
+            stale = jobwatch.load(client, key).version
+        else:  # kube-apiserver: more changes, then etcd compacted past the stored version
+            stale = jobwatch.load(client, key).version
+            for _ in range(3):
+                make_job(kube, "default", "someone-else", ms=10)
+            compact_etcd(handle)
+        assert stale is not None
+        client.hset(key, "rv", stale)
+        client.hdel(key, f"j:{name}")  # forgotten by the stale position: only the LIST finds it again
+        client.delete(handoff.key(prefix, namespace, kube.get_job(namespace, name)))
+        again = poll(kube, client, prefix, deployment, namespace, rec)
+        assert again.listed and again.stored
+        assert rec.handed == [name, name]  # handed off again, from the LIST
+        fresh = jobwatch.load(client, key)
+        assert fresh.version != stale and sorted(fresh.finished) == [name]
+        assert not poll(kube, client, prefix, deployment, namespace, rec).listed  # the watch resumed from it
+
+
+def compact_etcd(handle: ClusterHandle) -> None:
+    """Compact the real control plane's etcd up to its current revision (what kube-apiserver
+    asks of it every 5 minutes), through etcd's JSON gateway."""
+    base = f"http://127.0.0.1:{handle.backend._ports['etcd']}"  # the plane's etcd, on loopback
+    key = base64.b64encode(b"/").decode()
+    with urllib.request.urlopen(urllib.request.Request(f"{base}/v3/kv/range", json.dumps({"key": key}).encode())) as r:
+        revision = int(json.load(r)["header"]["revision"])
+    body = json.dumps({"revision": revision, "physical": True}).encode()
+    with urllib.request.urlopen(urllib.request.Request(f"{base}/v3/kv/compaction", body)) as r:
+        assert r.status == 200
+
+
+@pytest.fixture
+def small_window(cluster_under_test: ClusterHandle, tmp_path: Path) -> Iterator[ClusterHandle]:
+    """A cluster whose history is short within the test: localcluster with a watch cache of 50
+    events; kube-apiserver with its watch cache off (`--watch-cache=false`), so that how far back
+    a watch may start is etcd's compaction, which the test runs (kube-apiserver's own cache keeps
+    every event until it has been full for minutes, then answers the same 410)."""
+    if cluster_under_test.kind == LOCAL:
+        from k8s_dispatch.localcluster import LocalCluster
+
+        with LocalCluster(mode="simulate", event_log_size=50) as cluster:
+            yield local_handle(cluster)
+        return
+    from k8s_dispatch.realcluster.controlplane import ControlPlane
+
+    plane = ControlPlane(directory=tmp_path / "plane", mode="simulate", apiserver_args=("--watch-cache=false",))
+    plane.start()
+    try:
+        yield real_handle(plane)
+    finally:
+        plane.stop()
+
+
+def test_two_overlapping_polls_hand_each_job_off_once_and_one_stores(
+    cluster_under_test: ClusterHandle, kube: KubeClient, client: redis.Redis, key_prefix: str, deployment: str
+) -> None:
+    namespace = cluster_under_test.ensure_namespace("watch-overlap")
+    prefix = f"{key_prefix}-{deployment}"
+    rec = Recorder(client, prefix, namespace)
+    assert poll(kube, client, prefix, deployment, namespace, rec).listed  # the version to resume from
+    names = [make_job(kube, namespace, deployment, ms=10) for _ in range(3)]
+    wait_finished(kube, namespace, names)
+    inner: list[jobwatch.NamespacePoll] = []
+    # A slow poll: while it hands off, a second one (the next beat) runs from the same version.
+    rec.during = lambda: inner.append(poll(kube, client, prefix, deployment, namespace, rec))
+
+    outer = poll(kube, client, prefix, deployment, namespace, rec)
+    assert inner[0].stored and not outer.stored  # the second stored first: the slow one's write is dropped
+    assert inner[0].seen == outer.seen  # both read from the same version
+    poll_until(
+        lambda: not poll(kube, client, prefix, deployment, namespace, rec).listed and set(names) <= set(rec.handed)
+    )
+    assert sorted(rec.handed) == sorted(names)  # each Job handed off once, by whichever came first
+    late = make_job(kube, namespace, deployment, ms=10)  # nothing is lost past the dropped write
+    wait_finished(kube, namespace, [late])
+    poll_until(lambda: not poll(kube, client, prefix, deployment, namespace, rec).listed and late in rec.handed)
+    assert sorted(jobwatch.load(client, jobwatch.key(prefix, deployment, namespace)).finished) == sorted([*names, late])
