@@ -4,9 +4,13 @@ Two records, both cheap enough to keep on every request. The set of (API group,
 resource[/subresource], RBAC verb) triples, read through the authenticated
 `GET /localcluster/audit` endpoint: the project's test of its Role (deploy/rbac.yaml) compares it
 against the Role's rules. And `apiserver_request_total`, the kube-apiserver's request counter with
-its labels (verb as the server reports it: GET, LIST, WATCH, POST, PUT, PATCH, DELETE,
-DELETECOLLECTION; group, version, resource, subresource, scope, component, code), served as
-Prometheus text on `GET /metrics`: what the benchmarks read to count requests per Job.
+its labels (verb as the server reports it: GET, LIST, WATCH, POST, PUT, PATCH, DELETE, a
+collection's delete a DELETE of scope namespace or cluster as there; group, version, resource,
+subresource, scope, component, code), and what the server sent back as kube-apiserver counts it:
+the objects its LISTs returned (`apiserver_storage_list_returned_objects_total`, group and
+resource) and the watch events it sent (`apiserver_watch_events_total`, group, version, resource),
+served as Prometheus text on `GET /metrics`: what the benchmarks read to count requests and
+objects read per Job.
 """
 
 from __future__ import annotations
@@ -32,8 +36,10 @@ METRIC_VERBS = {
     "update": "PUT",
     "patch": "PATCH",
     "delete": "DELETE",
-    "deletecollection": "DELETECOLLECTION",
+    "deletecollection": "DELETE",  # kube-apiserver's metrics: a DELETE of scope namespace or cluster
 }
+LIST_OBJECTS = "apiserver_storage_list_returned_objects_total"
+WATCH_EVENTS = "apiserver_watch_events_total"
 LABEL_NAMES = ("verb", "group", "version", "resource", "subresource", "scope", "component", "code")
 
 
@@ -116,6 +122,8 @@ class Audit:
     def __init__(self) -> None:
         self._seen: set[Permission] = set()
         self._requests: Counter[tuple[RequestLabels, int]] = Counter()
+        self._listed: Counter[tuple[str, str]] = Counter()  # (group, resource): objects LISTs returned
+        self._watched: Counter[tuple[str, str, str]] = Counter()  # (group, version, resource): events sent
 
     def record(self, method: str, target: Target, *, watch: bool) -> RequestLabels:
         """Note a request's permission as it arrives; its labels, for `count` once it is answered."""
@@ -127,6 +135,18 @@ class Audit:
 
     def count(self, labels: RequestLabels, code: int) -> None:
         self._requests[(labels, code)] += 1
+
+    def listed(self, resource: Resource, objects: int) -> None:
+        """Count the objects one LIST (one page of it) returned."""
+        self._listed[(resource.group, resource.plural)] += objects
+
+    def watched(self, resource: Resource, events: int) -> None:
+        """Count watch events sent to a client (bookmarks too, as kube-apiserver does)."""
+        self._watched[(resource.group, resource.version, resource.plural)] += events
+
+    def objects_read(self) -> tuple[dict[tuple[str, str], int], dict[tuple[str, str, str], int]]:
+        """(objects LISTs returned by (group, resource), watch events sent by (group, version, resource))."""
+        return dict(self._listed), dict(self._watched)
 
     def seen(self) -> list[Permission]:
         return sorted(self._seen)
@@ -148,4 +168,15 @@ class Audit:
             values = (*row.labels, COMPONENT, str(row.code))
             text = ",".join(f'{name}="{value}"' for name, value in zip(LABEL_NAMES, values, strict=True))
             lines.append(f"{METRIC}{{{text}}} {row.count}")
+        lines += [
+            f"# HELP {LIST_OBJECTS} [ALPHA] Number of objects returned for a LIST request from storage",
+            f"# TYPE {LIST_OBJECTS} counter",
+            *(f'{LIST_OBJECTS}{{group="{g}",resource="{r}"}} {n}' for (g, r), n in sorted(self._listed.items())),
+            f"# HELP {WATCH_EVENTS} [ALPHA] Number of events sent in watch clients",
+            f"# TYPE {WATCH_EVENTS} counter",
+            *(
+                f'{WATCH_EVENTS}{{group="{g}",resource="{r}",version="{v}"}} {n}'
+                for (g, v, r), n in sorted(self._watched.items())
+            ),
+        ]
         return "\n".join(lines) + "\n"

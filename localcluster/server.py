@@ -372,6 +372,7 @@ def _list(request: web.Request, core: ClusterCore, target: paths.Target) -> web.
         entries = core.store.list(resource, target.namespace)
         items = [e for e in entries if predicate(e)]
         page = core.pager.first(items, core.store.rv, limit)
+    core.audit.listed(resource, len(page.items))
     meta = _list_meta(page.rv, page)
     if _wants_table(request):
         table = tables.table(
@@ -532,6 +533,7 @@ async def _watch(request: web.Request, core: ClusterCore, target: paths.Target) 
     first = True
     try:
         chunk: list[bytes] = []
+        core.audit.watched(resource, len(initial))
         for entry in initial:
             chunk.append(encode(ADDED, entry, headers=first))
             first = False
@@ -541,6 +543,7 @@ async def _watch(request: web.Request, core: ClusterCore, target: paths.Target) 
         if chunk:
             await response.write(b"".join(chunk))
         if _truthy(send_initial) and bookmarks:
+            core.audit.watched(resource, 1)
             await response.write(_bookmark(resource, store.rv, initial_end=True))
         last_sent = loop.time()
         while not watcher.closed or watcher.queue:
@@ -554,9 +557,11 @@ async def _watch(request: web.Request, core: ClusterCore, target: paths.Target) 
                     kind, entry = watcher.queue.popleft()
                     out.append(encode(kind, entry, headers=first))
                     first = False
+                core.audit.watched(resource, len(out))
                 await response.write(b"".join(out))
                 last_sent = loop.time()
             elif bookmarks and loop.time() - last_sent >= BOOKMARK_INTERVAL:
+                core.audit.watched(resource, 1)
                 await response.write(_bookmark(resource, store.rv))
                 last_sent = loop.time()
         if watcher.overflowed:
