@@ -1,0 +1,100 @@
+"""Poll by watch end to end (real worker and beat, both clusters): every dispatch ends once while
+the polls read watch events, not LISTs of every Job; a Job that leaves undelivered is found by
+beat's sweep through the watch's note, without a LIST of the namespace's Jobs."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from k8s_dispatch.engine.errors import NotFound
+from k8s_dispatch.engine.models import EventType
+from k8s_dispatch.recovery import jobwatch
+from k8s_dispatch.workers import labels as job_labels
+from k8s_dispatch.workers.manifest import FINALIZER, job_name
+
+SIM = "localcluster.k8s-dispatch.io/"
+CAPABILITIES = {
+    "sim.ok": {"worker": "sim", "image": "sim:1", "annotations": {SIM + "duration-ms": "1500"}},
+    "sim.long": {"worker": "sim", "image": "sim:1", "annotations": {SIM + "duration-ms": "600000"}},
+}
+
+
+def job_requests(cluster) -> Counter[str]:
+    """The server's own count of requests on jobs (every sender's), by verb."""
+    if hasattr(cluster, "raw"):
+        _, _, body = cluster.raw("GET", "/metrics")
+    else:
+        import urllib.request
+
+        with urllib.request.urlopen(f"{cluster.url}/metrics") as r:
+            body = r.read()
+    out: Counter[str] = Counter()
+    for family in text_string_to_metric_families(body.decode()):
+        for s in family.samples:
+            labels = s.labels
+            if s.name == "apiserver_request_total" and labels.get("resource") == "jobs" and not labels["subresource"]:
+                out[labels["verb"]] += int(s.value)
+    return out
+
+
+def test_dispatches_complete_once_each_while_polls_read_the_watch(deploy, any_cluster):
+    d = deploy(any_cluster, capabilities=CAPABILITIES, poll_interval_s="0.5", sweep_interval_s="2")
+    d.start_worker("w1")
+    d.start_beat()
+    before = job_requests(any_cluster)
+    ids = d.schedule_batch("sim.ok", 30)
+    events = d.wait_terminal(ids, timeout_s=90)
+    assert all(kinds == [(EventType.WORKER_COMPLETED.value, kinds[0][1])] for kinds in events.values())
+    counted: list[Counter[str]] = []
+
+    def polls_went_on() -> bool:
+        after = job_requests(any_cluster)
+        after.subtract(before)
+        counted.append(after)
+        return after["WATCH"] >= 16
+
+    d.wait(polls_went_on, timeout_s=30, what="16 polls by watch")
+    position = jobwatch.load(d.redis, jobwatch.key(d.prefix, d.settings.effective_deployment, d.settings.namespace))
+    assert position.version and not position.finished  # the position stands, every Job delivered
+    # A LIST poll makes a LIST per poll; by watch, polls make WATCHes and only the start-up sweep,
+    # the first poll, and beat's first sweep (its LIST due) list Jobs.
+    assert counted[-1]["LIST"] <= 8, counted[-1]
+    d.wait_no_jobs()
+
+
+def test_a_job_gone_undelivered_is_recreated_by_the_sweep_from_the_watchs_note(deploy, any_cluster):
+    d = deploy(
+        any_cluster, capabilities=CAPABILITIES, poll_interval_s="0.5", sweep_interval_s="1", sweep_grace_s="1",
+        sweep_list_interval_s="3600",
+    )  # fmt: skip
+    d.start_worker("w1")
+    d.start_beat()
+    [dispatch_id] = d.schedule_batch("sim.long", 1)
+    namespace, name = d.settings.namespace, job_name(dispatch_id)
+    first = d.wait(lambda: next(iter(d.jobs(namespace)), None), what="the job created")
+    uid = first["metadata"]["uid"]
+    key = jobwatch.key(d.prefix, d.settings.effective_deployment, namespace)
+    d.wait(lambda: jobwatch.is_healthy(d.redis, d.prefix, d.settings.effective_deployment, namespace),
+           what="the watch healthy")  # fmt: skip
+    # Someone strips our finalizer and deletes the running Job: it is gone without a result.
+    d.kube.release_job(namespace, name, finalizer=FINALIZER)
+    d.kube.delete_job(namespace, name)
+    before = job_requests(any_cluster)
+
+    def recreated() -> dict | None:
+        try:
+            job = d.kube.get_job(namespace, name)  # a GET: the LISTs below are the system's own
+        except NotFound:
+            return None
+        return job if job["metadata"]["uid"] != uid else None
+
+    job = d.wait(recreated, timeout_s=30, what="the lost job created again")
+    after = job_requests(any_cluster)
+    after.subtract(before)
+    labels = job["metadata"]["labels"]
+    assert labels[job_labels.DISPATCH_ID_KEY] == dispatch_id
+    assert not jobwatch.gone(d.redis, key)  # the note was checked and forgotten
+    # Found without listing the namespace's Jobs: the sweep looked the one dispatch up by label.
+    assert after["LIST"] <= 3, after
