@@ -1,10 +1,12 @@
 """`python -m bench` (`make bench`): every benchmark, a table of figures and targets, and JSON.
 
     python -m bench [--smoke | --full] [--only NAME ...] [--cluster local|real|both] [--results PATH] [--json-out PATH]
+    python -m bench --plot [--results PATH] [--png PATH]
 
 Sizes (bench/sizes.py): quick by default (`make bench`, about 2 minutes on 2 cores), `--full`
 (`make bench FULL=1`), `--smoke` (seconds, for the test suite; targets not judged). Results go
 to bench/results.json (git-ignored) or --results PATH, and also to --json-out PATH if given.
+`--plot` runs nothing: it draws poll_cost's rows of --results PATH as a PNG (docs/poll-cost.png).
 Needs PostgreSQL and Redis (`bash tests/services.sh`); starts its own localcluster and Celery
 processes, and for `api_load` (unless `--cluster local`) the real control plane of `realcluster`
 (built on first use).
@@ -22,7 +24,17 @@ from pathlib import Path
 
 from rich.console import Console
 
-from k8s_dispatch.bench import adapter, api_load, cluster_speed, dispatch_throughput, report, services, sweep_scale
+from k8s_dispatch.bench import (
+    adapter,
+    api_load,
+    cluster_speed,
+    dispatch_throughput,
+    plot,
+    poll_cost,
+    report,
+    services,
+    sweep_scale,
+)
 from k8s_dispatch.bench.results import BenchResult, BenchRun
 from k8s_dispatch.bench.sizes import SIZES, Size
 
@@ -35,6 +47,7 @@ BENCHMARKS: dict[str, Benchmark] = {
     "sweep": sweep_scale.run,  # figures 4 and 5
     "localcluster": cluster_speed.run,  # figure 6
     "adapter": adapter.run,
+    "poll_cost": poll_cost.run,  # issue 16: objects read per finished Job, watch vs LIST poll
 }
 # Not an issue-8 figure, so not in the quick run (about 2 minutes); `--only adapter` runs it there.
 SKIPPED_AT = {"adapter": {"quick"}}
@@ -56,6 +69,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="the API servers api_load runs against: localcluster, the real control plane, or both")  # fmt: skip
     parser.add_argument("--results", type=Path, default=DEFAULT_RESULTS, help="where the JSON results go")
     parser.add_argument("--json-out", type=Path, help="also write the JSON results here")
+    parser.add_argument("--plot", action="store_true", help="only draw poll_cost's results (--results) as a PNG")
+    parser.add_argument("--png", type=Path, default=plot.DEFAULT_PNG, help="where --plot writes")
     parser.add_argument("--pg-admin-url", default=services.PG_ADMIN_URL, help="creates and drops the run's database")
     parser.add_argument("--redis-url", default=services.REDIS_URL)
     return parser.parse_args(argv)
@@ -103,6 +118,9 @@ def default_names(size: Size) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.plot:
+        print(f"plot written to {plot.plot(poll_cost.rows_of(args.results), args.png)}")
+        return 0
     size = SIZES[args.size]
     names = [name for name in BENCHMARKS if name in args.only] if args.only else default_names(size)
     console = Console()

@@ -132,6 +132,9 @@ class Window:
     pods_behind: int = 0  # the real server: Jobs still without a bound Pod when the window opened
     server_ms: dict[str, float] = field(default_factory=dict)  # the real server's mean ms per request, by verb
     job_bytes: int = 0  # ours: the JSON of one Job in a LIST page, on average (after the window)
+    # objects the server sent in the window: "LIST jobs", "WATCH jobs", "LIST pods", ... (the
+    # objects LISTs returned, from storage or the watch cache; watch events), the bench's own removed
+    objects: Counter[str] = field(default_factory=Counter)
 
     @property
     def total(self) -> int:
@@ -258,11 +261,18 @@ DURATION = "apiserver_request_duration_seconds"
 SCRAPE: Key = ("GET", "", "/metrics", 200)  # how the real server counts a scrape (localcluster does not)
 
 
+# What the server sent back, as kube-apiserver (and localcluster) count it: objects LISTs returned
+# (from etcd, or from the watch cache) and watch events sent, by resource.
+LISTED = ("apiserver_storage_list_returned_objects_total", "apiserver_cache_list_returned_objects_total")
+WATCHED = "apiserver_watch_events_total"
+
+
 class Scrape(NamedTuple):
     requests: Counter[Key]  # apiserver_request_total
     at: float  # when the server read its counters
     seconds: defaultdict[Key, float]  # apiserver_request_duration_seconds_sum, code 0
     timed: defaultdict[Key, float]  # apiserver_request_duration_seconds_count, code 0
+    objects: Counter[str]  # "LIST jobs": objects LISTs returned; "WATCH jobs": watch events sent
 
 
 def scrape(cluster: services.Cluster) -> Scrape:
@@ -281,8 +291,11 @@ def scrape(cluster: services.Cluster) -> Scrape:
     if response.status != 200:
         raise RuntimeError(f"GET /metrics answered {response.status}: {body[:200]}")
     wanted = "\n".join(
-        line for line in body.splitlines() if line.startswith((METRIC, f"{DURATION}_sum", f"{DURATION}_count"))
+        line
+        for line in body.splitlines()
+        if line.startswith((METRIC, f"{DURATION}_sum", f"{DURATION}_count", *LISTED, WATCHED))
     )
+    objects: Counter[str] = Counter()
     counts: Counter[Key] = Counter()
     seconds: defaultdict[Key, float] = defaultdict(float)  # sums of seconds: not counts
     timed: defaultdict[Key, float] = defaultdict(float)
@@ -291,11 +304,13 @@ def scrape(cluster: services.Cluster) -> Scrape:
             labels = s.labels
             if s.name == METRIC:
                 counts[(labels["verb"], labels["resource"], labels["subresource"], int(labels["code"]))] += int(s.value)
+            elif s.name in LISTED or s.name == WATCHED:
+                objects[f"{'WATCH' if s.name == WATCHED else 'LIST'} {labels['resource']}"] += int(s.value)
             elif s.name in (f"{DURATION}_sum", f"{DURATION}_count"):
                 into = seconds if s.name.endswith("_sum") else timed
                 into[(labels["verb"], labels["resource"], labels["subresource"], 0)] += s.value
     del counts[SCRAPE]
-    return Scrape(counts, at, seconds, timed)
+    return Scrape(counts, at, seconds, timed, objects)
 
 
 # The audit log's verbs as apiserver_request_total spells them (a deletecollection is a DELETE there).
@@ -394,6 +409,7 @@ class JobWatch:
         self.lag_s: dict[str, float] = {}
         self.seen: set[str] = set()
         self.ended_at: list[float] = []  # when each of our watch requests ended (the server counts it then)
+        self.events = 0  # events the server sent this watch (counted in its apiserver_watch_events_total)
         self.error: BaseException | None = None
         self._conn: http.client.HTTPConnection | None = None
         self._stopping = threading.Event()
@@ -438,6 +454,7 @@ class JobWatch:
                 raise RuntimeError(f"watch answered {response.status}: {response.read()[:200]!r}")
             for line in response:
                 now = time.time()
+                self.events += 1
                 event = json.loads(line)
                 obj = event["object"]
                 if event["type"] == "ERROR":
@@ -558,9 +575,12 @@ def measure(cluster: services.Cluster, watch: JobWatch, window_s: float, *, pids
     the CPU each of `pids` (and the bench) used in it; on the real server, who sent the requests."""
     audit_from = cluster.audit_log.stat().st_size if cluster.audit_log else 0
     cpu_before = _cpu(pids)
-    first, in_flight_at_start = scrape(cluster), watch.in_flight
+    first, in_flight_at_start, own_events = scrape(cluster), watch.in_flight, watch.events
     time.sleep(window_s)
-    last, in_flight_at_end = scrape(cluster), watch.in_flight
+    last, in_flight_at_end, own_events = scrape(cluster), watch.in_flight, watch.events - own_events
+    objects = last.objects.copy()
+    objects.subtract(first.objects)
+    objects["WATCH jobs"] -= own_events  # the bench's own watch is no reader of ours
     cpu_after = _cpu(pids)
     t0, t1 = first.at, last.at
     after = last.requests.copy()
@@ -579,7 +599,7 @@ def measure(cluster: services.Cluster, watch: JobWatch, window_s: float, *, pids
                   watch_lag_p99_s=_percentile(lags, 0.99) if lags else 0.0,
                   by_actor=_audited_window(cluster, offset=audit_from) if cluster.audit_log else {},
                   cpu_s={name: cpu_after[name] - cpu_before[name] for name in cpu_before},
-                  server_ms=server_ms(first, last))  # fmt: skip
+                  server_ms=server_ms(first, last), objects=+objects)  # fmt: skip
 
 
 def server_ms(first: Scrape, last: Scrape) -> dict[str, float]:
@@ -671,8 +691,12 @@ def _ours(
     caps_file: Path,
     *,
     kind: str = services.LOCAL,
+    extra_env: dict[str, str] | None = None,
+    before_window: Callable[[Any], None] | None = None,
 ) -> Window:
-    """Ours in a steady state of `n` Jobs on a new API server of `kind` (services.LOCAL or REAL)."""
+    """Ours in a steady state of `n` Jobs on a new API server of `kind` (services.LOCAL or REAL);
+    `extra_env` (settings' names) changes the deployment's settings, `before_window(settings)`
+    waits for what must have happened before the window opens."""
     name = f"{'lc' if kind == services.LOCAL else 'rc'}-load-{n}"
     with (
         services.database(ctx.pg_admin_url) as database_url,
@@ -691,6 +715,7 @@ def _ours(
                 "poll_interval_s": str(POLL_INTERVAL_S),
                 "poll_page_size": str(PAGE_SIZE),
                 "worker_concurrency": str(CONCURRENCY),
+                **(extra_env or {}),
             }
         )
         settings = load_settings(env)
@@ -739,6 +764,8 @@ def _ours(
                     behind = (
                         _pods_behind(cluster, slack=max(2, round(2 * n / knobs.job_s))) if kind == services.REAL else 0
                     )
+                    if before_window is not None:
+                        before_window(settings)
                     window = measure(cluster, watch, knobs.window_s, pids=pids)
                     window.pods_behind = behind
                     window.job_bytes = _listed_bytes_per_job(cluster, OURS_NAMESPACE)

@@ -34,8 +34,8 @@ HandOff = Callable[[list[JsonDict]], int]  # finished Jobs (as read) -> how many
 
 # A slice of the watch reads for at most this share of the poll interval, and never past
 # WATCH_BOUND_MAX_S: what it leaves unread the next poll reads.
-WATCH_BOUND_SHARE = 0.2
-WATCH_BOUND_MAX_S = 0.4
+WATCH_BOUND_SHARE = 0.15
+WATCH_BOUND_MAX_S = 0.3
 # The poll's watch of a namespace is healthy (the sweep may skip its LIST) while a poll has
 # stored a version within this many poll intervals.
 HEALTHY_INTERVALS = 3

@@ -76,7 +76,7 @@ _HTTP_VERBS = {"GET": "get", "POST": "create", "PUT": "update", "PATCH": "patch"
 
 # A watch slice ends after this long without a byte from the server: it has sent what it had
 # (the watch cache replays the events after a version at once), so the slice is caught up.
-WATCH_QUIET_S = 0.15
+WATCH_QUIET_S = 0.08
 
 
 @dataclass(frozen=True)

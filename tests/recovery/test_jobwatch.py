@@ -82,7 +82,7 @@ def test_apply_of_nothing_keeps_the_position() -> None:
     assert apply(start, []).position == start
 
 
-@pytest.mark.parametrize(("interval", "bound"), [(2.0, 0.4), (1.0, 0.2), (0.5, 0.1), (30.0, 0.4)])
+@pytest.mark.parametrize(("interval", "bound"), [(2.0, 0.3), (1.0, 0.15), (0.5, 0.075), (30.0, 0.3)])
 def test_a_slice_reads_well_under_the_interval(interval: float, bound: float) -> None:
     assert jobwatch.bound_s(interval) == pytest.approx(bound)
 
