@@ -234,7 +234,11 @@ def _poll_watch(rt: Runtime, *, ttl_s: float, renew: bool) -> dict[str, int]:
     except (Transient, redis.RedisError) as e:
         log.warning("poll stopped early (%s); the next one resumes from the version stored", e)
     else:
-        METRICS.poll_done(finished=waiting, lag_s=lag_s)
+        # Running Jobs are not read by a watch poll: the past-deadline gauge is left as the last
+        # LIST set it (a watch poll would otherwise report none).
+        METRICS.finished_jobs_waiting.set(waiting)
+        METRICS.poll_lag.set(lag_s)
+        METRICS.last_poll.set(utcnow().timestamp())
     return {"seen": seen, "handed_off": handed, "listed": listed}
 
 
