@@ -6,6 +6,7 @@ keys. One definition, used by the store (at schedule time) and by the workers' l
 from __future__ import annotations
 
 import uuid
+from typing import TypeGuard
 
 from k8s_dispatch.engine.errors import InvalidId, InvalidIdempotencyKey
 
@@ -13,7 +14,7 @@ MAX_ID_LENGTH = 128  # case and tenancy ids (the engine's), capability and worke
 MAX_IDEMPOTENCY_KEY_LENGTH = 256
 
 
-def is_engine_id(value: object) -> bool:
+def is_engine_id(value: object) -> TypeGuard[str]:
     """1..128 printable characters (`str.isprintable`: any script, no control characters).
 
     Ids that are not valid label values (spaces, other scripts, too long) still work: the
@@ -22,7 +23,7 @@ def is_engine_id(value: object) -> bool:
     return isinstance(value, str) and 1 <= len(value) <= MAX_ID_LENGTH and value.isprintable()
 
 
-def is_dispatch_id(value: object) -> bool:
+def is_dispatch_id(value: object) -> TypeGuard[str]:
     """A UUID in canonical text form (lower case, hyphenated, 36 characters)."""
     if not isinstance(value, str):
         return False
@@ -32,7 +33,7 @@ def is_dispatch_id(value: object) -> bool:
         return False
 
 
-def is_idempotency_key(value: object) -> bool:
+def is_idempotency_key(value: object) -> TypeGuard[str]:
     """1..256 printable characters (any script, no control characters)."""
     return isinstance(value, str) and 1 <= len(value) <= MAX_IDEMPOTENCY_KEY_LENGTH and value.isprintable()
 
@@ -58,7 +59,7 @@ def check_dispatch_id(value: object) -> str:
     """
     if not is_dispatch_id(value):
         raise InvalidId(f"dispatch_id must be a UUID in canonical form, got {show_value(value)}")
-    return value  # type: ignore[return-value]
+    return value
 
 
 def check_idempotency_key(value: object) -> str:
@@ -71,7 +72,7 @@ def check_idempotency_key(value: object) -> str:
         raise InvalidIdempotencyKey(
             f"idempotency_key must be 1 to {MAX_IDEMPOTENCY_KEY_LENGTH} printable characters, got {show_value(value)}"
         )
-    return value  # type: ignore[return-value]
+    return value
 
 
 def show_value(value: object) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 from enum import StrEnum
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Dialect
@@ -112,6 +112,9 @@ class Base(DeclarativeBase):
         }
     )
     type_annotation_map: ClassVar[dict[Any, Any]] = {datetime: UtcDateTime()}  # every datetime column is aware UTC
+
+    if TYPE_CHECKING:  # every model here is mapped to a Table (SQLAlchemy types any FromClause)
+        __table__: ClassVar[sa.Table]
 
 
 class CaseInstance(Base):

@@ -14,7 +14,7 @@ import uuid
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVarTuple, cast
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
@@ -309,6 +309,10 @@ def _insert(session: Session, new: list[_Prepared], *, now: datetime) -> dict[tu
 
 
 def _dispatch_row(p: _Prepared, now: datetime) -> dict[str, Any]:
+    # The columns of a new row, spelled out: the same names recur wherever a dispatch crosses a
+    # layer (recovery/reconstruct.DispatchRecord.from_row reads them back, the tests build rows),
+    # and each says which value it takes here; a generic copy would hide that `state`, `attempts`
+    # and the times are set by this insert, not taken from the request.
     return dict(
         dispatch_id=p.dispatch_id,
         case_id=p.case_id,
@@ -425,19 +429,21 @@ def mark_created_many(session: Session, jobs: Sequence[CreatedJob], *, now: date
         return set()
     # One cached per-row UPDATE, executed many: the statement is compiled once per process,
     # where a per-batch `case` of every row was compiled on every call.
-    updated = session.execute(
-        _MARK_CREATED,
-        [  # rows in id order, as every writer takes them: two batches never deadlock
-            {
-                "m_id": d,
-                "m_job_name": job.job_name,
-                "m_namespace": job.namespace,
-                "m_attempt": job.attempt,
-                "m_now": now,
-            }
-            for d, job in sorted(by_id.items())
-        ],
-    ).rowcount
+    updated = _rowcount(
+        session.execute(
+            _MARK_CREATED,
+            [  # rows in id order, as every writer takes them: two batches never deadlock
+                {
+                    "m_id": d,
+                    "m_job_name": job.job_name,
+                    "m_namespace": job.namespace,
+                    "m_attempt": job.attempt,
+                    "m_now": now,
+                }
+                for d, job in sorted(by_id.items())
+            ],
+        )
+    )
     if updated == len(by_id):  # one row per id at most (the primary key): all were marked
         return set(by_id)
     # Every CREATED row among the ids is one just updated: the UPDATE matched them all and
@@ -531,13 +537,16 @@ def record_create_error(session: Session, dispatch_id: str, *, message: str, now
     table = Dispatch.__table__
     text = message.encode("utf-8", "backslashreplace").decode("utf-8").replace("\x00", "\\x00")[:MAX_CREATE_ERROR_CHARS]
     return bool(
-        session.execute(
-            sa.update(table)
-            .where(
-                table.c.dispatch_id == dispatch_id, table.c.state.in_([DispatchState.SCHEDULED, DispatchState.CREATED])
+        _rowcount(
+            session.execute(
+                sa.update(table)
+                .where(
+                    table.c.dispatch_id == dispatch_id,
+                    table.c.state.in_([DispatchState.SCHEDULED, DispatchState.CREATED]),
+                )
+                .values(create_error=text, create_error_at=now or utcnow())
             )
-            .values(create_error=text, create_error_at=now or utcnow())
-        ).rowcount
+        )
     )
 
 
@@ -766,7 +775,7 @@ def dispatch_rows(session: Session, ids: Iterable[str]) -> dict[str, sa.Row[Any]
     return {row.dispatch_id: row for row in _by_ids(session, ids, session.execute, _DISPATCH_ROWS)}
 
 
-def _by_ids(session: Session, ids: Iterable[str], run: Any, query: sa.Select[Any]) -> Iterator[Any]:
+def _by_ids(session: Session, ids: Iterable[str], run: Any, query: sa.Select[*tuple[Any, ...]]) -> Iterator[Any]:
     """`query`'s rows among `ids`, QUERY_BATCH ids per IN (...); `query` is one of `_among_ids`'s,
     built once per process, so SQLAlchemy reuses its cache key and compiled form."""
     wanted = sorted(set(ids))
@@ -774,7 +783,16 @@ def _by_ids(session: Session, ids: Iterable[str], run: Any, query: sa.Select[Any
         yield from run(query, {"ids": wanted[start : start + QUERY_BATCH]})
 
 
-def _among_ids(query: sa.Select[Any]) -> sa.Select[Any]:
+def _rowcount(result: sa.Result[*tuple[Any, ...]]) -> int:
+    """The rows a DML statement matched: its Result is a CursorResult, but `Session.execute` is
+    typed to return only the Result that derives from."""
+    return cast("sa.CursorResult[*tuple[Any, ...]]", result).rowcount
+
+
+_Columns = TypeVarTuple("_Columns")
+
+
+def _among_ids(query: sa.Select[*_Columns]) -> sa.Select[*_Columns]:
     return query.where(Dispatch.dispatch_id.in_(sa.bindparam("ids", expanding=True)))
 
 
@@ -884,7 +902,7 @@ def iter_unnotified_terminal(
     yield from _keyset_pages(session, query, batch=batch)
 
 
-def _keyset_pages(session: Session, query: sa.Select, *, batch: int) -> Iterator[Dispatch]:
+def _keyset_pages(session: Session, query: sa.Select[Dispatch], *, batch: int) -> Iterator[Dispatch]:
     """The rows of `query` by dispatch_id, `batch` at a time (see `dispatch_page`)."""
     after: str | None = None
     while True:
@@ -895,7 +913,7 @@ def _keyset_pages(session: Session, query: sa.Select, *, batch: int) -> Iterator
         after = rows[-1].dispatch_id
 
 
-def dispatch_page(session: Session, query: sa.Select, *, after: str | None, batch: int) -> list[Dispatch]:
+def dispatch_page(session: Session, query: sa.Select[Dispatch], *, after: str | None, batch: int) -> list[Dispatch]:
     """One keyset page of `query`: up to `batch` rows with dispatch_id > `after`, in order.
 
     Keyset, not OFFSET: memory is bounded by the page, and rows written meanwhile cannot

@@ -39,6 +39,7 @@ from k8s_dispatch.engine.errors import (
     UnknownCapability,
     UnknownDispatch,
 )
+from k8s_dispatch.engine.ids import check_dispatch_id
 from k8s_dispatch.engine.models import STATE_FOR_TERMINAL_EVENT, DispatchState, EventType
 from k8s_dispatch.recovery import startup, statelog, stats
 from k8s_dispatch.recovery.crashpoints import Point, crashpoint
@@ -136,7 +137,7 @@ def create_jobs_for(rt: Runtime, dispatch_ids: Sequence[str]) -> dict[str, Creat
         InvalidId: one of `dispatch_ids` is not a UUID (before anything is done).
         Transient: the API, database or broker is unavailable; the same call may be retried.
     """
-    ids = [store.check_dispatch_id(d) for d in dict.fromkeys(dispatch_ids)]
+    ids = [check_dispatch_id(d) for d in dict.fromkeys(dispatch_ids)]
     records = _with_namespaces(rt, load_records(rt, ids))
     outcomes: dict[str, CreateOutcome] = {}
     made: list[tuple[DispatchRecord, CreateOutcome, str, str]] = []
@@ -399,7 +400,7 @@ class _Batch:
         self.rt, self.jobs = rt, jobs
         self.outcomes: list[CompleteOutcome] = []
         self._pods = _PodsOf(rt, namespace, [_name(job) for job in jobs if job_state(job).terminal])
-        self._lost: list[int] = []  # the Jobs whose result went with their Pods: run again
+        self._lost: dict[int, DeliveryContext] = {}  # the Jobs whose result went with their Pods: run again
 
     def deliver(self) -> None:
         rt = self.rt
@@ -421,7 +422,7 @@ class _Batch:
             won = self._record(contexts, decided, claims)
             if won:
                 notify_engines(rt, sorted(won))
-            self._rerun(contexts, decided)
+            self._rerun(decided)
             for job, context, outcome in zip(self.jobs, contexts, decided, strict=True):
                 assert outcome is not None
                 if context is not None and outcome in (CompleteOutcome.COMPLETED, CompleteOutcome.ALREADY_TERMINAL):
@@ -460,16 +461,16 @@ class _Batch:
                 decided[i] = CompleteOutcome.RUNNING
                 continue
             if done.lost:  # succeeded, but no Pod holds the result any more: `_rerun` runs it again
-                self._lost.append(i)
+                self._lost[i] = context
                 writing.add(context.dispatch_id)
                 continue
-            event, payload = terminal_event(done)
+            event_type, payload = terminal_event(done)
             # A payload the store cannot keep fails its own dispatch here, never the batch.
             events[i] = store.storable_terminal(
-                store.TerminalEvent(context.dispatch_id, event, payload), reason=RESULT_NOT_JSON
+                store.TerminalEvent(context.dispatch_id, event_type, payload), reason=RESULT_NOT_JSON
             )
             writing.add(context.dispatch_id)
-        lost = {contexts[i].dispatch_id for i in self._lost}  # type: ignore[union-attr]
+        lost = {lost_context.dispatch_id for lost_context in self._lost.values()}
         for i in repeats:  # a repeat of a lost result is run again once, by its first entry
             context = contexts[i]
             assert context is not None
@@ -479,13 +480,12 @@ class _Batch:
         crashpoint(Point.BEFORE_COMPLETE_WRITE)
         won = self._write(events)
         crashpoint(Point.AFTER_COMPLETE_WRITE)
-        for i in [i for i, event in events.items() if event is None]:
-            decided[i] = CompleteOutcome.REFUSED
-            del events[i]
         for i, event in events.items():
             context = contexts[i]
             assert context is not None
-            if event.dispatch_id in won:
+            if event is None:  # refused, even as a failure (`_write`)
+                decided[i] = CompleteOutcome.REFUSED
+            elif event.dispatch_id in won:
                 decided[i] = CompleteOutcome.COMPLETED
                 statelog.dispatch_changed(
                     context.record, STATE_FOR_TERMINAL_EVENT[event.type], reason=event.payload.get("reason")
@@ -540,15 +540,13 @@ class _Batch:
         with transaction(self.rt.sessions) as session:
             return store.record_terminals(session, [event])
 
-    def _rerun(self, contexts: Sequence[DeliveryContext | None], decided: list[CompleteOutcome | None]) -> None:
+    def _rerun(self, decided: list[CompleteOutcome | None]) -> None:
         """Settle the Jobs whose result was lost (`_record` left them undecided): each run again
         as a lost Job is (`rerun_lost`), under the claim this batch holds; rows read again now."""
         if not self._lost:
             return
-        records = load_records(self.rt, [contexts[i].dispatch_id for i in self._lost])  # type: ignore[union-attr]
-        for i in self._lost:
-            context = contexts[i]
-            assert context is not None
+        records = load_records(self.rt, [context.dispatch_id for context in self._lost.values()])
+        for i, context in self._lost.items():
             record = records.get(context.dispatch_id)
             if record is None or record.terminal:
                 decided[i] = CompleteOutcome.ALREADY_TERMINAL
@@ -840,6 +838,7 @@ def fail_dispatch(rt: Runtime, dispatch_id: str, *, reason: str, message: str | 
         won = store.record_terminal(session, dispatch_id, EventType.WORKER_FAILED, payload)
         row = store.get_dispatch(session, dispatch_id)
     if won:
+        assert row is not None  # record_terminal found and updated it in this transaction
         statelog.dispatch_changed(row, DispatchState.FAILED, reason=reason)
         notify_engine(rt, dispatch_id)
     return won
@@ -856,7 +855,7 @@ def cancel_dispatch(rt: Runtime, dispatch_id: str, *, reason: str = CANCELLED_RE
         InvalidId: `dispatch_id` is not a UUID.
         UnknownDispatch: no such dispatch.
     """
-    store.check_dispatch_id(dispatch_id)
+    check_dispatch_id(dispatch_id)
     with transaction(rt.sessions) as session:
         row = store.get_dispatch(session, dispatch_id)
         if row is None:

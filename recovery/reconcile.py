@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from datetime import datetime
 from enum import Enum
+from functools import partial
 from typing import Any, TypeVar
 
 import redis
@@ -85,6 +86,11 @@ class _Outcome(Enum):
     SKIPPED = "skipped"  # a fresh read showed it was no longer needed
     NOTHING = "nothing"  # a finding that asks for no side effect (a running Job)
     FAILED = "failed"  # could not be done now (counted as an error); the next sweep retries
+
+
+def _decided(outcome: _Outcome) -> _Outcome:
+    """An outcome known already, for `Executor._count` (which otherwise carries an action out)."""
+    return outcome
 
 
 def run_sweep(rt: Runtime, *, dry_run: bool = False, now: datetime | None = None) -> SweepReport:
@@ -365,7 +371,7 @@ def _present_jobs(rt: Runtime, views: Sequence[DispatchView]) -> set[tuple[str, 
 
 
 def _pages(
-    rt: Runtime, query: sa.Select[tuple[Dispatch]], convert: Callable[[Dispatch], T], *, after: str | None = None
+    rt: Runtime, query: sa.Select[Dispatch], convert: Callable[[Dispatch], T], *, after: str | None = None
 ) -> Iterator[list[T]]:
     """Keyset pages of `query` by dispatch_id (those after `after`), each read in its own
     short transaction.
@@ -459,10 +465,10 @@ class Executor:
                 if key not in together:
                     together[key] = []
                     carry_out = self._complete_all if isinstance(action, CompleteJob) else self._clean_up_all
-                    calls.append(lambda key=key, carry_out=carry_out: carry_out(key[1], together[key]))
+                    calls.append(partial(carry_out, action.namespace, together[key]))  # the list fills below
                 together[key].append(action)
             else:
-                calls.append(lambda action=action: self.one(action))
+                calls.append(partial(self.one, action))
         with self._lock:
             self.report.categories[Category.RUNNING].found += running
         self._run(calls)
@@ -518,11 +524,11 @@ class Executor:
             log.warning("sweep: completing %d jobs in %s failed (%s: %s); completing them one by one",
                         len(actions), namespace, e.reason, e)  # fmt: skip
             for action in actions:
-                self._count(counts, action, lambda action=action: self._carry_out(action))
+                self._count(counts, action, partial(self._carry_out, action))
             return
         for action, outcome in zip(actions, done.outcomes, strict=True):
             acted = _Outcome.ACTED if outcome in _COMPLETE_ACTED else _Outcome.SKIPPED
-            self._count(counts, action, lambda acted=acted: acted)
+            self._count(counts, action, partial(_decided, acted))
         if done.error is not None:  # the Jobs after the error were not tried: the next sweep does
             log.warning("sweep: completing jobs in %s stopped: %s: %s; %d left",
                         namespace, done.error.reason, done.error, len(done.unavailable))  # fmt: skip
@@ -548,7 +554,7 @@ class Executor:
                 counts.errors += len(actions)
             return
         for action in actions:
-            self._count(counts, action, lambda action=action: self._clean_up(action, pods[action.job_name]))
+            self._count(counts, action, partial(self._clean_up, action, pods[action.job_name]))
 
     def _clean_up(self, action: CleanUpJob, pods: Sequence[Mapping[str, Any]]) -> _Outcome:
         # A terminal state is final: nothing to re-read; the release itself is idempotent and
@@ -597,7 +603,7 @@ class Executor:
             with self._lock:
                 self.report.jobs_labelled += len(jobs)
             return
-        self._run([lambda job=job: self._label(namespace, job) for job in jobs])
+        self._run([partial(self._label, namespace, job) for job in jobs])
 
     def _label(self, namespace: str, job: Mapping[str, Any]) -> None:
         name = (job.get("metadata") or {}).get("name", "")
@@ -614,7 +620,7 @@ class Executor:
                 self.report.jobs_labelled += 1
 
     def renotify_all(self, dispatch_ids: Sequence[str]) -> None:
-        self._run([lambda dispatch_id=dispatch_id: self.renotify(dispatch_id) for dispatch_id in dispatch_ids])
+        self._run([partial(self.renotify, dispatch_id) for dispatch_id in dispatch_ids])
 
     def renotify(self, dispatch_id: str) -> None:
         counts = self.report.unnotified

@@ -16,7 +16,15 @@ from k8s_dispatch.engine.errors import LabelMismatch, TenancyMismatch, UnknownDi
 from k8s_dispatch.engine.models import TERMINAL_STATES, DispatchState
 from k8s_dispatch.workers import labels as job_labels
 from k8s_dispatch.workers.manifest import FINALIZER, job_name
-from k8s_dispatch.workers.types import DispatchRef
+from k8s_dispatch.workers.types import (
+    CapabilityName,
+    CaseId,
+    DispatchId,
+    DispatchRef,
+    IdempotencyKey,
+    TenancyId,
+    WorkerName,
+)
 
 
 @dataclass(frozen=True)
@@ -38,7 +46,11 @@ class DispatchRecord:
 
     @classmethod
     def from_row(cls, row: Any) -> DispatchRecord:
-        """From an `engine.models.Dispatch` (or anything with its attributes)."""
+        """From an `engine.models.Dispatch` (or anything with its attributes).
+
+        Field by field, like engine/store._dispatch_row in the other direction: each field
+        says how the row's value becomes the record's (the state parsed, attempts defaulted,
+        `notified` from a time)."""
         return cls(
             dispatch_id=row.dispatch_id,
             case_id=row.case_id,
@@ -61,12 +73,12 @@ class DispatchRecord:
     @property
     def ref(self) -> DispatchRef:
         return DispatchRef(
-            dispatch_id=self.dispatch_id,  # type: ignore[arg-type]
-            case_id=self.case_id,  # type: ignore[arg-type]
-            tenancy_id=self.tenancy_id,  # type: ignore[arg-type]
-            capability=self.capability,  # type: ignore[arg-type]
-            worker_name=self.worker_name,  # type: ignore[arg-type]
-            idempotency_key=self.idempotency_key,  # type: ignore[arg-type]
+            dispatch_id=DispatchId(self.dispatch_id),
+            case_id=CaseId(self.case_id),
+            tenancy_id=TenancyId(self.tenancy_id),
+            capability=CapabilityName(self.capability),
+            worker_name=WorkerName(self.worker_name),
+            idempotency_key=IdempotencyKey(self.idempotency_key),
         )
 
 
@@ -134,6 +146,8 @@ def context_from_job(
         raise LabelMismatch(
             f"job {_where(metadata)} is not in namespace {belongs_in!r}, where dispatch {record.dispatch_id}'s Job is"
         )
+    if not isinstance(namespace, str) or not namespace:  # nothing says where its Pods are, nor to release it
+        raise LabelMismatch(f"job {_where(metadata)} has no namespace")
     return DeliveryContext(
         ref=ref,
         record=record,

@@ -52,8 +52,9 @@ def state_changed(
 
     `detail`: more fields for the line (reason, attempt, job, via...); None values are left out.
     """
+    state = str(state)  # a DispatchState's plain value, for the line and the metric
     fields: dict[str, object] = {
-        "state": str(state),
+        "state": state,
         "dispatch_id": dispatch_id,
         "case_id": case_id,
         "tenancy_id": tenancy_id,
@@ -61,10 +62,10 @@ def state_changed(
         **detail,
     }
     fields = {k: v for k, v in fields.items() if v is not None}
-    level = logging.WARNING if fields["state"] == "FAILED" else logging.INFO
+    level = logging.WARNING if state == "FAILED" else logging.INFO
     log.log(level, "%s %s", MARKER, logfmt(fields), extra={"k8s_dispatch": fields})
     reason = detail.get("reason")
-    METRICS.state_changed(fields["state"], reason=reason if isinstance(reason, str) else None)  # type: ignore[arg-type]
+    METRICS.state_changed(state, reason=reason if isinstance(reason, str) else None)
 
 
 def dispatch_changed(dispatch: DispatchLike, state: str, **detail: object) -> None:
@@ -93,7 +94,7 @@ def on_commit(session: Session, state: str, **identity: object) -> None:
 
 def _log_pending(session: Session) -> None:
     for state, identity in session.info.pop(_PENDING_KEY, []):
-        state_changed(state, **identity)  # type: ignore[arg-type]
+        state_changed(state, **identity)
 
 
 def _drop_pending(session: Session) -> None:

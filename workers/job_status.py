@@ -73,7 +73,7 @@ def job_state(job: Mapping[str, Any]) -> JobState:
     controller stops working on it, so it would otherwise stay RUNNING for ever.
     """
     conditions = _list(_dict(job.get("status")).get("conditions"))
-    true_conditions = {}
+    true_conditions: dict[str, Mapping[str, Any]] = {}
     for condition in conditions:
         condition = _dict(condition)
         if condition.get("status") == "True" and isinstance(condition.get("type"), str):

@@ -110,7 +110,7 @@ class KubeClient:
         return cls(settings.kubeconfig, timeout_s=settings.kube_timeout_s, pool_size=settings.worker_concurrency + 4)
 
     def close(self) -> None:
-        self._api_client.close()
+        self._api_client.close()  # type: ignore[no-untyped-call]  # py.typed, but kubernetes leaves it unannotated
 
     def __enter__(self) -> KubeClient:
         return self
@@ -275,7 +275,7 @@ class KubeClient:
 
         With finalizers left on it the Job is only marked for deletion.
         """
-        extra = {"body": k8s.V1DeleteOptions(preconditions=k8s.V1Preconditions(uid=uid))} if uid else {}
+        extra: dict[str, Any] = {"body": k8s.V1DeleteOptions(preconditions=k8s.V1Preconditions(uid=uid))} if uid else {}
         try:
             self._call(
                 f"delete job {namespace}/{name}",
@@ -321,7 +321,7 @@ class KubeClient:
     ) -> Iterator[list[JsonDict]]:
         """Yield the Pods matching the selectors page by page (one LIST per page)."""
         token: str | None = None
-        extra = {"field_selector": field_selector} if field_selector else {}
+        extra: dict[str, Any] = {"field_selector": field_selector} if field_selector else {}
         while True:
             page = self._call(
                 f"list pods in {namespace}",
@@ -481,7 +481,8 @@ class KubeClient:
         now = time.monotonic()
         if now >= self._auth_due:
             auth = self._configuration.auth_settings().get("BearerToken")  # runs the hook
-            self._auth = (auth["key"], auth["value"]) if auth else None
+            # An empty token: no header (the generated client would send the value None).
+            self._auth = (auth["key"], auth["value"]) if auth and auth["value"] is not None else None
             self._auth_due = now + AUTH_REFRESH_S if self._configuration.refresh_api_key_hook else math.inf
         return self._auth
 
@@ -490,14 +491,14 @@ def _load_configuration(kubeconfig: Path | str | None) -> k8s.Configuration:
     configuration = k8s.Configuration()
     try:
         if kubeconfig is not None:
-            k8s_config.load_kube_config(
+            k8s_config.load_kube_config(  # type: ignore[no-untyped-call]  # py.typed, but kubernetes leaves it unannotated
                 config_file=str(kubeconfig), client_configuration=configuration, persist_config=False
             )
             return configuration
         try:
-            k8s_config.load_incluster_config(client_configuration=configuration)
+            k8s_config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]  # py.typed, but kubernetes leaves it unannotated
         except k8s_config.ConfigException:
-            k8s_config.load_kube_config(client_configuration=configuration, persist_config=False)
+            k8s_config.load_kube_config(client_configuration=configuration, persist_config=False)  # type: ignore[no-untyped-call]  # py.typed, but kubernetes leaves it unannotated
     except (k8s_config.ConfigException, yaml.YAMLError, OSError, ValueError, TypeError, KeyError) as e:
         # The loader raises its own ConfigException, but also raw file and YAML errors.
         source = str(kubeconfig) if kubeconfig is not None else "in-cluster config or ~/.kube/config"

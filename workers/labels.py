@@ -14,6 +14,7 @@ import re
 from collections.abc import Mapping
 
 from k8s_dispatch.engine.errors import LabelMismatch
+from k8s_dispatch.engine.ids import is_dispatch_id, is_engine_id, is_idempotency_key
 from k8s_dispatch.engine.names import is_label_value
 from k8s_dispatch.workers.types import (
     CapabilityName,
@@ -23,9 +24,6 @@ from k8s_dispatch.workers.types import (
     IdempotencyKey,
     TenancyId,
     WorkerName,
-    is_dispatch_id,
-    is_engine_id,
-    is_idempotency_key,
 )
 
 PREFIX = "k8s-dispatch.io/"

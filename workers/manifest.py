@@ -17,6 +17,7 @@ from k8s_dispatch.engine.errors import (
     InvalidId,
     InvalidManifest,
 )
+from k8s_dispatch.engine.ids import is_dispatch_id
 from k8s_dispatch.engine.names import is_dns1123_label, is_label_value, is_qualified_name
 from k8s_dispatch.engine.payloads import canonical_json
 from k8s_dispatch.workers import labels as job_labels
@@ -25,7 +26,6 @@ from k8s_dispatch.workers.types import (
     DispatchRef,
     check_ref,
     is_capability_name,
-    is_dispatch_id,
     is_worker_name,
 )
 

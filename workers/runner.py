@@ -46,7 +46,7 @@ def load_function(target: str) -> Callable[[Any], Any]:
     if not colon or not module_name or not attr_path:
         raise RunnerError(f"{target!r} is not MODULE:FUNCTION\n{USAGE}", EXIT_USAGE)
     try:
-        obj: Any = importlib.import_module(module_name)
+        obj: object = importlib.import_module(module_name)
         for attr in attr_path.split("."):
             obj = getattr(obj, attr)
     except (ImportError, AttributeError) as e:

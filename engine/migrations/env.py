@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 from alembic import context
+from sqlalchemy.engine import Connection
 
 from k8s_dispatch.engine.db import make_engine
 from k8s_dispatch.engine.migrate import VERSION_TABLE
@@ -15,7 +16,7 @@ from k8s_dispatch.engine.models import Base
 config = context.config
 
 
-def _run(connection) -> None:
+def _run(connection: Connection) -> None:
     context.configure(
         connection=connection,
         target_metadata=Base.metadata,

@@ -15,14 +15,15 @@ from typing import Any
 import kubernetes
 import pytest
 import sqlalchemy as sa
+import yaml
 from clusters import LOCAL, REAL, ClusterHandle
 from forged_jobs import SIM, forge_job
+from runtimes import Notified, schedule
 
 from k8s_dispatch.engine import store
 from k8s_dispatch.engine.db import transaction
-from k8s_dispatch.engine.errors import ApiUnavailable, BrokerUnavailable, InvalidId, UnknownDispatch
+from k8s_dispatch.engine.errors import ApiUnavailable, InvalidId, UnknownDispatch
 from k8s_dispatch.engine.models import DispatchState, EventType
-from k8s_dispatch.engine.settings import load_settings
 from k8s_dispatch.localcluster import LocalCluster
 from k8s_dispatch.ops.processes import wait_until
 from k8s_dispatch.recovery import stats
@@ -47,7 +48,6 @@ from k8s_dispatch.recovery.runtime import Runtime
 from k8s_dispatch.workers import labels as job_labels
 from k8s_dispatch.workers.job_status import job_state
 from k8s_dispatch.workers.manifest import FINALIZER, job_name
-from k8s_dispatch.workers.resolver import CapabilityResolver
 from k8s_dispatch.workers.types import DispatchRef
 
 
@@ -85,82 +85,23 @@ def cluster(request: pytest.FixtureRequest) -> LocalCluster | ClusterHandle:
 ON_BOTH = pytest.mark.parametrize("cluster", [LOCAL, REAL], indirect=True)
 
 
-class Notified:
-    """A notifier that records the dispatch ids it was called with (thread-safe)."""
-
-    def __init__(self) -> None:
-        self.ids: list[str] = []
-        self._lock = threading.Lock()
-        self.fail = False
-
-    def __call__(self, dispatch_id: str) -> None:
-        if self.fail:
-            raise BrokerUnavailable("the test's broker is down")
-        with self._lock:
-            self.ids.append(dispatch_id)
-
-
 @pytest.fixture
-def notified() -> Notified:
-    return Notified()
-
-
-@pytest.fixture
-def make_runtime(cluster, pg_url, redis_url, key_prefix, request) -> Iterator[Callable[..., Runtime]]:
-    runtimes: list[Runtime] = []
+def runtime_env(cluster, pg_url, redis_url, key_prefix, request, tmp_path) -> dict[str, str]:
+    """This test's namespace (made ready on the real control plane) and CAPABILITIES."""
     namespace = f"dl-{uuid.uuid4().hex[:8]}"
-
-    def make(
-        *,
-        notifier: Callable[[str], None] | None = None,
-        capabilities: dict[str, Any] = CAPABILITIES,
-        kubeconfig: Any = None,
-        **overrides: str,
-    ) -> Runtime:
-        settings = load_settings(
-            {
-                "K8S_DISPATCH_DATABASE_URL": pg_url,
-                "K8S_DISPATCH_REDIS_URL": redis_url,
-                "K8S_DISPATCH_KEY_PREFIX": f"{key_prefix}-{request.node.name[:30]}",
-                "K8S_DISPATCH_NAMESPACE": namespace,
-                "K8S_DISPATCH_KUBECONFIG": str(kubeconfig or cluster.kubeconfig),
-                "K8S_DISPATCH_GUARD_LEASE_MS": "10000",
-                **{f"K8S_DISPATCH_{k.upper()}": v for k, v in overrides.items()},
-            }
-        )
-        rt = Runtime.from_settings(
-            settings, notifier=notifier, resolver=CapabilityResolver.from_mapping(capabilities, source="<test>")
-        )
-        runtimes.append(rt)
-        return rt
-
     if isinstance(cluster, ClusterHandle):
         cluster.ensure_namespace(namespace)
-    yield make
-    for rt in runtimes:
-        rt.close()
-
-
-@pytest.fixture
-def rt(make_runtime, notified) -> Runtime:
-    return make_runtime(notifier=notified)
-
-
-def schedule(rt: Runtime, capability: str, input: Any = None, *, tenancy: str = "tenant-a") -> str:
-    case_id = f"case-{uuid.uuid4().hex[:8]}"
-    with transaction(rt.sessions) as session:
-        store.create_case(session, case_id=case_id, tenancy_id=tenancy)
-        result = store.schedule(
-            session,
-            case_id=case_id,
-            tenancy_id=tenancy,
-            capability=capability,
-            input={"n": 1} if input is None else input,
-            idempotency_key=f"key-{uuid.uuid4()}",
-            router=rt.resolver,
-            max_input_bytes=rt.settings.max_input_bytes,
-        )
-    return result.dispatch_id
+    caps = tmp_path / "capabilities.yaml"
+    caps.write_text(yaml.safe_dump(CAPABILITIES))
+    return {
+        "K8S_DISPATCH_DATABASE_URL": pg_url,
+        "K8S_DISPATCH_REDIS_URL": redis_url,
+        "K8S_DISPATCH_KEY_PREFIX": f"{key_prefix}-{request.node.name[:30]}",
+        "K8S_DISPATCH_NAMESPACE": namespace,
+        "K8S_DISPATCH_KUBECONFIG": str(cluster.kubeconfig),
+        "K8S_DISPATCH_CAPABILITIES": str(caps),
+        "K8S_DISPATCH_GUARD_LEASE_MS": "10000",
+    }
 
 
 def job_finished(rt: Runtime, dispatch_id: str) -> dict[str, Any]:

@@ -10,19 +10,18 @@ import subprocess
 import sys
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 from forged_jobs import SIM, forge_job
+from runtimes import Notified, schedule
 
 from k8s_dispatch.engine import migrate, store
 from k8s_dispatch.engine.db import transaction
-from k8s_dispatch.engine.errors import BrokerUnavailable
 from k8s_dispatch.engine.models import DispatchState, EventType
-from k8s_dispatch.engine.settings import load_settings
 from k8s_dispatch.localcluster import LocalCluster
 from k8s_dispatch.ops.processes import wait_until
 from k8s_dispatch.recovery import delivery
@@ -60,21 +59,6 @@ def expected_output(value: Any) -> dict[str, Any]:
     return {"simulated": True, "input": value}
 
 
-class Notified:
-    """A notifier recording the dispatch ids it is called with; `fail` makes it raise."""
-
-    def __init__(self) -> None:
-        self.ids: list[str] = []
-        self.fail = False
-        self._lock = threading.Lock()
-
-    def __call__(self, dispatch_id: str) -> None:
-        if self.fail:
-            raise BrokerUnavailable("the test's broker is down")
-        with self._lock:
-            self.ids.append(dispatch_id)
-
-
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
     with LocalCluster(mode="simulate") as c:
@@ -82,7 +66,7 @@ def cluster() -> Iterator[LocalCluster]:
 
 
 @pytest.fixture
-def env(cluster, new_pg_database, redis_url, key_prefix, tmp_path) -> dict[str, str]:
+def runtime_env(cluster, new_pg_database, redis_url, key_prefix, tmp_path) -> dict[str, str]:
     """K8S_DISPATCH_* of this test: its own database, namespace and Redis prefix."""
     database_url = new_pg_database()
     migrate.upgrade(database_url)
@@ -101,50 +85,7 @@ def env(cluster, new_pg_database, redis_url, key_prefix, tmp_path) -> dict[str, 
     }
 
 
-@pytest.fixture
-def make_runtime(env) -> Iterator[Callable[..., Runtime]]:
-    made: list[Runtime] = []
-
-    def make(
-        *, notifier: Callable[[str], None] | None = None, resolver: CapabilityResolver | None = None, **overrides: str
-    ) -> Runtime:
-        values = {**env, **{f"K8S_DISPATCH_{k.upper()}": v for k, v in overrides.items()}}
-        rt = Runtime.from_settings(load_settings(values), notifier=notifier, resolver=resolver)
-        made.append(rt)
-        return rt
-
-    yield make
-    for rt in made:
-        rt.close()
-
-
-@pytest.fixture
-def notified() -> Notified:
-    return Notified()
-
-
-@pytest.fixture
-def rt(make_runtime, notified) -> Runtime:
-    return make_runtime(notifier=notified)
-
-
 # --- helpers -------------------------------------------------------------------------------
-
-
-def schedule(rt: Runtime, capability_name: str = "sim.ok", value: Any = None, *, tenancy: str = "tenant-a") -> str:
-    case_id = f"case-{uuid.uuid4().hex[:8]}"
-    with transaction(rt.sessions) as session:
-        store.create_case(session, case_id=case_id, tenancy_id=tenancy)
-        return store.schedule(
-            session,
-            case_id=case_id,
-            tenancy_id=tenancy,
-            capability=capability_name,
-            input={"n": 1} if value is None else value,
-            idempotency_key=f"key-{uuid.uuid4()}",
-            router=rt.resolver,
-            max_input_bytes=rt.settings.max_input_bytes,
-        ).dispatch_id
 
 
 def jobs(rt: Runtime, namespace: str | None = None) -> dict[str, dict[str, Any]]:
@@ -232,8 +173,10 @@ def test_a_dispatch_inside_the_grace_period_is_left_to_the_normal_path(make_runt
     assert jobs(rt) == {} and record(rt, dispatch_id).state is SCHEDULED
 
 
-def test_a_job_in_a_namespace_the_config_no_longer_names_is_still_found_and_completed(make_runtime, env, notified):
-    old_namespace = env["K8S_DISPATCH_NAMESPACE"] + "-old"
+def test_a_job_in_a_namespace_the_config_no_longer_names_is_still_found_and_completed(
+    make_runtime, runtime_env, notified
+):
+    old_namespace = runtime_env["K8S_DISPATCH_NAMESPACE"] + "-old"
     moved = {"capabilities": {"sim.ok": {**capability(), "namespace": old_namespace}}}
     before = make_runtime(notifier=notified, resolver=CapabilityResolver.from_mapping(moved, source="<before>"))
     dispatch_id = schedule(before, "sim.ok", {"moved": True})
@@ -590,10 +533,10 @@ def env_without_ours() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("K8S_DISPATCH_")}
 
 
-def test_the_recover_command_prints_counts_and_exits_non_zero_on_errors(rt, env, cluster):
+def test_the_recover_command_prints_counts_and_exits_non_zero_on_errors(rt, runtime_env, cluster):
     dispatch_id = schedule(rt, "sim.ok")
 
-    dry = recover(env, "--dry-run")
+    dry = recover(runtime_env, "--dry-run")
     assert dry.returncode == 0, dry.stderr
     lines = dry.stdout.splitlines()
     assert lines[0].split() == ["category", "found", "acted", "skipped", "errors"]
@@ -601,7 +544,7 @@ def test_the_recover_command_prints_counts_and_exits_non_zero_on_errors(rt, env,
     assert "dry run: nothing was changed" in dry.stdout
     assert record(rt, dispatch_id).state is SCHEDULED
 
-    real = recover(env, "--json")
+    real = recover(runtime_env, "--json")
     assert real.returncode == 0, real.stderr
     data = json.loads(real.stdout)
     assert data["categories"]["scheduled_without_job"] == {"found": 1, "acted": 1, "skipped": 0, "errors": 0}
@@ -610,7 +553,7 @@ def test_the_recover_command_prints_counts_and_exits_non_zero_on_errors(rt, env,
 
     cluster.set_faults(1.0, 0)
     try:
-        broken = recover(env, "--json")
+        broken = recover(runtime_env, "--json")
     finally:
         cluster.set_faults(0.0, 0)
     assert broken.returncode == 1, broken.stdout + broken.stderr

@@ -87,6 +87,14 @@ def test_namespace_unrecorded_falls_back_to_the_expected_one():
     assert context_from_job(job_for(RECORD.ref, namespace="elsewhere"), record).namespace == "elsewhere"
 
 
+def test_a_job_without_a_namespace_is_refused_when_none_is_recorded_or_expected():
+    record = replace(RECORD, job_namespace=None, job_name=None, state=DispatchState.SCHEDULED)
+    job = job_for(RECORD.ref)
+    del job["metadata"]["namespace"]
+    with pytest.raises(LabelMismatch, match="has no namespace"):
+        context_from_job(job, record)
+
+
 # (what the Job's labels claim, how the Job differs, the error, a fragment of its message)
 REFUSALS = [
     ("tenancy differs", job_for(replace(RECORD.ref, tenancy_id="tenant-b")), TenancyMismatch, "tenancy 'tenant-b'"),

@@ -23,7 +23,7 @@ import redis
 import sqlalchemy as sa
 import yaml
 from celery import Celery
-from clusters import LOCAL, REAL, ClusterHandle, local_handle
+from clusters import ClusterHandle
 
 from k8s_dispatch import celeryconfig
 from k8s_dispatch.engine import migrate, store
@@ -218,21 +218,6 @@ class Deployment:
 def capabilities_file(path: Path, capabilities: dict[str, Any]) -> Path:
     path.write_text(yaml.safe_dump({"capabilities": capabilities}))
     return path
-
-
-@pytest.fixture(scope="module")
-def sim_cluster() -> Iterator[LocalCluster]:
-    with LocalCluster(mode="simulate") as cluster:
-        yield cluster
-
-
-@pytest.fixture(params=[LOCAL, REAL])
-def any_cluster(request: pytest.FixtureRequest) -> ClusterHandle:
-    """Simulate mode on each cluster in turn: localcluster (this module's) and the real control
-    plane (the session's): the end-to-end suites that must hold on both ask for this."""
-    if request.param == LOCAL:
-        return local_handle(request.getfixturevalue("sim_cluster"))
-    return request.getfixturevalue("real_cluster")
 
 
 @pytest.fixture

@@ -10,6 +10,8 @@ imported, so this revision keeps creating the same schema whatever the models be
 
 from __future__ import annotations
 
+from datetime import datetime
+
 import sqlalchemy as sa
 from alembic import op
 
@@ -22,7 +24,7 @@ SCHEDULED = "type = 'WORKER_SCHEDULED'"
 TERMINAL = "type IN ('WORKER_COMPLETED', 'WORKER_FAILED', 'WORKER_CANCELLED')"
 
 
-def _timestamp(name: str, *, nullable: bool = False, default_now: bool = True) -> sa.Column:
+def _timestamp(name: str, *, nullable: bool = False, default_now: bool = True) -> sa.Column[datetime]:
     return sa.Column(
         name,
         sa.DateTime(timezone=True),
