@@ -41,6 +41,7 @@ from k8s_dispatch.ops.chaos_checks import RowSnapshot, TerminalEvent, Verdict, j
 from k8s_dispatch.ops.chaos_cluster import CLUSTERS, LOCALCLUSTER, ChaosCluster
 from k8s_dispatch.ops.chaos_workload import Expected, Planned, capabilities_config, expected, workload
 from k8s_dispatch.ops.fault_plan import BEAT, Fault, FaultKind, FaultPlan, make_plan, worker_names
+from k8s_dispatch.ops.kubeclient import opened
 from k8s_dispatch.ops.processes import ManagedProcess, WaitTimeout, celery_beat, celery_worker, wait_for_log, wait_until
 from k8s_dispatch.workers.manifest import FINALIZER
 
@@ -690,15 +691,17 @@ class _Run:
     def _delete_finished_pods_once(self) -> str:
         from concurrent.futures import ThreadPoolExecutor
 
-        from kubernetes import client, config
+        from kubernetes import client
 
-        with config.new_client_from_config(config_file=str(self._cluster.harness_kubeconfig)) as api:
+        with opened(self._cluster.harness_kubeconfig) as api:
             core = client.CoreV1Api(api)
             finished = [
                 pod
                 for namespace in NAMESPACES
                 for pod in core.list_namespaced_pod(namespace, label_selector="batch.kubernetes.io/job-name").items
-                if pod.status.phase in ("Succeeded", "Failed") and not pod.metadata.deletion_timestamp
+                if pod.status is not None
+                and pod.status.phase in ("Succeeded", "Failed")
+                and not (pod.metadata is not None and pod.metadata.deletion_timestamp)
             ]
 
             def delete(pod: Any) -> int:
@@ -712,7 +715,7 @@ class _Run:
 
             with ThreadPoolExecutor(max_workers=8) as pool:
                 deleted = sum(pool.map(delete, finished))
-        held = sum(FINALIZER in (pod.metadata.finalizers or []) for pod in finished)
+        held = sum(pod.metadata is not None and FINALIZER in (pod.metadata.finalizers or []) for pod in finished)
         return f"deleted {deleted} of {len(finished)} finished pods ({held} held by our finalizer until delivered)"
 
     def _change_namespace(self) -> str:

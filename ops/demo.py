@@ -240,14 +240,14 @@ def open_broker(mode: str, redis_url: str) -> Broker:
     server.daemon_threads = True
     thread = threading.Thread(target=server.serve_forever, name="embedded-redis", daemon=True)
     thread.start()
-    host, port = server.server_address[:2]
+    port = server.server_address[1]  # bound to 127.0.0.1 above
 
     def close() -> None:
         server.shutdown()
         server.server_close()
         thread.join(5)
 
-    return Broker(f"redis://{host}:{port}/0", f"embedded fakeredis at 127.0.0.1:{port} (no Redis answered)", close)
+    return Broker(f"redis://127.0.0.1:{port}/0", f"embedded fakeredis at 127.0.0.1:{port} (no Redis answered)", close)
 
 
 # --- the run ------------------------------------------------------------------------------
@@ -494,7 +494,7 @@ class _Demo:
             time.sleep(REFRESH_S)
 
     def _settled(self, ended: int, jobs: tuple[int, int]) -> bool:
-        if ended < self.total or sum(jobs):
+        if ended < self.total or sum(jobs) != 0:
             return False
         return self._unnotified() == 0
 
