@@ -78,6 +78,9 @@ def test_an_unschedulable_pod_is_never_bound_and_says_why_as_the_scheduler_does(
     time.sleep(1.5)
     again = sim.pods_of("nofit")[0]
     assert not again.spec.node_name and again.metadata.resource_version == pod.metadata.resource_version
+    # its Job deleted, the Pod goes too: never bound, it never runs, and nothing holds it
+    sim.batch.delete_namespaced_job("nofit", sim.namespace, propagation_policy="Background")
+    wait_for(lambda: not sim.pods_of("nofit"), timeout=30, what="the unbound pod gone")
 
 
 def test_pod_field_selectors_on_phase_name_and_node(sim: Api) -> None:
