@@ -74,7 +74,7 @@ def test_migrate_runs_the_installed_console_script() -> None:
 
 
 def test_celery_app_is_found_where_the_commands_look(tmp_path: Path) -> None:
-    # `celery -A tasks` resolves the app with Celery's own finder. Run it in a fresh process
+    # `celery -A k8s_dispatch.tasks` resolves the app with Celery's own finder. Run it in a fresh process
     # outside the tree, as in the image: in this one, tests/tasks/ can shadow the package.
     probe = "from celery.app.utils import find_app; app = find_app('k8s_dispatch.tasks'); print(type(app).__name__, app.main)"
     done = subprocess.run(
