@@ -2,7 +2,7 @@
 # Build the Go tools the tests need (kube-apiserver, kube-controller-manager, etcd, ...) from
 # the wrapper modules beside this script into a cache outside the repository, keyed by the
 # wrapper's go.mod and go.sum: a second run with nothing changed does nothing.
-#   tools/build.sh [--print-dir] NAME...   NAME: kube | etcd | <any wrapper folder here>
+#   tools/build.sh [--print-dir] NAME...   NAME: kube | etcd | helm | <any wrapper folder here>
 # The cache is $K8S_DISPATCH_TOOLS (default ~/.cache/k8s-dispatch/tools); prints where each
 # tool's binaries are.
 set -euo pipefail
@@ -16,6 +16,7 @@ log() { echo "tools: $*" >&2; }
 programs() {
     case $1 in
         kube) echo "k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager" ;;
+        helm) echo "helm.sh/helm/v3/cmd/helm" ;;
         *) echo "." ;;
     esac
 }
@@ -35,6 +36,8 @@ ldflags() {
                 printf -- '-X %s.gitVersion=%s -X %s.gitMajor=%s -X %s.gitMinor=%s -X %s.gitTreeState=clean -X %s.buildDate=1970-01-01T00:00:00Z ' \
                     "$p" "$v" "$p" "$major" "$p" "$minor" "$p" "$p"
             done ;;
+        helm) printf -- '-X helm.sh/helm/v3/internal/version.version=%s -X helm.sh/helm/v3/internal/version.gitTreeState=clean' \
+            "$(module_version helm helm.sh/helm/v3)" ;;
         *) ;;
     esac
 }
