@@ -31,6 +31,7 @@ MIGRATE = "k8s-dispatch-migrate"
 SECRET = "k8s-dispatch"
 CAPABILITIES_CONFIGMAP = "k8s-dispatch-capabilities"
 CAPABILITIES_KEY = "capabilities.yaml"
+FLOWER_LOGIN = "FLOWER_BASIC_AUTH"  # Flower's --basic-auth, as an environment variable
 
 # (apiVersion, kind) -> the client's model. Each kind at the version the manifests must use.
 MODELS = {
@@ -44,6 +45,7 @@ MODELS = {
     ("apps/v1", "Deployment"): "V1Deployment",
     ("batch/v1", "Job"): "V1Job",
     ("policy/v1", "PodDisruptionBudget"): "V1PodDisruptionBudget",
+    ("networking.k8s.io/v1", "NetworkPolicy"): "V1NetworkPolicy",
 }
 KEDA = {("keda.sh/v1alpha1", "ScaledObject"), ("keda.sh/v1alpha1", "TriggerAuthentication")}
 
@@ -150,6 +152,9 @@ def test_the_whole_deployment_is_there(objects: dict[tuple[str, str], Doc]) -> N
         ("Deployment", BEAT),
         ("Deployment", FLOWER),
         ("Service", FLOWER),
+        ("NetworkPolicy", "k8s-dispatch-egress"),
+        ("NetworkPolicy", FLOWER),
+        ("NetworkPolicy", "k8s-dispatch-jobs"),
     }
 
 
@@ -167,7 +172,7 @@ def test_objects_round_trip_through_the_client_models(
     known to the API at this version, with the right type, and the required ones are there."""
     docs = [doc for _, doc in manifests if (doc["apiVersion"], doc["kind"]) in MODELS]
     docs += _generated_configmaps(kustomization)
-    assert len(docs) == 12
+    assert len(docs) == 15
     problems = []
     for doc in docs:
         try:
@@ -382,6 +387,8 @@ def test_every_env_name_is_a_setting(objects: dict[tuple[str, str], Doc]) -> Non
         for container in _pod_spec(doc)["containers"]:
             names = [var["name"] for var in container.get("env", [])]
             assert len(names) == len(set(names)), _id(doc)
+            # Flower's login is Flower's own option (FLOWER_* variables), read by Flower alone.
+            names = [n for n in names if not (n == FLOWER_LOGIN and doc["metadata"]["name"] == FLOWER)]
             assert all(name.startswith(ENV_PREFIX) for name in names), _id(doc)
             assert set(names) <= known, f"{_id(doc)}: not settings: {sorted(set(names) - known)}"
 
