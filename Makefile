@@ -22,10 +22,11 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/k8s-dispatch demo
 
-# The Go tools the tests need (etcd, kube-apiserver, kube-controller-manager, helm), built from
-# their modules into ~/.cache/k8s-dispatch/tools; a second run finds them and does nothing.
+# The tools the tests need (etcd, kube-apiserver, kube-controller-manager, helm from their Go
+# modules; checkov in a virtualenv of its own) in ~/.cache/k8s-dispatch/tools; a second run
+# finds them and does nothing.
 tools:
-	bash tools/build.sh etcd kube helm >/dev/null
+	bash tools/build.sh etcd kube helm checkov >/dev/null
 
 # Installs what it needs, starts PostgreSQL and Redis if needed, builds the tools, runs the tests.
 test: $(STAMP) tools

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Build the Go tools the tests need (kube-apiserver, kube-controller-manager, etcd, ...) from
+# Build the Go tools the tests need (kube-apiserver, kube-controller-manager, etcd, helm) from
 # the wrapper modules beside this script into a cache outside the repository, keyed by the
-# wrapper's go.mod and go.sum: a second run with nothing changed does nothing.
-#   tools/build.sh [--print-dir] NAME...   NAME: kube | etcd | helm | <any wrapper folder here>
+# wrapper's go.mod and go.sum: a second run with nothing changed does nothing. A folder with a
+# requirements.txt instead (checkov) is a Python tool, installed into a virtualenv of its own.
+#   tools/build.sh [--print-dir] NAME...   NAME: kube | etcd | helm | checkov | <any folder here>
 # The cache is $K8S_DISPATCH_TOOLS (default ~/.cache/k8s-dispatch/tools); prints where each
 # tool's binaries are.
 set -euo pipefail
@@ -42,8 +43,26 @@ ldflags() {
     esac
 }
 
+# A Python tool (a requirements.txt instead of a go.mod): a virtualenv of its own in the cache,
+# so its pins never meet the project's; its programs are in <dir>/bin.
+build_python() {
+    local name=$1 dir=$here/$1
+    local key; key=$(cat "$dir/requirements.txt" "$0" | sha256sum | cut -c1-16)
+    local out=$cache/$name-$key
+    if [ -f "$out/.complete" ]; then echo "$out"; return; fi
+    rm -rf "$out"; mkdir -p "$cache"
+    local start=$SECONDS
+    log "installing $name into $out"
+    "${PYTHON:-python3}" -m venv "$out"
+    "$out/bin/pip" install -q --disable-pip-version-check -r "$dir/requirements.txt" >&2
+    touch "$out/.complete"
+    log "$name installed in $((SECONDS - start)) s"
+    echo "$out"
+}
+
 build_one() {
     local name=$1 dir=$here/$1
+    if [ -f "$dir/requirements.txt" ]; then build_python "$name"; return; fi
     [ -f "$dir/go.mod" ] || { log "no wrapper module $dir"; exit 2; }
     local key; key=$(cat "$dir"/go.mod "$dir"/go.sum "$dir"/*.go "$0" 2>/dev/null | sha256sum | cut -c1-16)
     local out=$cache/$name-$key

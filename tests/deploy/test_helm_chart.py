@@ -15,6 +15,7 @@ import yaml
 from clusters import ClusterHandle
 from deploy_files import (
     CHART,
+    DEPLOY,
     RELEASE,
     Doc,
     by_kind_name,
@@ -218,6 +219,15 @@ def test_default_inline_capabilities_are_a_valid_capability_file(chart_default: 
     worker = _named(chart_default, "Deployment", "k8s-dispatch-worker")
     # A change of the capabilities rolls the pods (the resolver reads the file once, at start).
     assert "checksum/capabilities" in worker["spec"]["template"]["metadata"]["annotations"]
+
+
+def test_capabilities_given_as_the_files_text_are_that_file(workdir: Path) -> None:
+    # What `--set-file capabilities.inline=deploy/capabilities.example.yaml` does: the text, as is.
+    text = (DEPLOY / "capabilities.example.yaml").read_text(encoding="utf-8")
+    docs = render_chart({"capabilities": {"inline": text}}, workdir=workdir)
+    (config_map,) = [d for d in docs if d["kind"] == "ConfigMap"]
+    assert config_map["data"]["capabilities.yaml"] == text
+    assert CapabilityResolver.from_mapping(yaml.safe_load(text)).capabilities() == {"echo", "checksum"}
 
 
 # --- the values reach the objects ----------------------------------------------------------------
