@@ -640,3 +640,56 @@ def test_compose_mounts_the_same_capabilities_file(compose: Doc) -> None:
     sources = {v["source"] for v in compose["services"]["worker"]["volumes"] if isinstance(v, dict)}
     assert "./deploy/capabilities.example.yaml" in sources
     assert (REPO / "deploy" / "capabilities.example.yaml").is_file()
+
+
+# --- secure by default -----------------------------------------------------------------------------
+
+
+def test_flower_requires_a_login_from_the_secret(objects: dict[tuple[str, str], Doc]) -> None:
+    container = _container(objects, "Deployment", FLOWER)
+    (login,) = [var for var in container["env"] if var["name"] == FLOWER_LOGIN]
+    ref = login["valueFrom"]["secretKeyRef"]
+    assert ref.get("optional") is not True  # a missing key keeps the pod from starting
+    user, _, password = _secret_data(objects)[ref["key"]].partition(":")
+    assert user and password  # Flower's user:password form
+    assert not any("basic" in word for word in container["command"])  # not on the command line
+    others = [d for d in _workloads(objects) if d["metadata"]["name"] != FLOWER]
+    assert all(FLOWER_LOGIN not in {v["name"] for c in _pod_spec(d)["containers"] for v in c["env"]} for d in others)
+
+
+def _policy_selects(policy: Doc, labels: dict[str, str]) -> bool:
+    selector = policy["spec"]["podSelector"]
+    if not _selects(selector.get("matchLabels", {}), labels):
+        return False
+    return all(
+        labels.get(e["key"]) in e["values"] for e in selector.get("matchExpressions", []) if e["operator"] == "In"
+    )
+
+
+def test_network_policies_cover_every_pod_and_limit_egress(objects: dict[tuple[str, str], Doc]) -> None:
+    from k8s_dispatch.workers.labels import MANAGED_BY, MANAGED_BY_LABEL
+
+    policies = {name: doc for (kind, name), doc in objects.items() if kind == "NetworkPolicy"}
+    egress = policies["k8s-dispatch-egress"]
+    for doc in _workloads(objects):
+        labels = doc["spec"]["template"]["metadata"]["labels"]
+        selected = [name for name, policy in policies.items() if _policy_selects(policy, labels)]
+        assert selected == [FLOWER if doc["metadata"]["name"] == FLOWER else "k8s-dispatch-egress"], _id(doc)
+    # Workers, beat and migrate: DNS, the API server, PostgreSQL and Redis; nothing else.
+    ports = {(p.get("protocol", "TCP"), p["port"]) for rule in egress["spec"]["egress"] for p in rule["ports"]}
+    assert ports == {("UDP", 53), ("TCP", 53), ("TCP", 443), ("TCP", 6443), ("TCP", 5432), ("TCP", 6379)}
+    assert all(rule["to"] for rule in egress["spec"]["egress"])  # no rule open to everywhere
+    assert egress["spec"]["policyTypes"] == ["Egress"]
+    # Flower: ingress on its port from the configured peers only.
+    flower = policies[FLOWER]["spec"]
+    (ingress,) = flower["ingress"]
+    assert ingress["from"] and ingress["ports"] == [{"protocol": "TCP", "port": 5555}]
+    # The dispatch Jobs' pods: no ingress at all.
+    jobs = policies["k8s-dispatch-jobs"]["spec"]
+    assert jobs["podSelector"] == {"matchLabels": {MANAGED_BY_LABEL: MANAGED_BY}}
+    assert jobs["policyTypes"] == ["Ingress"] and "ingress" not in jobs
+
+
+def test_the_namespace_enforces_the_restricted_profile(objects: dict[tuple[str, str], Doc]) -> None:
+    labels = objects[("Namespace", NAMESPACE)]["metadata"]["labels"]
+    assert labels["pod-security.kubernetes.io/enforce"] == "restricted"
