@@ -884,9 +884,9 @@ def _ms(knobs: Knobs, k: int) -> int:
 
 
 def baseline_worker(work_dir: Path, env: dict[str, str], *, name: str) -> ManagedProcess:
-    """`celery -A bench.baseline_app worker` on the baseline's own queue."""
+    """`celery -A k8s_dispatch.bench.baseline_app worker` on the baseline's own queue."""
     argv = [
-        sys.executable, "-m", "celery", "-A", "bench.baseline_app", "worker", "--loglevel=INFO",
+        sys.executable, "-m", "celery", "-A", "k8s_dispatch.bench.baseline_app", "worker", "--loglevel=INFO",
         f"--hostname={name}@%h", f"--concurrency={CONCURRENCY}", "-Q", baseline_app.QUEUE,
         "--without-mingle", "--without-gossip",
     ]  # fmt: skip

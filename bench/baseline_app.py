@@ -3,7 +3,7 @@ figure 2): one task per Job creates it, then a task GETs the Job and re-schedule
 `countdown` until the Job has ended, then deletes it.
 
 Run as its own worker on the bench's Redis, under its own key prefix and queue:
-`celery -A bench.baseline_app worker`, configured by BENCH_BASELINE_* variables (broker URL,
+`celery -A k8s_dispatch.bench.baseline_app worker`, configured by BENCH_BASELINE_* variables (broker URL,
 key prefix, kubeconfig, countdown). Written as such code usually is, with the official client's
 typed models; no labels, finalizers or database: it measures the API calls of the pattern alone.
 """

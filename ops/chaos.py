@@ -521,7 +521,7 @@ class _Run:
 
         from k8s_dispatch.engine.db import transaction
         from k8s_dispatch.engine.errors import DatabaseUnavailable
-        from k8s_dispatch.tasks.scheduling import schedule_in_session
+        from k8s_dispatch.tasks.scheduling import schedule_many_in_session
         from k8s_dispatch.workers.resolver import CapabilityResolver
 
         if planned.via_task:
@@ -538,17 +538,10 @@ class _Run:
         while not self.stop.is_set():
             try:
                 with transaction(self.sessions) as session:
-                    scheduled = schedule_in_session(
-                        session,
-                        via=self.producer,
-                        case_id=planned.case_id,
-                        tenancy_id=planned.tenancy_id,
-                        capability=planned.capability,
-                        input=planned.input,
-                        idempotency_key=planned.idempotency_key,
-                        router=resolver,
-                        max_input_bytes=self.settings.max_input_bytes,
-                    )
+                    (scheduled,) = schedule_many_in_session(
+                        session, [planned.request()], router=resolver,
+                        max_input_bytes=self.settings.max_input_bytes, via=self.producer,
+                    )  # fmt: skip
             except DatabaseUnavailable as e:  # the engine retries its own transaction
                 log.warning("scheduling %s: %s; retrying", planned.idempotency_key, e)
                 time.sleep(0.2)

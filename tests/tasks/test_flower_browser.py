@@ -77,6 +77,19 @@ def page_text(driver: WebDriver) -> str:
         return ""  # the page is being replaced: read it again
 
 
+def table_cells(driver: WebDriver, table: str) -> list[list[str]]:
+    """The text of each row's cells, read in one script: Flower redraws its tables every few
+    seconds, so element handles taken one by one go stale between two reads."""
+    script = (
+        "return Array.from(document.querySelectorAll(arguments[0] + ' tbody tr'))"
+        ".map(row => Array.from(row.cells).map(cell => cell.innerText.trim()));"
+    )
+    try:
+        return list(driver.execute_script(script, table))
+    except WebDriverException:
+        return []  # the page is being replaced: read it again
+
+
 def test_a_person_logs_in_to_flower_and_sees_the_worker_and_a_complete_batch(
     flower_run, browser: WebDriver, tmp_path: Path
 ) -> None:
@@ -97,8 +110,7 @@ def test_a_person_logs_in_to_flower_and_sees_the_worker_and_a_complete_batch(
     browser.get(f"http://{USER}:{PASSWORD}@127.0.0.1:{port}/workers")
 
     def worker_cells() -> list[str] | None:
-        for row in browser.find_elements(By.CSS_SELECTOR, "table#workers-table tbody tr"):
-            cells = [cell.text.strip() for cell in row.find_elements(By.TAG_NAME, "td")]
+        for cells in table_cells(browser, "table#workers-table"):
             if cells and cells[0].startswith("w1@"):
                 return cells
         browser.refresh()
@@ -118,7 +130,7 @@ def test_a_person_logs_in_to_flower_and_sees_the_worker_and_a_complete_batch(
         box = browser.find_element(By.CSS_SELECTOR, "input[type=search]")
         box.clear()
         box.send_keys("complete_batch")
-        rows = [r.text for r in browser.find_elements(By.CSS_SELECTOR, "table#tasks-table tbody tr")]
+        rows = [" ".join(cells) for cells in table_cells(browser, "table#tasks-table")]
         found = [r for r in rows if names.COMPLETE_BATCH_TASK in r and "SUCCESS" in r]
         return found or None
 
