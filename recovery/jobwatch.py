@@ -24,6 +24,7 @@ import redis
 from k8s_dispatch.engine.errors import ApiUnavailable
 from k8s_dispatch.recovery import delivery
 from k8s_dispatch.workers import labels as job_labels
+from k8s_dispatch.workers import pod_health
 from k8s_dispatch.workers.job_status import job_state
 from k8s_dispatch.workers.kube import KubeClient
 
@@ -41,6 +42,7 @@ WATCH_BOUND_MAX_S = 0.3
 HEALTHY_INTERVALS = 3
 _RV = b"rv"
 _JOB = "j:"
+_UNSTARTED = "u:"
 
 
 class Step(Enum):
@@ -67,11 +69,13 @@ def decide(event: Mapping[str, Any]) -> Step:
 
 @dataclass
 class Position:
-    """Where a namespace's watch stands: the version reached (None: never, or lost) and the
-    finished Jobs not yet delivered, by name, as last read (`delivery.job_snapshot`)."""
+    """Where a namespace's watch stands: the version reached (None: never, or lost), the
+    finished Jobs not yet delivered, and the running Jobs with no container started yet (what
+    the sweep's start checks read), by name, as last read (`delivery.job_snapshot`)."""
 
     version: str | None = None
     finished: dict[str, JsonDict] = field(default_factory=dict)
+    unstarted: dict[str, JsonDict] = field(default_factory=dict)
 
 
 @dataclass
@@ -86,7 +90,7 @@ class Applied:
 def apply(position: Position, events: Sequence[Mapping[str, Any]]) -> Applied:
     """The position after `events`, in order (pure): the version of the last, the finished set
     updated by each event's step."""
-    finished = dict(position.finished)
+    finished, unstarted = dict(position.finished), dict(position.unstarted)
     version = position.version
     gone: list[JsonDict] = []
     for event in events:
@@ -97,13 +101,16 @@ def apply(position: Position, events: Sequence[Mapping[str, Any]]) -> Applied:
         name = str(metadata.get("name", ""))
         if step is Step.ADVANCE:
             continue
+        unstarted.pop(name, None)
         if step is Step.KEEP:
             finished[name] = delivery.job_snapshot(job)
             continue
         finished.pop(name, None)
+        if step is Step.FORGET and pod_health.unstarted(job):
+            unstarted[name] = delivery.job_snapshot(job)
         if step is Step.GONE:
             gone.append(delivery.job_snapshot(job))
-    return Applied(Position(version, finished), gone=gone, events=len(events))
+    return Applied(Position(version, finished, unstarted), gone=gone, events=len(events))
 
 
 def bound_s(poll_interval_s: float) -> float:
@@ -129,8 +136,10 @@ def load(client: redis.Redis, name: str) -> Position:
     raw: dict[bytes, bytes] = client.hgetall(name)  # type: ignore[assignment]  # redis' sync stubs return Any | Awaitable
     if _RV not in raw:
         return Position()
-    finished = {k.decode()[len(_JOB) :]: orjson.loads(v) for k, v in raw.items() if k.decode().startswith(_JOB)}
-    return Position(raw[_RV].decode(), finished)
+    fields = {k.decode(): v for k, v in raw.items()}
+    finished = {k[len(_JOB) :]: orjson.loads(v) for k, v in fields.items() if k.startswith(_JOB)}
+    unstarted = {k[len(_UNSTARTED) :]: orjson.loads(v) for k, v in fields.items() if k.startswith(_UNSTARTED)}
+    return Position(raw[_RV].decode(), finished, unstarted)
 
 
 def store(client: redis.Redis, name: str, *, expected: str | None, position: Position, healthy_ms: int) -> bool:
@@ -148,6 +157,7 @@ def store(client: redis.Redis, name: str, *, expected: str | None, position: Pos
             pipe.delete(name)
             mapping: dict[str, bytes] = {_RV.decode(): (position.version or "").encode()}
             mapping.update({_JOB + n: orjson.dumps(job) for n, job in position.finished.items()})
+            mapping.update({_UNSTARTED + n: orjson.dumps(job) for n, job in position.unstarted.items()})
             pipe.hset(name, mapping=mapping)  # type: ignore[arg-type]  # bytes values are fine
             pipe.set(healthy_key(name), 1, px=healthy_ms)
             pipe.execute()
@@ -263,6 +273,7 @@ def _relist(
     the LIST's version (its first page's: every page is of that snapshot)."""
     version: str | None = None
     finished: dict[str, JsonDict] = {}
+    unstarted: dict[str, JsonDict] = {}
     token: str | None = None
     while True:
         page = kube.list_jobs_page(namespace, label_selector=selector, limit=page_size, continue_token=token)
@@ -273,7 +284,12 @@ def _relist(
         done = [job for job in items if job_state(job).terminal]
         out.finished += done
         out.handed_off += hand_off(done)
-        finished.update({str((job.get("metadata") or {}).get("name", "")): delivery.job_snapshot(job) for job in done})
+        finished.update({_name(job): delivery.job_snapshot(job) for job in done})
+        unstarted.update({_name(job): delivery.job_snapshot(job) for job in items if pod_health.unstarted(job)})
         token = (page.get("metadata") or {}).get("continue") or None
         if token is None:
-            return Position(version, finished)
+            return Position(version, finished, unstarted)
+
+
+def _name(job: Mapping[str, Any]) -> str:
+    return str((job.get("metadata") or {}).get("name", ""))

@@ -183,12 +183,20 @@ def _list_due(rt: Runtime, namespace: str) -> bool:
 
 
 def _sweep_gone(rt: Runtime, namespace: str, act: Executor, *, now: datetime, policy: Policy) -> None:
-    """Category 5 where the watch is followed: the created dispatches whose Job poll's watch saw
-    leave without being delivered (`jobwatch.gone`), each checked as (B) checks one (its Job
-    looked up by label). Forgotten once checked past the grace period, or ended."""
+    """Where the watch is followed: the start checks of the Jobs poll's position holds as not
+    started (their snapshots, as (A) would list them), and category 5 for the created
+    dispatches whose Job the watch saw leave without being delivered (`jobwatch.gone`), each
+    checked as (B) checks one (its Job looked up by label), forgotten once checked past the
+    grace period, or ended."""
     settings = rt.settings
     name = jobwatch.key(settings.key_prefix, settings.effective_deployment, namespace)
     try:
+        unstarted = list(jobwatch.load(rt.redis, name).unstarted.values())
+        for start in range(0, len(unstarted), settings.poll_page_size):
+            page = unstarted[start : start + settings.poll_page_size]
+            known = _views_for_jobs(rt, page)
+            actions = plan_jobs(page, known, now=now, policy=policy)
+            act.starts(namespace, startup.due(page, actions, known, now=now, policy_for=_start_policy(rt)))
         ids = jobwatch.gone(rt.redis, name)
         if not ids:
             return

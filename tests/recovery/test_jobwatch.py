@@ -77,6 +77,19 @@ def test_apply_keeps_finished_until_delivered_and_follows_the_last_version() -> 
     assert start.finished.keys() == {"old"}  # pure: the input is left as it was
 
 
+def test_apply_holds_the_running_jobs_with_no_container_started_for_the_sweeps_start_checks() -> None:
+    events = [
+        {"type": "ADDED", "object": job("p", rv="2")},  # created: no Pod ready yet
+        {"type": "ADDED", "object": job("r", rv="3")},
+        {"type": "MODIFIED", "object": job("r", rv="4", active=1, ready=1)},  # its container started
+        {"type": "ADDED", "object": job("d", rv="5")},
+        {"type": "DELETED", "object": job("d", rv="6")},
+        {"type": "ADDED", "object": job("f", rv="7")},
+        {"type": "MODIFIED", "object": job("f", rv="8", **FAILED)},
+    ]
+    assert sorted(apply(Position("1"), events).position.unstarted) == ["p"]
+
+
 def test_apply_of_nothing_keeps_the_position() -> None:
     start = Position("10", {"a": job("a", **DONE)})
     assert apply(start, []).position == start
