@@ -692,11 +692,11 @@ def _ours(
     *,
     kind: str = services.LOCAL,
     extra_env: dict[str, str] | None = None,
-    before_window: Callable[[Any], None] | None = None,
+    before_window: Callable[[services.Cluster, Any], None] | None = None,
 ) -> Window:
     """Ours in a steady state of `n` Jobs on a new API server of `kind` (services.LOCAL or REAL);
-    `extra_env` (settings' names) changes the deployment's settings, `before_window(settings)`
-    waits for what must have happened before the window opens."""
+    `extra_env` (settings' names) changes the deployment's settings, `before_window(cluster,
+    settings)` waits for what must have happened before the window opens."""
     name = f"{'lc' if kind == services.LOCAL else 'rc'}-load-{n}"
     with (
         services.database(ctx.pg_admin_url) as database_url,
@@ -765,7 +765,7 @@ def _ours(
                         _pods_behind(cluster, slack=max(2, round(2 * n / knobs.job_s))) if kind == services.REAL else 0
                     )
                     if before_window is not None:
-                        before_window(settings)
+                        before_window(cluster, settings)
                     window = measure(cluster, watch, knobs.window_s, pids=pids)
                     window.pods_behind = behind
                     window.job_bytes = _listed_bytes_per_job(cluster, OURS_NAMESPACE)

@@ -84,12 +84,14 @@ def _measure(ctx: services.BenchContext, point: Point, mode: str) -> api_load.Wi
     caps = CapabilityResolver.from_mapping(api_load.capability_config(point.job_s), source=str(caps_file))
     prefix = f"{ctx.key_prefix}-cost-{uuid.uuid4().hex[:6]}"  # a fresh position per run
     env = {"poll_mode": mode, "key_prefix": prefix, "sweep_list_interval_s": str(SWEEP_LIST_INTERVAL_S)}
-    wait = partial(_first_sweep_listed, ctx.redis_url) if mode == "watch" else None
+    wait = partial(_first_sweep_listed, ctx.redis_url) if mode == "watch" else None  # (cluster, settings)
     return api_load._ours(ctx, knobs, point.jobs, caps, caps_file, extra_env=env, before_window=wait)
 
 
-def _first_sweep_listed(redis_url: str, settings: Any) -> None:
-    """Until beat's first sweep has made the LIST of the watch mode's interval (its key is set)."""
+def _first_sweep_listed(redis_url: str, cluster: services.Cluster, settings: Any) -> None:
+    """Until beat's first sweep has made the LIST of the watch mode's interval: its key is set
+    (as the sweep starts), then the server's count of Jobs listed stands still for 2 s (its
+    pages are all read)."""
     name = jobwatch.key(settings.key_prefix, settings.effective_deployment, settings.namespace)
     client = redis.Redis.from_url(redis_url)
     try:
@@ -97,6 +99,14 @@ def _first_sweep_listed(redis_url: str, settings: Any) -> None:
                    what="beat's first sweep LIST")  # fmt: skip
     finally:
         client.close()
+    listed = [-1]
+
+    def still() -> bool:
+        now = api_load.scrape(cluster).objects["LIST jobs"]
+        done, listed[0] = now == listed[0], now
+        return done
+
+    wait_until(still, timeout=60, interval=2.0, what="the sweep's LIST read")
 
 
 def _row(point: Point, mode: str, window: api_load.Window) -> dict[str, Any]:
