@@ -51,7 +51,7 @@ def test_requests_per_job_and_per_second_are_counted_for_both_patterns(result: B
             result.params[f"ours_{n}"]["requests_by_verb"],
             result.params[f"baseline_{n}"]["requests_by_verb"],
         )
-        assert any(key.startswith("LIST jobs ") for key in ours), ours  # poll: one LIST per page
+        assert any(key.startswith("WATCH jobs 200") for key in ours), ours  # poll: a slice of a watch
         assert any(key.startswith("POST jobs 201") for key in ours), ours
         assert any(key.startswith("GET jobs ") for key in baseline), baseline  # a GET per Job
         ratio = next(r for r in result.ratios if r.name == f"baseline_vs_ours_requests_per_s_{n}")
@@ -76,7 +76,7 @@ def test_the_real_control_plane_splits_every_request_by_who_sent_it(result: Benc
         by_sender = counted["requests_by_sender"]
         # what each sender is there for: ours creates and finds Jobs, the Job controller makes
         # their Pods and status, the node agent binds and reports the Pods
-        assert {"POST jobs 201", "LIST jobs 200"} <= set(by_sender["ours"]), by_sender["ours"]
+        assert {"POST jobs 201", "WATCH jobs 200"} <= set(by_sender["ours"]), by_sender["ours"]  # poll: by watch
         assert {"POST pods 201", "PUT jobs/status 200"} <= set(by_sender["job-controller"]), by_sender
         assert {"POST pods/binding 201", "PATCH pods/status 200"} <= set(by_sender["node"]), by_sender["node"]
         assert "bench" not in by_sender  # the bench's own scrapes and watch are no one's load
