@@ -21,6 +21,9 @@ Schema (field names as Kubernetes spells them)::
         backoffLimit: 0                # default 0: one pod, a failure fails the Job at once
         labels: {team: search}         # added to Job and Pod; ours cannot be overridden
         annotations: {owner: me}
+        failOnExitCodes: [3]           # exit codes that fail the Job at once (FailJob); 1-255
+        retryOnExitCodes: [75]         # exit codes counted against backoffLimit (Count): needs backoffLimit >= 1
+        maxDisruptions: 3              # evictions/preemptions tolerated (never counted as failures); one more: Disrupted
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import yaml
 
 from k8s_dispatch.engine.errors import ConfigError, UnknownCapability
 from k8s_dispatch.workers.backends import Worker
+from k8s_dispatch.workers.failure_policy import DEFAULT_MAX_DISRUPTIONS
 from k8s_dispatch.workers.manifest import spec_problems
 from k8s_dispatch.workers.types import CapabilityName, WorkerName, is_capability_name
 
@@ -69,12 +73,18 @@ class CapabilitySpec:
     backoff_limit: int = DEFAULT_BACKOFF_LIMIT
     labels: Mapping[str, str] = field(default_factory=lambda: _EMPTY)
     annotations: Mapping[str, str] = field(default_factory=lambda: _EMPTY)
+    # The Job's podFailurePolicy (workers/failure_policy.py) and how many disruptions a dispatch
+    # survives before it fails with reason Disrupted.
+    retry_on_exit_codes: tuple[int, ...] = ()
+    fail_on_exit_codes: tuple[int, ...] = ()
+    max_disruptions: int = DEFAULT_MAX_DISRUPTIONS
 
 
 _REQUIRED = ("worker", "image")
 _FIELDS = (
     "worker", "image", "command", "args", "env", "resources", "namespace",
     "activeDeadlineSeconds", "backoffLimit", "labels", "annotations",
+    "retryOnExitCodes", "failOnExitCodes", "maxDisruptions",
 )  # fmt: skip
 _YAML_SUFFIXES = (".yaml", ".yml")
 _JSON_SUFFIXES = (".json",)
@@ -266,6 +276,13 @@ def _parse_capability(name: object, fields: object, *, problems: list[str], sour
             return default
         return value
 
+    def exit_codes(key: str) -> tuple[int, ...]:
+        value = fields.get(key, [])
+        if not isinstance(value, list) or not all(isinstance(c, int) and not isinstance(c, bool) for c in value):
+            report.add(key, "must be a list of integer exit codes")
+            return ()
+        return tuple(value)
+
     worker = text("worker")
     image = text("image")
     spec = CapabilitySpec(
@@ -281,6 +298,9 @@ def _parse_capability(name: object, fields: object, *, problems: list[str], sour
         backoff_limit=integer("backoffLimit", DEFAULT_BACKOFF_LIMIT) or 0,
         labels=string_map("labels"),
         annotations=string_map("annotations"),
+        retry_on_exit_codes=exit_codes("retryOnExitCodes"),
+        fail_on_exit_codes=exit_codes("failOnExitCodes"),
+        max_disruptions=integer("maxDisruptions", DEFAULT_MAX_DISRUPTIONS) or 0,
     )
     if report.count:
         return None  # value checks on half-parsed fields would only repeat the type errors
