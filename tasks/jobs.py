@@ -22,7 +22,7 @@ from k8s_dispatch.engine import store
 from k8s_dispatch.engine.db import transaction
 from k8s_dispatch.engine.errors import Transient
 from k8s_dispatch.engine.models import DispatchState, utcnow
-from k8s_dispatch.recovery import delivery, handoff, statelog, supersede
+from k8s_dispatch.recovery import delivery, disruptions, handoff, statelog, supersede
 from k8s_dispatch.recovery.crashpoints import Point, crashpoint
 from k8s_dispatch.recovery.metrics import METRICS, poll_lag_s
 from k8s_dispatch.tasks.app import app, get_runtime
@@ -179,6 +179,7 @@ def poll() -> dict[str, int]:
                     rt.redis, rt.settings.key_prefix, namespace, finished,
                     ttl_s=ttl_s, workers=rt.settings.worker_concurrency, renew=renew,
                 )  # fmt: skip
+            disruptions.scan(rt, namespace)  # one LIST of our failed Pods: evictions recorded, replaced
             delivery.delete_noted(rt, namespace)  # what the batches released since the last poll
     except (Transient, redis.RedisError) as e:
         log.warning("poll stopped early (%s); the next one continues", e)

@@ -369,6 +369,40 @@ class KubeClient:
             return False
         return True
 
+    def read_pod_log(self, namespace: str, name: str, *, container: str, tail_lines: int, limit_bytes: int) -> bytes:
+        """The end of a container's log as the kubelet serves it (pods/log with `tailLines` and
+        `limitBytes`: the last lines, at most that many bytes of them). Raises NotFound."""
+        return self._call_bytes(
+            f"read the log of pod {namespace}/{name}",
+            self._core.read_namespaced_pod_log,
+            name,
+            namespace,
+            container=container,
+            tail_lines=tail_lines,
+            limit_bytes=limit_bytes,
+        )
+
+    # --- Events -----------------------------------------------------------------------------
+
+    def iter_events(
+        self, namespace: str, *, field_selector: str, page_size: int = DEFAULT_PAGE_SIZE
+    ) -> Iterator[list[JsonDict]]:
+        """Yield the namespace's core/v1 Events matching the field selector, page by page."""
+        token: str | None = None
+        while True:
+            page = self._call(
+                f"list events in {namespace}",
+                self._core.list_namespaced_event,
+                namespace,
+                field_selector=field_selector,
+                limit=page_size,
+                _continue=token,
+            )
+            yield page.get("items") or []
+            token = (page.get("metadata") or {}).get("continue") or None
+            if token is None:
+                return
+
     # --- the seams every call goes through (`_call`, `_request`) ----------------------------
 
     def _list_jobs_raw(
@@ -394,6 +428,12 @@ class KubeClient:
         self, what: str, method: Callable[..., Any], *args: Any, _raw_errors: bool = False, **kwargs: Any
     ) -> JsonDict:
         """Call one API method raw and decode its JSON body, mapping every failure."""
+        return _decoded(self._call_bytes(what, method, *args, _raw_errors=_raw_errors, **kwargs), what)
+
+    def _call_bytes(
+        self, what: str, method: Callable[..., Any], *args: Any, _raw_errors: bool = False, **kwargs: Any
+    ) -> bytes:
+        """Call one API method raw: its body's bytes, every failure mapped."""
         try:
             response = method(*args, _preload_content=False, _request_timeout=self._timeout, **kwargs)
         except ApiException as e:
@@ -411,12 +451,12 @@ class KubeClient:
             # a number where a quantity string belongs): nothing reached the server.
             raise InvalidManifest(f"{what}: refused by the client's schema check: {e}") from e
         try:
-            raw = response.data
+            raw: bytes = response.data
         except (urllib3.exceptions.HTTPError, OSError) as e:
             raise ApiUnavailable(f"{what}: reading the response: {type(e).__name__}: {e}") from e
         finally:
             response.release_conn()
-        return _decoded(raw, what)
+        return raw
 
     def _request(
         self,
