@@ -48,7 +48,13 @@ def log_tail(raw: bytes | None) -> str | None:
         newline = tail.find(b"\n")
         if 0 <= newline < len(tail) - 1 and newline < 256:
             tail = tail[newline + 1 :]
-    return tail.decode("utf-8", "replace")
+    text = tail.decode("utf-8", "replace")
+    size = 0
+    for i in range(len(text) - 1, -1, -1):  # each invalid byte became a 3-byte U+FFFD: cut again
+        size += len(text[i].encode("utf-8"))
+        if size > MAX_LOG_BYTES:
+            return text[i + 1 :]
+    return text
 
 
 @dataclass(frozen=True)

@@ -60,6 +60,8 @@ EXPECTED_PERMISSIONS = {
     ("batch", "jobs", "deletecollection"),
     ("", "pods", "list"),
     ("", "pods", "patch"),
+    ("", "pods/log", "get"),
+    ("", "events", "list"),
 }
 
 
@@ -464,6 +466,7 @@ _RESOURCES = {
     "job_status": "jobs/status",
     "pod": "pods",
     "pod_log": "pods/log",
+    "event": "events",
     "pod_status": "pods/status",
 }
 

@@ -11,6 +11,10 @@ would retry, with the Job controller's Warning Event in the detail.
 from __future__ import annotations
 
 import base64
+import json
+import os
+import subprocess
+import sys
 from typing import Any
 
 from k8s_dispatch.engine import store
@@ -55,6 +59,18 @@ CAPABILITIES = {
         },
     },
 }
+
+
+def _cli(d: Any, *args: str) -> subprocess.CompletedProcess[str]:
+    """`k8s-dispatch ARGS` on the deployment's database, as an operator runs it; exit 0 or the test fails."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("K8S_DISPATCH_")}
+    env["K8S_DISPATCH_DATABASE_URL"] = d.settings.database_url
+    env["COLUMNS"] = "200"
+    result = subprocess.run(
+        [sys.executable, "-m", "k8s_dispatch.ops.cli", *args], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    return result
 
 
 def _story(d: Any, dispatch_id: str) -> list[tuple[str, dict[str, Any]]]:
@@ -102,6 +118,9 @@ def test_evictions_beyond_max_disruptions_fail_the_dispatch_as_disrupted(deploy,
     assert payload["detail"]["last_disruption"]["reason"] == "EvictionByEvictionAPI"
     assert _types(_story(d, dispatch_id)).count(EventType.WORKER_DISRUPTED) == 2
     d.wait_no_jobs()  # deleted, not left to be evicted for ever
+    story = json.loads(_cli(d, "show", dispatch_id, "--json").stdout)
+    assert [p["reason"] for p in story["disruptions"]] == ["EvictionByEvictionAPI"] * 2
+    assert "replaced" in _cli(d, "show", dispatch_id).stdout
 
 
 def test_an_oom_kill_ends_oomkilled_with_exit_code_signal_and_log_tail(deploy, any_cluster):
@@ -122,6 +141,20 @@ def test_an_oom_kill_ends_oomkilled_with_exit_code_signal_and_log_tail(deploy, a
         (f"Job/{job_name(dispatch_id)}", "BackoffLimitExceeded")
     ]
     d.wait_no_jobs()
+
+    story = json.loads(_cli(d, "show", dispatch_id, "--json").stdout)
+    assert (story["state"], story["reason"], story["attempts"]) == ("FAILED", "OOMKilled", 0)
+    assert [e["type"] for e in story["events"]] == [EventType.WORKER_SCHEDULED, EventType.WORKER_FAILED]
+    assert story["failure"]["log_tail"] == detail["log_tail"] and story["disruptions"] == []
+    assert story["timings"]["total_s"] >= story["timings"]["ran_s"] > 0
+    text = _cli(d, "show", dispatch_id).stdout
+    for shown in ("OOMKilled", "exit code 137 (SIGKILL)", "allocating the cache", "BackoffLimitExceeded"):
+        assert shown in text
+    (failure,) = json.loads(_cli(d, "status", "--json").stdout)["recent_failures"]
+    assert (failure["reason"], failure["exit_code"], failure["signal"], failure["container_reason"]) == (
+        "OOMKilled", 137, "SIGKILL", "OOMKilled"
+    )  # fmt: skip
+    assert "container: OOMKilled exit code 137 (SIGKILL)" in _cli(d, "status").stdout
 
 
 def test_an_exit_code_in_fail_on_exit_codes_fails_at_once(deploy, any_cluster):
