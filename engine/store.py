@@ -309,6 +309,10 @@ def _insert(session: Session, new: list[_Prepared], *, now: datetime) -> dict[tu
 
 
 def _dispatch_row(p: _Prepared, now: datetime) -> dict[str, Any]:
+    # The columns of a new row, spelled out: the same names recur wherever a dispatch crosses a
+    # layer (recovery/reconstruct.DispatchRecord.from_row reads them back, the tests build rows),
+    # and each says which value it takes here; a generic copy would hide that `state`, `attempts`
+    # and the times are set by this insert, not taken from the request.
     return dict(
         dispatch_id=p.dispatch_id,
         case_id=p.case_id,

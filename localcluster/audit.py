@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 from collections import Counter
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from k8s_dispatch.localcluster.paths import Target
@@ -47,7 +48,10 @@ class RequestLabels(NamedTuple):
     scope: str  # resource (one named object, or a create), namespace, cluster
 
 
-class RequestCount(NamedTuple):
+@dataclass(frozen=True, slots=True)
+class RequestCount:
+    """How many requests with these labels got this code (a dataclass: a tuple's `count` is taken)."""
+
     labels: RequestLabels
     code: int
     count: int
@@ -140,8 +144,8 @@ class Audit:
             "resource, scope, component, and HTTP response code.",
             f"# TYPE {METRIC} counter",
         ]
-        for labels, code, n in self.request_counts():
-            values = (*labels, COMPONENT, str(code))
+        for row in self.request_counts():
+            values = (*row.labels, COMPONENT, str(row.code))
             text = ",".join(f'{name}="{value}"' for name, value in zip(LABEL_NAMES, values, strict=True))
-            lines.append(f"{METRIC}{{{text}}} {n}")
+            lines.append(f"{METRIC}{{{text}}} {row.count}")
         return "\n".join(lines) + "\n"

@@ -43,7 +43,7 @@ def with_foreign_conditions(status: dict[str, Any], server: dict[str, Any] | Non
 
 
 def _container(pod: dict[str, Any]) -> dict[str, Any]:
-    containers = (pod.get("spec") or {}).get("containers") or [{}]
+    containers: list[dict[str, Any]] = (pod.get("spec") or {}).get("containers") or [{}]
     return containers[0]
 
 

@@ -46,7 +46,11 @@ class DispatchRecord:
 
     @classmethod
     def from_row(cls, row: Any) -> DispatchRecord:
-        """From an `engine.models.Dispatch` (or anything with its attributes)."""
+        """From an `engine.models.Dispatch` (or anything with its attributes).
+
+        Field by field, like engine/store._dispatch_row in the other direction: each field
+        says how the row's value becomes the record's (the state parsed, attempts defaulted,
+        `notified` from a time)."""
         return cls(
             dispatch_id=row.dispatch_id,
             case_id=row.case_id,

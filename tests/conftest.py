@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import psycopg
 import pytest
@@ -21,6 +22,9 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from k8s_dispatch.engine import migrate
 from k8s_dispatch.engine.db import make_engine, make_sessionmaker
+
+if TYPE_CHECKING:
+    from k8s_dispatch.localcluster import LocalCluster
 
 PG_ADMIN_URL = os.environ.get("K8S_DISPATCH_TEST_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 REDIS_URL = os.environ.get("K8S_DISPATCH_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -157,6 +161,25 @@ def local_sim_cluster() -> Iterator[ClusterHandle]:
 
     with LocalCluster(mode="simulate") as cluster:
         yield local_handle(cluster)
+
+
+@pytest.fixture(scope="module")
+def sim_cluster() -> Iterator[LocalCluster]:
+    from k8s_dispatch.localcluster import LocalCluster
+
+    with LocalCluster(mode="simulate") as cluster:
+        yield cluster
+
+
+@pytest.fixture(params=[LOCAL, REAL])
+def any_cluster(request: pytest.FixtureRequest) -> ClusterHandle:
+    """Simulate mode on each cluster in turn, per test: localcluster (the module's own, so a
+    module's objects do not pile up in the session's) and the real control plane (the session's):
+    the end-to-end suites that must hold on both ask for this. `cluster_under_test` below is the
+    same choice for session-scoped fixtures (tests/localcluster's comparisons)."""
+    if request.param == LOCAL:
+        return local_handle(request.getfixturevalue("sim_cluster"))
+    return request.getfixturevalue("real_cluster")
 
 
 @pytest.fixture(scope="session", params=[LOCAL, REAL])

@@ -15,7 +15,10 @@ FILES = ("pyproject.toml", "requirements.lock", "requirements-test.lock")
 
 def check(root: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, str(REPO / "tools" / "lock.py"), "check", str(root)], capture_output=True, text=True, timeout=60
+        [sys.executable, str(REPO / "tools" / "lock.py"), "check", str(root)],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
 
 

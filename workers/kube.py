@@ -67,6 +67,10 @@ JOB_PATH = JOBS_PATH + "/{name}"
 POD_PATH = "/api/v1/namespaces/{namespace}/pods/{name}"
 
 JsonDict = dict[str, Any]
+# (verb, answer): what `on_request` is told of each request; the answer is the HTTP status code,
+# or "error" when none came (refused, reset, timed out).
+RequestObserver = Callable[[str, str], None]
+_HTTP_VERBS = {"GET": "get", "POST": "create", "PUT": "update", "PATCH": "patch", "DELETE": "delete"}
 
 
 class _Expired(Exception):
@@ -77,17 +81,24 @@ class KubeClient:
     """Jobs and Pods over one connection pool; safe to share between threads."""
 
     def __init__(
-        self, kubeconfig: Path | str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S, pool_size: int = 16
+        self,
+        kubeconfig: Path | str | None = None,
+        *,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        pool_size: int = 16,
+        on_request: RequestObserver | None = None,
     ) -> None:
         """Load the cluster config: `kubeconfig` if given, else in-cluster, else ~/.kube/config.
 
         `pool_size` should cover every thread that shares the client (task threads, poll,
-        sweep): a smaller urllib3 pool drops and re-opens connections under load.
+        sweep): a smaller urllib3 pool drops and re-opens connections under load. `on_request`
+        is told of every request sent (the worker's metrics count them); it must not raise.
 
         Raises:
             ConfigError: the config cannot be read or names no usable cluster.
         """
         self._timeout = timeout_s
+        self._on_request = on_request
         configuration = _load_configuration(kubeconfig)
         configuration.retries = CONNECTION_RETRIES
         configuration.connection_pool_maxsize = pool_size
@@ -105,9 +116,14 @@ class KubeClient:
         self._base_path = (base.path or "").rstrip("/")  # a host URL may carry a path prefix
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> KubeClient:
+    def from_settings(cls, settings: Settings, *, on_request: RequestObserver | None = None) -> KubeClient:
         # Task threads plus the poll and sweep that may run beside them.
-        return cls(settings.kubeconfig, timeout_s=settings.kube_timeout_s, pool_size=settings.worker_concurrency + 4)
+        return cls(
+            settings.kubeconfig,
+            timeout_s=settings.kube_timeout_s,
+            pool_size=settings.worker_concurrency + 4,
+            on_request=on_request,
+        )
 
     def close(self) -> None:
         self._api_client.close()  # type: ignore[no-untyped-call]  # py.typed, but kubernetes leaves it unannotated
@@ -434,9 +450,11 @@ class KubeClient:
         self, what: str, method: Callable[..., Any], *args: Any, _raw_errors: bool = False, **kwargs: Any
     ) -> bytes:
         """Call one API method raw: its body's bytes, every failure mapped."""
+        verb = _verb_of(method)
         try:
             response = method(*args, _preload_content=False, _request_timeout=self._timeout, **kwargs)
         except ApiException as e:
+            self._observe(verb, str(e.status))
             # The client's frames in its traceback hold the raw HTTP response, and with it the
             # connection's socket, for as long as the error lives (a chained error can live
             # long): keep status, reason and body, drop those frames.
@@ -445,11 +463,13 @@ class KubeClient:
                 raise
             raise _mapped(e, what) from e
         except (urllib3.exceptions.HTTPError, OSError) as e:  # refused, reset, timed out
+            self._observe(verb, "error")
             raise ApiUnavailable(f"{what}: {type(e).__name__}: {e}") from e
         except pydantic.ValidationError as e:
             # The client checks bodies against its models before sending (unknown fields,
             # a number where a quantity string belongs): nothing reached the server.
             raise InvalidManifest(f"{what}: refused by the client's schema check: {e}") from e
+        self._observe(verb, str(response.status))
         try:
             raw: bytes = response.data
         except (urllib3.exceptions.HTTPError, OSError) as e:
@@ -507,13 +527,19 @@ class KubeClient:
                     assert_same_host=False, redirect=False,
                 )  # fmt: skip
         except (urllib3.exceptions.HTTPError, OSError) as e:  # refused, reset, timed out, TLS
+            self._observe(_HTTP_VERBS.get(method, method.lower()), "error")
             raise ApiUnavailable(f"{what}: {type(e).__name__}: {e}") from e
+        self._observe(_HTTP_VERBS.get(method, method.lower()), str(response.status))
         if not 200 <= response.status <= 299:
             error = ApiException(
                 status=response.status, reason=response.reason, body=response.data.decode("utf-8", "replace")
             )
             raise _mapped(error, what) from error
         return _decoded(response.data, what)
+
+    def _observe(self, verb: str, code: str) -> None:
+        if self._on_request is not None:
+            self._on_request(verb, code)
 
     def _auth_header(self) -> tuple[str, str] | None:
         """The client's auth header, read again (its `refresh_api_key_hook` run, if the config
@@ -525,6 +551,13 @@ class KubeClient:
             self._auth = (auth["key"], auth["value"]) if auth and auth["value"] is not None else None
             self._auth_due = now + AUTH_REFRESH_S if self._configuration.refresh_api_key_hook else math.inf
         return self._auth
+
+
+def _verb_of(method: Callable[..., Any]) -> str:
+    """The API verb of a generated client method: `list_namespaced_job` -> "list",
+    `read_...` -> "get", `delete_collection_...` -> "deletecollection"."""
+    action = getattr(method, "__name__", "call").split("_namespaced")[0]
+    return {"read": "get", "delete_collection": "deletecollection"}.get(action, action)
 
 
 def _load_configuration(kubeconfig: Path | str | None) -> k8s.Configuration:

@@ -4,16 +4,32 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 from runtimes import Notified
 
 from k8s_dispatch.engine.settings import load_settings
 from k8s_dispatch.recovery.runtime import Runtime
 from k8s_dispatch.workers.resolver import CapabilityResolver
+
+
+@pytest.fixture
+def client(redis_url: str) -> Iterator[redis.Redis]:
+    """A Redis connection of the test's own."""
+    c = redis.Redis.from_url(redis_url)
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def prefix(key_prefix: str) -> str:
+    """A key prefix no other test shares."""
+    return f"{key_prefix}-{uuid.uuid4().hex[:8]}"
 
 
 @pytest.fixture

@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 import yaml
 from celery import Celery
-from clusters import LOCAL, REAL, ClusterHandle, local_handle
+from clusters import ClusterHandle
 from forged_jobs import SIM, forge_job
 
 from k8s_dispatch import celeryconfig as names
@@ -35,7 +35,6 @@ from k8s_dispatch.engine.db import transaction
 from k8s_dispatch.engine.errors import ApiUnavailable
 from k8s_dispatch.engine.models import DispatchState, EventType
 from k8s_dispatch.engine.settings import Settings, load_settings
-from k8s_dispatch.localcluster import LocalCluster
 from k8s_dispatch.localcluster.cluster import token_from_kubeconfig
 from k8s_dispatch.ops.processes import ManagedProcess, celery_beat, celery_worker, wait_until
 from k8s_dispatch.recovery import delivery, stats
@@ -219,20 +218,6 @@ class Site:
         return problems
 
 
-@pytest.fixture(scope="module")
-def local_cluster() -> Iterator[LocalCluster]:
-    with LocalCluster(mode="simulate") as c:
-        yield c
-
-
-@pytest.fixture(params=[LOCAL, REAL])
-def cluster(request: pytest.FixtureRequest) -> ClusterHandle:
-    """The matrix runs on localcluster and on the real control plane (the real Job controller)."""
-    if request.param == LOCAL:
-        return local_handle(request.getfixturevalue("local_cluster"))
-    return request.getfixturevalue("real_cluster")
-
-
 def site_env(database_url: str, redis_url: str, prefix: str, kubeconfig: Path, tmp: Path) -> dict[str, str]:
     caps = tmp / "capabilities.yaml"
     caps.write_text(yaml.safe_dump(CAPABILITIES))
@@ -342,18 +327,18 @@ MATRIX = {
 
 
 @pytest.mark.parametrize("point", list(MATRIX), ids=[p.value for p in MATRIX])
-def test_a_worker_killed_at_each_crash_point_loses_nothing_and_doubles_nothing(point, cluster, make_site):
+def test_a_worker_killed_at_each_crash_point_loses_nothing_and_doubles_nothing(point, any_cluster, make_site):
     arrives, concurrency, proof = MATRIX[point]
     values = [{"point": point.value, "i": i} for i in range(N)]
     crash_at = f"{point.value}@3" if point is Point.MID_SWEEP else point.value
 
     if arrives == "rows":
         # A backlog the start-up sweep must work through (rows only, grace 0), one action at a time.
-        site = make_site(cluster, sweep_grace_s="0")
+        site = make_site(any_cluster, sweep_grace_s="0")
         ids = site.schedule(values, send=False)
         doomed = site.worker("doomed", crash_at=crash_at, concurrency=concurrency, sweep_concurrency="1")
     else:
-        site = make_site(cluster)
+        site = make_site(any_cluster)
         doomed = site.worker("doomed", crash_at=crash_at, concurrency=concurrency)
         site.beat()
         ids = site.schedule_by_task(values) if arrives == "task" else site.schedule(values)
@@ -376,8 +361,8 @@ def broker_keys(site: Site) -> list[bytes]:
     return [k.encode() for k in keys if site.rt.redis.exists(k)]
 
 
-def test_a_flushed_broker_loses_nothing(cluster, make_site):
-    site = make_site(cluster)
+def test_a_flushed_broker_loses_nothing(any_cluster, make_site):
+    site = make_site(any_cluster)
     values = [{"flush": i} for i in range(12)]
     ids = site.schedule(values[:8])  # one create_jobs message queued (one transaction), nobody consuming
     finished = site.schedule(values[8:], send=False)
@@ -397,10 +382,10 @@ def test_a_flushed_broker_loses_nothing(cluster, make_site):
 # --- three replicas start at once on the same backlog -------------------------------------------
 
 
-def test_three_replicas_starting_at_once_on_300_finished_jobs_deliver_each_once(cluster, make_site):
+def test_three_replicas_starting_at_once_on_300_finished_jobs_deliver_each_once(any_cluster, make_site):
     # Pages of 10: a sweep delivers a page's Jobs as one batch, 300 at once in well under a
     # second, so with one page the first replica up could finish before the others list.
-    site = make_site(cluster, sweep_grace_s="0", poll_page_size="10")
+    site = make_site(any_cluster, sweep_grace_s="0", poll_page_size="10")
     values = [{"replica": i} for i in range(300)]
     ids = site.schedule(values, send=False)
     with ThreadPoolExecutor(8) as pool:
@@ -518,8 +503,8 @@ def test_an_api_server_with_5_percent_errors_that_restarts_during_recovery_still
 # --- Jobs that are never delivered ----------------------------------------------------------------
 
 
-def test_a_forged_job_and_a_tenancy_mismatched_job_are_never_delivered(cluster, make_site):
-    site = make_site(cluster)
+def test_a_forged_job_and_a_tenancy_mismatched_job_are_never_delivered(any_cluster, make_site):
+    site = make_site(any_cluster)
     forged_ref = DispatchRef(
         dispatch_id=str(uuid.uuid4()), case_id="case-x", tenancy_id="tenant-a", capability="sim.ok",  # type: ignore[arg-type]
         worker_name="sim", idempotency_key="forged",  # type: ignore[arg-type]
@@ -557,10 +542,10 @@ def test_a_forged_job_and_a_tenancy_mismatched_job_are_never_delivered(cluster, 
 # --- start-up ordering ------------------------------------------------------------------------------
 
 
-def test_a_fresh_worker_recovers_its_backlog_at_start_before_running_any_task(cluster, make_site):
+def test_a_fresh_worker_recovers_its_backlog_at_start_before_running_any_task(any_cluster, make_site):
     """No beat: a worker process that never ran, with a resolver it never used, recovers the
     backlog in its start-up sweep, before it handles a single message (a queued poll included)."""
-    site = make_site(cluster, sweep_grace_s="0")
+    site = make_site(any_cluster, sweep_grace_s="0")
     unscheduled = site.schedule([{"row": i} for i in range(5)], send=False)  # category 1
     finished = site.schedule([{"done": i} for i in range(5)], send=False)  # category 2
     recorded = site.schedule([{"recorded": i} for i in range(3)], send=False)  # category 4

@@ -6,38 +6,18 @@ are not packages, so two modules of one name cannot be collected together.)
 
 from __future__ import annotations
 
-import socket
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import redis
 
-from k8s_dispatch.ops.processes import wait_until
+from k8s_dispatch.ops.processes import free_port, wait_until
 from k8s_dispatch.recovery import handoff
 
 
 def job(name: str, uid: str | None = None) -> dict[str, Any]:
     return {"metadata": {"name": name, "uid": uid or str(uuid.uuid4())}, "status": {"succeeded": 1}}
-
-
-@pytest.fixture
-def client(redis_url: str) -> Iterator[redis.Redis]:
-    c = redis.Redis.from_url(redis_url)
-    yield c
-    c.close()
-
-
-@pytest.fixture
-def prefix(key_prefix: str) -> str:
-    return f"{key_prefix}-{uuid.uuid4().hex[:8]}"
-
-
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_the_key_names_namespace_job_and_uid() -> None:
@@ -72,7 +52,7 @@ def test_a_marker_is_the_jobs_own_not_its_namesakes(client: redis.Redis, prefix:
 
 
 def test_no_jobs_asks_redis_nothing() -> None:
-    unreachable = redis.Redis(port=closed_port(), socket_connect_timeout=1)
+    unreachable = redis.Redis(port=free_port(), socket_connect_timeout=1)
     assert handoff.mark(unreachable, "p", "ns", [], 10.0) == []
     assert handoff.pending(unreachable, "p", "ns", []) == []
     unreachable.close()
@@ -87,7 +67,7 @@ def test_a_marker_expires_after_its_ttl_and_the_job_can_be_handed_again(client: 
 
 
 def test_pending_raises_a_redis_error_when_redis_is_unreachable() -> None:
-    unreachable = redis.Redis(port=closed_port(), socket_connect_timeout=1)
+    unreachable = redis.Redis(port=free_port(), socket_connect_timeout=1)
     with pytest.raises(redis.RedisError):
         handoff.pending(unreachable, "p", "ns", [job("a")])
     with pytest.raises(redis.RedisError):

@@ -5,10 +5,7 @@ and an unreachable Redis never stops a run."""
 from __future__ import annotations
 
 import socket
-import uuid
-from collections.abc import Iterator
 
-import pytest
 import redis
 from prometheus_client import REGISTRY
 
@@ -16,18 +13,6 @@ from k8s_dispatch.ops.processes import wait_until
 from k8s_dispatch.recovery import supersede
 
 TASK = "k8s-dispatch.poll"
-
-
-@pytest.fixture
-def client(redis_url: str) -> Iterator[redis.Redis]:
-    c = redis.Redis.from_url(redis_url)
-    yield c
-    c.close()
-
-
-@pytest.fixture
-def prefix(key_prefix: str) -> str:
-    return f"{key_prefix}-{uuid.uuid4().hex[:8]}"
 
 
 def superseded_count(task: str = TASK) -> float:

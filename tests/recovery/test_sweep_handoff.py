@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import socket
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -23,7 +22,7 @@ from k8s_dispatch.engine.db import transaction
 from k8s_dispatch.engine.models import EventType
 from k8s_dispatch.engine.settings import load_settings
 from k8s_dispatch.localcluster import LocalCluster
-from k8s_dispatch.ops.processes import wait_until
+from k8s_dispatch.ops.processes import free_port, wait_until
 from k8s_dispatch.recovery import delivery, handoff
 from k8s_dispatch.recovery.reconcile import run_sweep
 from k8s_dispatch.recovery.report import SweepReport
@@ -150,12 +149,6 @@ def redis_state(rt: Runtime) -> dict[bytes, tuple[bytes, int]]:
     return {k: (rt.redis.dump(k), rt.redis.pttl(k) > 0) for k in keys}
 
 
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # --- deferring to a queued completion ------------------------------------------------------
 
 
@@ -228,7 +221,7 @@ def test_with_redis_unreachable_for_the_marker_check_the_sweep_defers_nothing(ma
     rt = make_runtime(poll_page_size="1")  # a page per Job: the failure is met three times, logged once
     ids = finished_jobs(rt, 3)
     hand_off(rt, ids)  # a live marker for each: with Redis readable, all would be deferred
-    unreachable = redis.Redis(port=closed_port(), socket_connect_timeout=1, socket_timeout=1)
+    unreachable = redis.Redis(port=free_port(), socket_connect_timeout=1, socket_timeout=1)
     blind = dataclasses.replace(rt, redis=unreachable)
 
     with caplog.at_level(logging.WARNING, logger="recovery.reconcile"):

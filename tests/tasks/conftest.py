@@ -2,7 +2,7 @@
 with its own Redis key prefix (its queues meet no other test's), its own namespace, its own
 PostgreSQL database (a sweep acts on the whole database, so no test may see another's rows)
 and a cluster: localcluster, or with `any_cluster` each of localcluster and the real control
-plane in turn (the namespace is created first where the API server requires it). Workers and beat are `celery -A tasks worker|beat`
+plane in turn (the namespace is created first where the API server requires it). Workers and beat are `celery -A k8s_dispatch.tasks worker|beat`
 subprocesses (started with `ops.processes`) configured only through K8S_DISPATCH_* variables,
 as in production, and stopped with SIGTERM at the end; one that needs SIGKILL fails the test.
 """
@@ -23,7 +23,7 @@ import redis
 import sqlalchemy as sa
 import yaml
 from celery import Celery
-from clusters import LOCAL, REAL, ClusterHandle, local_handle
+from clusters import ClusterHandle
 
 from k8s_dispatch import celeryconfig
 from k8s_dispatch.engine import migrate, store
@@ -218,21 +218,6 @@ class Deployment:
 def capabilities_file(path: Path, capabilities: dict[str, Any]) -> Path:
     path.write_text(yaml.safe_dump({"capabilities": capabilities}))
     return path
-
-
-@pytest.fixture(scope="module")
-def sim_cluster() -> Iterator[LocalCluster]:
-    with LocalCluster(mode="simulate") as cluster:
-        yield cluster
-
-
-@pytest.fixture(params=[LOCAL, REAL])
-def any_cluster(request: pytest.FixtureRequest) -> ClusterHandle:
-    """Simulate mode on each cluster in turn: localcluster (this module's) and the real control
-    plane (the session's): the end-to-end suites that must hold on both ask for this."""
-    if request.param == LOCAL:
-        return local_handle(request.getfixturevalue("sim_cluster"))
-    return request.getfixturevalue("real_cluster")
 
 
 @pytest.fixture
