@@ -85,6 +85,7 @@ def _types(story: list[tuple[str, dict[str, Any]]]) -> list[str]:
 def test_two_evictions_then_success_complete_after_two_disruption_events(deploy, any_cluster):
     d = deploy(any_cluster, capabilities=CAPABILITIES)
     d.start_worker("w1")
+    d.start_worker("w2")  # two replicas polling and completing: still one event per disrupted Pod
     d.start_beat()
     (dispatch_id,) = d.schedule_batch("sim.evicted", 1)
     d.wait_terminal([dispatch_id], timeout_s=90 if any_cluster.is_real else 40)
