@@ -99,7 +99,8 @@ def config(settings: Settings) -> dict[str, Any]:
         # worker a few seconds ahead would drop every message. A backlog of polls or sweeps
         # (workers busy or down) is superseded by the task itself instead: each run skips if
         # another started within half its interval, by a Redis key's TTL (`recovery.supersede`).
-        "beat_scheduler": "celery.beat:Scheduler",
+        # Celery's in-memory scheduler, touching a heartbeat file per tick for beat's liveness probe.
+        "beat_scheduler": "k8s_dispatch.tasks.heartbeat:HeartbeatScheduler",
         "beat_schedule": {
             "poll": {
                 "task": POLL_TASK,

@@ -9,14 +9,16 @@ which isolates what the models cost from the HTTP round trip.
 from __future__ import annotations
 
 import json
+from typing import cast
 
+import urllib3
 from kubernetes import client as k8s
-from kubernetes import config as k8s_config
 
 from k8s_dispatch.bench import rawhttp, services, workload
 from k8s_dispatch.bench.results import BenchResult, Figure, Ratio
 from k8s_dispatch.bench.sizes import Size
 from k8s_dispatch.bench.timing import Stopwatch, interleaved, paired_ratios
+from k8s_dispatch.ops import kubeclient
 from k8s_dispatch.workers import labels as job_labels
 from k8s_dispatch.workers.kube import KubeClient
 
@@ -40,7 +42,7 @@ def run(ctx: services.BenchContext, size: Size) -> BenchResult:
         bodies = workload.job_bodies(n, namespace=NAMESPACE, caps=workload.resolver())
         rawhttp.create_jobs(cluster, NAMESPACE, bodies, clients=size.create_clients)
         workload.wait_jobs_terminal(kube, NAMESPACE, n)
-        api_client = k8s_config.new_client_from_config(config_file=str(cluster.kubeconfig))
+        api_client = kubeclient.api_client(cluster.kubeconfig)
         try:
             batch = k8s.BatchV1Api(api_client)
 
@@ -58,7 +60,11 @@ def run(ctx: services.BenchContext, size: Size) -> BenchResult:
 
             request_s = interleaved({"dicts": page_dicts, "models": page_models}, rounds=rounds, warmup=True)
 
-            response = batch.list_namespaced_job(NAMESPACE, label_selector=selector, limit=n, _preload_content=False)
+            # unread (`_preload_content=False`), the answer is urllib3's response, not the V1JobList typed
+            response = cast(
+                urllib3.HTTPResponse,
+                batch.list_namespaced_job(NAMESPACE, label_selector=selector, limit=n, _preload_content=False),
+            )
             try:
                 raw = response.data.decode("utf-8")
             finally:
@@ -78,7 +84,7 @@ def run(ctx: services.BenchContext, size: Size) -> BenchResult:
 
             decode_s = interleaved({"dicts": decode_dicts, "models": decode_models}, rounds=rounds, warmup=True)
         finally:
-            api_client.close()
+            kubeclient.close(api_client)
 
     result.params["page_bytes"] = len(raw.encode("utf-8"))
     result.figures += [

@@ -45,7 +45,7 @@ import threading
 import time
 import urllib.parse
 import uuid
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
@@ -261,8 +261,8 @@ SCRAPE: Key = ("GET", "", "/metrics", 200)  # how the real server counts a scrap
 class Scrape(NamedTuple):
     requests: Counter[Key]  # apiserver_request_total
     at: float  # when the server read its counters
-    seconds: Counter[Key]  # apiserver_request_duration_seconds_sum, code 0
-    timed: Counter[Key]  # apiserver_request_duration_seconds_count, code 0
+    seconds: defaultdict[Key, float]  # apiserver_request_duration_seconds_sum, code 0
+    timed: defaultdict[Key, float]  # apiserver_request_duration_seconds_count, code 0
 
 
 def scrape(cluster: services.Cluster) -> Scrape:
@@ -284,8 +284,8 @@ def scrape(cluster: services.Cluster) -> Scrape:
         line for line in body.splitlines() if line.startswith((METRIC, f"{DURATION}_sum", f"{DURATION}_count"))
     )
     counts: Counter[Key] = Counter()
-    seconds: Counter[Key] = Counter()
-    timed: Counter[Key] = Counter()
+    seconds: defaultdict[Key, float] = defaultdict(float)  # sums of seconds: not counts
+    timed: defaultdict[Key, float] = defaultdict(float)
     for family in text_string_to_metric_families(wanted):  # the rest (megabytes, on the real server) left unparsed
         for s in family.samples:
             labels = s.labels
@@ -646,10 +646,11 @@ def _audited_window(cluster: services.Cluster, *, offset: int) -> dict[str, Coun
     """The window's requests by sender, from the audit log written after byte `offset` (before the
     window's first scrape); read once the second scrape is in it (`audited`), or after 10 s."""
     assert cluster.audit_log is not None and cluster.plane is not None
+    audit_log = cluster.audit_log
     found: dict[str, Counter[Key]] = {}
 
     def read() -> bool:
-        with open(cluster.audit_log, encoding="utf-8", errors="replace") as f:
+        with open(audit_log, encoding="utf-8", errors="replace") as f:
             f.seek(offset)
             found.update(audited(f.read().splitlines(), admin=cluster.plane.admin.name))
         return bool(found)
@@ -789,7 +790,8 @@ def _latencies(sessions: sessionmaker[Session], finished: dict[str, float]) -> t
 
     def recorded() -> bool:
         with transaction(sessions) as session:
-            events.update({name: at.timestamp() for name, at in session.execute(query).all()})
+            rows = session.execute(query).all()
+            events.update({name: at.timestamp() for name, at in rows if name is not None})  # all: `in_(names)`
         return len(events) == len(names)
 
     with contextlib.suppress(WaitTimeout):  # what was not recorded in time is counted below
@@ -855,9 +857,9 @@ def _ms(knobs: Knobs, k: int) -> int:
 
 
 def baseline_worker(work_dir: Path, env: dict[str, str], *, name: str) -> ManagedProcess:
-    """`celery -A bench.baseline_app worker` on the baseline's own queue."""
+    """`celery -A k8s_dispatch.bench.baseline_app worker` on the baseline's own queue."""
     argv = [
-        sys.executable, "-m", "celery", "-A", "bench.baseline_app", "worker", "--loglevel=INFO",
+        sys.executable, "-m", "celery", "-A", "k8s_dispatch.bench.baseline_app", "worker", "--loglevel=INFO",
         f"--hostname={name}@%h", f"--concurrency={CONCURRENCY}", "-Q", baseline_app.QUEUE,
         "--without-mingle", "--without-gossip",
     ]  # fmt: skip

@@ -3,7 +3,7 @@ figure 2): one task per Job creates it, then a task GETs the Job and re-schedule
 `countdown` until the Job has ended, then deletes it.
 
 Run as its own worker on the bench's Redis, under its own key prefix and queue:
-`celery -A bench.baseline_app worker`, configured by BENCH_BASELINE_* variables (broker URL,
+`celery -A k8s_dispatch.bench.baseline_app worker`, configured by BENCH_BASELINE_* variables (broker URL,
 key prefix, kubeconfig, countdown). Written as such code usually is, with the official client's
 typed models; no labels, finalizers or database: it measures the API calls of the pattern alone.
 """
@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any
+from typing import Any, cast
 
 from celery import Celery
 from kubernetes import client as k8s
-from kubernetes import config as k8s_config
+
+from k8s_dispatch.ops import kubeclient
 
 QUEUE = "bench-baseline"
 CREATE_TASK = "bench-baseline.create"
@@ -48,7 +49,7 @@ def batch() -> k8s.BatchV1Api:
     global _batch
     with _batch_lock:
         if _batch is None:
-            _batch = k8s.BatchV1Api(k8s_config.new_client_from_config(config_file=KUBECONFIG))
+            _batch = k8s.BatchV1Api(kubeclient.api_client(KUBECONFIG))
         return _batch
 
 
@@ -74,7 +75,8 @@ def finished(job: k8s.V1Job) -> bool:
 
 @app.task(name=CREATE_TASK)
 def create(namespace: str, name: str, duration_ms: int) -> None:
-    batch().create_namespaced_job(namespace, job_body(name, duration_ms))
+    # a dict body, as the client takes it (validated into its V1Job) though typed V1Job
+    batch().create_namespaced_job(namespace, cast(k8s.V1Job, job_body(name, duration_ms)))
     check.apply_async((namespace, name), countdown=COUNTDOWN_S)
 
 

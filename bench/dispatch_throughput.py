@@ -37,12 +37,11 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from datetime import UTC
-from typing import Any
+from typing import Any, cast
 
 import sqlalchemy as sa
 from celery import Celery
 from kubernetes import client as k8s
-from kubernetes import config as k8s_config
 from sqlalchemy.orm import Session, sessionmaker
 
 from k8s_dispatch import celeryconfig
@@ -54,6 +53,7 @@ from k8s_dispatch.engine import store
 from k8s_dispatch.engine.db import make_engine, make_sessionmaker, transaction
 from k8s_dispatch.engine.models import Dispatch, DispatchState
 from k8s_dispatch.engine.settings import load_settings
+from k8s_dispatch.ops import kubeclient
 from k8s_dispatch.ops.processes import wait_until
 from k8s_dispatch.tasks.scheduling import CREATE_BATCH, schedule_in_session, schedule_many_in_session
 from k8s_dispatch.workers import labels as job_labels
@@ -111,13 +111,13 @@ def run(ctx: services.BenchContext, size: Size) -> BenchResult:
         engine = make_engine(database_url, pool_size=ENGINE_THREADS + 2)
         producer = Celery("bench-engine", set_as_current=False)
         producer.conf.update(celeryconfig.config(settings))
-        api_client = k8s_config.new_client_from_config(config_file=str(cluster.kubeconfig))
+        api_client = kubeclient.api_client(cluster.kubeconfig)
         try:
             with (
                 services.worker(ctx.work_dir, env, concurrency=threads) as worker,
                 KubeClient(cluster.kubeconfig) as kube,
             ):
-                cpu = _CpuMeter({"worker": worker.pid, "localcluster": cluster.process.pid})
+                cpu = _CpuMeter({"worker": worker.pid, **cluster.pids()})  # and the server: localcluster here
                 ours = _Ours(make_sessionmaker(engine), workload.resolver(), producer, settings.max_input_bytes, cpu)
                 raw = _Raw(k8s.BatchV1Api(api_client), workload.resolver(), cpu, threads=threads)
                 ours.round(WARMUP_JOBS, fanout=FANOUT)
@@ -139,7 +139,7 @@ def run(ctx: services.BenchContext, size: Size) -> BenchResult:
                 _check_jobs(kube, OURS_NAMESPACE, ours.created)
                 _check_jobs(kube, RAW_NAMESPACE, raw.created)
         finally:
-            api_client.close()
+            kubeclient.close(api_client)
             producer.close()
             engine.dispose()
 
@@ -309,7 +309,10 @@ class _Raw:
         bodies = workload.job_bodies(n, namespace=RAW_NAMESPACE, caps=self._caps)
         with self._cpu.measuring("raw", n):
             started, finished = _concurrently(
-                lambda i: self._batch.create_namespaced_job(RAW_NAMESPACE, bodies[i]), n, threads=self._threads
+                # a dict body, as the client takes it (validated into its V1Job) though typed V1Job
+                lambda i: self._batch.create_namespaced_job(RAW_NAMESPACE, cast(k8s.V1Job, bodies[i])),
+                n,
+                threads=self._threads,
             )
         self.created += n
         return finished - started

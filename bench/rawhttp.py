@@ -73,7 +73,8 @@ class RawApi:
         if continue_token:
             query["continue"] = continue_token
         path = f"/apis/batch/v1/namespaces/{namespace}/jobs?{urllib.parse.urlencode(query)}"
-        return json.loads(self._request("GET", path, None, expect=200))
+        page: dict[str, Any] = json.loads(self._request("GET", path, None, expect=200))
+        return page
 
     def count_jobs(self, namespace: str, *, label_selector: str, page_size: int) -> int:
         """List every matching Job page by page, decoding each page; how many there were."""

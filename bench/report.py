@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from rich.console import Console
+from rich.console import Console, JustifyMethod
 from rich.table import Table
 
 from k8s_dispatch.bench.results import RATIO_UNIT, BenchRun, Figure, Ratio
@@ -35,10 +35,10 @@ def _met(m: Figure | Ratio, *, judged: bool) -> str:
     return "[green]yes[/]" if m.met else "[red]NO[/]"
 
 
-def _table(title: str, columns: tuple[tuple[str, str], ...]) -> Table:
+def _table(title: str, columns: tuple[tuple[str, JustifyMethod], ...]) -> Table:
     table = Table(title=title)
     for column, justify in columns:
-        table.add_column(column, justify=justify)  # type: ignore[arg-type]
+        table.add_column(column, justify=justify)
     return table
 
 

@@ -114,7 +114,8 @@ class BenchResult:
 
     def targeted(self) -> list[Figure | Ratio]:
         """Figures and ratios that carry a target, in the order reported."""
-        return [m for m in [*self.figures, *self.ratios] if m.target is not None]
+        measured: list[Figure | Ratio] = [*self.figures, *self.ratios]
+        return [m for m in measured if m.target is not None]
 
     def to_dict(self, *, judged: bool = True) -> dict[str, Any]:
         return {

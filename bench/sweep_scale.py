@@ -35,7 +35,6 @@ from typing import Any
 
 import yaml
 from kubernetes import client as k8s
-from kubernetes import config as k8s_config
 
 from k8s_dispatch.bench import rawhttp, services, workload
 from k8s_dispatch.bench.results import BenchResult, Figure, Ratio, Target
@@ -43,6 +42,7 @@ from k8s_dispatch.bench.sizes import Size
 from k8s_dispatch.bench.timing import Stopwatch, interleaved, paired_ratios
 from k8s_dispatch.engine.models import DispatchState, EventType, utcnow
 from k8s_dispatch.engine.settings import load_settings
+from k8s_dispatch.ops import kubeclient
 from k8s_dispatch.ops.processes import project_env, wait_until
 from k8s_dispatch.recovery.reconcile import run_sweep
 from k8s_dispatch.recovery.runtime import Runtime
@@ -147,7 +147,7 @@ def _figure_4(
     requests: list[Counter[tuple[str, str]]] = []
     listed: list[int] = []
     namespaces: list[int] = []
-    api_client = k8s_config.new_client_from_config(config_file=str(cluster.kubeconfig))
+    api_client = kubeclient.api_client(cluster.kubeconfig)
     batch = k8s.BatchV1Api(api_client)
     selector = job_labels.undelivered_selector(rt.settings.effective_deployment)  # the sweep's own
 
@@ -173,7 +173,7 @@ def _figure_4(
             while True:
                 page = batch.list_namespaced_job(NAMESPACE, label_selector=selector, limit=page_size, _continue=token)
                 count += len(page.items)
-                token = page.metadata._continue
+                token = page.metadata._continue if page.metadata else None
                 if not token:
                     break
         if count < n:
@@ -183,7 +183,7 @@ def _figure_4(
     try:
         seconds = interleaved({"sweep": sweep, "list": client_list}, rounds=rounds, warmup=False)
     finally:
-        api_client.close()
+        kubeclient.close(api_client)
     ratios = paired_ratios(seconds["sweep"], seconds["list"])
     result.figures += [
         Figure("sweep_s", f"one recovery sweep over {n:,} Jobs and rows (run_sweep)", "s", seconds["sweep"], ref="8.4"),
@@ -292,7 +292,8 @@ def sweep_in_child(values: Mapping[str, str]) -> dict[str, Any]:
     )
     if done.returncode != 0:
         raise RuntimeError(f"the sweep's process exited {done.returncode}:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    report: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return report
 
 
 # --- the population: Jobs and rows in bulk -----------------------------------------------------
@@ -396,6 +397,7 @@ def insert_created(rt: Runtime, refs: Iterable[DispatchRef], *, namespace: str, 
     raw = rt.engine.raw_connection()
     try:
         conn = raw.driver_connection
+        assert conn is not None  # a pooled connection, open: its psycopg connection
         with conn.cursor() as cursor:
             refs = list(refs)
             with cursor.copy(f"COPY dispatches ({', '.join(DISPATCH_COLUMNS)}) FROM STDIN") as copy:

@@ -113,6 +113,13 @@ def notification_config(settings: Settings) -> dict[str, Any]:
     our key prefix, with late acks (a notification a crashed engine worker took is sent to the
     next one), JSON only."""
     ours = celeryconfig.config(settings)
-    keys = ("broker_url", "broker_transport_options", "task_acks_late", "task_reject_on_worker_lost")
-    keys += ("task_serializer", "accept_content", "worker_prefetch_multiplier")
+    keys = (
+        "broker_url",
+        "broker_transport_options",
+        "task_acks_late",
+        "task_reject_on_worker_lost",
+        "task_serializer",
+        "accept_content",
+        "worker_prefetch_multiplier",
+    )
     return {key: ours[key] for key in keys if key in ours}

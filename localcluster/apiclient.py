@@ -10,7 +10,7 @@ import json
 import ssl
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, cast
 
 import aiohttp
 from kubernetes import client as kube_client
@@ -20,6 +20,19 @@ JSON = "application/json"
 JSON_PATCH = "application/json-patch+json"
 MERGE_PATCH = "application/merge-patch+json"
 USER_AGENT = "localcluster-node/v1"
+
+
+class _LoadKubeConfig(Protocol):
+    """`kubernetes.config.load_kube_config`, as it is written (it carries no annotations)."""
+
+    def __call__(
+        self,
+        config_file: str | None = None,
+        context: str | None = None,
+        client_configuration: kube_client.Configuration | None = None,
+        persist_config: bool = True,
+        temp_file_path: str | None = None,
+    ) -> None: ...
 
 
 class ApiStatusError(Exception):
@@ -50,8 +63,12 @@ def _status_error(code: int, body: bytes) -> ApiStatusError:
 def load_kubeconfig(path: Path, *, context: str | None = None) -> tuple[str, dict[str, str], ssl.SSLContext | bool]:
     """(server URL, auth headers, TLS context) from a kubeconfig, as the official client loads it."""
     cfg = kube_client.Configuration()
-    kube_config.load_kube_config(config_file=str(path), context=context, client_configuration=cfg, persist_config=False)
-    headers = {s["key"]: s["value"] for s in cfg.auth_settings().values() if s.get("in") == "header" and s.get("value")}
+    load = cast(_LoadKubeConfig, kube_config.load_kube_config)  # unannotated in kubernetes
+    load(config_file=str(path), context=context, client_configuration=cfg, persist_config=False)
+    headers: dict[str, str] = {}
+    bearer = cfg.auth_settings().get("BearerToken")  # the one credential the client sends in a header
+    if bearer is not None and bearer["value"]:
+        headers[bearer["key"]] = bearer["value"]
     tls: ssl.SSLContext | bool = True
     if cfg.host.startswith("https:"):
         ctx = ssl.create_default_context(cafile=cfg.ssl_ca_cert) if cfg.ssl_ca_cert else ssl.create_default_context()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import time
 from collections import Counter, deque
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from k8s_dispatch.localcluster.paths import Target
@@ -58,7 +59,10 @@ class Answer(NamedTuple):
     code: int
 
 
-class RequestCount(NamedTuple):
+@dataclass(frozen=True, slots=True)
+class RequestCount:
+    """How many requests with these labels got this code (a dataclass: a tuple's `count` is taken)."""
+
     labels: RequestLabels
     code: int
     count: int
@@ -157,8 +161,8 @@ class Audit:
             "resource, scope, component, and HTTP response code.",
             f"# TYPE {METRIC} counter",
         ]
-        for labels, code, n in self.request_counts():
-            values = (*labels, COMPONENT, str(code))
+        for row in self.request_counts():
+            values = (*row.labels, COMPONENT, str(row.code))
             text = ",".join(f'{name}="{value}"' for name, value in zip(LABEL_NAMES, values, strict=True))
-            lines.append(f"{METRIC}{{{text}}} {n}")
+            lines.append(f"{METRIC}{{{text}}} {row.count}")
         return "\n".join(lines) + "\n"

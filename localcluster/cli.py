@@ -163,7 +163,16 @@ def node(
     )
 
 
-async def _node(kubeconfig_path: Path, *, context: str | None, **options: object) -> None:
+async def _node(
+    kubeconfig_path: Path,
+    *,
+    context: str | None,
+    mode: str,
+    name: str,
+    workdir: Path | None,
+    log_port: int,
+    max_running: int | None,
+) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -172,7 +181,7 @@ async def _node(kubeconfig_path: Path, *, context: str | None, **options: object
         api = ApiClient(kubeconfig_path, context=context)
     except (ConfigException, yaml.YAMLError, OSError, ValueError) as e:
         raise click.ClickException(f"{kubeconfig_path}: not a usable kubeconfig: {e}") from e
-    agent = NodeAgent(api, **options)  # type: ignore[arg-type]
+    agent = NodeAgent(api, mode=mode, name=name, workdir=workdir, log_port=log_port, max_running=max_running)
     try:
         try:
             await agent.start()

@@ -35,7 +35,8 @@ def token_from_kubeconfig(path: Path) -> str | None:
         doc = yaml.safe_load(Path(path).read_text())
         for user in doc.get("users") or []:
             if user.get("name") == kubeconfig_file.CONTEXT:
-                return user["user"]["token"]
+                token: str = user["user"]["token"]
+                return token
     except (OSError, yaml.YAMLError, AttributeError, KeyError, TypeError):
         return None
     return None
@@ -193,7 +194,8 @@ class LocalCluster:
 
     @property
     def mode(self) -> str:
-        return self._server._core_options["mode"]
+        mode: str = self._server._core_options["mode"]
+        return mode
 
     def __enter__(self) -> LocalCluster:
         self.start()

@@ -25,11 +25,12 @@ def field_ref(pod: dict[str, Any], path: str) -> str:
     meta = pod.get("metadata") or {}
     m = _SUBSCRIPT.match(path)
     if m:
-        return (meta.get(m.group(1)) or {}).get(m.group(2), "")
+        value: str = (meta.get(m.group(1)) or {}).get(m.group(2), "")
+        return value
     if path in ("metadata.labels", "metadata.annotations"):
         items = meta.get(path.split(".")[1]) or {}
         return "\n".join(f'{k}="{v}"' for k, v in sorted(items.items()))
-    simple = {
+    simple: dict[str, str] = {
         "metadata.name": meta.get("name", ""),
         "metadata.namespace": meta.get("namespace", ""),
         "metadata.uid": meta.get("uid", ""),

@@ -25,7 +25,8 @@ Key = tuple[str, str]
 
 
 def controller_ref(obj: dict[str, Any]) -> dict[str, Any] | None:
-    for ref in obj["metadata"].get("ownerReferences") or []:
+    refs: list[dict[str, Any]] = obj["metadata"].get("ownerReferences") or []
+    for ref in refs:
         if ref.get("controller"):
             return ref
     return None

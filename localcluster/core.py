@@ -18,6 +18,7 @@ from k8s_dispatch.localcluster.faults import Faults
 from k8s_dispatch.localcluster.garbage import GarbageCollector
 from k8s_dispatch.localcluster.kubelet import Kubelet, StoreHost
 from k8s_dispatch.localcluster.paging import Pager
+from k8s_dispatch.localcluster.podstatus import ContainerResult
 from k8s_dispatch.localcluster.registry import Registry
 from k8s_dispatch.localcluster.simrunner import SimRunner
 from k8s_dispatch.localcluster.store import Store
@@ -84,9 +85,9 @@ class ClusterCore:
         if self.kubelet is not None:
             self.kubelet.started(uid, started_at, container_id)
 
-    def finished(self, uid: str, result: object) -> None:
+    def finished(self, uid: str, result: ContainerResult) -> None:
         if self.kubelet is not None:
-            self.kubelet.finished(uid, result)  # type: ignore[arg-type]
+            self.kubelet.finished(uid, result)
 
     def start(self) -> None:
         if self.kubelet is not None:

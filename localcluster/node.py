@@ -59,8 +59,14 @@ def _key(obj: dict[str, Any]) -> Key:
     return meta.get("namespace", ""), meta.get("name", "")
 
 
+async def _healthz(request: web.Request) -> web.Response:
+    """A coroutine: aiohttp warns of (and will refuse) a plain function as a handler."""
+    return web.Response(text="ok")
+
+
 def _uid(obj: dict[str, Any]) -> str:
-    return (obj.get("metadata") or {}).get("uid", "")
+    uid: str = (obj.get("metadata") or {}).get("uid", "")
+    return uid
 
 
 def schedulable(pod: dict[str, Any]) -> bool:
@@ -533,7 +539,7 @@ class NodeAgent:
     async def _serve_logs(self) -> None:
         files = tls.ensure_certificate(self.workdir / "tls", [HOST_IP])
         app = web.Application()
-        app.router.add_get("/healthz", lambda request: web.Response(text="ok"))
+        app.router.add_get("/healthz", _healthz)
         app.router.add_get("/containerLogs/{namespace}/{pod}/{container}", self._container_logs)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False, shutdown_timeout=1.0)
         await self._runner.setup()
@@ -545,7 +551,8 @@ class NodeAgent:
         """GET /containerLogs/NS/POD/CONTAINER (tailLines, limitBytes, follow; timestamps ignored)."""
         ns, name, container = (request.match_info[k] for k in ("namespace", "pod", "container"))
         assert self.host is not None and self.kubelet is not None
-        pod = self.host.find(ns, name)
+        host = self.host
+        pod = host.find(ns, name)
         if pod is None:
             return web.Response(status=404, text=f'pod "{ns}/{name}" not found on node "{self.name}"')
         containers = [c.get("name") for c in (pod.get("spec") or {}).get("containers") or []]
@@ -570,7 +577,7 @@ class NodeAgent:
             return web.Response(body=data, content_type="text/plain")
 
         def done() -> bool:
-            current = self.host.find(ns, name)
+            current = host.find(ns, name)
             return current is None or _uid(current) != uid or is_terminal_pod(current)
 
         return await logstream.follow(request, data, read=lambda: runner.logs(uid), done=done)

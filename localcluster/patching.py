@@ -37,7 +37,8 @@ _SET_ORDER = "$setElementOrder/"
 def strategic_merge_patch(target: dict[str, Any], patch: dict[str, Any], kind: str) -> dict[str, Any]:
     if not isinstance(patch, dict):
         raise PatchError("strategic merge patch must be a JSON object")
-    return _smp_map(target, patch, obj(kind))
+    merged: dict[str, Any] = _smp_map(target, patch, obj(kind))  # a map patched is a map
+    return merged
 
 
 def _child_type(t: T | None, key: str) -> T | None:

@@ -44,7 +44,7 @@ def load(path: Path) -> tuple[int, list[tuple[Resource, dict[str, Any]]]]:
         return 0, []
     try:
         lines = path.read_bytes().splitlines()
-        header = json.loads(lines[0]) if lines else {"format": FORMAT, "resourceVersion": 0}
+        header: dict[str, Any] = json.loads(lines[0]) if lines else {"format": FORMAT, "resourceVersion": 0}
         if header.get("format") != FORMAT:
             raise StateError(f"{path}: not a localcluster state file")
         objects = []

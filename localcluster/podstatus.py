@@ -35,7 +35,7 @@ def _cond(kind: str, status: bool, ts: float, reason: str | None = None) -> dict
 
 
 def _container(pod: dict[str, Any]) -> dict[str, Any]:
-    containers = (pod.get("spec") or {}).get("containers") or [{}]
+    containers: list[dict[str, Any]] = (pod.get("spec") or {}).get("containers") or [{}]
     return containers[0]
 
 

@@ -413,10 +413,10 @@ class Registry:
                 finalizers.append(FOREGROUND_FINALIZER)
         grace = 0
         if resource is PODS:
-            grace = options.grace_period_seconds
-            if grace is None:
-                grace = (old.obj.get("spec") or {}).get("terminationGracePeriodSeconds", 30)
-            grace = max(0, grace)
+            requested = options.grace_period_seconds
+            if requested is None:
+                requested = (old.obj.get("spec") or {}).get("terminationGracePeriodSeconds", 30)
+            grace = max(0, requested)
         already = bool(meta.get("deletionTimestamp"))
         if already:
             new_meta = (

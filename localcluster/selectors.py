@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, TypeGuard
 
 from k8s_dispatch.localcluster.names import label_value as is_label_value
 from k8s_dispatch.localcluster.names import qualified_name as is_qualified_name
@@ -100,7 +100,7 @@ def _tokens(text: str) -> list[str]:
     return out
 
 
-def _is_word(tok: str | None) -> bool:
+def _is_word(tok: str | None) -> TypeGuard[str]:
     return tok is not None and tok[0] not in _SPECIAL
 
 
@@ -139,15 +139,19 @@ def parse_label_selector(text: str | None) -> LabelSelector:
             key = take()
             if not _is_word(key):
                 raise SelectorError(f"found {key!r}, expected: identifier after '!'")
-            reqs.append(Requirement(_check_key(key), Op.DOES_NOT_EXIST))  # type: ignore[arg-type]
+            reqs.append(Requirement(_check_key(key), Op.DOES_NOT_EXIST))
         elif _is_word(tok):
-            key = _check_key(tok)  # type: ignore[arg-type]
+            key = _check_key(tok)
             op_tok = peek()
             if op_tok is None or op_tok == ",":
                 reqs.append(Requirement(key, Op.EXISTS))
             elif op_tok in ("=", "==", "!="):
                 take()
-                value = take() if _is_word(peek()) else ""
+                value = peek()
+                if _is_word(value):
+                    take()
+                else:
+                    value = ""
                 op = Op.NOT_EQUALS if op_tok == "!=" else Op.EQUALS
                 reqs.append(Requirement(key, op, frozenset({_check_value(value)})))
             elif op_tok in ("in", "notin"):
@@ -178,12 +182,12 @@ def parse_label_selector(text: str | None) -> LabelSelector:
                 reqs.append(Requirement(key, Op.IN if op_tok == "in" else Op.NOT_IN, frozenset(values)))
             elif op_tok in ("<", ">"):
                 take()
-                bound = take()
+                bound = take() or ""
                 try:
-                    int(bound or "")
+                    int(bound)
                 except ValueError:
                     raise SelectorError(f"for {op_tok!r} operator, the value must be an integer") from None
-                reqs.append(Requirement(key, Op.LESS if op_tok == "<" else Op.GREATER, frozenset({bound})))  # type: ignore[arg-type]
+                reqs.append(Requirement(key, Op.LESS if op_tok == "<" else Op.GREATER, frozenset({bound})))
             else:
                 raise SelectorError(f"found {op_tok!r}, expected: operator after key {key!r}")
         else:

@@ -16,16 +16,18 @@ from typing import Any
 import aiohttp
 import yaml
 from aiohttp import web
+from aiohttp.typedefs import Handler
 from multidict import CIMultiDict
 
 from k8s_dispatch.localcluster import apierrors, audit, discovery, logstream, openapi, paths, tables
 from k8s_dispatch.localcluster.apierrors import ApiError
 from k8s_dispatch.localcluster.core import ClusterCore
+from k8s_dispatch.localcluster.kubelet import Kubelet
 from k8s_dispatch.localcluster.paging import Page
 from k8s_dispatch.localcluster.registry import PATCH_TYPES, DeleteOptions, DeleteResult, is_terminal_pod
 from k8s_dispatch.localcluster.resources import NODES, PODS, Resource
 from k8s_dispatch.localcluster.selectors import SelectorError, fields_match, parse_field_selector, parse_label_selector
-from k8s_dispatch.localcluster.store import ADDED, Entry, Gone, dumps, loads
+from k8s_dispatch.localcluster.store import ADDED, Entry, Gone, Watcher, dumps, loads
 from k8s_dispatch.localcluster.timestamps import now
 
 PUBLIC_PATHS = frozenset({"/healthz", "/livez", "/readyz", "/version", "/version/"})
@@ -90,7 +92,7 @@ def _wants_table(request: web.Request) -> bool:
 
 
 @web.middleware
-async def api_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+async def api_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     core = request.app[CORE_KEY]
     path = request.path
     try:
@@ -257,7 +259,7 @@ async def resource_handler(request: web.Request) -> web.StreamResponse:
             raise apierrors.method_not_allowed()
         if core.kubelet is None:
             return await _node_log(request, core, target)
-        return await _pod_log(request, core, target)
+        return await _pod_log(request, core, target, kubelet=core.kubelet)
     if target.subresource == "binding":
         if method != "POST" or target.name is None:
             raise apierrors.method_not_allowed()
@@ -488,6 +490,7 @@ async def _watch(request: web.Request, core: ClusterCore, target: paths.Target) 
 
     initial: list[Entry] = []
     gone: int | None = None
+    watcher: Watcher | None = None  # None: `since` predates the event log (Gone)
     if rv_text in ("", "0") or _truthy(send_initial):
         initial = [e for e in store.list(resource, target.namespace) if predicate(e)]
         watcher = store.watch(resource, target.namespace, predicate)
@@ -500,7 +503,6 @@ async def _watch(request: web.Request, core: ClusterCore, target: paths.Target) 
             watcher = store.watch(resource, target.namespace, predicate, since=since)
         except Gone:
             gone = since
-            watcher = None  # type: ignore[assignment]
 
     response = web.StreamResponse(status=200, headers={"Content-Type": JSON, "Cache-Control": "no-cache, private"})
     response.enable_chunked_encoding()
@@ -519,7 +521,7 @@ async def _watch(request: web.Request, core: ClusterCore, target: paths.Target) 
             return _event_bytes(kind, dumps(table))
         return _event_bytes(kind, entry.raw)
 
-    if gone is not None:
+    if watcher is None:
         err = apierrors.gone(f"too old resource version: {gone} ({store.compacted_rv + 1})")
         await response.write(_event_bytes("ERROR", dumps(err.status())))
         await response.write_eof()
@@ -547,7 +549,7 @@ async def _watch(request: web.Request, core: ClusterCore, target: paths.Target) 
                 break
             await watcher.wait(min(remaining, BOOKMARK_INTERVAL))
             if watcher.queue:
-                out = []
+                out: list[bytes] = []
                 while watcher.queue and len(out) < 1000:
                     kind, entry = watcher.queue.popleft()
                     out.append(encode(kind, entry, headers=first))
@@ -589,7 +591,9 @@ def _log_slice(data: bytes, query: Any) -> bytes:
     return data
 
 
-async def _pod_log(request: web.Request, core: ClusterCore, target: paths.Target) -> web.StreamResponse:
+async def _pod_log(
+    request: web.Request, core: ClusterCore, target: paths.Target, *, kubelet: Kubelet
+) -> web.StreamResponse:
     ns, name = target.namespace or "", target.name or ""
     entry = core.registry.get(PODS, ns, name)
     containers = [c.get("name") for c in (entry.obj.get("spec") or {}).get("containers") or []]
@@ -601,7 +605,7 @@ async def _pod_log(request: web.Request, core: ClusterCore, target: paths.Target
     if not statuses or ("waiting" in state and not statuses[0].get("lastState")):
         reason = (state.get("waiting") or {}).get("reason", "ContainerCreating")
         raise apierrors.bad_request(f'container "{container}" in pod "{name}" is waiting to start: {reason}')
-    data = _log_slice(core.kubelet.logs(entry), request.query)
+    data = _log_slice(kubelet.logs(entry), request.query)
     if not _truthy(request.query.get("follow")):
         return _response(data, content_type="text/plain")
     uid = entry.uid
@@ -610,7 +614,7 @@ async def _pod_log(request: web.Request, core: ClusterCore, target: paths.Target
         current = core.store.get(PODS, ns, name)
         return current is None or current.uid != uid or is_terminal_pod(current.obj)
 
-    return await logstream.follow(request, data, read=lambda: core.kubelet.logs(entry), done=done)
+    return await logstream.follow(request, data, read=lambda: kubelet.logs(entry), done=done)
 
 
 async def _node_log(request: web.Request, core: ClusterCore, target: paths.Target) -> web.StreamResponse:

@@ -10,6 +10,7 @@ not write back synchronously (they schedule their work).
 from __future__ import annotations
 
 import asyncio
+import builtins
 import contextlib
 import json
 from collections import deque
@@ -55,15 +56,18 @@ class Entry:
 
     @property
     def meta(self) -> dict[str, Any]:
-        return self.obj["metadata"]
+        meta: dict[str, Any] = self.obj["metadata"]
+        return meta
 
     @property
     def uid(self) -> str:
-        return self.obj["metadata"].get("uid", "")
+        uid: str = self.obj["metadata"].get("uid", "")
+        return uid
 
     def thaw(self) -> dict[str, Any]:
         """A deep, mutable copy of the object."""
-        return loads(self.raw)
+        obj: dict[str, Any] = loads(self.raw)
+        return obj
 
 
 @dataclass(eq=False, slots=True)
@@ -174,7 +178,7 @@ class Store:
     def count(self, resource: Resource) -> int:
         return len(self._table(resource).objects)
 
-    def owned_by(self, uid: str) -> list[tuple[str, str, str]]:
+    def owned_by(self, uid: str) -> builtins.list[tuple[str, str, str]]:  # `list` is the method above
         """(plural, namespace, name) of objects whose ownerReferences name `uid`."""
         return sorted(self._owned.get(uid, ()))
 
@@ -229,7 +233,9 @@ class Store:
         before, after = refs(old), refs(new)
         if before == after:
             return
-        item = (new or old).resource.plural, (new or old).namespace, (new or old).name  # type: ignore[union-attr]
+        entry = new or old
+        assert entry is not None  # with neither, both sides have no references: returned above
+        item = entry.resource.plural, entry.namespace, entry.name
         for uid in before - after:
             owned = self._owned.get(uid)
             if owned is not None:
@@ -253,7 +259,7 @@ class Store:
     def subscribe(self, listener: Callable[[Event], None]) -> None:
         self._listeners.append(listener)
 
-    def events_since(self, rv: int) -> list[Event]:
+    def events_since(self, rv: int) -> builtins.list[Event]:
         """Events with resourceVersion > rv, oldest first; raises Gone when rv predates the log."""
         if rv < self.compacted_rv:
             raise Gone(rv)

@@ -41,6 +41,7 @@ from k8s_dispatch.ops.chaos_checks import RowSnapshot, TerminalEvent, Verdict, j
 from k8s_dispatch.ops.chaos_cluster import CLUSTERS, LOCALCLUSTER, ChaosCluster
 from k8s_dispatch.ops.chaos_workload import Expected, Planned, capabilities_config, expected, workload
 from k8s_dispatch.ops.fault_plan import BEAT, Fault, FaultKind, FaultPlan, make_plan, worker_names
+from k8s_dispatch.ops.kubeclient import opened
 from k8s_dispatch.ops.processes import ManagedProcess, WaitTimeout, celery_beat, celery_worker, wait_for_log, wait_until
 from k8s_dispatch.workers.manifest import FINALIZER
 
@@ -520,7 +521,7 @@ class _Run:
 
         from k8s_dispatch.engine.db import transaction
         from k8s_dispatch.engine.errors import DatabaseUnavailable
-        from k8s_dispatch.tasks.scheduling import schedule_in_session
+        from k8s_dispatch.tasks.scheduling import schedule_many_in_session
         from k8s_dispatch.workers.resolver import CapabilityResolver
 
         if planned.via_task:
@@ -537,17 +538,10 @@ class _Run:
         while not self.stop.is_set():
             try:
                 with transaction(self.sessions) as session:
-                    scheduled = schedule_in_session(
-                        session,
-                        via=self.producer,
-                        case_id=planned.case_id,
-                        tenancy_id=planned.tenancy_id,
-                        capability=planned.capability,
-                        input=planned.input,
-                        idempotency_key=planned.idempotency_key,
-                        router=resolver,
-                        max_input_bytes=self.settings.max_input_bytes,
-                    )
+                    (scheduled,) = schedule_many_in_session(
+                        session, [planned.request()], router=resolver,
+                        max_input_bytes=self.settings.max_input_bytes, via=self.producer,
+                    )  # fmt: skip
             except DatabaseUnavailable as e:  # the engine retries its own transaction
                 log.warning("scheduling %s: %s; retrying", planned.idempotency_key, e)
                 time.sleep(0.2)
@@ -690,15 +684,17 @@ class _Run:
     def _delete_finished_pods_once(self) -> str:
         from concurrent.futures import ThreadPoolExecutor
 
-        from kubernetes import client, config
+        from kubernetes import client
 
-        with config.new_client_from_config(config_file=str(self._cluster.harness_kubeconfig)) as api:
+        with opened(self._cluster.harness_kubeconfig) as api:
             core = client.CoreV1Api(api)
             finished = [
                 pod
                 for namespace in NAMESPACES
                 for pod in core.list_namespaced_pod(namespace, label_selector="batch.kubernetes.io/job-name").items
-                if pod.status.phase in ("Succeeded", "Failed") and not pod.metadata.deletion_timestamp
+                if pod.status is not None
+                and pod.status.phase in ("Succeeded", "Failed")
+                and not (pod.metadata is not None and pod.metadata.deletion_timestamp)
             ]
 
             def delete(pod: Any) -> int:
@@ -712,7 +708,7 @@ class _Run:
 
             with ThreadPoolExecutor(max_workers=8) as pool:
                 deleted = sum(pool.map(delete, finished))
-        held = sum(FINALIZER in (pod.metadata.finalizers or []) for pod in finished)
+        held = sum(pod.metadata is not None and FINALIZER in (pod.metadata.finalizers or []) for pod in finished)
         return f"deleted {deleted} of {len(finished)} finished pods ({held} held by our finalizer until delivered)"
 
     def _change_namespace(self) -> str:

@@ -22,12 +22,13 @@ import logging
 import secrets
 import urllib.request
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
 import yaml
 
+from k8s_dispatch.ops.kubeclient import opened
 from k8s_dispatch.ops.processes import LISTENING, ManagedProcess, free_port, localcluster_server, wait_for_log
 
 log = logging.getLogger(__name__)
@@ -193,29 +194,35 @@ class RealChaosCluster:
                                f"{e.body!r}") from e  # fmt: skip
 
     def _create_worker_identity(self) -> str:
-        from kubernetes import client, config
+        from kubernetes import client
 
-        with config.new_client_from_config(config_file=str(self.plane.kubeconfig)) as api:
+        with opened(self.plane.kubeconfig) as api:
             core, rbac = client.CoreV1Api(api), client.RbacAuthorizationV1Api(api)
             account = ""
             for namespace in self.namespaces:
-                core.create_namespace({"metadata": {"name": namespace}})
+                core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=namespace)))
                 for doc in yaml.safe_load_all(RBAC_FILE.read_text()):
                     if doc["kind"] == "ServiceAccount" and namespace != self.namespace:
                         continue
                     doc["metadata"]["namespace"] = namespace
                     for subject in doc.get("subjects") or []:
                         subject["namespace"] = self.namespace
-                    create = {
+                    # each takes the YAML's dict as its body (the client validates it into its model)
+                    creators: dict[str, Callable[..., object]] = {
                         "ServiceAccount": core.create_namespaced_service_account,
                         "Role": rbac.create_namespaced_role,
                         "RoleBinding": rbac.create_namespaced_role_binding,
-                    }[doc["kind"]]
-                    create(namespace, doc)
+                    }
+                    creators[doc["kind"]](namespace, doc)
                     if doc["kind"] == "ServiceAccount":
                         account = doc["metadata"]["name"]
-            request = {"spec": {"expirationSeconds": WORKER_TOKEN_S}}
-            return str(core.create_namespaced_service_account_token(account, self.namespace, request).status.token)
+            request = client.AuthenticationV1TokenRequest(
+                spec=client.V1TokenRequestSpec(expiration_seconds=WORKER_TOKEN_S)
+            )
+            status = core.create_namespaced_service_account_token(account, self.namespace, request).status
+            if status is None or not status.token:
+                raise RuntimeError(f"kube-apiserver issued no token for {account} in {self.namespace}")
+            return status.token
 
     def _write_worker_kubeconfig(self, token: str) -> None:
         from k8s_dispatch.realcluster.controlplane import User, kubeconfig_text

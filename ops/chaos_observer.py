@@ -12,6 +12,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from k8s_dispatch.ops.kubeclient import new_watch, opened
 from k8s_dispatch.workers.labels import DISPATCH_ID_KEY, selector
 
 log = logging.getLogger(__name__)
@@ -53,24 +54,25 @@ class JobObserver:
                 self._seen[dispatch_id].add((metadata.namespace, metadata.uid))
 
     def _list(self) -> str:
-        from kubernetes import client, config
+        from kubernetes import client
 
-        with config.new_client_from_config(config_file=str(self.kubeconfig)) as api:
+        with opened(self.kubeconfig) as api:
             listed = client.BatchV1Api(api).list_job_for_all_namespaces(label_selector=selector(), _request_timeout=10)
         for job in listed.items:
             self._note(job)
+        assert listed.metadata is not None  # a LIST always carries its ListMeta
         return str(listed.metadata.resource_version)
 
     def _run(self) -> None:
-        from kubernetes import client, config, watch
+        from kubernetes import client
 
         version: str | None = None
         while not self._stop.is_set():
             try:
                 if version is None:
                     version = self._list()
-                with config.new_client_from_config(config_file=str(self.kubeconfig)) as api:
-                    stream = watch.Watch()
+                with opened(self.kubeconfig) as api:
+                    stream = new_watch()
                     for event in stream.stream(
                         client.BatchV1Api(api).list_job_for_all_namespaces, label_selector=selector(),
                         resource_version=version, timeout_seconds=WATCH_S, allow_watch_bookmarks=True,

@@ -19,6 +19,7 @@ from enum import StrEnum
 from typing import Any
 
 from k8s_dispatch.engine.models import EventType
+from k8s_dispatch.engine.store import ScheduleRequest
 
 SIM = "localcluster.k8s-dispatch.io/"  # localcluster's simulate-mode annotations
 IMAGE = "k8s-dispatch-chaos:local"  # never pulled: localcluster runs or simulates it
@@ -94,6 +95,9 @@ class Planned:
     @property
     def capability(self) -> str:
         return capability(self.kind)
+
+    def request(self) -> ScheduleRequest:
+        return ScheduleRequest(self.case_id, self.tenancy_id, self.capability, self.input, self.idempotency_key)
 
 
 def cases(tag: str) -> list[tuple[str, str]]:

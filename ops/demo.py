@@ -46,7 +46,7 @@ from k8s_dispatch.engine.settings import Settings, load_settings
 from k8s_dispatch.localcluster import LocalCluster
 from k8s_dispatch.ops import interrupts, processes
 from k8s_dispatch.tasks.recovery_tasks import STARTUP_SWEEP_DONE
-from k8s_dispatch.tasks.scheduling import schedule_in_session
+from k8s_dispatch.tasks.scheduling import schedule_many_in_session
 from k8s_dispatch.workers import demo_functions
 from k8s_dispatch.workers import labels as job_labels
 from k8s_dispatch.workers.job_status import job_state
@@ -91,6 +91,9 @@ class DemoRequest:
     idempotency_key: str
     expected: Any = None  # the output it must produce; None when it must fail
     must_fail: bool = False
+
+    def request(self) -> store.ScheduleRequest:
+        return store.ScheduleRequest(self.case_id, self.tenancy_id, self.capability, self.input, self.idempotency_key)
 
 
 def plan_requests(count: int, *, run_id: str) -> list[DemoRequest]:
@@ -240,14 +243,14 @@ def open_broker(mode: str, redis_url: str) -> Broker:
     server.daemon_threads = True
     thread = threading.Thread(target=server.serve_forever, name="embedded-redis", daemon=True)
     thread.start()
-    host, port = server.server_address[:2]
+    port = server.server_address[1]  # bound to 127.0.0.1 above
 
     def close() -> None:
         server.shutdown()
         server.server_close()
         thread.join(5)
 
-    return Broker(f"redis://{host}:{port}/0", f"embedded fakeredis at 127.0.0.1:{port} (no Redis answered)", close)
+    return Broker(f"redis://127.0.0.1:{port}/0", f"embedded fakeredis at 127.0.0.1:{port} (no Redis answered)", close)
 
 
 # --- the run ------------------------------------------------------------------------------
@@ -400,17 +403,10 @@ class _Demo:
         with transaction(self.sessions) as session:
             for request in requests:
                 store.create_case(session, case_id=request.case_id, tenancy_id=request.tenancy_id)
-                result = schedule_in_session(
-                    session,
-                    via=self.producer,
-                    case_id=request.case_id,
-                    tenancy_id=request.tenancy_id,
-                    capability=request.capability,
-                    input=request.input,
-                    idempotency_key=request.idempotency_key,
-                    router=resolver,
-                    max_input_bytes=self.settings.max_input_bytes,
-                )
+                (result,) = schedule_many_in_session(
+                    session, [request.request()], router=resolver,
+                    max_input_bytes=self.settings.max_input_bytes, via=self.producer,
+                )  # fmt: skip
                 self.ids.append(result.dispatch_id)
 
     def _kill_and_recover(self, second_wave: list[DemoRequest]) -> None:
@@ -494,7 +490,7 @@ class _Demo:
             time.sleep(REFRESH_S)
 
     def _settled(self, ended: int, jobs: tuple[int, int]) -> bool:
-        if ended < self.total or sum(jobs):
+        if ended < self.total or sum(jobs) != 0:
             return False
         return self._unnotified() == 0
 

@@ -29,7 +29,7 @@ class WaitTimeout(TimeoutError):
 
 
 def wait_until(
-    condition: Callable[[], T],
+    condition: Callable[[], T | None],
     *,
     timeout: float,
     interval: float = 0.05,
@@ -178,7 +178,8 @@ def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port free right now: for a server that must come back on the same port after a restart."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
-        return sock.getsockname()[1]
+        port: int = sock.getsockname()[1]
+        return port
 
 
 def localcluster_server(

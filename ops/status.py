@@ -191,6 +191,7 @@ def read_status(session: Session, *, now: datetime, failures: int = DEFAULT_FAIL
         create_waits=[
             CreateWait(row.dispatch_id, row.capability, row.create_error or "", row.create_error_at)
             for row in wait_rows
+            if row.create_error_at is not None  # always: `_waiting_to_create` asks for one
         ],
         create_waiting=int(create_waiting or 0),
     )
@@ -215,9 +216,11 @@ def _failure_messages(session: Session, dispatch_ids: list[str]) -> dict[str, st
             CaseEvent.type.in_(sorted(t.value for t in TERMINAL_EVENT_TYPES)),
         )
     )
-    found = {}
+    found: dict[str, str] = {}
     for event in events:
         message = event.payload.get("message") if isinstance(event.payload, dict) else None
+        if event.dispatch_id is None:  # never: the query asks for these dispatches' events
+            continue
         if event.type == EventType.WORKER_FAILED and isinstance(message, str) and message.strip():
             found[event.dispatch_id] = _trim(message.strip())
     return found

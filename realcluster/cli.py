@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from k8s_dispatch.realcluster import controlplane
+from k8s_dispatch.realcluster import binaries, controlplane
 
 
 @click.group(name="realcluster")
@@ -42,6 +42,6 @@ def serve(kubeconfig_path: Path, mode: str) -> None:
 @realcluster.command()
 def build() -> None:
     """Build (or find in the tool cache) etcd, kube-apiserver and kube-controller-manager."""
-    bins = controlplane.binaries.control_plane()
+    bins = binaries.control_plane()
     for path in (bins.etcd, bins.kube_apiserver, bins.kube_controller_manager):
         click.echo(str(path))

@@ -465,6 +465,7 @@ class _Batch:
                 decided[i] = CompleteOutcome.REFUSED
             elif event.dispatch_id in won:
                 decided[i] = CompleteOutcome.COMPLETED
+                METRICS.completion_recorded(self.jobs[i])
                 statelog.dispatch_changed(
                     context.record, STATE_FOR_TERMINAL_EVENT[event.type], reason=event.payload.get("reason")
                 )

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, start_http_server
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
@@ -24,6 +24,12 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 NAMESPACE = "k8s_dispatch"
+# Job finished -> terminal event recorded: about a poll interval when all is well (issue 8's
+# target is p99 <= 3 s), minutes when completions fall behind.
+LATENCY_BUCKETS_S = (0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 900.0)
+# A running Job counts as past its deadline only this long after it: the Job controller fails
+# it at the deadline, and the API server's clock (the Job's startTime) may differ from ours.
+DEADLINE_SLACK_S = 120.0
 
 
 class Metrics:
@@ -109,6 +115,47 @@ class Metrics:
             namespace=NAMESPACE,
             registry=registry,
         )
+        self.last_findings = Gauge(
+            "recovery_last_findings",
+            "What the latest recovery sweep of this process found, by category: a count that stays "
+            "above 0 sweep after sweep is work that does not move (scheduled_without_job: dispatches "
+            "queued past the grace period with no Job).",
+            ["category"],
+            namespace=NAMESPACE,
+            registry=registry,
+        )
+        self.oldest_scheduled = Gauge(
+            "recovery_oldest_scheduled_seconds",
+            "At the latest recovery sweep of this process, how long the oldest dispatch still scheduled "
+            "without a Job past the grace period had waited (0: none). Past the grace period plus a sweep "
+            "interval, its Job cannot be created (quota, API, config).",
+            namespace=NAMESPACE,
+            registry=registry,
+        )
+        self.jobs_past_deadline = Gauge(
+            "poll_jobs_past_deadline",
+            "Running Jobs the latest poll saw past their activeDeadlineSeconds (by more than "
+            f"{DEADLINE_SLACK_S:.0f} s): the Job controller should have failed them.",
+            namespace=NAMESPACE,
+            registry=registry,
+        )
+        self.completion_latency = Histogram(
+            "completion_latency_seconds",
+            "From a Job's finish (its Complete or Failed condition, by the API server's clock) to its "
+            "terminal event recorded by this process.",
+            buckets=LATENCY_BUCKETS_S,
+            namespace=NAMESPACE,
+            registry=registry,
+        )
+        self.api_requests = Counter(
+            "api_requests",
+            "Requests this process sent to the Kubernetes API, by verb (get, list, create, patch, "
+            "delete, deletecollection) and answer: the HTTP status code, or `error` for none (refused, "
+            "reset, timed out).",
+            ["verb", "code"],
+            namespace=NAMESPACE,
+            registry=registry,
+        )
 
     # --- what the call sites use ------------------------------------------------------------
 
@@ -132,15 +179,31 @@ class Metrics:
             self.recovery_findings.labels(category=category).inc(counts.found)
             self.recovery_actions.labels(category=category).inc(counts.acted)
             self.recovery_errors.labels(category=category).inc(counts.errors)
+            self.last_findings.labels(category=category).set(counts.found)
+        self.oldest_scheduled.set(report.oldest_scheduled_s)
         self.sweeps.inc()
         finished = report.finished_at or datetime.now(UTC)
         self.last_sweep.set(finished.timestamp())
 
-    def poll_done(self, *, finished: int, lag_s: float) -> None:
-        """Record a whole poll: the finished Jobs it saw and the oldest one's wait (`poll_lag_s`)."""
+    def poll_done(self, *, finished: int, lag_s: float, past_deadline: int = 0) -> None:
+        """Record a whole poll: the finished Jobs it saw, the oldest one's wait (`poll_lag_s`) and
+        the running Jobs past their deadline (`jobs_past_deadline`)."""
         self.finished_jobs_waiting.set(finished)
         self.poll_lag.set(lag_s)
+        self.jobs_past_deadline.set(past_deadline)
         self.last_poll.set(datetime.now(UTC).timestamp())
+
+    def completion_recorded(self, job: Mapping[str, Any], *, now: datetime | None = None) -> None:
+        """Observe one Job's completion latency, to `now` (default: this process's clock);
+        nothing when its finish time is unknown."""
+        finished = job_finished_at(job)
+        if finished is not None:
+            now = now if now is not None else datetime.now(UTC)
+            self.completion_latency.observe(max(0.0, (now - finished).total_seconds()))
+
+    def api_request(self, verb: str, code: str) -> None:
+        """Count one Kubernetes API request (`workers.kube.KubeClient`'s `on_request`)."""
+        self.api_requests.labels(verb=verb, code=code).inc()
 
 
 # --- pure -------------------------------------------------------------------------------
@@ -165,6 +228,21 @@ def poll_lag_s(finished_jobs: Iterable[Mapping[str, Any]], *, now: datetime) -> 
     """Seconds the oldest of `finished_jobs` has waited since it finished (0 if none or unknown)."""
     ages = [(now - at).total_seconds() for at in map(job_finished_at, finished_jobs) if at is not None]
     return max([0.0, *ages])
+
+
+def jobs_past_deadline(jobs: Iterable[Mapping[str, Any]], *, now: datetime, slack_s: float = DEADLINE_SLACK_S) -> int:
+    """How many of `jobs` run (not finished) past `status.startTime` + `spec.activeDeadlineSeconds`
+    + `slack_s`; a Job with no deadline or no start time is never past it."""
+    count = 0
+    for job in jobs:
+        deadline = (job.get("spec") or {}).get("activeDeadlineSeconds")
+        status = job.get("status") or {}
+        started = _timestamp(status.get("startTime"))
+        if not isinstance(deadline, int) or isinstance(deadline, bool) or started is None:
+            continue
+        if job_finished_at(job) is None and (now - started).total_seconds() > deadline + slack_s:
+            count += 1
+    return count
 
 
 def _timestamp(value: object) -> datetime | None:

@@ -327,6 +327,8 @@ def _sweep_dispatches(
     try:
         for views in _pages(rt, query, lambda row: _view(rt, row)):
             report.dispatches_checked += len(views)
+            waits = [(now - v.updated_at).total_seconds() for v in views if v.state == DispatchState.SCHEDULED]
+            report.oldest_scheduled_s = max([report.oldest_scheduled_s, *waits])
             try:
                 present = _present_jobs(rt, views)
             except DispatchError as e:

@@ -41,6 +41,9 @@ class SweepReport:
     completions_deferred: int = 0
     # Jobs of ours made before the deployment label existed, given it (dry run: to be given).
     jobs_labelled: int = 0
+    # How long the oldest dispatch still scheduled past the grace period had waited for its Job
+    # (by the database's clock; 0: none): beyond grace + a sweep interval, its creates fail.
+    oldest_scheduled_s: float = 0.0
     # Failures that are not one action's: a namespace that could not be listed, a page of
     # the database that could not be read. Each also counts as an error.
     problems: list[str] = field(default_factory=list)

@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from k8s_dispatch.engine.db import make_engine, make_sessionmaker
 from k8s_dispatch.engine.settings import Settings
 from k8s_dispatch.recovery.guard import Guard
+from k8s_dispatch.recovery.metrics import METRICS
 from k8s_dispatch.recovery.stats import Stats
 from k8s_dispatch.workers.kube import KubeClient
 from k8s_dispatch.workers.resolver import CapabilityResolver
@@ -63,7 +64,7 @@ class Runtime:
         resolver = resolver if resolver is not None else CapabilityResolver.from_settings(settings)
         if resolver.default_namespace is None:  # so that scheduling with it records every namespace
             resolver = resolver.with_default_namespace(settings.namespace)
-        kube = kube if kube is not None else KubeClient.from_settings(settings)
+        kube = kube if kube is not None else KubeClient.from_settings(settings, on_request=METRICS.api_request)
         engine = make_engine(settings.database_url)
         client = redis.Redis.from_url(
             settings.redis_url, socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=REDIS_TIMEOUT_S

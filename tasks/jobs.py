@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import Any, TypeVar
+from typing import Any, TypedDict, TypeVar, cast
 
 import redis
 from celery import Task
 from celery.utils.time import get_exponential_backoff_interval
+from kombu.connection import ConnectionPool
 from kombu.exceptions import ChannelError, LimitExceeded, OperationalError
 
 from k8s_dispatch import celeryconfig as names
@@ -24,7 +25,7 @@ from k8s_dispatch.engine.errors import Transient
 from k8s_dispatch.engine.models import DispatchState, utcnow
 from k8s_dispatch.recovery import delivery, handoff, statelog, supersede
 from k8s_dispatch.recovery.crashpoints import Point, crashpoint
-from k8s_dispatch.recovery.metrics import METRICS, poll_lag_s
+from k8s_dispatch.recovery.metrics import METRICS, jobs_past_deadline, poll_lag_s
 from k8s_dispatch.tasks.app import app, get_runtime
 from k8s_dispatch.workers import labels as job_labels
 from k8s_dispatch.workers.job_status import job_state
@@ -32,9 +33,27 @@ from k8s_dispatch.workers.job_status import job_state
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+
+class RetryOptions(TypedDict):
+    """The retry options every task passes to `app.task` (typed, so `**RETRY` is checked against
+    its parameters)."""
+
+    autoretry_for: tuple[type[BaseException], ...]
+    retry_backoff: int
+    retry_backoff_max: int
+    retry_jitter: bool
+    max_retries: int
+
+
 # Retried with exponential backoff (1 s, 2 s, 4 s ... at most 60 s, jittered). After the last
 # retry the dispatch is still safe in the database: the recovery sweep picks it up.
-RETRY = dict(autoretry_for=(Transient,), retry_backoff=1, retry_backoff_max=60, retry_jitter=True, max_retries=8)
+RETRY: RetryOptions = {
+    "autoretry_for": (Transient,),
+    "retry_backoff": 1,
+    "retry_backoff_max": 60,
+    "retry_jitter": True,
+    "max_retries": 8,
+}
 # Finished Jobs per `complete_batch` message: at most HANDOFF_BATCH_MAX (one Pod LIST's selector
 # chunk), and no fewer than HANDOFF_BATCH_MIN, so a page's Jobs are shared among the worker's
 # threads (latency) without costing a Pod LIST and a bulk delete for every one or two (API load).
@@ -113,7 +132,9 @@ def complete(namespace: str, job_name: str) -> str:
 
 
 @app.task(bind=True, name=names.COMPLETE_BATCH_TASK, **RETRY)
-def complete_batch(self: Task, namespace: str, jobs: list[dict[str, Any]]) -> dict[str, int]:
+def complete_batch(
+    self: Task[[str, list[dict[str, Any]]], dict[str, int]], namespace: str, jobs: list[dict[str, Any]]
+) -> dict[str, int]:
     """Finished Jobs of one namespace as poll's LIST saw them (`delivery.job_snapshot`): one
     Pod LIST for them all, no GET per Job, and the bulk delete left to the next poll (one for
     every batch of a poll interval). A Transient error stops the batch; the Jobs it left are
@@ -164,7 +185,7 @@ def poll() -> dict[str, int]:
     ):
         return {"seen": 0, "handed_off": 0, "superseded": 1}
     ttl_s = handoff.ttl_s(rt.settings.poll_interval_s)
-    seen = handed = waiting = 0
+    seen = handed = waiting = overdue = 0
     lag_s = 0.0
     # A backlog of completions: the markers of Jobs still waiting in it are renewed, not handed again.
     renew = _queued(names.COMPLETE_QUEUE) > 0
@@ -175,6 +196,7 @@ def poll() -> dict[str, int]:
                 seen += len(page)
                 finished = [job for job in page if job_state(job).terminal]
                 waiting, lag_s = waiting + len(finished), max(lag_s, poll_lag_s(finished, now=utcnow()))
+                overdue += jobs_past_deadline([job for job in page if not job_state(job).terminal], now=utcnow())
                 handed += _hand_off(
                     rt.redis, rt.settings.key_prefix, namespace, finished,
                     ttl_s=ttl_s, workers=rt.settings.worker_concurrency, renew=renew,
@@ -183,7 +205,7 @@ def poll() -> dict[str, int]:
     except (Transient, redis.RedisError) as e:
         log.warning("poll stopped early (%s); the next one continues", e)
     else:
-        METRICS.poll_done(finished=waiting, lag_s=lag_s)
+        METRICS.poll_done(finished=waiting, lag_s=lag_s, past_deadline=overdue)
     return {"seen": seen, "handed_off": handed}
 
 
@@ -213,9 +235,13 @@ def _queued(queue: str) -> int:
     unreachable broker): poll then renews nothing. Not `passive=True`: kombu's Redis transport
     checks a queue's existence with an EXISTS it does not prefix with `global_keyprefix`, so a
     passive declare never finds ours; declaring our own declared queue again changes nothing."""
+    # celery-types declares `app.pool` a ProducerPool; Celery's is kombu's ConnectionPool
+    # (`pools.connections[...]`), whose resources kombu's stubs leave untyped.
+    pool = cast(ConnectionPool, app.pool)
     try:
-        with app.pool.acquire(block=True, timeout=5) as connection:  # the producers' pooled connections
-            return connection.default_channel.queue_declare(queue=queue).message_count
+        with pool.acquire(block=True, timeout=5) as connection:  # the producers' pooled connections
+            count: int = connection.default_channel.queue_declare(queue=queue).message_count
+            return count
     except (ChannelError, LimitExceeded, OperationalError, redis.RedisError, OSError) as e:
         log.warning("could not read the length of %s (%s); renewing no hand-off", queue, e)
         return 0

@@ -31,6 +31,7 @@ from k8s_dispatch import celeryconfig as names
 from k8s_dispatch.engine import store
 from k8s_dispatch.engine.db import transaction
 from k8s_dispatch.engine.errors import DatabaseUnavailable, ScheduleNotRecorded
+from k8s_dispatch.engine.ids import check_dispatch_id
 from k8s_dispatch.engine.models import DispatchState, EventType
 from k8s_dispatch.recovery import statelog
 from k8s_dispatch.recovery.crashpoints import Point, crashpoint
@@ -110,7 +111,7 @@ def cancel_in_session(
         InvalidId: `dispatch_id` is not a UUID.
         UnknownDispatch: no such dispatch (nothing written).
     """
-    store.check_dispatch_id(dispatch_id)
+    check_dispatch_id(dispatch_id)
     won = store.record_terminal(session, dispatch_id, EventType.WORKER_CANCELLED, {"reason": reason})
     if won:
         row = store.get_dispatch(session, dispatch_id)

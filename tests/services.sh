@@ -68,6 +68,9 @@ ensure_tools() {
     command -v kubectl >/dev/null || log "WARNING: kubectl is not installed: the kubectl tests will fail"
     # faketime runs a worker with its clock skewed (tests/tasks/test_clock_skew.py).
     command -v faketime >/dev/null || { log "installing faketime"; apt_install faketime; }
+    # Headless Chromium and its WebDriver open Flower as a person does (tests/ops/test_flower_browser.py).
+    { command -v chromium >/dev/null && command -v chromedriver >/dev/null; } ||
+        { log "installing chromium"; apt_install chromium chromium-driver; }
 }
 
 ensure_tools

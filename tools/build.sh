@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Build the Go tools the tests need (kube-apiserver, kube-controller-manager, etcd, ...) from
+# Build the Go tools the tests need (kube-apiserver, kube-controller-manager, etcd, helm, promtool) from
 # the wrapper modules beside this script into a cache outside the repository, keyed by the
-# wrapper's go.mod and go.sum: a second run with nothing changed does nothing.
-#   tools/build.sh [--print-dir] NAME...   NAME: kube | etcd | <any wrapper folder here>
+# wrapper's go.mod and go.sum: a second run with nothing changed does nothing. A folder with a
+# requirements.txt instead (checkov) is a Python tool, installed into a virtualenv of its own.
+#   tools/build.sh [--print-dir] NAME...   NAME: kube | etcd | helm | promtool | checkov | <any folder here>
 # The cache is $K8S_DISPATCH_TOOLS (default ~/.cache/k8s-dispatch/tools); prints where each
 # tool's binaries are.
 set -euo pipefail
@@ -16,6 +17,8 @@ log() { echo "tools: $*" >&2; }
 programs() {
     case $1 in
         kube) echo "k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager" ;;
+        promtool) echo "github.com/prometheus/prometheus/cmd/promtool" ;;
+        helm) echo "helm.sh/helm/v3/cmd/helm" ;;
         *) echo "." ;;
     esac
 }
@@ -35,20 +38,47 @@ ldflags() {
                 printf -- '-X %s.gitVersion=%s -X %s.gitMajor=%s -X %s.gitMinor=%s -X %s.gitTreeState=clean -X %s.buildDate=1970-01-01T00:00:00Z ' \
                     "$p" "$v" "$p" "$major" "$p" "$minor" "$p" "$p"
             done ;;
+        promtool) # module v0.316.0 is Prometheus 3.16.0
+            local v; v=$(module_version promtool github.com/prometheus/prometheus)
+            local minor=${v#v0.}; minor=${minor%%.*}; local patch=${v##*.}
+            printf -- '-X github.com/prometheus/common/version.Version=3.%s.%s -X github.com/prometheus/common/version.Revision=%s' \
+                "$((minor - 300))" "$patch" "$v" ;;
+        helm) printf -- '-X helm.sh/helm/v3/internal/version.version=%s -X helm.sh/helm/v3/internal/version.gitTreeState=clean' \
+            "$(module_version helm helm.sh/helm/v3)" ;;
         *) ;;
     esac
 }
 
+# A Python tool (a requirements.txt instead of a go.mod): a virtualenv of its own in the cache,
+# so its pins never meet the project's; its programs are in <dir>/bin.
+build_python() {
+    local name=$1 dir=$here/$1
+    local key; key=$( { cat "$dir/requirements.txt"; "${PYTHON:-python3}" --version; } | sha256sum | cut -c1-16)
+    local out=$cache/$name-$key
+    if [ -f "$out/.complete" ]; then echo "$out"; return; fi
+    rm -rf "$out"; mkdir -p "$cache"
+    local start=$SECONDS
+    log "installing $name into $out"
+    "${PYTHON:-python3}" -m venv "$out"
+    "$out/bin/pip" install -q --disable-pip-version-check --require-hashes -r "$dir/requirements.txt" >&2
+    touch "$out/.complete"
+    log "$name installed in $((SECONDS - start)) s"
+    echo "$out"
+}
+
 build_one() {
     local name=$1 dir=$here/$1
+    if [ -f "$dir/requirements.txt" ]; then build_python "$name"; return; fi
     [ -f "$dir/go.mod" ] || { log "no wrapper module $dir"; exit 2; }
-    local key; key=$(cat "$dir"/go.mod "$dir"/go.sum "$dir"/*.go "$0" 2>/dev/null | sha256sum | cut -c1-16)
+    # Keyed by what goes into the build: the wrapper's files, the packages, the flags and Go's
+    # version (not this whole script: adding a tool here must not rebuild the others).
+    local flags; flags=$(ldflags "$name")
+    local key; key=$( { cat "$dir"/go.mod "$dir"/go.sum "$dir"/*.go 2>/dev/null; programs "$name"; echo "$flags"; go env GOVERSION; } | sha256sum | cut -c1-16)
     local out=$cache/$name-$key
     if [ -f "$out/.complete" ]; then echo "$out"; return; fi
     mkdir -p "$out"
     local start=$SECONDS
     log "building $name into $out (cold on 2 cores: several minutes; go's build cache makes the next one quick)"
-    local flags; flags=$(ldflags "$name")
     local pkg
     for pkg in $(programs "$name"); do
         local bin; bin=$(basename "$pkg"); [ "$pkg" = . ] && bin=$name

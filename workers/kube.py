@@ -76,6 +76,11 @@ JOB_PATH = JOBS_PATH + "/{name}"
 POD_PATH = "/api/v1/namespaces/{namespace}/pods/{name}"
 
 JsonDict = dict[str, Any]
+# (verb, answer): what `on_request` is told of each request; the answer is the HTTP status code,
+# or "error" when none came (refused, reset, timed out).
+RequestObserver = Callable[[str, str], None]
+_HTTP_VERBS = {"GET": "get", "POST": "create", "PUT": "update", "PATCH": "patch", "DELETE": "delete"}
+NO_ANSWER = "error"  # the code of a request that got no answer
 
 
 class _Expired(Exception):
@@ -93,13 +98,15 @@ class KubeClient:
         pool_size: int = 16,
         budget: Budget | None = None,
         metrics: KubeMetrics = METRICS,
+        on_request: RequestObserver | None = None,
     ) -> None:
         """Load the cluster config: `kubeconfig` if given, else in-cluster, else ~/.kube/config.
 
         `pool_size` should cover every thread that shares the client (task threads, poll,
         sweep): a smaller urllib3 pool drops and re-opens connections under load. `budget`:
         the requests' rate limit, by default the process's one (`budget.shared()`), which
-        every client of the process draws from.
+        every client of the process draws from. `on_request` is told of every request sent
+        (the worker's metrics count them); it must not raise.
 
         Raises:
             ConfigError: the config cannot be read or names no usable cluster.
@@ -107,6 +114,7 @@ class KubeClient:
         self._timeout = timeout_s
         self._budget = budget if budget is not None else api_budget.shared()
         self._metrics = metrics
+        self._on_request = on_request
         configuration = _load_configuration(kubeconfig)
         configuration.retries = CONNECTION_RETRIES
         configuration.connection_pool_maxsize = pool_size
@@ -124,13 +132,14 @@ class KubeClient:
         self._base_path = (base.path or "").rstrip("/")  # a host URL may carry a path prefix
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> KubeClient:
+    def from_settings(cls, settings: Settings, *, on_request: RequestObserver | None = None) -> KubeClient:
         # Task threads plus the poll and sweep that may run beside them.
         return cls(
             settings.kubeconfig,
             timeout_s=settings.kube_timeout_s,
             pool_size=settings.worker_concurrency + 4,
             budget=api_budget.shared(settings.kube_qps, settings.kube_burst),
+            on_request=on_request,
         )
 
     def close(self) -> None:
@@ -425,7 +434,7 @@ class KubeClient:
             try:
                 response = method(*args, _preload_content=False, _request_timeout=self._timeout, **kwargs)
             except ApiException as e:
-                self._metrics.request_done(verb, e.status, time.perf_counter() - started)
+                self._done(verb, str(e.status), started)
                 # The client's frames in its traceback hold the raw HTTP response, and with it the
                 # connection's socket, for as long as the error lives (a chained error can live
                 # long): keep status, reason and body, drop those frames.
@@ -436,7 +445,7 @@ class KubeClient:
                     raise
                 raise _mapped(e, what) from e
             except (urllib3.exceptions.HTTPError, OSError) as e:  # refused, reset, timed out
-                self._metrics.request_done(verb, None, time.perf_counter() - started)
+                self._done(verb, NO_ANSWER, started)
                 raise ApiUnavailable(f"{what}: {type(e).__name__}: {e}") from e
             except pydantic.ValidationError as e:
                 # The client checks bodies against its models before sending (unknown fields,
@@ -445,11 +454,11 @@ class KubeClient:
             try:
                 raw = response.data
             except (urllib3.exceptions.HTTPError, OSError) as e:
-                self._metrics.request_done(verb, None, time.perf_counter() - started)
+                self._done(verb, NO_ANSWER, started)
                 raise ApiUnavailable(f"{what}: reading the response: {type(e).__name__}: {e}") from e
             finally:
                 response.release_conn()
-            self._metrics.request_done(verb, response.status, time.perf_counter() - started)
+            self._done(verb, str(response.status), started)
             return _decoded(raw, what)
         raise AssertionError("unreachable: the last attempt returns or raises")
 
@@ -490,6 +499,7 @@ class KubeClient:
             raise InvalidManifest(f"{what}: refused by the client's schema check: {e}") from e
         except TypeError as e:  # orjson.JSONEncodeError: not JSON (sets, bytes, non-string keys...)
             raise InvalidManifest(f"{what}: the body is not JSON: {e}") from e
+        verb = _HTTP_VERBS.get(method, method.lower())
         for attempt in range(RETRY_AFTER_ATTEMPTS + 1):
             self._metrics.waited(self._budget.acquire())
             started = time.perf_counter()
@@ -505,9 +515,9 @@ class KubeClient:
                         assert_same_host=False, redirect=False,
                     )  # fmt: skip
             except (urllib3.exceptions.HTTPError, OSError) as e:  # refused, reset, timed out, TLS
-                self._metrics.request_done(method, None, time.perf_counter() - started)
+                self._done(verb, NO_ANSWER, started)
                 raise ApiUnavailable(f"{what}: {type(e).__name__}: {e}") from e
-            self._metrics.request_done(method, response.status, time.perf_counter() - started)
+            self._done(verb, str(response.status), started)
             if 200 <= response.status <= 299:
                 return _decoded(response.data, what)
             if attempt < RETRY_AFTER_ATTEMPTS and self._waited_out(response.status, response.headers, what):
@@ -528,6 +538,12 @@ class KubeClient:
         self._metrics.retry_after.inc()
         self._budget.pause(delay)
         return True
+
+    def _done(self, verb: str, code: str, started: float) -> None:
+        """A request answered (`code`, or NO_ANSWER): its latency observed, `on_request` told."""
+        self._metrics.request_done(verb, code, time.perf_counter() - started)
+        if self._on_request is not None:
+            self._on_request(verb, code)
 
     def _auth_header(self) -> tuple[str, str] | None:
         """The client's auth header, read again (its `refresh_api_key_hook` run, if the config
@@ -557,21 +573,11 @@ def retry_after_s(status: int | None, headers: Mapping[str, str] | None) -> floa
     return min(seconds, RETRY_AFTER_MAX_S)
 
 
-# The API server's verb (as `apiserver_request_total` reports it) of each generated method used.
-_VERBS = (
-    ("delete_collection_", "DELETECOLLECTION"),
-    ("read_", "GET"),
-    ("list_", "LIST"),
-    ("delete_", "DELETE"),
-    ("patch_", "PATCH"),
-    ("create_", "POST"),
-    ("replace_", "PUT"),
-)
-
-
 def _verb_of(method: Callable[..., Any]) -> str:
-    name = getattr(method, "__name__", "")
-    return next((verb for prefix, verb in _VERBS if name.startswith(prefix)), name.upper() or "UNKNOWN")
+    """The API verb of a generated client method: `list_namespaced_job` -> "list",
+    `read_...` -> "get", `delete_collection_...` -> "deletecollection"."""
+    action = getattr(method, "__name__", "call").split("_namespaced")[0]
+    return {"read": "get", "delete_collection": "deletecollection"}.get(action, action)
 
 
 def _load_configuration(kubeconfig: Path | str | None) -> k8s.Configuration:

@@ -2,9 +2,10 @@
 waiting for the API budget, and the 429s whose Retry-After was honoured.
 
 Registered in prometheus_client's default registry, the one a worker's `/metrics` serves
-(`recovery/metrics.serve`), so `workers/` defines them without importing `recovery/`. The verbs
-are the API server's own (`apiserver_request_total`'s: GET, LIST, POST, PATCH, DELETE,
-DELETECOLLECTION...), so the client's figures line up with the server's.
+(`recovery/metrics.serve`), so `workers/` defines them without importing `recovery/`. Verbs and
+codes are those of `k8s_dispatch_api_requests_total` (RBAC's verbs: get, list, create, patch,
+delete, deletecollection; the HTTP code, or `error` for no answer): the histogram's count is
+that counter, split by latency.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 
 NAMESPACE = "k8s_dispatch"
-NO_RESPONSE = "none"  # the code of a request that got no answer (refused, reset, timed out)
 # From a fast local answer to the request timeout's order (10 s by default).
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 WAIT_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -23,7 +23,7 @@ class KubeMetrics:
         self.request_duration = Histogram(
             "kube_request_duration_seconds",
             "Kubernetes API requests from this process: seconds from sending to the answer read, by "
-            "verb and HTTP code (none: no answer). Waiting for the budget is not included.",
+            "verb and HTTP code (error: no answer). Waiting for the budget is not included.",
             ["verb", "code"],
             namespace=NAMESPACE,
             buckets=LATENCY_BUCKETS,
@@ -44,8 +44,8 @@ class KubeMetrics:
             registry=registry,
         )
 
-    def request_done(self, verb: str, code: int | None, seconds: float) -> None:
-        self.request_duration.labels(verb=verb, code=str(code) if code else NO_RESPONSE).observe(seconds)
+    def request_done(self, verb: str, code: str, seconds: float) -> None:
+        self.request_duration.labels(verb=verb, code=code).observe(seconds)
 
     def waited(self, seconds: float) -> None:
         if seconds > 0:

@@ -40,6 +40,13 @@ TERMINATION_MESSAGE_PATH = "/dev/termination-log"
 TERMINATION_MESSAGE_POLICY = "FallbackToLogsOnError"
 MAX_ANNOTATIONS_BYTES = 256 * 1024  # the API server's limit on all annotations of an object
 MAX_INT32 = 2**31 - 1
+# The `restricted` Pod Security profile, on every Job by default. Each entry is a default a
+# capability may switch off (`securityOverrides: {name: reason}`): the field is then left out,
+# so the image's or the cluster's default applies, and the reason is recorded on the Job.
+SECURITY_DEFAULTS = (
+    "runAsNonRoot", "allowPrivilegeEscalation", "capabilities", "seccompProfile", "automountServiceAccountToken",
+)  # fmt: skip
+SECURITY_OVERRIDES_ANNOTATION = "k8s-dispatch.io/security-overrides"
 
 RESERVED_ENV = frozenset({INPUT_ENV})
 RESOURCE_KINDS = ("requests", "limits")
@@ -126,6 +133,8 @@ def build_job(
     # Ours last: a capability's labels can add to them, never replace them.
     labels = {**spec.labels, **our_labels}
     annotations = {**spec.annotations, **our_annotations}
+    if spec.security_overrides:  # why this Job runs outside `restricted`, for whoever finds it
+        annotations[SECURITY_OVERRIDES_ANNOTATION] = canonical_json(dict(spec.security_overrides), what="reasons")
     size = sum(len(k.encode("utf-8")) + len(v.encode("utf-8")) for k, v in annotations.items())
     if size > MAX_ANNOTATIONS_BYTES:
         raise InvalidManifest(f"annotations are {size} bytes, more than the API's limit of {MAX_ANNOTATIONS_BYTES}")
@@ -139,6 +148,14 @@ def build_job(
     container["resources"] = {kind: dict(spec.resources[kind]) for kind in RESOURCE_KINDS if kind in spec.resources}
     container["terminationMessagePath"] = TERMINATION_MESSAGE_PATH
     container["terminationMessagePolicy"] = TERMINATION_MESSAGE_POLICY
+    pod_security, container_security = _security_contexts(spec)
+    if container_security:
+        container["securityContext"] = container_security
+    pod_spec: dict[str, Any] = {"restartPolicy": "Never", "containers": [container]}
+    if pod_security:
+        pod_spec["securityContext"] = pod_security
+    if "automountServiceAccountToken" not in spec.security_overrides:
+        pod_spec["automountServiceAccountToken"] = False  # a capability's Pod never calls the API
 
     job_spec: dict[str, Any] = {"backoffLimit": spec.backoff_limit}
     if spec.active_deadline_seconds is not None:
@@ -148,7 +165,7 @@ def build_job(
         # its own job-tracking one): ours keeps a finished Pod, and the result it holds, until
         # the completion is recorded, whatever deletes it (PodGC, a node's loss, a person).
         "metadata": {"labels": dict(labels), "annotations": dict(annotations), "finalizers": [FINALIZER]},
-        "spec": {"restartPolicy": "Never", "containers": [container]},
+        "spec": pod_spec,
     }
     return {
         "apiVersion": "batch/v1",
@@ -162,6 +179,41 @@ def build_job(
         },
         "spec": job_spec,
     }
+
+
+def _security_contexts(spec: CapabilitySpec) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The Pod's and the container's securityContext: `restricted`, less the spec's overrides."""
+    off = spec.security_overrides
+    pod: dict[str, Any] = {}
+    if "runAsNonRoot" not in off:
+        pod["runAsNonRoot"] = True
+    if spec.run_as_user is not None:
+        pod["runAsUser"] = spec.run_as_user
+    if spec.run_as_group is not None:
+        pod["runAsGroup"] = spec.run_as_group
+    if "seccompProfile" not in off:
+        pod["seccompProfile"] = {"type": "RuntimeDefault"}
+    container: dict[str, Any] = {}
+    if "allowPrivilegeEscalation" not in off:
+        container["allowPrivilegeEscalation"] = False
+    if "capabilities" not in off:
+        container["capabilities"] = {"drop": ["ALL"]}
+    return pod, container
+
+
+def _security_problems(spec: CapabilitySpec) -> list[tuple[str, str]]:
+    problems: list[tuple[str, str]] = []
+    for name, reason in spec.security_overrides.items():
+        if name not in SECURITY_DEFAULTS:
+            problems.append(("securityOverrides", f"{name!r} is not one of {', '.join(SECURITY_DEFAULTS)}"))
+        elif not isinstance(reason, str) or not reason.strip() or "\x00" in reason:
+            problems.append(("securityOverrides", f"{name!r} needs a reason: a non-empty string saying why"))
+    for field, value in (("runAsUser", spec.run_as_user), ("runAsGroup", spec.run_as_group)):
+        if value is not None and not _is_int_in(value, 0, MAX_INT32):
+            problems.append((field, f"{value!r} is not a non-negative integer"))
+    if spec.run_as_user == 0 and "runAsNonRoot" not in spec.security_overrides:
+        problems.append(("runAsUser", "0 is root, which runAsNonRoot forbids: override runAsNonRoot with a reason"))
+    return problems
 
 
 def spec_problems(spec: CapabilitySpec) -> list[tuple[str, str]]:
@@ -198,6 +250,7 @@ def spec_problems(spec: CapabilitySpec) -> list[tuple[str, str]]:
         problems.append(("backoffLimit", f"{limit!r} is not a non-negative integer"))
     problems.extend(("labels", why) for why in _metadata_problems(spec.labels, labels=True))
     problems.extend(("annotations", why) for why in _metadata_problems(spec.annotations, labels=False))
+    problems.extend(_security_problems(spec))
     return problems
 
 

@@ -21,6 +21,11 @@ Schema (field names as Kubernetes spells them)::
         backoffLimit: 0                # default 0: one pod, a failure fails the Job at once
         labels: {team: search}         # added to Job and Pod; ours cannot be overridden
         annotations: {owner: me}
+        runAsUser: 65534               # the Pod's uid, for an image whose own user is root
+        runAsGroup: 65534
+        securityOverrides:             # the `restricted` defaults this capability turns off, each with why:
+          automountServiceAccountToken: "it reads its ConfigMap through the API"
+          # also runAsNonRoot, allowPrivilegeEscalation, capabilities (drop ALL), seccompProfile
 """
 
 from __future__ import annotations
@@ -69,12 +74,17 @@ class CapabilitySpec:
     backoff_limit: int = DEFAULT_BACKOFF_LIMIT
     labels: Mapping[str, str] = field(default_factory=lambda: _EMPTY)
     annotations: Mapping[str, str] = field(default_factory=lambda: _EMPTY)
+    # The Job runs under the `restricted` Pod Security profile except for these (name -> reason).
+    run_as_user: int | None = None
+    run_as_group: int | None = None
+    security_overrides: Mapping[str, str] = field(default_factory=lambda: _EMPTY)
 
 
 _REQUIRED = ("worker", "image")
 _FIELDS = (
     "worker", "image", "command", "args", "env", "resources", "namespace",
     "activeDeadlineSeconds", "backoffLimit", "labels", "annotations",
+    "runAsUser", "runAsGroup", "securityOverrides",
 )  # fmt: skip
 _YAML_SUFFIXES = (".yaml", ".yml")
 _JSON_SUFFIXES = (".json",)
@@ -281,6 +291,9 @@ def _parse_capability(name: object, fields: object, *, problems: list[str], sour
         backoff_limit=integer("backoffLimit", DEFAULT_BACKOFF_LIMIT) or 0,
         labels=string_map("labels"),
         annotations=string_map("annotations"),
+        run_as_user=integer("runAsUser", None),
+        run_as_group=integer("runAsGroup", None),
+        security_overrides=string_map("securityOverrides"),
     )
     if report.count:
         return None  # value checks on half-parsed fields would only repeat the type errors

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 import yaml
-from deploy_files import COMPOSE_FILE, DEPLOY, Doc, interpolate, load_docs
+from deploy_files import COMPOSE_FILE, COMPOSE_REQUIRED, DEPLOY, Doc, interpolate, load_docs
 from kubernetes.client import ApiClient
 
 
@@ -21,8 +21,9 @@ def compose_text() -> str:
 
 @pytest.fixture(scope="session")
 def compose(compose_text: str) -> Doc:
-    """The Compose file with variables interpolated from their defaults (an empty environment)."""
-    loaded = yaml.safe_load(interpolate(compose_text))
+    """The Compose file with variables interpolated from their defaults (an environment with only
+    the required variables set)."""
+    loaded = yaml.safe_load(interpolate(compose_text, COMPOSE_REQUIRED))
     assert isinstance(loaded, dict)
     return loaded
 

@@ -13,7 +13,16 @@ from typing import Any
 
 import pytest
 import yaml
-from deploy_files import COMPOSE_FILE, REPO, Doc, interpolate, interpolated_names, settings_env_names
+from deploy_files import (
+    COMPOSE_FILE,
+    COMPOSE_REQUIRED,
+    REPO,
+    Doc,
+    MissingVariable,
+    interpolate,
+    interpolated_names,
+    settings_env_names,
+)
 
 from k8s_dispatch.engine.settings import ENV_PREFIX, load_settings
 
@@ -74,7 +83,7 @@ def test_migrate_runs_the_installed_console_script() -> None:
 
 
 def test_celery_app_is_found_where_the_commands_look(tmp_path: Path) -> None:
-    # `celery -A tasks` resolves the app with Celery's own finder. Run it in a fresh process
+    # `celery -A k8s_dispatch.tasks` resolves the app with Celery's own finder. Run it in a fresh process
     # outside the tree, as in the image: in this one, tests/tasks/ can shadow the package.
     probe = "from celery.app.utils import find_app; app = find_app('k8s_dispatch.tasks'); print(type(app).__name__, app.main)"
     done = subprocess.run(
@@ -191,7 +200,7 @@ def test_worker_mounts_a_kubeconfig_for_a_real_cluster(compose: Doc) -> None:
 
 
 def test_kubeconfig_path_can_be_overridden(compose_text: str) -> None:
-    loaded = yaml.safe_load(interpolate(compose_text, {"KUBECONFIG_FILE": "/srv/kube/prod.yaml"}))
+    loaded = yaml.safe_load(interpolate(compose_text, {**COMPOSE_REQUIRED, "KUBECONFIG_FILE": "/srv/kube/prod.yaml"}))
     sources = [v["source"] for v in loaded["services"]["worker"]["volumes"] if isinstance(v, dict)]
     assert "/srv/kube/prod.yaml" in sources
 
@@ -221,3 +230,17 @@ def test_file_parses_without_interpolation_too() -> None:
     # Anchors and merge keys resolve with a plain YAML loader, as Compose's does.
     raw: Any = yaml.safe_load(Path(COMPOSE_FILE).read_text(encoding="utf-8"))
     assert raw["services"]["worker"]["environment"][ENV_PREFIX + "REDIS_URL"] == "redis://redis:6379/0"
+
+
+def test_flower_requires_a_login_compose_will_not_start_without(compose_text: str, compose: Doc) -> None:
+    # No default credentials: with FLOWER_BASIC_AUTH unset, Compose stops with a message.
+    with pytest.raises(MissingVariable, match="FLOWER_BASIC_AUTH"):
+        interpolate(compose_text, {})
+    with pytest.raises(MissingVariable, match="FLOWER_BASIC_AUTH"):
+        interpolate(compose_text, {"FLOWER_BASIC_AUTH": ""})
+    flower = _environment(compose["services"]["flower"])
+    assert flower["FLOWER_BASIC_AUTH"] == COMPOSE_REQUIRED["FLOWER_BASIC_AUTH"]
+    # Only Flower holds it; it is not on the command line (`ps` shows that to anyone).
+    others = [name for name in APP_SERVICES if name != "flower"]
+    assert all("FLOWER_BASIC_AUTH" not in _environment(compose["services"][name]) for name in others)
+    assert not any("basic" in word for word in compose["services"]["flower"]["command"])

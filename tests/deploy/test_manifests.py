@@ -31,6 +31,7 @@ MIGRATE = "k8s-dispatch-migrate"
 SECRET = "k8s-dispatch"
 CAPABILITIES_CONFIGMAP = "k8s-dispatch-capabilities"
 CAPABILITIES_KEY = "capabilities.yaml"
+FLOWER_LOGIN = "FLOWER_BASIC_AUTH"  # Flower's --basic-auth, as an environment variable
 
 # (apiVersion, kind) -> the client's model. Each kind at the version the manifests must use.
 MODELS = {
@@ -44,6 +45,7 @@ MODELS = {
     ("apps/v1", "Deployment"): "V1Deployment",
     ("batch/v1", "Job"): "V1Job",
     ("policy/v1", "PodDisruptionBudget"): "V1PodDisruptionBudget",
+    ("networking.k8s.io/v1", "NetworkPolicy"): "V1NetworkPolicy",
 }
 KEDA = {("keda.sh/v1alpha1", "ScaledObject"), ("keda.sh/v1alpha1", "TriggerAuthentication")}
 
@@ -150,6 +152,9 @@ def test_the_whole_deployment_is_there(objects: dict[tuple[str, str], Doc]) -> N
         ("Deployment", BEAT),
         ("Deployment", FLOWER),
         ("Service", FLOWER),
+        ("NetworkPolicy", "k8s-dispatch-egress"),
+        ("NetworkPolicy", FLOWER),
+        ("NetworkPolicy", "k8s-dispatch-jobs"),
     }
 
 
@@ -167,7 +172,7 @@ def test_objects_round_trip_through_the_client_models(
     known to the API at this version, with the right type, and the required ones are there."""
     docs = [doc for _, doc in manifests if (doc["apiVersion"], doc["kind"]) in MODELS]
     docs += _generated_configmaps(kustomization)
-    assert len(docs) == 12
+    assert len(docs) == 15
     problems = []
     for doc in docs:
         try:
@@ -382,6 +387,8 @@ def test_every_env_name_is_a_setting(objects: dict[tuple[str, str], Doc]) -> Non
         for container in _pod_spec(doc)["containers"]:
             names = [var["name"] for var in container.get("env", [])]
             assert len(names) == len(set(names)), _id(doc)
+            # Flower's login is Flower's own option (FLOWER_* variables), read by Flower alone.
+            names = [n for n in names if not (n == FLOWER_LOGIN and doc["metadata"]["name"] == FLOWER)]
             assert all(name.startswith(ENV_PREFIX) for name in names), _id(doc)
             assert set(names) <= known, f"{_id(doc)}: not settings: {sorted(set(names) - known)}"
 
@@ -633,3 +640,56 @@ def test_compose_mounts_the_same_capabilities_file(compose: Doc) -> None:
     sources = {v["source"] for v in compose["services"]["worker"]["volumes"] if isinstance(v, dict)}
     assert "./deploy/capabilities.example.yaml" in sources
     assert (REPO / "deploy" / "capabilities.example.yaml").is_file()
+
+
+# --- secure by default -----------------------------------------------------------------------------
+
+
+def test_flower_requires_a_login_from_the_secret(objects: dict[tuple[str, str], Doc]) -> None:
+    container = _container(objects, "Deployment", FLOWER)
+    (login,) = [var for var in container["env"] if var["name"] == FLOWER_LOGIN]
+    ref = login["valueFrom"]["secretKeyRef"]
+    assert ref.get("optional") is not True  # a missing key keeps the pod from starting
+    user, _, password = _secret_data(objects)[ref["key"]].partition(":")
+    assert user and password  # Flower's user:password form
+    assert not any("basic" in word for word in container["command"])  # not on the command line
+    others = [d for d in _workloads(objects) if d["metadata"]["name"] != FLOWER]
+    assert all(FLOWER_LOGIN not in {v["name"] for c in _pod_spec(d)["containers"] for v in c["env"]} for d in others)
+
+
+def _policy_selects(policy: Doc, labels: dict[str, str]) -> bool:
+    selector = policy["spec"]["podSelector"]
+    if not _selects(selector.get("matchLabels", {}), labels):
+        return False
+    return all(
+        labels.get(e["key"]) in e["values"] for e in selector.get("matchExpressions", []) if e["operator"] == "In"
+    )
+
+
+def test_network_policies_cover_every_pod_and_limit_egress(objects: dict[tuple[str, str], Doc]) -> None:
+    from k8s_dispatch.workers.labels import MANAGED_BY, MANAGED_BY_LABEL
+
+    policies = {name: doc for (kind, name), doc in objects.items() if kind == "NetworkPolicy"}
+    egress = policies["k8s-dispatch-egress"]
+    for doc in _workloads(objects):
+        labels = doc["spec"]["template"]["metadata"]["labels"]
+        selected = [name for name, policy in policies.items() if _policy_selects(policy, labels)]
+        assert selected == [FLOWER if doc["metadata"]["name"] == FLOWER else "k8s-dispatch-egress"], _id(doc)
+    # Workers, beat and migrate: DNS, the API server, PostgreSQL and Redis; nothing else.
+    ports = {(p.get("protocol", "TCP"), p["port"]) for rule in egress["spec"]["egress"] for p in rule["ports"]}
+    assert ports == {("UDP", 53), ("TCP", 53), ("TCP", 443), ("TCP", 6443), ("TCP", 5432), ("TCP", 6379)}
+    assert all(rule["to"] for rule in egress["spec"]["egress"])  # no rule open to everywhere
+    assert egress["spec"]["policyTypes"] == ["Egress"]
+    # Flower: ingress on its port from the configured peers only.
+    flower = policies[FLOWER]["spec"]
+    (ingress,) = flower["ingress"]
+    assert ingress["from"] and ingress["ports"] == [{"protocol": "TCP", "port": 5555}]
+    # The dispatch Jobs' pods: no ingress at all.
+    jobs = policies["k8s-dispatch-jobs"]["spec"]
+    assert jobs["podSelector"] == {"matchLabels": {MANAGED_BY_LABEL: MANAGED_BY}}
+    assert jobs["policyTypes"] == ["Ingress"] and "ingress" not in jobs
+
+
+def test_the_namespace_enforces_the_restricted_profile(objects: dict[tuple[str, str], Doc]) -> None:
+    labels = objects[("Namespace", NAMESPACE)]["metadata"]["labels"]
+    assert labels["pod-security.kubernetes.io/enforce"] == "restricted"

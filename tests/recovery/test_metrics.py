@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from k8s_dispatch.engine import store
 from k8s_dispatch.engine.db import transaction
 from k8s_dispatch.recovery import metrics, statelog
-from k8s_dispatch.recovery.metrics import Metrics, job_finished_at, poll_lag_s
+from k8s_dispatch.recovery.metrics import DEADLINE_SLACK_S, Metrics, job_finished_at, jobs_past_deadline, poll_lag_s
 from k8s_dispatch.recovery.report import SweepReport
 from k8s_dispatch.recovery.sweep import Category
 
@@ -165,6 +165,87 @@ def test_poll_done_sets_the_gauges() -> None:
     assert value(registry, "k8s_dispatch_poll_last_timestamp_seconds") > NOW.timestamp()
     m.poll_done(finished=0, lag_s=0.0)
     assert value(registry, "k8s_dispatch_poll_lag_seconds") == 0
+
+
+def test_the_latest_sweeps_findings_and_oldest_scheduled_wait_are_gauges_that_fall_back_to_zero() -> None:
+    registry = CollectorRegistry()
+    m = Metrics(registry)
+    m.sweep_done(sweep_report())  # 3 scheduled without a Job
+    stuck = sweep_report()
+    stuck.oldest_scheduled_s = 95.5
+    m.sweep_done(stuck)
+    gauge = "k8s_dispatch_recovery_last_findings"
+    assert value(registry, gauge, category="scheduled_without_job") == 3  # not added up: the latest
+    assert value(registry, gauge, category="finished_unrecorded") == 5
+    assert value(registry, "k8s_dispatch_recovery_oldest_scheduled_seconds") == 95.5
+    m.sweep_done(SweepReport(dry_run=False, started_at=NOW))  # found nothing
+    assert value(registry, "k8s_dispatch_recovery_oldest_scheduled_seconds") == 0
+    assert value(registry, gauge, category="scheduled_without_job") == 0
+    assert registry.get_sample_value(gauge, {"category": "orphan"}) == 0  # every category is exported
+
+
+def running(*, started_s_ago: float | None, deadline: object, finished: bool = False) -> dict[str, Any]:
+    status: dict[str, Any] = {"active": 1}
+    if started_s_ago is not None:
+        status["startTime"] = stamp(started_s_ago)
+    if finished:
+        status["conditions"] = [{"type": "Failed", "status": "True", "lastTransitionTime": stamp(1)}]
+    spec: dict[str, Any] = {} if deadline is None else {"activeDeadlineSeconds": deadline}
+    return {"metadata": {"name": "r"}, "spec": spec, "status": status}
+
+
+@pytest.mark.parametrize(
+    ("the_job", "past"),
+    [
+        (running(started_s_ago=600 + DEADLINE_SLACK_S + 1, deadline=600), 1),
+        (running(started_s_ago=600 + DEADLINE_SLACK_S - 1, deadline=600), 0),  # within the slack
+        (running(started_s_ago=100, deadline=600), 0),
+        (running(started_s_ago=10_000, deadline=None), 0),  # no deadline: never past it
+        (running(started_s_ago=None, deadline=600), 0),  # not started: the deadline counts from the start
+        (running(started_s_ago=10_000, deadline=600, finished=True), 0),  # failed at its deadline
+        (running(started_s_ago=10_000, deadline=True), 0),  # not a number of seconds
+        (running(started_s_ago=10_000, deadline="600"), 0),
+    ],
+)
+def test_jobs_past_deadline_counts_running_jobs_past_their_active_deadline(the_job, past) -> None:
+    assert jobs_past_deadline([the_job], now=NOW) == past
+
+
+def test_poll_done_sets_the_jobs_past_deadline() -> None:
+    registry = CollectorRegistry()
+    m = Metrics(registry)
+    m.poll_done(finished=0, lag_s=0.0, past_deadline=2)
+    assert value(registry, "k8s_dispatch_poll_jobs_past_deadline") == 2
+    m.poll_done(finished=0, lag_s=0.0)
+    assert value(registry, "k8s_dispatch_poll_jobs_past_deadline") == 0
+
+
+def test_completion_latency_is_observed_from_the_jobs_finish() -> None:
+    registry = CollectorRegistry()
+    m = Metrics(registry)
+    done = lambda s: job(conditions=[{"type": "Complete", "status": "True", "lastTransitionTime": stamp(s)}])  # noqa: E731
+    m.completion_recorded(done(2), now=NOW)
+    m.completion_recorded(done(40), now=NOW)
+    m.completion_recorded(done(-5), now=NOW)  # an API server clock ahead of ours: 0, never negative
+    m.completion_recorded(job(), now=NOW)  # no finish time: nothing observed
+    histogram = "k8s_dispatch_completion_latency_seconds"
+    assert value(registry, histogram + "_count") == 3
+    assert value(registry, histogram + "_sum") == 42
+    assert value(registry, histogram + "_bucket", le="0.25") == 1
+    assert value(registry, histogram + "_bucket", le="2.0") == 2
+    assert value(registry, histogram + "_bucket", le="30.0") == 2
+    assert value(registry, histogram + "_bucket", le="60.0") == 3
+
+
+def test_api_requests_are_counted_by_verb_and_answer() -> None:
+    registry = CollectorRegistry()
+    m = Metrics(registry)
+    for verb, code in [("list", "200"), ("list", "200"), ("create", "201"), ("create", "409"), ("patch", "error")]:
+        m.api_request(verb, code)
+    requests = "k8s_dispatch_api_requests_total"
+    assert value(registry, requests, verb="list", code="200") == 2
+    assert value(registry, requests, verb="create", code="409") == 1
+    assert value(registry, requests, verb="patch", code="error") == 1
 
 
 # --- the endpoint --------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import sys
 import threading
 import uuid
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from runtimes import Notified, schedule
 
 from k8s_dispatch.engine import migrate, store
 from k8s_dispatch.engine.db import transaction
-from k8s_dispatch.engine.models import DispatchState, EventType
+from k8s_dispatch.engine.models import Dispatch, DispatchState, EventType
 from k8s_dispatch.localcluster import LocalCluster
 from k8s_dispatch.ops.processes import wait_until
 from k8s_dispatch.recovery import delivery
@@ -171,6 +172,19 @@ def test_a_dispatch_inside_the_grace_period_is_left_to_the_normal_path(make_runt
     report = run_sweep(rt)
     assert found(report) == {} and report.dispatches_checked == 0
     assert jobs(rt) == {} and record(rt, dispatch_id).state is SCHEDULED
+
+
+def test_the_sweep_reports_how_long_the_oldest_dispatch_scheduled_without_a_job_waited(rt):
+    older, newer = schedule(rt), schedule(rt)
+    with transaction(rt.sessions) as session:
+        written = {d: session.get(Dispatch, d).updated_at for d in (older, newer)}  # type: ignore[union-attr]
+    later = max(written.values()) + timedelta(seconds=300)
+    report = run_sweep(rt, now=later)
+    assert counts(report, C1) == (2, 2, 0, 0)
+    assert report.oldest_scheduled_s == (later - min(written.values())).total_seconds()
+    assert report.oldest_scheduled_s >= 300
+    # Both have their Jobs now: none is left scheduled.
+    assert run_sweep(rt, now=later).oldest_scheduled_s == 0
 
 
 def test_a_job_in_a_namespace_the_config_no_longer_names_is_still_found_and_completed(

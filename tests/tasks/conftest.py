@@ -2,7 +2,7 @@
 with its own Redis key prefix (its queues meet no other test's), its own namespace, its own
 PostgreSQL database (a sweep acts on the whole database, so no test may see another's rows)
 and a cluster: localcluster, or with `any_cluster` each of localcluster and the real control
-plane in turn (the namespace is created first where the API server requires it). Workers and beat are `celery -A tasks worker|beat`
+plane in turn (the namespace is created first where the API server requires it). Workers and beat are `celery -A k8s_dispatch.tasks worker|beat`
 subprocesses (started with `ops.processes`) configured only through K8S_DISPATCH_* variables,
 as in production, and stopped with SIGTERM at the end; one that needs SIGKILL fails the test.
 """

@@ -1,4 +1,4 @@
-"""`celery -A tasks beat` stops on SIGTERM wherever the signal lands, under CPU load.
+"""`celery -A k8s_dispatch.tasks beat` stops on SIGTERM wherever the signal lands, under CPU load.
 
 Celery's own beat handler raised SystemExit in the middle of a publish after closing the broker
 connection. redis-py's clean-up then failed on the closed socket, and that error replaced the

@@ -8,6 +8,8 @@ from datetime import timedelta
 
 import redis
 from celery import Celery
+from celery.beat import PersistentScheduler, Scheduler
+from kombu.utils.imports import symbol_by_name
 
 from k8s_dispatch import celeryconfig
 from k8s_dispatch.engine.settings import load_settings
@@ -45,7 +47,9 @@ def test_the_config_carries_the_safety_settings_from_the_environment():
     assert conf["task_routes"][celeryconfig.POLL_TASK] == {"queue": celeryconfig.SWEEP_QUEUE}
     poll = conf["beat_schedule"]["poll"]
     assert (poll["task"], poll["schedule"]) == (celeryconfig.POLL_TASK, timedelta(seconds=0.5))
-    assert conf["beat_scheduler"] == "celery.beat:Scheduler"  # intervals only: nothing kept on disk
+    # Celery's in-memory scheduler (intervals only: no schedule file), plus beat's heartbeat.
+    scheduler = symbol_by_name(conf["beat_scheduler"])
+    assert scheduler.__mro__[1] is Scheduler and not issubclass(scheduler, PersistentScheduler)
 
 
 def test_the_package_app_is_configured_from_celeryconfig():

@@ -1,4 +1,4 @@
-"""Hosts' clocks need not agree: a real `celery -A tasks worker` under Debian's faketime, 60 s
+"""Hosts' clocks need not agree: a real `celery -A k8s_dispatch.tasks worker` under Debian's faketime, 60 s
 ahead of or behind beat, PostgreSQL, Redis and localcluster (all on the true clock), keeps
 polling and sweeping, and writes and compares row times on the database's clock. A message
 that a worker's clock does expire is logged and counted; a backlog of polls or sweeps runs once.

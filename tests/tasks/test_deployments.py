@@ -1,4 +1,4 @@
-"""With real `celery -A tasks worker|beat` processes, PostgreSQL, Redis and localcluster: two
+"""With real `celery -A k8s_dispatch.tasks worker|beat` processes, PostgreSQL, Redis and localcluster: two
 deployments sharing a namespace with ORPHAN_POLICY=delete each deliver all their own work and
 touch none of the other's; a worker killed between creating a Job and marking it, then workers
 started on a config that moved the capability's namespace, still make one Job per dispatch."""

@@ -1,7 +1,7 @@
 """Requests that must not live only in the broker: a cancel is recorded in the engine's own
 transaction (`cancel_in_session`) and honoured by the sweep after a broker flush; a schedule
 by task call is re-sent with its idempotency key until it is recorded
-(`send_schedule_until_recorded`). Real `celery -A tasks worker` processes, PostgreSQL, Redis
+(`send_schedule_until_recorded`). Real `celery -A k8s_dispatch.tasks worker` processes, PostgreSQL, Redis
 and localcluster.
 """
 

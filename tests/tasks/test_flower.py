@@ -1,4 +1,4 @@
-"""Flower, the real one (`celery -A tasks flower`), against the test broker with a real worker:
+"""Flower, the real one (`celery -A k8s_dispatch.tasks flower`), against the test broker with a real worker:
 through its HTTP API it lists the worker with our queues and the tasks a dispatch went through
 (schedule, create_job, poll, complete_batch), each succeeded, as the worker's events told it.
 """

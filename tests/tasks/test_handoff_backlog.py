@@ -1,5 +1,5 @@
 """Under a backlog of completions, poll hands each finished Job off once, however long its
-message waits; a message lost from the queue is still handed off again. Real `celery -A tasks`
+message waits; a message lost from the queue is still handed off again. Real `celery -A k8s_dispatch.tasks`
 worker and beat, Redis, PostgreSQL and localcluster; the complete queue is left unconsumed
 (the worker listens on the other queues only) for longer than the hand-off TTL.
 

@@ -60,6 +60,14 @@ def test_the_worker_serves_metrics_and_logs_one_line_per_state_change(deploy, si
     assert samples[("k8s_dispatch_recovery_sweeps_total", ())] >= 1  # the start-up sweep at least
     assert ("k8s_dispatch_recovery_findings_total", (("category", "scheduled_without_job"),)) in samples
     assert samples[("k8s_dispatch_poll_lag_seconds", ())] >= 0
+    assert samples[("k8s_dispatch_poll_jobs_past_deadline", ())] == 0
+    assert ("k8s_dispatch_recovery_last_findings", (("category", "scheduled_without_job"),)) in samples
+    # Every terminal event this worker wrote: one latency each (the sweep's too, if it got there first).
+    assert samples[("k8s_dispatch_completion_latency_seconds_count", ())] == len(ok_ids) + 1
+    # Its Kubernetes requests, by verb and answer: the creates and the poll's LISTs at least.
+    requests = "k8s_dispatch_api_requests_total"
+    assert samples[(requests, (("code", "201"), ("verb", "create")))] >= 4
+    assert samples[(requests, (("code", "200"), ("verb", "list")))] >= 1
 
     log = worker.log()
     for dispatch_id in [*ok_ids, fail_id]:

@@ -1,4 +1,4 @@
-"""The work path end to end with real `celery -A tasks worker|beat` processes, PostgreSQL, Redis
+"""The work path end to end with real `celery -A k8s_dispatch.tasks worker|beat` processes, PostgreSQL, Redis
 and localcluster: schedule -> create_job -> poll -> complete, and cancel, each dispatch ending
 in exactly one terminal event with the right output or reason, and nothing left in the cluster.
 """

@@ -488,3 +488,49 @@ def test_kubeconfig_path_may_be_a_string(cluster):
     with KubeClient(str(cluster.kubeconfig)) as kube:
         assert kube.host.startswith("http")
     assert isinstance(cluster.kubeconfig, Path)
+
+
+# --- what on_request is told ---------------------------------------------------------------
+
+
+def test_on_request_is_told_each_requests_verb_and_answer(cluster, faulty_cluster, ns):
+    seen: list[tuple[str, str]] = []
+    with KubeClient(cluster.kubeconfig, timeout_s=5, on_request=lambda verb, code: seen.append((verb, code))) as kube:
+        kube.create_job(ns, job("o", labels={"suite": "observed"}, finalizers=[OURS]))
+        with pytest.raises(AlreadyExists):
+            kube.create_job(ns, job("o"))
+        kube.get_job(ns, "o")
+        with pytest.raises(NotFound):
+            kube.get_job(ns, "missing")
+        list(kube.iter_jobs(ns, label_selector="suite=observed"))
+        kube.list_pods(ns, label_selector="suite=observed")
+        kube.remove_finalizer(ns, "o", OURS)
+        kube.delete_jobs(ns, label_selector="suite=observed")
+    assert seen[:5] == [("create", "201"), ("create", "409"), ("get", "200"), ("get", "404"), ("list", "200")]
+    assert ("patch", "200") in seen and seen[-1] == ("deletecollection", "200")
+    assert {verb for verb, _ in seen} == {"create", "get", "list", "patch", "deletecollection"}
+
+    unanswered: list[tuple[str, str]] = []
+    with KubeClient(faulty_cluster.kubeconfig, timeout_s=5, on_request=lambda v, c: unanswered.append((v, c))) as kube:
+        faulty_cluster.set_faults(1.0, 0)
+        try:
+            with pytest.raises(ApiUnavailable):
+                kube.get_job(ns, "o")
+            with pytest.raises(ApiUnavailable):
+                kube.create_job(ns, job("p"))
+        finally:
+            faulty_cluster.set_faults(0.0, 0)
+    assert [verb for verb, _ in unanswered] == ["get", "create"]
+    assert all(code in ("500", "503", "429") for _, code in unanswered), unanswered  # the faults it injects
+
+
+def test_on_request_is_told_of_a_request_no_server_answered(tmp_path, ns):
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(_kubeconfig("http://127.0.0.1:1", token="x"))
+    seen: list[tuple[str, str]] = []
+    with KubeClient(kubeconfig, timeout_s=2, on_request=lambda verb, code: seen.append((verb, code))) as kube:
+        with pytest.raises(ApiUnavailable):
+            kube.list_jobs_page(ns, label_selector="a=b")
+        with pytest.raises(ApiUnavailable):
+            kube.create_job(ns, job("u"))
+    assert seen == [("list", "error"), ("create", "error")]

@@ -183,10 +183,10 @@ def test_request_latency_and_budget_waits_are_served_at_metrics(cluster):
         return sample(after, name, **labels) - sample(before, name, **labels)
 
     latency = "k8s_dispatch_kube_request_duration_seconds_count"
-    assert grew(latency, verb="POST", code="201") == 3
-    assert grew(latency, verb="GET", code="200") == 2
-    assert grew(latency, verb="GET", code="429") == 1
-    assert grew(latency, verb="LIST", code="200") == 1
+    assert grew(latency, verb="create", code="201") == 3
+    assert grew(latency, verb="get", code="200") == 2
+    assert grew(latency, verb="get", code="429") == 1
+    assert grew(latency, verb="list", code="200") == 1
     assert grew("k8s_dispatch_kube_retry_after_total") == 1
     # 7 requests at 5/s with no burst to spare: 6 waited about 0.2 s each (the 429's retry among them).
     assert grew("k8s_dispatch_kube_budget_wait_seconds_count") >= 5

@@ -115,8 +115,12 @@ def test_build_job_shape() -> None:
                 "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}, "limits": {"memory": "128Mi"}},
                 "terminationMessagePath": "/dev/termination-log",
                 "terminationMessagePolicy": "FallbackToLogsOnError",
+                "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
             }
         ],
+        # The restricted Pod Security profile (tests/workers/test_job_security.py).
+        "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
+        "automountServiceAccountToken": False,
     }
     assert labels.decode(job["metadata"]["labels"], job["metadata"]["annotations"]) == REF
     assert labels.decode_attempt(job["metadata"]["annotations"]) == 1

@@ -201,7 +201,8 @@ def test_every_problem_is_reported_at_once() -> None:
         "caps.json: capability 'a': field 'worker': 'BAD' is not a DNS-1123 label",
         "caps.json: capability 'a': field 'backoffLimit': -1 is not a non-negative integer",
         "caps.json: capability 'b': field 'colour': unknown field (known: worker, image, command, args, env, "
-        "resources, namespace, activeDeadlineSeconds, backoffLimit, labels, annotations)",
+        "resources, namespace, activeDeadlineSeconds, backoffLimit, labels, annotations, "
+        "runAsUser, runAsGroup, securityOverrides)",
         "caps.json: capability 'b': field 'worker': is required",
     ]
 

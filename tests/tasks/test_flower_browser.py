@@ -1,0 +1,141 @@
+"""Flower as a person sees it: a real worker, beat and Flower (with basic auth) on a short run,
+opened in headless Chromium (Debian's, driven through its chromedriver by Selenium). Without
+credentials Flower refuses the page; with them its dashboard lists the worker, and its Tasks page
+finds the `complete_batch` that delivered the dispatches. Screenshots go to the test's tmp_path.
+"""
+
+from __future__ import annotations
+
+import shutil
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from selenium import webdriver
+from selenium.common.exceptions import StaleElementReferenceException, WebDriverException
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.by import By
+from selenium.webdriver.remote.webdriver import WebDriver
+
+from k8s_dispatch import celeryconfig as names
+from k8s_dispatch.ops import processes
+
+USER, PASSWORD = "ops", "s3cret"
+WINDOW = (1280, 800)
+
+
+def answers(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthcheck", timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def browser() -> Iterator[WebDriver]:
+    """Headless Chromium through Debian's chromedriver (tests/services.sh installs both)."""
+    chromium, chromedriver = shutil.which("chromium"), shutil.which("chromedriver")
+    assert chromium and chromedriver, "chromium and chromium-driver are not installed: run tests/services.sh"
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
+        options.add_argument(argument)
+    options.add_argument(f"--window-size={WINDOW[0]},{WINDOW[1]}")
+    driver = webdriver.Chrome(service=Service(executable_path=chromedriver), options=options)
+    driver.set_page_load_timeout(30)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+@pytest.fixture
+def flower_run(deploy, sim_cluster, tmp_path: Path) -> Iterator[tuple[Any, int]]:
+    """A worker, beat (polling every 2 s, as deployed) and Flower with basic auth, on one broker."""
+    d = deploy(sim_cluster, poll_interval_s="2")
+    port = processes.free_port()
+    flower = processes.celery_flower(env=d.env, log_dir=tmp_path, port=port, extra=(f"--basic-auth={USER}:{PASSWORD}",))
+    flower.start()
+    try:
+        processes.wait_until(lambda: flower.alive and answers(port), timeout=60, what="Flower's /healthcheck")
+        d.start_worker("w1")
+        d.start_beat()
+        yield d, port
+    finally:
+        flower.stop(timeout=15)
+        print(flower.log_tail(20))
+
+
+def page_text(driver: WebDriver) -> str:
+    try:
+        return str(driver.find_element(By.TAG_NAME, "body").text)
+    except (StaleElementReferenceException, WebDriverException):
+        return ""  # the page is being replaced: read it again
+
+
+def table_cells(driver: WebDriver, table: str) -> list[list[str]]:
+    """The text of each row's cells, read in one script: Flower redraws its tables every few
+    seconds, so element handles taken one by one go stale between two reads."""
+    script = (
+        "return Array.from(document.querySelectorAll(arguments[0] + ' tbody tr'))"
+        ".map(row => Array.from(row.cells).map(cell => cell.innerText.trim()));"
+    )
+    try:
+        return list(driver.execute_script(script, table))
+    except WebDriverException:
+        return []  # the page is being replaced: read it again
+
+
+def test_a_person_logs_in_to_flower_and_sees_the_worker_and_a_complete_batch(
+    flower_run, browser: WebDriver, tmp_path: Path
+) -> None:
+    d, port = flower_run
+    case_id = d.new_case()
+    ids = [str(uuid.uuid4()) for _ in range(3)]
+    for dispatch_id in ids:
+        d.send(names.SCHEDULE_TASK, case_id, "tenant-a", "demo.wordcount", {"text": "a b c"}, f"k-{dispatch_id}",
+               dispatch_id=dispatch_id)  # fmt: skip
+    d.wait_terminal(ids)
+
+    # No credentials: Flower answers 401 and shows nothing of its own.
+    browser.get(f"http://127.0.0.1:{port}/")
+    assert "w1@" not in page_text(browser) and "Workers" not in browser.title
+
+    # Logged in (basic auth: the credentials in the URL, what a person types at the prompt). The
+    # Workers page lists w1 online, with the tasks it ran (schedule, create_job, poll, ...).
+    browser.get(f"http://{USER}:{PASSWORD}@127.0.0.1:{port}/workers")
+
+    def worker_cells() -> list[str] | None:
+        for cells in table_cells(browser, "table#workers-table"):
+            if cells and cells[0].startswith("w1@"):
+                return cells
+        browser.refresh()
+        return None
+
+    cells = d.wait(worker_cells, timeout_s=30, what="the worker w1 on Flower's Workers page")
+    browser.save_screenshot(str(tmp_path / "flower-workers.png"))
+    _worker, status, _active, processed, failed, succeeded = cells[:6]
+    assert status == "Online", cells
+    assert int(processed) >= len(ids) and int(succeeded) >= len(ids) and failed == "0", cells
+    browser.save_screenshot(str(tmp_path / "flower-workers.png"))
+
+    # The Tasks page: a person types the task's name into the search box.
+    browser.get(f"http://127.0.0.1:{port}/tasks")
+
+    def complete_batch_rows() -> list[str] | None:
+        box = browser.find_element(By.CSS_SELECTOR, "input[type=search]")
+        box.clear()
+        box.send_keys("complete_batch")
+        rows = [" ".join(cells) for cells in table_cells(browser, "table#tasks-table")]
+        found = [r for r in rows if names.COMPLETE_BATCH_TASK in r and "SUCCESS" in r]
+        return found or None
+
+    rows = d.wait(complete_batch_rows, timeout_s=30, what="a successful complete_batch on Flower's Tasks page")
+    assert all("w1@" in row for row in rows), rows
+    shot = tmp_path / "flower-tasks.png"
+    browser.save_screenshot(str(shot))
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
