@@ -1,10 +1,11 @@
 """The outbox: a lone put is sent before it returns; puts made during a send wait for it and go
 together (the outbox's thread, every linger), in order, each id once per message; a failing send
-never leaves the outbox stuck."""
+never leaves the outbox stuck; a full batch never waits out the linger."""
 
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -65,6 +66,31 @@ def test_puts_made_while_a_send_is_under_way_wait_for_it_and_go_together():
     wait_until(lambda: not outbox._sending, timeout=10, interval=0.01, what="the outbox idle")
     outbox.put(["later"])  # idle again: sent by the putting thread
     assert sent.messages[-1] == ["later"]
+
+
+def test_a_full_batch_waiting_goes_at_once_not_after_the_linger():
+    release, in_send = threading.Event(), threading.Event()
+    sent = Sent()
+
+    def send(ids: list[str]) -> None:
+        if not sent.messages:
+            in_send.set()
+            assert release.wait(10)
+        sent(ids)
+
+    outbox = Outbox(send, batch=4, linger_s=2.0, idle_lingers=1)
+    first = threading.Thread(target=outbox.put, args=(["t0"],))
+    first.start()
+    assert in_send.wait(10)
+    outbox.put(["t1"])  # waits: the outbox's thread takes over, lingering 2 s
+    release.set()
+    first.join(10)
+    assert outbox.handoffs == 1 and sent.messages == [["t0"]]
+    put_at = time.monotonic()
+    outbox.put(["t2", "t3", "t4"])  # 4 waiting: a full message, sent now
+    wait_until(lambda: len(sent.messages) == 2, timeout=10, interval=0.01, what="the full batch sent")
+    assert time.monotonic() - put_at < 1.0  # well inside the linger
+    assert sent.messages[1] == ["t1", "t2", "t3", "t4"]
 
 
 def test_a_send_that_raises_passes_to_the_putter_and_the_next_put_sends_again():
