@@ -291,7 +291,10 @@ class JobController:
             if job is not None and job.uid == ref.get("uid"):
                 self._mark((pod.namespace, job.name))
                 return
-        if is_terminal_pod(pod.obj):  # a running one comes back here when the kubelet reports its end
+        # A running one comes back here when the kubelet reports its end; one never bound (no node
+        # fits) being deleted never ends, and kube-controller-manager lets it go as well.
+        unbound_deleting = pod.meta.get("deletionTimestamp") and not (pod.obj.get("spec") or {}).get("nodeName")
+        if is_terminal_pod(pod.obj) or unbound_deleting:
             self.registry.remove_finalizer(pod, TRACKING_FINALIZER)
 
     def close(self) -> None:

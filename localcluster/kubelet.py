@@ -15,7 +15,7 @@ import contextlib
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from k8s_dispatch.localcluster import podstatus
+from k8s_dispatch.localcluster import podstatus, startfaults
 from k8s_dispatch.localcluster.execrunner import ExecRunner
 from k8s_dispatch.localcluster.podstatus import NODE_NAME, ContainerResult
 from k8s_dispatch.localcluster.registry import Registry, is_terminal_pod
@@ -166,6 +166,12 @@ class Kubelet:
             return
         if run is not None:
             return
+        if not node and startfaults.unschedulable(obj):
+            # No node fits (the annotation says): this node, acting as the scheduler, binds
+            # nothing and says so once, as kube-scheduler does.
+            if not startfaults.shows_unschedulable(obj):
+                self.host.report(obj, startfaults.unschedulable_status(obj, now()))
+            return
         if not node:
             bound = self.host.bind(obj)
             if bound is not None:
@@ -184,6 +190,11 @@ class Kubelet:
         return run
 
     def _admit(self, key: Key, uid: str, pod: dict[str, Any]) -> None:
+        stuck = startfaults.waiting(pod)
+        if stuck is not None:  # its container never starts: Pending, waiting, reported once
+            if not startfaults.shows_waiting(pod, stuck[0]):
+                self.host.report(pod, startfaults.waiting_status(pod, now(), *stuck))
+            return
         run = self._new_run(key, uid)
         started = self.runner.start(uid, pod)
         if started is not None:

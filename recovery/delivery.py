@@ -15,7 +15,7 @@ result) is gone is run again, never failed.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
@@ -41,7 +41,7 @@ from k8s_dispatch.engine.errors import (
 )
 from k8s_dispatch.engine.ids import check_dispatch_id
 from k8s_dispatch.engine.models import STATE_FOR_TERMINAL_EVENT, DispatchState, EventType
-from k8s_dispatch.recovery import statelog, stats
+from k8s_dispatch.recovery import startup, statelog, stats
 from k8s_dispatch.recovery.crashpoints import Point, crashpoint
 from k8s_dispatch.recovery.guard import Claim
 from k8s_dispatch.recovery.metrics import METRICS
@@ -51,6 +51,7 @@ from k8s_dispatch.recovery.sweep import JOB_LOST_REASON, out_of_attempts
 from k8s_dispatch.workers import labels as job_labels
 from k8s_dispatch.workers.job_status import RESULT_NOT_JSON, Completion, completion, job_state
 from k8s_dispatch.workers.manifest import FINALIZER, build_job, job_name
+from k8s_dispatch.workers.pod_health import QUEUE_TIMEOUT, Verdict
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +148,13 @@ def create_jobs_for(rt: Runtime, dispatch_ids: Sequence[str]) -> dict[str, Creat
             if record is None:
                 log.warning("no dispatch %s: no Job to create", dispatch_id)
                 continue
-            outcome, where = _create(rt, record)
+            try:
+                outcome, where = _create(rt, record)
+            except startup.QUEUE_WAITS as e:
+                if not _queue_timed_out(rt, record, e):
+                    raise
+                outcomes[dispatch_id] = CreateOutcome.FAILED  # the batch goes on: its others may fit
+                continue
             outcomes[dispatch_id] = outcome
             if where is not None:
                 made.append((record, outcome, *where))
@@ -158,6 +165,21 @@ def create_jobs_for(rt: Runtime, dispatch_ids: Sequence[str]) -> dict[str, Creat
         raise
     _mark_created(rt, made)
     return outcomes
+
+
+def _queue_timed_out(rt: Runtime, record: DispatchRecord, error: Transient) -> bool:
+    """The queue clock: a dispatch whose first Job still cannot be made (`error`) longer than its
+    capability's `queueTimeoutSeconds` after its scheduling fails `QueueTimeout`, with the error
+    as its message; True if it did (or had ended meanwhile)."""
+    if record.state is not DispatchState.SCHEDULED or record.capability not in rt.resolver:
+        return False
+    timeout_s = rt.resolver.spec(record.capability).queue_timeout_seconds
+    if timeout_s is None or not startup.queue_expired(rt.sessions, record.dispatch_id, timeout_s=timeout_s):
+        return False
+    message = startup.queue_message(timeout_s, error)
+    log.warning("dispatch %s: %s", record.dispatch_id, message)
+    fail_dispatch(rt, record.dispatch_id, reason=QUEUE_TIMEOUT, message=message)
+    return True
 
 
 def _note_create_error(rt: Runtime, record: DispatchRecord, error: Transient) -> None:
@@ -702,6 +724,75 @@ def rerun_lost(
     if where is not None:
         _mark_created(rt, [(again, outcome, *where)])
     return CompleteOutcome.RERUN
+
+
+# --- a Job whose container never starts ---------------------------------------------------
+
+
+def pending_pods(rt: Runtime, namespace: str, dispatch_ids: Sequence[str]) -> list[dict[str, Any]]:
+    """Our Pending Pods of these dispatches in one namespace: ONE LIST per SELECTOR_CHUNK ids (a
+    label selector on our deployment and the dispatch ids, a field selector on the phase), so a
+    sweep's page of unstarted Jobs costs one request."""
+    ids = sorted(set(dispatch_ids))
+    base = job_labels.selector(rt.settings.effective_deployment)
+    pods: list[dict[str, Any]] = []
+    for start in range(0, len(ids), SELECTOR_CHUNK):
+        selector = f"{base},{job_labels.DISPATCH_ID_KEY} in ({','.join(ids[start : start + SELECTOR_CHUNK])})"
+        for page in rt.kube.iter_pods(
+            namespace, label_selector=selector, field_selector=PENDING_PODS, page_size=rt.settings.poll_page_size
+        ):
+            pods.extend(page)
+    return pods
+
+
+PENDING_PODS = "status.phase=Pending"
+
+
+def fail_unstarted(
+    rt: Runtime,
+    namespace: str,
+    name: str,
+    *,
+    dispatch_id: str,
+    attempts: int,
+    snapshot: Mapping[str, Any],
+    decide: Callable[[list[dict[str, Any]]], Verdict],
+) -> Verdict | None:
+    """Give up on a Job whose container never started: WORKER_FAILED with the cause `decide`
+    names (the one terminal-event path: `fail_dispatch`), then the Job released and deleted,
+    which stops its Pods; the verdict if this call recorded it, else None.
+
+    Under the dispatch's guard claim, the row must still be CREATED with the `attempts` counted
+    when planned; the Job's Pods are read again, every phase (a Pod that started since the
+    Pending LIST, or whose start the Job's status had not counted yet, says wait), and `decide`
+    judges them. A crash after the event leaves the Job to the sweep's clean-up (category 4).
+
+    Raises:
+        Transient: the API, database or Redis is unavailable; the next sweep tries again.
+    """
+    claim = rt.guard.claim(dispatch_id)
+    if claim is None:
+        return None  # another replica is delivering it
+    try:
+        record = load_record(rt, dispatch_id)
+        if record is None or record.state is not DispatchState.CREATED or record.attempts != attempts:
+            return None
+        pods = pods_by_job(rt, namespace, [name])[name]
+        verdict = decide(pods)
+        if not verdict.fail:
+            return None
+        log.warning(
+            "dispatch %s: job %s/%s never started its container: %s: %s",
+            dispatch_id, namespace, name, verdict.reason, verdict.message,
+        )  # fmt: skip
+        if not fail_dispatch(rt, dispatch_id, reason=verdict.reason or "StartTimeout", message=verdict.message):
+            return None
+    finally:
+        rt.guard.release(claim)
+    release_pods(rt, namespace, pods)
+    release_job(rt, namespace, name, snapshot=snapshot)
+    rt.kube.delete_job(namespace, name, propagation="Background", uid=(snapshot.get("metadata") or {}).get("uid"))
+    return verdict
 
 
 # --- notify, cancel, clean up -----------------------------------------------------------

@@ -14,6 +14,7 @@ except those poll has handed to a queued completion.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -32,7 +33,7 @@ from k8s_dispatch.engine.db import database_now, transaction
 from k8s_dispatch.engine.errors import DispatchError, NotFound
 from k8s_dispatch.engine.models import TERMINAL_STATES, Dispatch, DispatchState, EventType, utcnow
 from k8s_dispatch.engine.settings import OrphanPolicy
-from k8s_dispatch.recovery import delivery, handoff, statelog
+from k8s_dispatch.recovery import delivery, handoff, startup, statelog
 from k8s_dispatch.recovery.crashpoints import Point, crashpoint
 from k8s_dispatch.recovery.metrics import METRICS
 from k8s_dispatch.recovery.reconstruct import DispatchRecord
@@ -60,6 +61,7 @@ from k8s_dispatch.recovery.sweep import (
     refusal,
 )
 from k8s_dispatch.workers import labels as job_labels
+from k8s_dispatch.workers.pod_health import StartPolicy, assess
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +175,9 @@ def _sweep_jobs(rt: Runtime, namespace: str, act: Executor, *, now: datetime, po
         ):
             report.jobs_listed += len(page)
             views = _views_for_jobs(rt, page)
-            act.all(plan_jobs(page, views, now=now, policy=policy))
+            actions = plan_jobs(page, views, now=now, policy=policy)
+            act.all(actions)
+            act.starts(namespace, startup.due(page, actions, views, now=now, policy_for=_start_policy(rt)))
             lost.page(page)
         lost.end()
     except DispatchError as e:  # the LIST, or the page's dispatches: the next sweep starts over
@@ -187,6 +191,11 @@ def _sweep_jobs(rt: Runtime, namespace: str, act: Executor, *, now: datetime, po
             log.warning("sweep: the bulk delete of delivered jobs in %s failed: %s: %s", namespace, e.reason, e)
             report.add_problem(f"deleting delivered jobs in {namespace}: {e.reason}: {e}")
     return lost.matched
+
+
+def _start_policy(rt: Runtime) -> Callable[[str], StartPolicy]:
+    """A capability's start clocks; the defaults for one gone from the config."""
+    return lambda capability: rt.resolver.spec(capability).start_policy if capability in rt.resolver else StartPolicy()
 
 
 def _adopt_unlabelled(rt: Runtime, namespace: str, act: Executor, *, now: datetime, policy: Policy) -> None:
@@ -302,7 +311,13 @@ def _views_for_jobs(rt: Runtime, jobs: Sequence[dict[str, Any]]) -> dict[str, Di
 def _view(rt: Runtime, row: Dispatch | sa.Row[Any]) -> DispatchView:
     record = DispatchRecord.from_row(row)
     namespace, _ = delivery.job_location(rt, record)
-    return DispatchView(record=record, namespace=namespace, created_at=row.created_at, updated_at=row.updated_at)
+    return DispatchView(
+        record=record,
+        namespace=namespace,
+        created_at=row.created_at,
+        updated_at=row.updated_at,
+        job_created_at=row.job_created_at,
+    )
 
 
 # --- (B) the dispatches without a Job: categories 1 and 5 -----------------------------------
@@ -459,6 +474,41 @@ class Executor:
         with self._lock:
             self.report.categories[Category.RUNNING].found += running
         self._run(calls)
+
+    def starts(self, namespace: str, checks: Sequence[startup.StartCheck]) -> None:
+        """Category 3's Jobs with no container started, past the grace: their Pending Pods read
+        with one LIST for the page, each Job judged against its capability's clocks
+        (`pod_health.assess`); one given up is failed with its cause and deleted
+        (`delivery.fail_unstarted`), counted as acted."""
+        if self.dry_run or not checks:
+            return
+        counts = self.report.categories[Category.RUNNING]
+        try:
+            pods = delivery.pending_pods(self.rt, namespace, [check.dispatch_id for check in checks])
+        except DispatchError as e:
+            log.warning("sweep: listing the pending pods in %s failed: %s: %s", namespace, e.reason, e)
+            with self._lock:
+                counts.errors += 1
+            return
+        given_up = [check for check in checks if assess(check.job, pods, age=check.age, policy=check.policy).fail]
+        self._run(
+            [
+                functools.partial(self._count, counts, check, functools.partial(self._give_up, check))
+                for check in given_up
+            ]
+        )
+
+    def _give_up(self, check: startup.StartCheck) -> _Outcome:
+        verdict = delivery.fail_unstarted(
+            self.rt,
+            check.namespace,
+            check.job_name,
+            dispatch_id=check.dispatch_id,
+            attempts=check.attempts,
+            snapshot=check.job,
+            decide=lambda pods: assess(check.job, pods, age=check.age, policy=check.policy),
+        )
+        return _Outcome.SKIPPED if verdict is None else _Outcome.ACTED
 
     def _complete_all(self, namespace: str, actions: Sequence[CompleteJob]) -> None:
         """Category 2 for finished Jobs of one namespace, as their LIST read them (`job` set):

@@ -60,6 +60,7 @@ class DispatchView:
     namespace: str
     created_at: datetime
     updated_at: datetime
+    job_created_at: datetime | None = None  # when its Job was recorded created: the start clock's origin
 
     @property
     def dispatch_id(self) -> str:

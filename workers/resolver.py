@@ -18,6 +18,10 @@ Schema (field names as Kubernetes spells them)::
           limits: {memory: 128Mi}
         namespace: jobs                # default: the settings' namespace
         activeDeadlineSeconds: 600     # absent: 3600; null: no deadline
+        queueTimeoutSeconds: 900       # scheduled -> Job created (quota, API down); absent/null: no limit
+        startTimeoutSeconds: 600       # Job created -> its container started (default 600)
+        imagePullTimeoutSeconds: 300   # a Pod pulling its image in vain (default 300)
+        configErrorTimeoutSeconds: 60  # a Pod waiting on its config, e.g. a Secret (default 60)
         backoffLimit: 0                # default 0: one pod, a failure fails the Job at once
         labels: {team: search}         # added to Job and Pod; ours cannot be overridden
         annotations: {owner: me}
@@ -41,7 +45,13 @@ import yaml
 
 from k8s_dispatch.engine.errors import ConfigError, UnknownCapability
 from k8s_dispatch.workers.backends import Worker
-from k8s_dispatch.workers.manifest import spec_problems
+from k8s_dispatch.workers.manifest import MAX_INT32, spec_problems
+from k8s_dispatch.workers.pod_health import (
+    DEFAULT_CONFIG_ERROR_TIMEOUT_S,
+    DEFAULT_IMAGE_PULL_TIMEOUT_S,
+    DEFAULT_START_TIMEOUT_S,
+    StartPolicy,
+)
 from k8s_dispatch.workers.types import CapabilityName, WorkerName, is_capability_name
 
 if TYPE_CHECKING:
@@ -78,6 +88,19 @@ class CapabilitySpec:
     run_as_user: int | None = None
     run_as_group: int | None = None
     security_overrides: Mapping[str, str] = field(default_factory=lambda: _EMPTY)
+    # The clocks of a dispatch before its container runs (workers/pod_health.py): None = no limit.
+    queue_timeout_seconds: int | None = None
+    start_timeout_seconds: int = DEFAULT_START_TIMEOUT_S
+    image_pull_timeout_seconds: int = DEFAULT_IMAGE_PULL_TIMEOUT_S
+    config_error_timeout_seconds: int = DEFAULT_CONFIG_ERROR_TIMEOUT_S
+
+    @property
+    def start_policy(self) -> StartPolicy:
+        return StartPolicy(
+            start_timeout_s=self.start_timeout_seconds,
+            image_pull_timeout_s=self.image_pull_timeout_seconds,
+            config_error_timeout_s=self.config_error_timeout_seconds,
+        )
 
 
 _REQUIRED = ("worker", "image")
@@ -85,7 +108,16 @@ _FIELDS = (
     "worker", "image", "command", "args", "env", "resources", "namespace",
     "activeDeadlineSeconds", "backoffLimit", "labels", "annotations",
     "runAsUser", "runAsGroup", "securityOverrides",
+    "queueTimeoutSeconds", "startTimeoutSeconds", "imagePullTimeoutSeconds", "configErrorTimeoutSeconds",
 )  # fmt: skip
+_NULLABLE = ("activeDeadlineSeconds", "queueTimeoutSeconds")  # null: no limit
+# The clocks (seconds): config field -> CapabilitySpec attribute; each a positive integer.
+_CLOCKS = {
+    "queueTimeoutSeconds": "queue_timeout_seconds",
+    "startTimeoutSeconds": "start_timeout_seconds",
+    "imagePullTimeoutSeconds": "image_pull_timeout_seconds",
+    "configErrorTimeoutSeconds": "config_error_timeout_seconds",
+}
 _YAML_SUFFIXES = (".yaml", ".yml")
 _JSON_SUFFIXES = (".json",)
 
@@ -105,7 +137,10 @@ class CapabilityResolver:
         for name, spec in specs.items():
             if spec.name != name:
                 problems.append(f"{source}: capability {name!r}: field 'name': the spec is named {spec.name!r}")
-            problems.extend(f"{source}: capability {name!r}: field {fld!r}: {why}" for fld, why in spec_problems(spec))
+            problems.extend(
+                f"{source}: capability {name!r}: field {fld!r}: {why}"
+                for fld, why in [*spec_problems(spec), *clock_problems(spec)]
+            )
         if problems:
             raise ConfigError("invalid capability config:\n" + "\n".join(problems))
         self.source = source
@@ -269,7 +304,7 @@ def _parse_capability(name: object, fields: object, *, problems: list[str], sour
         if key not in fields:
             return default
         value = fields[key]
-        if value is None and key == "activeDeadlineSeconds":
+        if value is None and key in _NULLABLE:
             return None
         if isinstance(value, bool) or not isinstance(value, int):
             report.add(key, f"must be an integer, not {_kind(value)}")
@@ -294,12 +329,29 @@ def _parse_capability(name: object, fields: object, *, problems: list[str], sour
         run_as_user=integer("runAsUser", None),
         run_as_group=integer("runAsGroup", None),
         security_overrides=string_map("securityOverrides"),
+        queue_timeout_seconds=integer("queueTimeoutSeconds", None),
+        start_timeout_seconds=integer("startTimeoutSeconds", DEFAULT_START_TIMEOUT_S) or 0,
+        image_pull_timeout_seconds=integer("imagePullTimeoutSeconds", DEFAULT_IMAGE_PULL_TIMEOUT_S) or 0,
+        config_error_timeout_seconds=integer("configErrorTimeoutSeconds", DEFAULT_CONFIG_ERROR_TIMEOUT_S) or 0,
     )
     if report.count:
         return None  # value checks on half-parsed fields would only repeat the type errors
-    for fld, why in spec_problems(spec):
+    for fld, why in [*spec_problems(spec), *clock_problems(spec)]:
         report.add(fld, why)
     return None if report.count else spec
+
+
+def clock_problems(spec: CapabilitySpec) -> list[tuple[str, str]]:
+    """What is wrong with the spec's clocks: (config field name, why) pairs. Each is a whole
+    number of seconds, at least 1 (a zero would fail every dispatch before it could start)."""
+    problems = []
+    for fld, attribute in _CLOCKS.items():
+        value = getattr(spec, attribute)
+        if value is None and fld in _NULLABLE:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_INT32:
+            problems.append((fld, f"{value!r} is not a positive integer (seconds)"))
+    return problems
 
 
 def _resources(value: object, report: _Problems) -> Mapping[str, Mapping[str, str]]:

@@ -202,7 +202,8 @@ def test_every_problem_is_reported_at_once() -> None:
         "caps.json: capability 'a': field 'backoffLimit': -1 is not a non-negative integer",
         "caps.json: capability 'b': field 'colour': unknown field (known: worker, image, command, args, env, "
         "resources, namespace, activeDeadlineSeconds, backoffLimit, labels, annotations, "
-        "runAsUser, runAsGroup, securityOverrides)",
+        "runAsUser, runAsGroup, securityOverrides, queueTimeoutSeconds, "
+        "startTimeoutSeconds, imagePullTimeoutSeconds, configErrorTimeoutSeconds)",
         "caps.json: capability 'b': field 'worker': is required",
     ]
 
