@@ -176,7 +176,7 @@ def schedule_many(
     if not prepared:
         return []
     if len(prepared) == 1 and session.get_bind().dialect.name == "postgresql":
-        # One new dispatch (an engine scheduling step by step): ONE statement, the usual case.
+        # One new dispatch (an engine scheduling step by step): two statements, the usual case.
         # Nothing inserted (a repeat, a bad case, an id in use, a racing commit of the key)
         # wrote nothing either, and the general path below reads and decides as it always did.
         (p,) = prepared

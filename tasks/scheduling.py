@@ -4,8 +4,9 @@
 `engine.store.schedule_many` and send `create_jobs` only once that transaction commits (nothing
 if it rolls back): every dispatch the transaction wrote, by any number of calls, in messages of
 up to CREATE_BATCH ids, so a worker pays its per-message and per-transaction costs once per
-batch. `cancel_in_session` records the cancel itself in the transaction (durable: the sweep
-honours it if its message is lost) and sends `cancel` after commit to delete the Job at once.
+batch; the commits of several threads share messages too (`tasks/outbox.py`).
+`cancel_in_session` records the cancel itself in the transaction (durable: the sweep honours it
+if its message is lost) and sends `cancel` after commit to delete the Job at once.
 `send_schedule_until_recorded` is the task-call path made safe against a broker that loses
 messages. Light on purpose: an engine process or the CLI imports it without the Kubernetes
 client or the delivery machinery.
