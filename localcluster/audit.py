@@ -6,13 +6,17 @@ resource[/subresource], RBAC verb) triples, read through the authenticated
 against the Role's rules. And `apiserver_request_total`, the kube-apiserver's request counter with
 its labels (verb as the server reports it: GET, LIST, WATCH, POST, PUT, PATCH, DELETE,
 DELETECOLLECTION; group, version, resource, subresource, scope, component, code), served as
-Prometheus text on `GET /metrics`: what the benchmarks read to count requests per Job.
+Prometheus text on `GET /metrics`: what the benchmarks read to count requests per Job. And when each
+of the last ANSWERS requests was answered, with its verb and code (`time.monotonic()`, this
+process's clock; injected faults included), so a test can check a client's rate limit over any
+window, and that it sent nothing while a 429's Retry-After was in force.
 """
 
 from __future__ import annotations
 
 import functools
-from collections import Counter
+import time
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -35,6 +39,7 @@ METRIC_VERBS = {
     "deletecollection": "DELETECOLLECTION",
 }
 LABEL_NAMES = ("verb", "group", "version", "resource", "subresource", "scope", "component", "code")
+ANSWERS = 100_000  # answers kept (a few MB at most)
 
 
 class RequestLabels(NamedTuple):
@@ -46,6 +51,12 @@ class RequestLabels(NamedTuple):
     resource: str
     subresource: str
     scope: str  # resource (one named object, or a create), namespace, cluster
+
+
+class Answer(NamedTuple):
+    at: float  # time.monotonic() when it was answered
+    verb: str  # as the metrics name it: "POST", "LIST"...
+    code: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +127,7 @@ class Audit:
     def __init__(self) -> None:
         self._seen: set[Permission] = set()
         self._requests: Counter[tuple[RequestLabels, int]] = Counter()
+        self._answers: deque[Answer] = deque(maxlen=ANSWERS)
 
     def record(self, method: str, target: Target, *, watch: bool) -> RequestLabels:
         """Note a request's permission as it arrives; its labels, for `count` once it is answered."""
@@ -127,6 +139,11 @@ class Audit:
 
     def count(self, labels: RequestLabels, code: int) -> None:
         self._requests[(labels, code)] += 1
+        self._answers.append(Answer(time.monotonic(), labels.verb, code))
+
+    def answers(self) -> list[Answer]:
+        """The last ANSWERS requests answered, oldest first."""
+        return list(self._answers)
 
     def seen(self) -> list[Permission]:
         return sorted(self._seen)
