@@ -26,6 +26,9 @@ class EventType(StrEnum):
     WORKER_COMPLETED = "WORKER_COMPLETED"
     WORKER_FAILED = "WORKER_FAILED"
     WORKER_CANCELLED = "WORKER_CANCELLED"
+    # Not terminal: a Pod of the dispatch was disrupted (evicted, preempted, its node lost) and
+    # replaced; one per Pod (engine/disruptions.py), so the engine sees "evicted, retried".
+    WORKER_DISRUPTED = "WORKER_DISRUPTED"
 
 
 TERMINAL_EVENT_TYPES: frozenset[EventType] = frozenset(

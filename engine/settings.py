@@ -72,6 +72,11 @@ class Settings(BaseSettings):
     # Threads per worker process: the tasks wait on the API, the DB and Redis, not the CPU.
     worker_concurrency: int = Field(default=8, ge=1, le=256)
     kube_timeout_s: float = Field(default=10.0, gt=0, le=300)  # each Kubernetes API request
+    # The process's API budget (workers/budget.py's DEFAULT_QPS / _BURST): requests per second,
+    # 0 = unlimited, and how many may go at once after a quiet spell. Every client of a process
+    # shares it; README's configuration table says why these defaults.
+    kube_qps: float = Field(default=300.0, ge=0, le=100_000)
+    kube_burst: int = Field(default=600, ge=1, le=100_000)
 
     @field_validator("namespace")
     @classmethod

@@ -175,6 +175,13 @@ def schedule_many(
     ]
     if not prepared:
         return []
+    if len(prepared) == 1 and session.get_bind().dialect.name == "postgresql":
+        # One new dispatch (an engine scheduling step by step): two statements, the usual case.
+        # Nothing inserted (a repeat, a bad case, an id in use, a racing commit of the key)
+        # wrote nothing either, and the general path below reads and decides as it always did.
+        (p,) = prepared
+        if _insert_one(session, p, now=now or database_now(session)):
+            return [ScheduleResult(dispatch_id=p.dispatch_id, created=True, state=DispatchState.SCHEDULED)]
     existing = _dispatches_by_key(session, {(p.tenancy_id, p.idempotency_key) for p in prepared})
     new = _new_dispatches(session, prepared, existing)
     if new:
@@ -306,6 +313,50 @@ def _insert(session: Session, new: list[_Prepared], *, now: datetime) -> dict[tu
         if events:  # RETURNING makes this one multi-row INSERT too, not an executemany
             session.execute(sa.insert(CaseEvent.__table__).returning(CaseEvent.__table__.c.id), events)
     return winners
+
+
+def _insert_one(session: Session, p: _Prepared, *, now: datetime) -> bool:
+    """Insert one dispatch and its event in two statements, if its case exists with its tenancy
+    and neither its key nor its id is taken; True if it did. A False wrote nothing.
+
+    The general path costs six (two reads, a SAVEPOINT, two INSERTs, its release): most of an
+    engine's CPU per dispatch when it writes one per transaction. Here the case's check is the
+    INSERT's own SELECT, and ON CONFLICT DO NOTHING waits for a racing uncommitted row with the
+    same key, as the general path's INSERT does; the event follows only a row inserted.
+    """
+    insert_row, insert_event = _insert_one_statements()
+    connection = session.connection()
+    if connection.execute(insert_row, _dispatch_row(p, now)).first() is None:
+        return False
+    connection.execute(insert_event, _event_row(p, now))
+    return True
+
+
+# Built once (and so compiled once, through SQLAlchemy's cache).
+_INSERT_ONE: list[tuple[sa.Insert, sa.Insert]] = []
+# `_dispatch_row`'s keys less the two the case's row gives.
+_ONE_ROW_COLUMNS = (
+    "dispatch_id", "capability", "worker_name", "idempotency_key", "input", "state", "job_namespace", "attempts",
+    "created_at", "updated_at",
+)  # fmt: skip
+
+
+def _insert_one_statements() -> tuple[sa.Insert, sa.Insert]:
+    """`INSERT INTO dispatches ... SELECT ... FROM case_instances WHERE id AND tenancy match ON
+    CONFLICT DO NOTHING RETURNING dispatch_id`, and the plain INSERT of its event."""
+    if not _INSERT_ONE:
+        table, cases = Dispatch.__table__, CaseInstance.__table__
+        select = sa.select(
+            cases.c.id, cases.c.tenancy_id, *(sa.bindparam(c, type_=table.c[c].type) for c in _ONE_ROW_COLUMNS)
+        ).where(cases.c.id == sa.bindparam("case_id"), cases.c.tenancy_id == sa.bindparam("tenancy_id"))
+        insert_row = (
+            postgresql.insert(table)
+            .from_select(["case_id", "tenancy_id", *_ONE_ROW_COLUMNS], select)
+            .on_conflict_do_nothing()
+            .returning(table.c.dispatch_id)
+        )
+        _INSERT_ONE.append((insert_row, sa.insert(CaseEvent.__table__)))
+    return _INSERT_ONE[0]
 
 
 def _dispatch_row(p: _Prepared, now: datetime) -> dict[str, Any]:

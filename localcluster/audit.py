@@ -10,13 +10,16 @@ subresource, scope, component, code), and what the server sent back as kube-apis
 the objects its LISTs returned (`apiserver_storage_list_returned_objects_total`, group and
 resource) and the watch events it sent (`apiserver_watch_events_total`, group, version, resource),
 served as Prometheus text on `GET /metrics`: what the benchmarks read to count requests and
-objects read per Job.
+objects read per Job. And when each of the last ANSWERS requests was answered, with its verb and
+code (`time.monotonic()`, this process's clock; injected faults included), so a test can check a
+client's rate limit over any window, and that it sent nothing while a 429's Retry-After was in force.
 """
 
 from __future__ import annotations
 
 import functools
-from collections import Counter
+import time
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -41,6 +44,7 @@ METRIC_VERBS = {
 LIST_OBJECTS = "apiserver_storage_list_returned_objects_total"
 WATCH_EVENTS = "apiserver_watch_events_total"
 LABEL_NAMES = ("verb", "group", "version", "resource", "subresource", "scope", "component", "code")
+ANSWERS = 100_000  # answers kept (a few MB at most)
 
 
 class RequestLabels(NamedTuple):
@@ -52,6 +56,12 @@ class RequestLabels(NamedTuple):
     resource: str
     subresource: str
     scope: str  # resource (one named object, or a create), namespace, cluster
+
+
+class Answer(NamedTuple):
+    at: float  # time.monotonic() when it was answered
+    verb: str  # as the metrics name it: "POST", "LIST"...
+    code: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +134,7 @@ class Audit:
         self._requests: Counter[tuple[RequestLabels, int]] = Counter()
         self._listed: Counter[tuple[str, str]] = Counter()  # (group, resource): objects LISTs returned
         self._watched: Counter[tuple[str, str, str]] = Counter()  # (group, version, resource): events sent
+        self._answers: deque[Answer] = deque(maxlen=ANSWERS)
 
     def record(self, method: str, target: Target, *, watch: bool) -> RequestLabels:
         """Note a request's permission as it arrives; its labels, for `count` once it is answered."""
@@ -135,6 +146,11 @@ class Audit:
 
     def count(self, labels: RequestLabels, code: int) -> None:
         self._requests[(labels, code)] += 1
+        self._answers.append(Answer(time.monotonic(), labels.verb, code))
+
+    def answers(self) -> list[Answer]:
+        """The last ANSWERS requests answered, oldest first."""
+        return list(self._answers)
 
     def listed(self, resource: Resource, objects: int) -> None:
         """Count the objects one LIST (one page of it) returned."""

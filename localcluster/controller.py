@@ -3,6 +3,7 @@ decisions of jobsync.plan_job: counts finished Pods (then drops their tracking f
 creates Pods from the template (generateName, ownerReferences, the template's finalizers and
 its own tracking one), deletes Pods that must stop, writes status, deletes Jobs whose TTL ran
 out, and looks again when a deadline, backoff or TTL falls due (loop.call_at, one timer per Job).
+A Job that fails gets a Warning Event with its condition's reason, as the real controller records.
 
 It also releases the tracking finalizer of finished Pods whose Job is gone (orphans).
 """
@@ -14,6 +15,7 @@ import contextlib
 from collections import deque
 from typing import Any
 
+from k8s_dispatch.localcluster import events
 from k8s_dispatch.localcluster.apierrors import ApiError
 from k8s_dispatch.localcluster.jobsync import TRACKING_FINALIZER, plan_job, pod_view
 from k8s_dispatch.localcluster.registry import DeleteOptions, Registry, is_terminal_pod
@@ -233,7 +235,7 @@ class JobController:
         pods = self._pods_of(job)
         plan = plan_job(
             job.obj,
-            [pod_view(p.obj) for p in pods],
+            [pod_view(p.obj, (job.obj.get("spec") or {}).get("podFailurePolicy")) for p in pods],
             t,
             start_at=self._start_at.get(job.uid),
             finished_at=self._finished_at.get(job.uid),
@@ -249,6 +251,13 @@ class JobController:
             self._finished_at[job.uid] = t
         if plan.status != job.obj.get("status"):
             job = self.registry.set_status(job, plan.status)
+        if plan.finished:
+            failed = next((c for c in plan.status.get("conditions") or [] if c.get("type") == "Failed"), None)
+            if failed is not None:  # as the Job controller does: a Warning with the condition's reason
+                events.record(
+                    self.registry, job, type=events.WARNING, reason=failed.get("reason", ""),
+                    message=failed.get("message", ""), component=events.JOB_CONTROLLER,
+                )  # fmt: skip
         for view in plan.count:
             pod = self.store.get(PODS, view.namespace, view.name)
             if pod is not None and pod.uid == view.uid:

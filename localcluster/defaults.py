@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from k8s_dispatch.localcluster import failurepolicy
+
 CONTROLLER_UID = "controller-uid"
 BATCH_CONTROLLER_UID = "batch.kubernetes.io/controller-uid"
 JOB_NAME = "job-name"
@@ -64,6 +66,7 @@ def default_job(job: dict[str, Any]) -> None:
     spec.setdefault("manualSelector", None)
     if spec.get("manualSelector") is None:
         spec.pop("manualSelector")
+    failurepolicy.default(spec)  # podReplacementPolicy Failed with a policy
     spec.setdefault("podReplacementPolicy", "TerminatingOrFailed")
     template = spec.setdefault("template", {})
     template.setdefault("metadata", {})

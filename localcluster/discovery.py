@@ -20,7 +20,14 @@ KUBE_VERSION = {
     "platform": "linux/amd64",
 }
 
-_SUBRESOURCE_VERBS = {"status": ["get", "patch", "update"], "log": ["get"], "binding": ["create"]}
+_SUBRESOURCE_VERBS = {
+    "status": ["get", "patch", "update"],
+    "log": ["get"],
+    "binding": ["create"],
+    "eviction": ["create"],
+}
+# A subresource whose kind is another group's, as kube-apiserver lists it.
+_SUBRESOURCE_KINDS = {"eviction": {"group": "policy", "version": "v1", "kind": "Eviction"}}
 
 
 def api_versions(server_address: str) -> dict[str, Any]:
@@ -69,6 +76,7 @@ def _resource(r: Resource) -> list[dict[str, Any]]:
             "namespaced": r.namespaced,
             "kind": r.kind,
             "verbs": _SUBRESOURCE_VERBS[sub],
+            **_SUBRESOURCE_KINDS.get(sub, {}),
         }
         for sub in r.subresources
     ]

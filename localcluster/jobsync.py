@@ -5,7 +5,10 @@ create, which to delete, whether the Job's TTL has run out and when to look agai
 Semantics follow pkg/controller/job (Kubernetes 1.31+): SuccessCriteriaMet then Complete;
 FailureTarget then Failed (BackoffLimitExceeded, DeadlineExceeded) once no Pod is terminating;
 backoffLimit counts failed Pods (and container restarts for restartPolicy OnFailure); pods are
-re-created after an exponential backoff; suspend deletes active Pods.
+re-created after an exponential backoff; suspend deletes active Pods. A podFailurePolicy's rule
+(localcluster/failurepolicy.py) leaves a failed Pod uncounted (Ignore: it is replaced, once it has
+failed, without counting against backoffLimit) or fails the Job at once (FailJob: reason
+PodFailurePolicy).
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from k8s_dispatch.localcluster.failurepolicy import REASON as POLICY_REASON
+from k8s_dispatch.localcluster.failurepolicy import Match, match
 from k8s_dispatch.localcluster.timestamps import parse_rfc3339, rfc3339
 
 TRACKING_FINALIZER = "batch.kubernetes.io/job-tracking"
@@ -34,6 +39,7 @@ class PodView:
     ready: bool
     restarts: int
     created: str
+    policy: Match | None = None  # the podFailurePolicy rule a failed Pod matches
 
     @property
     def terminal(self) -> bool:
@@ -48,7 +54,8 @@ class PodView:
         return not self.terminal and self.deleting
 
 
-def pod_view(pod: dict[str, Any]) -> PodView:
+def pod_view(pod: dict[str, Any], policy: dict[str, Any] | None = None) -> PodView:
+    """What the controller needs of `pod`; with the Job's `policy`, the rule a failed Pod matches."""
     meta = pod["metadata"]
     status = pod.get("status") or {}
     ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
@@ -63,6 +70,7 @@ def pod_view(pod: dict[str, Any]) -> PodView:
         ready,
         restarts,
         meta.get("creationTimestamp", ""),
+        match(policy, pod),
     )
 
 
@@ -132,18 +140,26 @@ def plan_job(
     plan = Plan(status)
 
     succeeded, failed = old.get("succeeded", 0), old.get("failed", 0)
+    fail_job: Match | None = None
     for p in pods:
         if p.tracked and p.terminal:
             plan.count.append(p)
             if p.phase == "Succeeded":
                 succeeded += 1
+            elif p.policy is not None and p.policy.action == "Ignore":
+                continue  # a disruption: replaced, never counted
             else:
                 failed += 1
                 plan.new_failures += 1
+                if p.policy is not None and p.policy.action == "FailJob" and fail_job is None:
+                    fail_job = p.policy
     if plan.new_failures:
         last_failure_at = now
     active = [p for p in pods if p.active]
     terminating = [p for p in pods if p.terminating]
+    # podReplacementPolicy Failed (the default with a podFailurePolicy): a terminating Pod is
+    # replaced only once it has failed.
+    replacing = terminating if spec.get("podReplacementPolicy") == "Failed" else []
 
     def write_counts(active_pods: list[PodView], created: int = 0) -> None:
         # as manageJob does, Pods this sync creates count as active at once (not yet as ready)
@@ -206,7 +222,9 @@ def plan_job(
         )
         deadline = spec.get("activeDeadlineSeconds")
         why = None
-        if failed + restarts > spec.get("backoffLimit", 6):
+        if fail_job is not None:
+            why = (POLICY_REASON, fail_job.message)
+        elif failed + restarts > spec.get("backoffLimit", 6):
             why = BACKOFF_LIMIT_EXCEEDED
         elif deadline is not None and now >= start + deadline:
             why = DEADLINE_EXCEEDED
@@ -241,6 +259,8 @@ def plan_job(
 
     wanted = parallelism if completions is None else min(parallelism, completions - succeeded)
     need = wanted - len(active)
+    if need > 0:
+        need = max(0, need - len(replacing))
     if need > 0 and failed and last_failure_at is not None:
         delay = min(backoff_base * 2 ** (failed - 1), backoff_max)
         if now < last_failure_at + delay:

@@ -1,7 +1,8 @@
 """The kubelet's decisions for the Pods of one node, wherever they are stored: runs each Pod's
 first container through a runner (exec or simulate), reports Pod status, enforces the Pod's
 activeDeadlineSeconds, restarts containers of restartPolicy OnFailure pods, stops containers of
-deleting pods and, after a restart, treats pods left running without a process as lost.
+deleting pods, evicts the Pods the annotation `evict-attempts` asks for (through the host's
+Eviction API, as a drain does) and, after a restart, treats pods left running without a process as lost.
 
 Where the Pods live is a `PodHost`: `StoreHost` here (localcluster's own store, in process) or
 the node agent's remote API server (localcluster/node.py). Hosts feed changes in with `mark` and
@@ -15,7 +16,8 @@ import contextlib
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from k8s_dispatch.localcluster import podstatus, startfaults
+from k8s_dispatch.localcluster import eviction, podstatus, simrunner, startfaults
+from k8s_dispatch.localcluster.apierrors import ApiError
 from k8s_dispatch.localcluster.execrunner import ExecRunner
 from k8s_dispatch.localcluster.podstatus import NODE_NAME, ContainerResult
 from k8s_dispatch.localcluster.registry import Registry, is_terminal_pod
@@ -47,6 +49,10 @@ class PodHost(Protocol):
     def report(self, pod: dict[str, Any], status: dict[str, Any]) -> None:
         """Store `pod` (as returned by `pod` or `bind`) with this status."""
 
+    def evict(self, pod: dict[str, Any]) -> None:
+        """Evict `pod` through the API's Eviction subresource (as a drain does); the Pod's
+        deletion then comes back through `mark`."""
+
 
 def has_started(pod: dict[str, Any]) -> bool:
     """Whether a container of this Pod ever started (so a Pod with no process is lost, not new)."""
@@ -68,6 +74,7 @@ class _PodRun:
     reason: str | None = None  # pod-level failure reason (DeadlineExceeded, Terminated)
     deadline: asyncio.TimerHandle | None = None
     restart: asyncio.TimerHandle | None = None
+    eviction: asyncio.TimerHandle | None = None
     last_state: dict[str, Any] | None = None
 
 
@@ -89,6 +96,7 @@ class Kubelet:
         self._dirty: dict[Key, None] = {}
         self._scheduled = False
         self._idle = asyncio.Event()
+        self._evicted: dict[str, int] = {}  # Job uid -> its Pods this node has evicted (evict-attempts)
 
     def start(self) -> None:
         """Look at every pod once (after a restart: pending pods start, running ones are lost)."""
@@ -129,7 +137,7 @@ class Kubelet:
         self._runs.pop(run.uid, None)
         if self._by_key.get(run.key) == run.uid:
             del self._by_key[run.key]
-        for handle in (run.deadline, run.restart):
+        for handle in (run.deadline, run.restart, run.eviction):
             if handle is not None:
                 handle.cancel()
         if not self._runs:
@@ -229,7 +237,29 @@ class Kubelet:
         )
         self.host.report(obj, status)
 
+    def _arm_eviction(self, run: _PodRun, pod: dict[str, Any]) -> None:
+        """The first `evict-attempts` Pods of a Job are evicted `evict-after-ms` into their run."""
+        if run.eviction is not None or run.started_at is None:
+            return
+        want = simrunner.eviction_plan(pod)
+        job = simrunner.job_uid(pod)
+        if want is None or not job or self._evicted.get(job, 0) >= want.attempts:
+            return
+        self._evicted[job] = self._evicted.get(job, 0) + 1
+        delay = max(0.0, run.started_at + want.after - now())
+        run.eviction = self._loop.call_later(delay, self._evict, run.uid)
+
+    def _evict(self, uid: str) -> None:
+        run = self._runs.get(uid)
+        if run is None or run.stopping:
+            return
+        run.eviction = None
+        obj = self._current(run)
+        if obj is not None and not obj["metadata"].get("deletionTimestamp"):
+            self.host.evict(obj)
+
     def _arm_deadline(self, run: _PodRun, pod: dict[str, Any]) -> None:
+        self._arm_eviction(run, pod)
         deadline = (pod.get("spec") or {}).get("activeDeadlineSeconds")
         if deadline and run.started_at is not None and run.deadline is None:
             delay = max(0.0, run.started_at + deadline - now())
@@ -386,6 +416,12 @@ class StoreHost:
 
     def bind(self, pod: dict[str, Any]) -> dict[str, Any]:
         return {**pod, "spec": {**pod["spec"], "nodeName": NODE_NAME}}
+
+    def evict(self, pod: dict[str, Any]) -> None:
+        meta = pod["metadata"]
+        body = {"kind": "Eviction", "deleteOptions": {"preconditions": {"uid": meta.get("uid")}}}
+        with contextlib.suppress(ApiError):  # gone, or replaced, meanwhile
+            eviction.evict(self.registry, meta.get("namespace", ""), meta["name"], body)
 
     def report(self, pod: dict[str, Any], status: dict[str, Any]) -> None:
         meta = pod["metadata"]

@@ -2,7 +2,9 @@
 registers a Node and keeps it Ready (a Lease renewed every 10 s, a status heartbeat), binds
 unscheduled Pods to itself through `pods/binding` as a scheduler would, and runs the Pods bound
 to it with the same Kubelet decisions and runners as localcluster's in-process node
-(localcluster/kubelet.py), reporting status through `pods/status`. It serves the kubelet's log
+(localcluster/kubelet.py), reporting status through `pods/status` (keeping the conditions others
+wrote, such as the Eviction API's DisruptionTarget), and evicts the Pods the `evict-attempts`
+annotation names through `pods/eviction`. It serves the kubelet's log
 endpoint (HTTPS) that the API server proxies `kubectl logs` to.
 
 `RemoteHost` is the Kubelet's host here: two informers (Pods with `spec.nodeName=NODE`, and
@@ -25,7 +27,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from k8s_dispatch.localcluster import logstream, tls
+from k8s_dispatch.localcluster import logstream, podstatus, tls
 from k8s_dispatch.localcluster.apiclient import JSON_PATCH, MERGE_PATCH, ApiClient, ApiStatusError
 from k8s_dispatch.localcluster.execrunner import ExecRunner
 from k8s_dispatch.localcluster.kubelet import Key, Kubelet
@@ -163,7 +165,9 @@ class RemoteHost:
         if obj is None:
             return None
         status = self._reported.get(_uid(obj))
-        return obj if status is None else {**obj, "status": status}
+        return (
+            obj if status is None else {**obj, "status": podstatus.with_foreign_conditions(status, obj.get("status"))}
+        )
 
     def bind(self, pod: dict[str, Any]) -> None:
         uid = _uid(pod)
@@ -177,6 +181,9 @@ class RemoteHost:
         self._reported[uid] = status
         self._keys[uid] = _key(pod)
         self._sync_soon(uid)
+
+    def evict(self, pod: dict[str, Any]) -> None:
+        self._spawn(self._evict(pod))
 
     # --- informers -------------------------------------------------------------------
 
@@ -307,6 +314,25 @@ class RemoteHost:
             )
         except ApiStatusError as e:  # bound elsewhere, deleted, or replaced: nothing to do
             log.info("bind %s/%s: %s", ns, name, e)
+
+    async def _evict(self, pod: dict[str, Any]) -> None:
+        """POST pods/NAME/eviction (policy/v1): the API server writes the DisruptionTarget
+        condition and deletes the Pod; its deletion reaches the kubelet through the watch."""
+        meta = pod["metadata"]
+        ns, name = meta.get("namespace", ""), meta["name"]
+        body = {
+            "apiVersion": "policy/v1",
+            "kind": "Eviction",
+            "metadata": {"name": name, "namespace": ns},
+            "deleteOptions": {"preconditions": {"uid": meta.get("uid")}},
+        }
+        try:
+            await self._retrying(
+                f"evict {ns}/{name}",
+                lambda: self.api.request("POST", f"/api/v1/namespaces/{ns}/pods/{name}/eviction", body=body),
+            )
+        except ApiStatusError as e:  # gone or replaced meanwhile, or refused by a disruption budget
+            log.info("evict %s/%s: %s", ns, name, e)
 
     def _sync_soon(self, uid: str) -> None:
         if uid in self._syncing:

@@ -34,6 +34,14 @@ def _cond(kind: str, status: bool, ts: float, reason: str | None = None) -> dict
     return c
 
 
+def with_foreign_conditions(status: dict[str, Any], server: dict[str, Any] | None) -> dict[str, Any]:
+    """`status` with the conditions others wrote on the Pod (the Eviction API's DisruptionTarget)
+    that it lacks: a kubelet's status manager keeps them when it writes its own (pure)."""
+    own = {c.get("type") for c in status.get("conditions") or []}
+    foreign = [c for c in (server or {}).get("conditions") or [] if c.get("type") not in own]
+    return {**status, "conditions": [*(status.get("conditions") or []), *foreign]} if foreign else status
+
+
 def _container(pod: dict[str, Any]) -> dict[str, Any]:
     containers: list[dict[str, Any]] = (pod.get("spec") or {}).get("containers") or [{}]
     return containers[0]
@@ -157,6 +165,8 @@ def terminated(
         cond = _cond("DisruptionTarget", True, ts, disruption)
         cond["message"] = pod_message or ""
         conditions.append(cond)
+    own = {c["type"] for c in conditions}
+    conditions += [c for c in (pod.get("status") or {}).get("conditions") or [] if c.get("type") not in own]
     status.update(
         {
             "phase": phase,

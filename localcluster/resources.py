@@ -1,4 +1,4 @@
-"""The resources this server serves (batch/v1 Jobs, core/v1 Pods and Namespaces, and for an
+"""The resources this server serves (batch/v1 Jobs, core/v1 Pods, Namespaces and Events, and for an
 external node agent core/v1 Nodes and coordination.k8s.io/v1 Leases): names, kinds, scopes and
 the fields each one supports in field selectors.
 
@@ -55,6 +55,24 @@ def _node_fields(obj: dict[str, Any]) -> dict[str, str]:
         "metadata.name": _meta(obj).get("name", ""),
         "spec.unschedulable": str(bool((obj.get("spec") or {}).get("unschedulable", False))).lower(),
     }
+
+
+def _event_fields(obj: dict[str, Any]) -> dict[str, str]:
+    """The field selectors kube-apiserver supports on core/v1 Events (pkg/registry/core/event)."""
+    involved = obj.get("involvedObject") or {}
+    source = obj.get("source") or {}
+    return {
+        "metadata.name": _meta(obj).get("name", ""),
+        "metadata.namespace": _meta(obj).get("namespace", ""),
+        **{f"involvedObject.{k}": str(involved.get(k, "")) for k in _INVOLVED},
+        "reason": obj.get("reason", ""),
+        "reportingComponent": obj.get("reportingComponent", ""),
+        "source": source.get("component", "") or obj.get("reportingComponent", ""),
+        "type": obj.get("type", ""),
+    }
+
+
+_INVOLVED = ("kind", "namespace", "name", "uid", "apiVersion", "resourceVersion", "fieldPath")
 
 
 def _meta_fields(obj: dict[str, Any]) -> dict[str, str]:
@@ -118,7 +136,7 @@ PODS = Resource(
     _pod_fields,
     short_names=("po",),
     categories=("all",),
-    subresources=("status", "log", "binding"),
+    subresources=("status", "log", "binding", "eviction"),
 )
 NAMESPACES = Resource(
     "namespaces",
@@ -144,10 +162,11 @@ NODES = Resource(
     subresources=("status",),
 )
 LEASES = Resource("leases", "lease", "Lease", "coordination.k8s.io", "v1", True, _meta_fields)
+EVENTS = Resource("events", "event", "Event", "", "v1", True, _event_fields, short_names=("ev",))
 
-ALL = (JOBS, PODS, NAMESPACES, NODES, LEASES)
+ALL = (JOBS, PODS, NAMESPACES, NODES, LEASES, EVENTS)
 BY_GROUP_VERSION: dict[tuple[str, str], dict[str, Resource]] = {
-    ("", "v1"): {"pods": PODS, "namespaces": NAMESPACES, "nodes": NODES},
+    ("", "v1"): {"pods": PODS, "namespaces": NAMESPACES, "nodes": NODES, "events": EVENTS},
     ("batch", "v1"): {"jobs": JOBS},
     ("coordination.k8s.io", "v1"): {"leases": LEASES},
 }

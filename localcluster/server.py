@@ -1,7 +1,7 @@
 """The HTTP face of the cluster (aiohttp): authentication, fault injection, discovery, OpenAPI,
-and the REST verbs on Jobs, Pods and Namespaces — get, list (selectors, pagination, Table
+and the REST verbs on Jobs, Pods, Namespaces and Events — get, list (selectors, pagination, Table
 output), watch (streamed, with bookmarks and 410s), create, update, patch, delete,
-deletecollection, the status subresource, pods/binding and pods/log (proxied to an external
+deletecollection, the status subresource, pods/binding, pods/eviction and pods/log (proxied to an external
 node's log endpoint when no kubelet runs in process) — answering errors as `Status` objects.
 """
 
@@ -19,7 +19,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 from multidict import CIMultiDict
 
-from k8s_dispatch.localcluster import apierrors, audit, discovery, logstream, openapi, paths, tables
+from k8s_dispatch.localcluster import apierrors, audit, discovery, eviction, logstream, openapi, paths, tables
 from k8s_dispatch.localcluster.apierrors import ApiError
 from k8s_dispatch.localcluster.core import ClusterCore
 from k8s_dispatch.localcluster.kubelet import Kubelet
@@ -264,6 +264,13 @@ async def resource_handler(request: web.Request) -> web.StreamResponse:
         if method != "POST" or target.name is None:
             raise apierrors.method_not_allowed()
         core.registry.bind(target.namespace or "", target.name, await _read_body(request))
+        return _response(
+            dumps({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201}), status=201
+        )
+    if target.subresource == "eviction":
+        if method != "POST" or target.name is None:
+            raise apierrors.method_not_allowed()
+        eviction.evict(core.registry, target.namespace or "", target.name, await _read_body(request))
         return _response(
             dumps({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201}), status=201
         )

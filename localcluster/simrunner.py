@@ -6,7 +6,12 @@ Annotations (on the Job's pod template): localcluster.k8s-dispatch.io/duration-m
 /outcome succeed|fail|hang, /exit-code (default 1 on fail), /result (the termination message;
 default {"simulated":true,"input":<parsed K8S_DISPATCH_INPUT or null>}), /result-base64 (the
 termination message as the bytes a container wrote, read as the exec runner reads its file: the
-first 4 KiB, invalid UTF-8 replaced, as the API server's JSON does).
+first 4 KiB, invalid UTF-8 replaced, as the API server's JSON does), /log and /log-base64 (what
+the container writes to its log, served by pods/log; a failed container with no result annotation
+then ends with the log's last 2 KiB as its message, as FallbackToLogsOnError does), /oom "true"
+(the container is OOMKilled at the end of its run: exit 137, reason OOMKilled), and, for the kubelet
+of either runner, /evict-attempts K (the Job's first K Pods are evicted through the Eviction API
+/evict-after-ms into their run, default half the duration).
 """
 
 from __future__ import annotations
@@ -27,6 +32,14 @@ OUTCOME = PREFIX + "outcome"
 EXIT_CODE = PREFIX + "exit-code"
 RESULT = PREFIX + "result"
 RESULT_BASE64 = PREFIX + "result-base64"
+LOG = PREFIX + "log"
+LOG_BASE64 = PREFIX + "log-base64"
+OOM = PREFIX + "oom"
+EVICT_ATTEMPTS = PREFIX + "evict-attempts"
+EVICT_AFTER = PREFIX + "evict-after-ms"
+OOM_EXIT_CODE = 137
+FALLBACK_LOG_BYTES = 2048  # what FallbackToLogsOnError takes of the log
+CONTROLLER_UID = "batch.kubernetes.io/controller-uid"
 INPUT_ENV = "K8S_DISPATCH_INPUT"
 MAX_MESSAGE = 4096
 
@@ -42,10 +55,73 @@ class Plan:
     outcome: str
     exit_code: int
     message: str
+    reason: str | None = None  # the terminated state's reason, if not Completed/Error (OOMKilled)
+    log: bytes | None = None  # what the container writes to its log; None: its message
+
+
+@dataclass(frozen=True)
+class Eviction:
+    attempts: int  # the Job's first `attempts` Pods are evicted
+    after: float  # seconds into the run
+
+
+def eviction_plan(pod: dict[str, Any]) -> Eviction | None:
+    """Whether the kubelet evicts this Job's Pods, from the `evict-attempts` annotation (pure)."""
+    ann = (pod.get("metadata") or {}).get("annotations") or {}
+    try:
+        attempts = int(ann.get(EVICT_ATTEMPTS, "0"))
+    except ValueError:
+        return None
+    if attempts <= 0:
+        return None
+    try:
+        after = float(ann[EVICT_AFTER]) / 1000.0 if EVICT_AFTER in ann else _duration(ann) / 2
+    except ValueError:
+        after = _duration(ann) / 2
+    return Eviction(attempts, max(0.0, after))
+
+
+def job_uid(pod: dict[str, Any]) -> str:
+    """The uid of the Job that owns `pod` (its controller reference, or the label an orphan keeps)."""
+    meta = pod.get("metadata") or {}
+    for ref in meta.get("ownerReferences") or []:
+        if ref.get("controller") and ref.get("kind") == "Job":
+            return str(ref.get("uid", ""))
+    return str((meta.get("labels") or {}).get(CONTROLLER_UID, ""))
+
+
+def _duration(ann: dict[str, str]) -> float:
+    try:
+        return max(0.0, float(ann.get(DURATION, "50")) / 1000.0)
+    except ValueError:
+        return 0.05
+
+
+def _log(ann: dict[str, str]) -> bytes | None:
+    if LOG_BASE64 in ann:
+        try:
+            return base64.b64decode(ann[LOG_BASE64], validate=True)
+        except (binascii.Error, ValueError):
+            return b""
+    return ann[LOG].encode() if LOG in ann else None
 
 
 def plan(pod: dict[str, Any]) -> Plan:
     """What a simulated container does, from its pod's annotations (pure)."""
+    p = _plan(pod)
+    ann = (pod.get("metadata") or {}).get("annotations") or {}
+    log = _log(ann)
+    oom = ann.get(OOM) == "true"
+    reason = "OOMKilled" if oom else None
+    exit_code = OOM_EXIT_CODE if oom else p.exit_code
+    outcome = "fail" if oom else p.outcome
+    message = p.message
+    if outcome == "fail" and log is not None and RESULT not in ann and RESULT_BASE64 not in ann:
+        message = log[-FALLBACK_LOG_BYTES:].decode(errors="replace")  # FallbackToLogsOnError
+    return Plan(p.duration, outcome, exit_code, message, reason, log)
+
+
+def _plan(pod: dict[str, Any]) -> Plan:
     ann = (pod.get("metadata") or {}).get("annotations") or {}
     try:
         duration = max(0.0, float(ann.get(DURATION, "50")) / 1000.0)
@@ -114,8 +190,11 @@ class SimRunner:
             return
         del self._timers[uid]
         started = self._started.pop(uid, None)
-        self._logs[uid] = (p.message + "\n").encode() if p.message else b""
-        reason = "Completed" if p.exit_code == 0 else "Error"
+        if p.log is not None:
+            self._logs[uid] = p.log
+        else:
+            self._logs[uid] = (p.message + "\n").encode() if p.message else b""
+        reason = p.reason or ("Completed" if p.exit_code == 0 else "Error")
         self._callbacks.finished(uid, ContainerResult(p.exit_code, reason, p.message, started, now()))
 
     def stop(self, uid: str, grace: float) -> None:

@@ -109,6 +109,13 @@ COLUMNS: dict[str, list[dict[str, Any]]] = {
         ),
         _col("Version", "string", "Kubelet Version reported by the node."),
     ],
+    "events": [
+        _col("Last Seen", "string", "The time at which the most recent occurrence of this event was recorded."),
+        _col("Type", "string", "Type of this event (Normal, Warning)."),
+        _col("Reason", "string", "This should be a short, machine understandable string."),
+        _col("Object", "string", "The object that this event is about."),
+        _col("Message", "string", "A human-readable description of the status of this operation."),
+    ],
     "leases": [
         _col("Name", "string", "Name must be unique within a namespace.", fmt="name"),
         _col("Holder", "string", "Name of the Lease holder"),
@@ -238,6 +245,15 @@ def row(resource: Resource, obj: dict[str, Any], now: float, *, include_object: 
         cells = node_cells(obj, now)
     elif resource.plural == "leases":
         cells = lease_cells(obj, now)
+    elif resource.plural == "events":
+        involved = obj.get("involvedObject") or {}
+        cells = [
+            _since(obj.get("lastTimestamp") or obj.get("eventTime") or obj["metadata"].get("creationTimestamp"), now),
+            obj.get("type", ""),
+            obj.get("reason", ""),
+            f"{str(involved.get('kind', '')).lower()}/{involved.get('name', '')}",
+            obj.get("message", ""),
+        ]
     else:
         cells = namespace_cells(obj, now)
     out: dict[str, Any] = {"cells": cells}

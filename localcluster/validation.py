@@ -10,6 +10,7 @@ import json
 import re
 from typing import Any
 
+from k8s_dispatch.localcluster import failurepolicy
 from k8s_dispatch.localcluster.apierrors import (
     FieldError,
     FieldErrorType,
@@ -231,6 +232,7 @@ def validate_job(job: dict[str, Any], *, selector_matches: bool) -> list[FieldEr
             )
         )
     errs += validate_pod_spec(template.get("spec"), "spec.template.spec", restart_policies=JOB_RESTART_POLICIES)
+    errs += failurepolicy.validate(spec)
     return errs
 
 

@@ -178,6 +178,31 @@ def status(failures: int, as_json: bool) -> None:
 
 
 @cli.command()
+@click.argument("dispatch_id")
+@click.option("--json", "as_json", is_flag=True, help="Print the story as JSON.")
+def show(dispatch_id: str, as_json: bool) -> None:
+    """A dispatch's whole story: its events, attempts, disruptions, why it failed, its timings."""
+    import json
+
+    from rich.console import Console
+
+    from k8s_dispatch.engine.db import make_engine, make_sessionmaker, transaction
+    from k8s_dispatch.engine.settings import get_settings
+    from k8s_dispatch.ops.show import read_story, render
+
+    engine = make_engine(get_settings().database_url)
+    try:
+        with transaction(make_sessionmaker(engine)) as session:
+            story = read_story(session, dispatch_id)
+    finally:
+        engine.dispose()
+    if as_json:
+        click.echo(json.dumps(story.to_dict(), indent=2, ensure_ascii=False))
+    else:
+        Console().print(render(story))
+
+
+@cli.command()
 @click.option("--count", default=30, show_default=True, type=click.IntRange(3, 500), help="Dispatches to run.")
 @click.option(
     "--broker",

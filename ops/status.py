@@ -54,6 +54,10 @@ class Failure:
     reason: str
     message: str | None
     finished_at: datetime | None
+    # From the failure's detail (`workers.failure_detail`): how its container ended.
+    exit_code: int | None = None
+    signal: str | None = None
+    container_reason: str | None = None
 
 
 @dataclass(frozen=True)
@@ -112,6 +116,9 @@ class StatusReport:
                     "reason": f.reason,
                     "message": f.message,
                     "finished_at": f.finished_at.isoformat() if f.finished_at else None,
+                    "exit_code": f.exit_code,
+                    "signal": f.signal,
+                    "container_reason": f.container_reason,
                 }
                 for f in self.recent_failures
             ],
@@ -147,7 +154,7 @@ def read_status(session: Session, *, now: datetime, failures: int = DEFAULT_FAIL
         .order_by(Dispatch.finished_at.desc(), Dispatch.dispatch_id)
         .limit(failures)
     ).all()
-    messages = _failure_messages(session, [row.dispatch_id for row in failed_rows])
+    messages, details = _failure_messages(session, [row.dispatch_id for row in failed_rows])
     unnotified = session.scalar(
         sa.select(sa.func.count())
         .select_from(Dispatch)
@@ -184,6 +191,9 @@ def read_status(session: Session, *, now: datetime, failures: int = DEFAULT_FAIL
                 reason=row.reason or "Unknown",
                 message=messages.get(row.dispatch_id),
                 finished_at=row.finished_at,
+                exit_code=_int(details.get(row.dispatch_id, {}).get("exit_code")),
+                signal=_str(details.get(row.dispatch_id, {}).get("signal")),
+                container_reason=_str(details.get(row.dispatch_id, {}).get("container_reason")),
             )
             for row in failed_rows
         ],
@@ -206,10 +216,11 @@ def _waiting_to_create(pending_states: list[DispatchState]) -> sa.ColumnElement[
     )
 
 
-def _failure_messages(session: Session, dispatch_ids: list[str]) -> dict[str, str]:
-    """The `message` of each dispatch's terminal event (the reason's detail), where it has one."""
+def _failure_messages(session: Session, dispatch_ids: list[str]) -> tuple[dict[str, str], dict[str, dict[str, Any]]]:
+    """The `message` of each dispatch's terminal event (the reason's detail), where it has one,
+    and its structured `detail` (exit code, signal, container reason...)."""
     if not dispatch_ids:
-        return {}
+        return {}, {}
     events = session.scalars(
         sa.select(CaseEvent).where(
             CaseEvent.dispatch_id.in_(dispatch_ids),
@@ -217,13 +228,25 @@ def _failure_messages(session: Session, dispatch_ids: list[str]) -> dict[str, st
         )
     )
     found: dict[str, str] = {}
+    details: dict[str, dict[str, Any]] = {}
     for event in events:
         message = event.payload.get("message") if isinstance(event.payload, dict) else None
         if event.dispatch_id is None:  # never: the query asks for these dispatches' events
             continue
         if event.type == EventType.WORKER_FAILED and isinstance(message, str) and message.strip():
             found[event.dispatch_id] = _trim(message.strip())
-    return found
+        detail = event.payload.get("detail") if isinstance(event.payload, dict) else None
+        if event.type == EventType.WORKER_FAILED and isinstance(detail, dict):
+            details[event.dispatch_id] = detail
+    return found, details
+
+
+def _int(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _str(value: object) -> str | None:
+    return value if isinstance(value, str) else None
 
 
 def _trim(text: str) -> str:
@@ -269,6 +292,17 @@ def render(report: StatusReport) -> Group:
             line.append(f.reason, style="bold red")
             line.append(f"  {f.capability}  tenancy={f.tenancy_id}  case={f.case_id}  {f.dispatch_id}")
             lines.append(line)
+            if f.exit_code is not None or f.container_reason:
+                how = " ".join(
+                    part
+                    for part in (
+                        f.container_reason,
+                        f"exit code {f.exit_code}" if f.exit_code is not None else None,
+                        f"({f.signal})" if f.signal else None,
+                    )
+                    if part
+                )
+                lines.append(Text(f"      container: {how}  (k8s-dispatch show {f.dispatch_id})", style="dim"))
             if f.message:
                 lines.append(Text(f"      {f.message}", style="dim"))
     else:

@@ -9,7 +9,9 @@ Completions come in batches of Jobs as poll's LIST read them: per Job, one patch
 and one of the Job (our finalizer off each, the delivered label on the Job); per batch, one Pod
 LIST, one transaction for the terminal events, a Redis round trip for the guard's claims and one
 bulk delete (for poll's batches, one per poll interval). A Job that succeeded but whose Pod (and
-result) is gone is run again, never failed.
+result) is gone is run again, never failed. A failure keeps why (exit code, signal, reasons, log
+tail, Warning Events: `workers.failure_detail`), read only for failed Jobs; the disruptions a
+batch's Pods show are recorded first (`recovery.disruptions`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from k8s_dispatch.engine.errors import (
     AlreadyExists,
     ApiRejected,
     Conflict,
+    DispatchError,
     InvalidInput,
     InvalidManifest,
     LabelMismatch,
@@ -41,16 +44,18 @@ from k8s_dispatch.engine.errors import (
 )
 from k8s_dispatch.engine.ids import check_dispatch_id
 from k8s_dispatch.engine.models import STATE_FOR_TERMINAL_EVENT, DispatchState, EventType
-from k8s_dispatch.recovery import startup, statelog, stats
+from k8s_dispatch.engine.payloads import canonical_json
+from k8s_dispatch.recovery import disruptions, startup, statelog, stats
 from k8s_dispatch.recovery.crashpoints import Point, crashpoint
 from k8s_dispatch.recovery.guard import Claim
 from k8s_dispatch.recovery.metrics import METRICS
 from k8s_dispatch.recovery.reconstruct import DeliveryContext, DispatchRecord, context_from_job
 from k8s_dispatch.recovery.runtime import Runtime
 from k8s_dispatch.recovery.sweep import JOB_LOST_REASON, out_of_attempts
+from k8s_dispatch.workers import failure_detail
 from k8s_dispatch.workers import labels as job_labels
 from k8s_dispatch.workers.job_status import RESULT_NOT_JSON, Completion, completion, job_state
-from k8s_dispatch.workers.manifest import FINALIZER, build_job, job_name
+from k8s_dispatch.workers.manifest import CONTAINER_NAME, FINALIZER, build_job, job_name
 from k8s_dispatch.workers.pod_health import QUEUE_TIMEOUT, Verdict
 
 log = logging.getLogger(__name__)
@@ -401,6 +406,8 @@ class _Batch:
         self.outcomes: list[CompleteOutcome] = []
         self._pods = _PodsOf(rt, namespace, [_name(job) for job in jobs if job_state(job).terminal])
         self._lost: dict[int, DeliveryContext] = {}  # the Jobs whose result went with their Pods: run again
+        self._namespace = namespace
+        self._events: list[dict[str, Any]] | None = None  # the namespace's Warning Events, read on need
 
     def deliver(self) -> None:
         rt = self.rt
@@ -465,6 +472,8 @@ class _Batch:
                 writing.add(context.dispatch_id)
                 continue
             event_type, payload = terminal_event(done)
+            if event_type is EventType.WORKER_FAILED:
+                payload = self._why(job, context, payload)
             # A payload the store cannot keep fails its own dispatch here, never the batch.
             events[i] = store.storable_terminal(
                 store.TerminalEvent(context.dispatch_id, event_type, payload), reason=RESULT_NOT_JSON
@@ -477,6 +486,10 @@ class _Batch:
             decided[i] = CompleteOutcome.RERUN if context.dispatch_id in lost else CompleteOutcome.ALREADY_TERMINAL
         if not events:
             return set()
+        # The disruptions these Jobs met, each recorded once, before their end (the same Pod LIST).
+        disruptions.record_pods(
+            rt, self._namespace, [p for i in events for p in self._pods.of(_name(self.jobs[i]))], enforce=False
+        )
         crashpoint(Point.BEFORE_COMPLETE_WRITE)
         won = self._write(events)
         crashpoint(Point.AFTER_COMPLETE_WRITE)
@@ -497,6 +510,49 @@ class _Batch:
         if won:
             rt.stats.incr(stats.COMPLETIONS_WRITTEN, len(won))
         return won
+
+    def _why(self, job: Mapping[str, Any], context: DeliveryContext, payload: dict[str, Any]) -> dict[str, Any]:
+        """A failure's payload with its structured detail (`workers.failure_detail`): exit code,
+        signal, reasons, the failing container's log tail (one pods/log read), the Job's and its
+        Pods' Warning Events (one LIST per batch) and its disruptions; OOMKilled as the reason
+        when the container was. Best effort: what cannot be read is left out."""
+        uid = (job.get("metadata") or {}).get("uid")
+        pods = [p for p in self._pods.of(context.job_name) if _controller_uids(p) <= {uid}]
+        pod = failure_detail.failed_pod(pods)
+        log_bytes = None
+        if pod is not None:
+            try:
+                log_bytes = self.rt.kube.read_pod_log(
+                    context.namespace,
+                    str((pod.get("metadata") or {}).get("name", "")),
+                    container=CONTAINER_NAME,
+                    tail_lines=failure_detail.LOG_TAIL_LINES,
+                    limit_bytes=failure_detail.LOG_LIMIT_BYTES,
+                )
+            except DispatchError as e:
+                log.info("dispatch %s: its log could not be read (%s)", context.dispatch_id, e.reason)
+        uids = {uid} | {(p.get("metadata") or {}).get("uid") for p in pods}
+        events = [e for e in self._warnings() if (e.get("involvedObject") or {}).get("uid") in uids]
+        detail = failure_detail.detail(
+            job, pod, events=events, log=log_bytes, disrupted=failure_detail.disruptions(pods)
+        )
+        reason = failure_detail.failure_reason(payload.get("reason"), pod)
+        try:
+            canonical_json(detail, what="the failure's detail")
+        except InvalidInput:  # never the case by construction; the failure is recorded all the same
+            return {**payload, "reason": reason}
+        return {**payload, "reason": reason, "detail": detail}
+
+    def _warnings(self) -> list[dict[str, Any]]:
+        """The namespace's Warning Events, read once per batch (one LIST per page), on first need."""
+        if self._events is None:
+            self._events = []
+            try:
+                for page in self.rt.kube.iter_events(self._namespace, field_selector=f"type={failure_detail.WARNING}"):
+                    self._events += page
+            except DispatchError as e:
+                log.info("the warning events of %s could not be read (%s)", self._namespace, e.reason)
+        return self._events
 
     def _write(self, events: dict[int, store.TerminalEvent | None]) -> set[str]:
         """Write the events in ONE transaction; the ids won. Should the store or the database
@@ -827,14 +883,18 @@ def notify_engines(rt: Runtime, dispatch_ids: Sequence[str]) -> set[str]:
     return set(sent)
 
 
-def fail_dispatch(rt: Runtime, dispatch_id: str, *, reason: str, message: str | None = None) -> bool:
-    """Record WORKER_FAILED with `reason` (e.g. JobLost) and notify the engine; False if the
-    dispatch had ended already.
+def fail_dispatch(
+    rt: Runtime, dispatch_id: str, *, reason: str, message: str | None = None, detail: Mapping[str, Any] | None = None
+) -> bool:
+    """Record WORKER_FAILED with `reason` (e.g. JobLost), and `detail` if given, and notify the
+    engine; False if the dispatch had ended already.
 
     Raises:
         UnknownDispatch: no such dispatch.
     """
-    payload = {"reason": reason} if message is None else {"reason": reason, "message": message}
+    payload: dict[str, Any] = {"reason": reason} if message is None else {"reason": reason, "message": message}
+    if detail is not None:
+        payload["detail"] = dict(detail)
     with transaction(rt.sessions) as session:
         won = store.record_terminal(session, dispatch_id, EventType.WORKER_FAILED, payload)
         row = store.get_dispatch(session, dispatch_id)

@@ -25,7 +25,7 @@ from k8s_dispatch.engine.db import transaction
 from k8s_dispatch.engine.errors import Transient
 from k8s_dispatch.engine.models import DispatchState, utcnow
 from k8s_dispatch.engine.settings import PollMode
-from k8s_dispatch.recovery import delivery, handoff, jobwatch, statelog, supersede
+from k8s_dispatch.recovery import delivery, disruptions, handoff, jobwatch, statelog, supersede
 from k8s_dispatch.recovery.crashpoints import Point, crashpoint
 from k8s_dispatch.recovery.metrics import METRICS, jobs_past_deadline, poll_lag_s
 from k8s_dispatch.recovery.runtime import Runtime
@@ -206,6 +206,7 @@ def poll() -> dict[str, int]:
                     rt.redis, rt.settings.key_prefix, namespace, finished,
                     ttl_s=ttl_s, workers=rt.settings.worker_concurrency, renew=renew,
                 )  # fmt: skip
+            disruptions.scan(rt, namespace)  # one LIST of our failed Pods: evictions recorded, replaced
             delivery.delete_noted(rt, namespace)  # what the batches released since the last poll
     except (Transient, redis.RedisError) as e:
         log.warning("poll stopped early (%s); the next one continues", e)
@@ -230,6 +231,7 @@ def _poll_watch(rt: Runtime, *, ttl_s: float, renew: bool) -> dict[str, int]:
             )  # fmt: skip
             seen, handed, listed = seen + done.seen, handed + done.handed_off, listed + done.listed
             waiting, lag_s = waiting + len(done.finished), max(lag_s, poll_lag_s(done.finished, now=utcnow()))
+            disruptions.scan(rt, namespace)  # one LIST of our failed Pods: evictions recorded, replaced
             delivery.delete_noted(rt, namespace)  # what the batches released since the last poll
     except (Transient, redis.RedisError) as e:
         log.warning("poll stopped early (%s); the next one resumes from the version stored", e)

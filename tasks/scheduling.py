@@ -4,8 +4,9 @@
 `engine.store.schedule_many` and send `create_jobs` only once that transaction commits (nothing
 if it rolls back): every dispatch the transaction wrote, by any number of calls, in messages of
 up to CREATE_BATCH ids, so a worker pays its per-message and per-transaction costs once per
-batch. `cancel_in_session` records the cancel itself in the transaction (durable: the sweep
-honours it if its message is lost) and sends `cancel` after commit to delete the Job at once.
+batch; the commits of several threads share messages too (`tasks/outbox.py`).
+`cancel_in_session` records the cancel itself in the transaction (durable: the sweep honours it
+if its message is lost) and sends `cancel` after commit to delete the Job at once.
 `send_schedule_until_recorded` is the task-call path made safe against a broker that loses
 messages. Light on purpose: an engine process or the CLI imports it without the Kubernetes
 client or the delivery machinery.
@@ -14,9 +15,12 @@ client or the delivery machinery.
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from collections.abc import Sequence
+import weakref
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from celery import Celery
@@ -33,11 +37,11 @@ from k8s_dispatch.engine.models import DispatchState, EventType
 from k8s_dispatch.recovery import statelog
 from k8s_dispatch.recovery.crashpoints import Point, crashpoint
 from k8s_dispatch.tasks.app import app
+from k8s_dispatch.tasks.outbox import Outbox
 
 log = logging.getLogger(__name__)
 
 _PENDING_KEY = "k8s_dispatch.pending_create_job"
-_HOOKED_KEY = "k8s_dispatch.hooked"
 # Dispatch ids per `create_jobs` message. A worker's thread creates a message's Jobs one after
 # the other, so a batch is also the unit of parallelism: 50 keeps a fan-out of hundreds spread
 # over the worker's threads while the per-message costs (broker round trips, the records' read,
@@ -82,17 +86,11 @@ def schedule_many_in_session(
     """
     results = store.schedule_many(session, requests, router=router, max_input_bytes=max_input_bytes, now=now)
     sender = via if via is not None else app
-    for request, result in zip(requests, results, strict=True):
-        if result.created:
-            statelog.on_commit(
-                session,
-                DispatchState.SCHEDULED,
-                dispatch_id=result.dispatch_id,
-                case_id=request.case_id,
-                tenancy_id=request.tenancy_id,
-                capability=request.capability,
-            )
-    _after_commit_send(session, [r.dispatch_id for r in results if r.state is DispatchState.SCHEDULED], sender)
+    # Each new dispatch's state-change line travels with its pending id (logged after the
+    # commit, dropped with a rolled-back SAVEPOINT), so no per-transaction hook of statelog's.
+    logged = {r.dispatch_id: q for q, r in zip(requests, results, strict=True) if r.created}
+    pending = [r.dispatch_id for r in results if r.state is DispatchState.SCHEDULED]
+    _after_commit_send(session, pending, sender, scheduled=logged)
     return results
 
 
@@ -205,16 +203,20 @@ def _recorded(sessions: sessionmaker[Session], tenancy_id: str, idempotency_key:
 
 
 def _after_commit_send(
-    session: Session, dispatch_ids: list[str], sender: Celery, *, task: str = names.CREATE_JOBS_TASK
+    session: Session,
+    dispatch_ids: list[str],
+    sender: Celery,
+    *,
+    task: str = names.CREATE_JOBS_TASK,
+    scheduled: Mapping[str, store.ScheduleRequest] | None = None,
 ) -> None:
     # Remember the innermost SAVEPOINT the dispatches were written in: rolling that one back
     # takes them with it; releasing it hands them to the enclosing one.
     savepoint = session.get_nested_transaction()
-    session.info.setdefault(_PENDING_KEY, []).extend(_Pending(d, sender, savepoint, task) for d in dispatch_ids)
-    if not session.info.get(_HOOKED_KEY):
-        session.info[_HOOKED_KEY] = True
-        event.listen(session, "after_commit", _on_commit)
-        event.listen(session, "after_soft_rollback", _on_rollback)
+    logged = scheduled or {}
+    session.info.setdefault(_PENDING_KEY, []).extend(
+        _Pending(d, sender, savepoint, task, logged.get(d)) for d in dispatch_ids
+    )
 
 
 @dataclass
@@ -223,9 +225,16 @@ class _Pending:
     sender: Celery
     savepoint: SessionTransaction | None  # None: written outside any SAVEPOINT
     task: str = names.CREATE_JOBS_TASK  # or CANCEL_TASK, for a cancel_in_session
+    scheduled: store.ScheduleRequest | None = None  # created by this transaction: log SCHEDULED
 
 
+# The hooks are the Session class's, installed once: one `event.listen` per session (the engine
+# makes a session per transaction) cost more CPU than a one-dispatch transaction's INSERTs.
+# A session with nothing pending pays a dict lookup per commit or rollback.
+@event.listens_for(Session, "after_commit")
 def _on_commit(session: Session) -> None:
+    if _PENDING_KEY not in session.info:
+        return
     # SQLAlchemy sends after_commit for a released SAVEPOINT too (store.schedule_many uses
     # one): only the outermost commit makes the rows visible to a worker.
     released = session.get_nested_transaction()
@@ -236,6 +245,16 @@ def _on_commit(session: Session) -> None:
                 pending.savepoint = enclosing
         return
     pending = session.info.pop(_PENDING_KEY, [])
+    for p in pending:
+        if p.scheduled is not None:
+            request = p.scheduled
+            statelog.state_changed(
+                DispatchState.SCHEDULED,
+                dispatch_id=p.dispatch_id,
+                case_id=request.case_id,
+                tenancy_id=request.tenancy_id,
+                capability=request.capability,
+            )
     for p in [p for p in pending if p.task == names.CANCEL_TASK]:
         try:
             p.sender.send_task(
@@ -246,18 +265,41 @@ def _on_commit(session: Session) -> None:
                 "dispatch %s is cancelled but cancel was not sent (%s); the sweep will delete its Job", p.dispatch_id, e
             )
     for sender, ids in _by_sender([p for p in pending if p.task == names.CREATE_JOBS_TASK]):
-        for start in range(0, len(ids), CREATE_BATCH):
-            batch = ids[start : start + CREATE_BATCH]
-            crashpoint(Point.AFTER_SCHEDULE_COMMIT)
-            try:
-                sender.send_task(names.CREATE_JOBS_TASK, args=[batch], queue=names.JOBS_QUEUE)
-            except OperationalError as e:
-                log.warning(
-                    "%d dispatches (%s ...) are committed but create_jobs was not sent (%s); the sweep will create them",
-                    len(batch),
-                    batch[0],
-                    e,
-                )
+        _outbox(sender).put(ids)
+
+
+_OUTBOXES: weakref.WeakKeyDictionary[Celery, Outbox] = weakref.WeakKeyDictionary()
+_OUTBOXES_LOCK = threading.Lock()
+
+
+def _outbox(sender: Celery) -> Outbox:
+    """The sender's one outbox in this process: every thread's commits share its messages."""
+    with _OUTBOXES_LOCK:
+        outbox = _OUTBOXES.get(sender)
+        if outbox is None:
+            outbox = _OUTBOXES[sender] = Outbox(partial(_send_create_jobs, weakref.ref(sender)), batch=CREATE_BATCH)
+        return outbox
+
+
+def _send_create_jobs(sender_ref: weakref.ref[Celery], batch: list[str]) -> None:
+    crashpoint(Point.AFTER_SCHEDULE_COMMIT)
+    sender = sender_ref()
+    if sender is None:  # the app is gone (closed and dropped): the sweep creates these
+        log.warning(
+            "%d dispatches (%s ...) are committed but their app is gone; the sweep will create them",
+            len(batch),
+            batch[0],
+        )
+        return
+    try:
+        sender.send_task(names.CREATE_JOBS_TASK, args=[batch], queue=names.JOBS_QUEUE)
+    except OperationalError as e:
+        log.warning(
+            "%d dispatches (%s ...) are committed but create_jobs was not sent (%s); the sweep will create them",
+            len(batch),
+            batch[0],
+            e,
+        )
 
 
 def _by_sender(pending: list[_Pending]) -> list[tuple[Celery, list[str]]]:
@@ -268,7 +310,10 @@ def _by_sender(pending: list[_Pending]) -> list[tuple[Celery, list[str]]]:
     return [(sender, list(ids)) for sender, ids in grouped.values()]
 
 
+@event.listens_for(Session, "after_soft_rollback")
 def _on_rollback(session: Session, previous_transaction: SessionTransaction) -> None:
+    if _PENDING_KEY not in session.info:
+        return
     if not previous_transaction.nested:
         session.info.pop(_PENDING_KEY, None)  # the whole transaction is gone
         return

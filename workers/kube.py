@@ -6,7 +6,9 @@ deserialisation on big lists. The hot single-object writes (create a Job, patch 
 finalizers) skip the generated methods altogether (`_request`): the body is serialised once
 and sent through the ApiClient's own urllib3 pool, with its auth header. Every call has a
 timeout, and every failure is mapped onto `engine.errors` (raised `from` the client's
-exception), so no caller sees a `kubernetes` type.
+exception), so no caller sees a `kubernetes` type. Every request waits for the process's API
+budget first (`workers/budget.py`), honours a 429's `Retry-After` (the whole process waits it
+out, then the request is sent again) and is timed (`workers/kube_metrics.py`).
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ from k8s_dispatch.engine.errors import (
     NotFound,
     QuotaExceeded,
 )
+from k8s_dispatch.workers import budget as api_budget
+from k8s_dispatch.workers.budget import Budget
+from k8s_dispatch.workers.kube_metrics import METRICS, KubeMetrics
 
 if TYPE_CHECKING:
     from k8s_dispatch.engine.settings import Settings
@@ -63,6 +68,10 @@ CONNECTION_RETRIES = urllib3.Retry(
 # config each time (a tenth of a create's CPU), and kubeconfig's refreshes a token minutes
 # before it expires, the in-cluster one a minute after the token file is rotated.
 AUTH_REFRESH_S = 1.0
+# A 429 with a Retry-After is sent again after waiting it out, this many times at most, each
+# wait cut to RETRY_AFTER_MAX_S: then it is ApiUnavailable, and the task's backoff takes over.
+RETRY_AFTER_ATTEMPTS = 3
+RETRY_AFTER_MAX_S = 10.0
 JOBS_PATH = "/apis/batch/v1/namespaces/{namespace}/jobs"
 JOB_PATH = JOBS_PATH + "/{name}"
 POD_PATH = "/api/v1/namespaces/{namespace}/pods/{name}"
@@ -72,6 +81,7 @@ JsonDict = dict[str, Any]
 # or "error" when none came (refused, reset, timed out).
 RequestObserver = Callable[[str, str], None]
 _HTTP_VERBS = {"GET": "get", "POST": "create", "PUT": "update", "PATCH": "patch", "DELETE": "delete"}
+NO_ANSWER = "error"  # the code of a request that got no answer
 
 
 # A watch slice ends after this long without a byte from the server: it has sent what it had
@@ -101,18 +111,24 @@ class KubeClient:
         *,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         pool_size: int = 16,
+        budget: Budget | None = None,
+        metrics: KubeMetrics = METRICS,
         on_request: RequestObserver | None = None,
     ) -> None:
         """Load the cluster config: `kubeconfig` if given, else in-cluster, else ~/.kube/config.
 
         `pool_size` should cover every thread that shares the client (task threads, poll,
-        sweep): a smaller urllib3 pool drops and re-opens connections under load. `on_request`
-        is told of every request sent (the worker's metrics count them); it must not raise.
+        sweep): a smaller urllib3 pool drops and re-opens connections under load. `budget`:
+        the requests' rate limit, by default the process's one (`budget.shared()`), which
+        every client of the process draws from. `on_request` is told of every request sent
+        (the worker's metrics count them); it must not raise.
 
         Raises:
             ConfigError: the config cannot be read or names no usable cluster.
         """
         self._timeout = timeout_s
+        self._budget = budget if budget is not None else api_budget.shared()
+        self._metrics = metrics
         self._on_request = on_request
         configuration = _load_configuration(kubeconfig)
         configuration.retries = CONNECTION_RETRIES
@@ -137,6 +153,7 @@ class KubeClient:
             settings.kubeconfig,
             timeout_s=settings.kube_timeout_s,
             pool_size=settings.worker_concurrency + 4,
+            budget=api_budget.shared(settings.kube_qps, settings.kube_burst),
             on_request=on_request,
         )
 
@@ -237,29 +254,36 @@ class KubeClient:
                 than 410 included); the caller falls back to a LIST.
         """
         what = f"watch jobs in {namespace} from {resource_version}"
-        deadline = time.monotonic() + bound_s
-        try:
-            response = self._batch.list_namespaced_job(
-                namespace,
-                label_selector=label_selector,
-                watch=True,
-                allow_watch_bookmarks=True,
-                resource_version=resource_version,
-                timeout_seconds=max(1, math.ceil(bound_s)),
-                _preload_content=False,
-                _request_timeout=self._timeout,
-            )
-            stream = cast(urllib3.BaseHTTPResponse, response)  # raw: _preload_content=False
-        except ApiException as e:
-            self._observe("watch", str(e.status))
-            e.with_traceback(None)
-            if e.status == 410:
-                return WatchSlice(events=[], expired=True)
-            raise _mapped(e, what) from e
-        except (urllib3.exceptions.HTTPError, OSError) as e:
-            self._observe("watch", "error")
-            raise ApiUnavailable(f"{what}: {type(e).__name__}: {e}") from e
-        self._observe("watch", str(stream.status))
+        for attempt in range(RETRY_AFTER_ATTEMPTS + 1):
+            self._metrics.waited(self._budget.acquire())  # a watch is a request like any other
+            deadline, started = time.monotonic() + bound_s, time.perf_counter()
+            try:
+                response = self._batch.list_namespaced_job(
+                    namespace,
+                    label_selector=label_selector,
+                    watch=True,
+                    allow_watch_bookmarks=True,
+                    resource_version=resource_version,
+                    timeout_seconds=max(1, math.ceil(bound_s)),
+                    _preload_content=False,
+                    _request_timeout=self._timeout,
+                )
+                stream = cast(urllib3.BaseHTTPResponse, response)  # raw: _preload_content=False
+            except ApiException as e:
+                self._done("watch", str(e.status), started)
+                e.with_traceback(None)
+                if e.status == 410:
+                    return WatchSlice(events=[], expired=True)
+                if attempt < RETRY_AFTER_ATTEMPTS and self._waited_out(e.status, e.headers, what):
+                    continue
+                raise _mapped(e, what) from e
+            except (urllib3.exceptions.HTTPError, OSError) as e:
+                self._done("watch", NO_ANSWER, started)
+                raise ApiUnavailable(f"{what}: {type(e).__name__}: {e}") from e
+            self._done("watch", str(stream.status), started)  # its latency: until the stream opened
+            break
+        else:
+            raise AssertionError("unreachable: the last attempt returns, raises or breaks")
         events: list[JsonDict] = []
         buffer = b""
         try:
@@ -484,6 +508,40 @@ class KubeClient:
             return False
         return True
 
+    def read_pod_log(self, namespace: str, name: str, *, container: str, tail_lines: int, limit_bytes: int) -> bytes:
+        """The end of a container's log as the kubelet serves it (pods/log with `tailLines` and
+        `limitBytes`: the last lines, at most that many bytes of them). Raises NotFound."""
+        return self._call_bytes(
+            f"read the log of pod {namespace}/{name}",
+            self._core.read_namespaced_pod_log,
+            name,
+            namespace,
+            container=container,
+            tail_lines=tail_lines,
+            limit_bytes=limit_bytes,
+        )
+
+    # --- Events -----------------------------------------------------------------------------
+
+    def iter_events(
+        self, namespace: str, *, field_selector: str, page_size: int = DEFAULT_PAGE_SIZE
+    ) -> Iterator[list[JsonDict]]:
+        """Yield the namespace's core/v1 Events matching the field selector, page by page."""
+        token: str | None = None
+        while True:
+            page = self._call(
+                f"list events in {namespace}",
+                self._core.list_namespaced_event,
+                namespace,
+                field_selector=field_selector,
+                limit=page_size,
+                _continue=token,
+            )
+            yield page.get("items") or []
+            token = (page.get("metadata") or {}).get("continue") or None
+            if token is None:
+                return
+
     # --- the seams every call goes through (`_call`, `_request`) ----------------------------
 
     def _list_jobs_raw(
@@ -509,33 +567,46 @@ class KubeClient:
         self, what: str, method: Callable[..., Any], *args: Any, _raw_errors: bool = False, **kwargs: Any
     ) -> JsonDict:
         """Call one API method raw and decode its JSON body, mapping every failure."""
+        return _decoded(self._call_bytes(what, method, *args, _raw_errors=_raw_errors, **kwargs), what)
+
+    def _call_bytes(
+        self, what: str, method: Callable[..., Any], *args: Any, _raw_errors: bool = False, **kwargs: Any
+    ) -> bytes:
+        """Call one API method raw: its body's bytes, every failure mapped."""
         verb = _verb_of(method)
-        try:
-            response = method(*args, _preload_content=False, _request_timeout=self._timeout, **kwargs)
-        except ApiException as e:
-            self._observe(verb, str(e.status))
-            # The client's frames in its traceback hold the raw HTTP response, and with it the
-            # connection's socket, for as long as the error lives (a chained error can live
-            # long): keep status, reason and body, drop those frames.
-            e.with_traceback(None)
-            if _raw_errors:
-                raise
-            raise _mapped(e, what) from e
-        except (urllib3.exceptions.HTTPError, OSError) as e:  # refused, reset, timed out
-            self._observe(verb, "error")
-            raise ApiUnavailable(f"{what}: {type(e).__name__}: {e}") from e
-        except pydantic.ValidationError as e:
-            # The client checks bodies against its models before sending (unknown fields,
-            # a number where a quantity string belongs): nothing reached the server.
-            raise InvalidManifest(f"{what}: refused by the client's schema check: {e}") from e
-        self._observe(verb, str(response.status))
-        try:
-            raw = response.data
-        except (urllib3.exceptions.HTTPError, OSError) as e:
-            raise ApiUnavailable(f"{what}: reading the response: {type(e).__name__}: {e}") from e
-        finally:
-            response.release_conn()
-        return _decoded(raw, what)
+        for attempt in range(RETRY_AFTER_ATTEMPTS + 1):
+            self._metrics.waited(self._budget.acquire())
+            started = time.perf_counter()
+            try:
+                response = method(*args, _preload_content=False, _request_timeout=self._timeout, **kwargs)
+            except ApiException as e:
+                self._done(verb, str(e.status), started)
+                # The client's frames in its traceback hold the raw HTTP response, and with it the
+                # connection's socket, for as long as the error lives (a chained error can live
+                # long): keep status, reason and body, drop those frames.
+                e.with_traceback(None)
+                if attempt < RETRY_AFTER_ATTEMPTS and self._waited_out(e.status, e.headers, what):
+                    continue
+                if _raw_errors:
+                    raise
+                raise _mapped(e, what) from e
+            except (urllib3.exceptions.HTTPError, OSError) as e:  # refused, reset, timed out
+                self._done(verb, NO_ANSWER, started)
+                raise ApiUnavailable(f"{what}: {type(e).__name__}: {e}") from e
+            except pydantic.ValidationError as e:
+                # The client checks bodies against its models before sending (unknown fields,
+                # a number where a quantity string belongs): nothing reached the server.
+                raise InvalidManifest(f"{what}: refused by the client's schema check: {e}") from e
+            try:
+                raw: bytes = response.data
+            except (urllib3.exceptions.HTTPError, OSError) as e:
+                self._done(verb, NO_ANSWER, started)
+                raise ApiUnavailable(f"{what}: reading the response: {type(e).__name__}: {e}") from e
+            finally:
+                response.release_conn()
+            self._done(verb, str(response.status), started)
+            return raw
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     def _request(
         self,
@@ -574,29 +645,49 @@ class KubeClient:
             raise InvalidManifest(f"{what}: refused by the client's schema check: {e}") from e
         except TypeError as e:  # orjson.JSONEncodeError: not JSON (sets, bytes, non-string keys...)
             raise InvalidManifest(f"{what}: the body is not JSON: {e}") from e
-        try:
-            pool_manager = self._api_client.rest_client.pool_manager
-            if isinstance(pool_manager, urllib3.ProxyManager):  # a plain-HTTP proxy rewrites each request
-                response = pool_manager.request(
-                    method, configuration.host + path, body=data, headers=headers, timeout=self._request_timeout
-                )
-            else:  # the host's pool itself: what PoolManager.request ends in, without its per-call URL work
-                response = pool_manager.connection_from_host(*self._origin).urlopen(
-                    method, self._base_path + path, body=data, headers=headers, timeout=self._request_timeout,
-                    assert_same_host=False, redirect=False,
-                )  # fmt: skip
-        except (urllib3.exceptions.HTTPError, OSError) as e:  # refused, reset, timed out, TLS
-            self._observe(_HTTP_VERBS.get(method, method.lower()), "error")
-            raise ApiUnavailable(f"{what}: {type(e).__name__}: {e}") from e
-        self._observe(_HTTP_VERBS.get(method, method.lower()), str(response.status))
-        if not 200 <= response.status <= 299:
+        verb = _HTTP_VERBS.get(method, method.lower())
+        for attempt in range(RETRY_AFTER_ATTEMPTS + 1):
+            self._metrics.waited(self._budget.acquire())
+            started = time.perf_counter()
+            try:
+                pool_manager = self._api_client.rest_client.pool_manager
+                if isinstance(pool_manager, urllib3.ProxyManager):  # a plain-HTTP proxy rewrites each request
+                    response = pool_manager.request(
+                        method, configuration.host + path, body=data, headers=headers, timeout=self._request_timeout
+                    )
+                else:  # the host's pool itself: what PoolManager.request ends in, without its per-call URL work
+                    response = pool_manager.connection_from_host(*self._origin).urlopen(
+                        method, self._base_path + path, body=data, headers=headers, timeout=self._request_timeout,
+                        assert_same_host=False, redirect=False,
+                    )  # fmt: skip
+            except (urllib3.exceptions.HTTPError, OSError) as e:  # refused, reset, timed out, TLS
+                self._done(verb, NO_ANSWER, started)
+                raise ApiUnavailable(f"{what}: {type(e).__name__}: {e}") from e
+            self._done(verb, str(response.status), started)
+            if 200 <= response.status <= 299:
+                return _decoded(response.data, what)
+            if attempt < RETRY_AFTER_ATTEMPTS and self._waited_out(response.status, response.headers, what):
+                continue
             error = ApiException(
                 status=response.status, reason=response.reason, body=response.data.decode("utf-8", "replace")
             )
             raise _mapped(error, what) from error
-        return _decoded(response.data, what)
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
-    def _observe(self, verb: str, code: str) -> None:
+    def _waited_out(self, status: int | None, headers: Mapping[str, str] | None, what: str) -> bool:
+        """For a 429 with a Retry-After: pause the process's budget that long (at most
+        RETRY_AFTER_MAX_S) and True, to send again; else False, and the error stands."""
+        delay = retry_after_s(status, headers)
+        if delay is None:
+            return False
+        log.info("%s: 429, Retry-After %.3g s: waiting, then sending again", what, delay)
+        self._metrics.retry_after.inc()
+        self._budget.pause(delay)
+        return True
+
+    def _done(self, verb: str, code: str, started: float) -> None:
+        """A request answered (`code`, or NO_ANSWER): its latency observed, `on_request` told."""
+        self._metrics.request_done(verb, code, time.perf_counter() - started)
         if self._on_request is not None:
             self._on_request(verb, code)
 
@@ -610,6 +701,22 @@ class KubeClient:
             self._auth = (auth["key"], auth["value"]) if auth and auth["value"] is not None else None
             self._auth_due = now + AUTH_REFRESH_S if self._configuration.refresh_api_key_hook else math.inf
         return self._auth
+
+
+def retry_after_s(status: int | None, headers: Mapping[str, str] | None) -> float | None:
+    """The seconds a 429 asks to wait (its Retry-After in seconds, cut to RETRY_AFTER_MAX_S);
+    None for another status, or a Retry-After that is missing or not a number of seconds
+    (an HTTP date would need our clock to agree with the server's: the task's backoff instead)."""
+    if status != 429 or not headers:
+        return None
+    value = headers.get("Retry-After")
+    try:
+        seconds = float(value) if value is not None else math.nan
+    except ValueError:
+        return None
+    if not math.isfinite(seconds) or seconds < 0:
+        return None
+    return min(seconds, RETRY_AFTER_MAX_S)
 
 
 def _verb_of(method: Callable[..., Any]) -> str:

@@ -21,6 +21,7 @@ from k8s_dispatch.engine.ids import is_dispatch_id
 from k8s_dispatch.engine.names import is_dns1123_label, is_label_value, is_qualified_name
 from k8s_dispatch.engine.payloads import canonical_json
 from k8s_dispatch.workers import labels as job_labels
+from k8s_dispatch.workers.failure_policy import pod_failure_policy, policy_problems
 from k8s_dispatch.workers.types import (
     DispatchId,
     DispatchRef,
@@ -157,7 +158,11 @@ def build_job(
     if "automountServiceAccountToken" not in spec.security_overrides:
         pod_spec["automountServiceAccountToken"] = False  # a capability's Pod never calls the API
 
-    job_spec: dict[str, Any] = {"backoffLimit": spec.backoff_limit}
+    # Disruptions never count against backoffLimit; the capability's exit codes fail at once or retry.
+    job_spec: dict[str, Any] = {
+        "backoffLimit": spec.backoff_limit,
+        "podFailurePolicy": pod_failure_policy(spec, container=CONTAINER_NAME),
+    }
     if spec.active_deadline_seconds is not None:
         job_spec["activeDeadlineSeconds"] = spec.active_deadline_seconds
     job_spec["template"] = {
@@ -165,7 +170,7 @@ def build_job(
         # its own job-tracking one): ours keeps a finished Pod, and the result it holds, until
         # the completion is recorded, whatever deletes it (PodGC, a node's loss, a person).
         "metadata": {"labels": dict(labels), "annotations": dict(annotations), "finalizers": [FINALIZER]},
-        "spec": pod_spec,
+        "spec": pod_spec,  # restartPolicy Never: podFailurePolicy needs it
     }
     return {
         "apiVersion": "batch/v1",
@@ -248,6 +253,7 @@ def spec_problems(spec: CapabilitySpec) -> list[tuple[str, str]]:
     limit = spec.backoff_limit
     if not _is_int_in(limit, 0, MAX_INT32):
         problems.append(("backoffLimit", f"{limit!r} is not a non-negative integer"))
+    problems.extend(policy_problems(spec))
     problems.extend(("labels", why) for why in _metadata_problems(spec.labels, labels=True))
     problems.extend(("annotations", why) for why in _metadata_problems(spec.annotations, labels=False))
     problems.extend(_security_problems(spec))

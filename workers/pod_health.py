@@ -79,8 +79,13 @@ class PodView:
 
 def unstarted(job: Mapping[str, Any]) -> bool:
     """Whether the Job runs with no container started yet, by its own status (no Pod read):
-    not finished, not being deleted, no ready, succeeded or failed Pod."""
+    not finished, not being deleted, not suspended, no ready, succeeded or failed Pod.
+
+    A suspended Job waits for admission (a queue such as Kueue's, or an operator): its Pods are
+    not meant to start, so its start clock has not started either."""
     if job_state(job).terminal or _dict(job.get("metadata")).get("deletionTimestamp"):
+        return False
+    if _dict(job.get("spec")).get("suspend") is True:
         return False
     status = _dict(job.get("status"))
     return not any(_count(status.get(key)) for key in ("ready", "succeeded", "failed"))

@@ -30,6 +30,9 @@ Schema (field names as Kubernetes spells them)::
         securityOverrides:             # the `restricted` defaults this capability turns off, each with why:
           automountServiceAccountToken: "it reads its ConfigMap through the API"
           # also runAsNonRoot, allowPrivilegeEscalation, capabilities (drop ALL), seccompProfile
+        failOnExitCodes: [3]           # exit codes that fail the Job at once (FailJob); 1-255
+        retryOnExitCodes: [75]         # exit codes counted against backoffLimit (Count): needs backoffLimit >= 1
+        maxDisruptions: 3              # evictions/preemptions tolerated (never counted as failures); one more: Disrupted
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ import yaml
 
 from k8s_dispatch.engine.errors import ConfigError, UnknownCapability
 from k8s_dispatch.workers.backends import Worker
+from k8s_dispatch.workers.failure_policy import DEFAULT_MAX_DISRUPTIONS
 from k8s_dispatch.workers.manifest import MAX_INT32, spec_problems
 from k8s_dispatch.workers.pod_health import (
     DEFAULT_CONFIG_ERROR_TIMEOUT_S,
@@ -93,6 +97,11 @@ class CapabilitySpec:
     start_timeout_seconds: int = DEFAULT_START_TIMEOUT_S
     image_pull_timeout_seconds: int = DEFAULT_IMAGE_PULL_TIMEOUT_S
     config_error_timeout_seconds: int = DEFAULT_CONFIG_ERROR_TIMEOUT_S
+    # The Job's podFailurePolicy (workers/failure_policy.py) and how many disruptions a dispatch
+    # survives before it fails with reason Disrupted.
+    retry_on_exit_codes: tuple[int, ...] = ()
+    fail_on_exit_codes: tuple[int, ...] = ()
+    max_disruptions: int = DEFAULT_MAX_DISRUPTIONS
 
     @property
     def start_policy(self) -> StartPolicy:
@@ -109,6 +118,7 @@ _FIELDS = (
     "activeDeadlineSeconds", "backoffLimit", "labels", "annotations",
     "runAsUser", "runAsGroup", "securityOverrides",
     "queueTimeoutSeconds", "startTimeoutSeconds", "imagePullTimeoutSeconds", "configErrorTimeoutSeconds",
+    "retryOnExitCodes", "failOnExitCodes", "maxDisruptions",
 )  # fmt: skip
 _NULLABLE = ("activeDeadlineSeconds", "queueTimeoutSeconds")  # null: no limit
 # The clocks (seconds): config field -> CapabilitySpec attribute; each a positive integer.
@@ -311,6 +321,13 @@ def _parse_capability(name: object, fields: object, *, problems: list[str], sour
             return default
         return value
 
+    def exit_codes(key: str) -> tuple[int, ...]:
+        value = fields.get(key, [])
+        if not isinstance(value, list) or not all(isinstance(c, int) and not isinstance(c, bool) for c in value):
+            report.add(key, "must be a list of integer exit codes")
+            return ()
+        return tuple(value)
+
     worker = text("worker")
     image = text("image")
     spec = CapabilitySpec(
@@ -333,6 +350,9 @@ def _parse_capability(name: object, fields: object, *, problems: list[str], sour
         start_timeout_seconds=integer("startTimeoutSeconds", DEFAULT_START_TIMEOUT_S) or 0,
         image_pull_timeout_seconds=integer("imagePullTimeoutSeconds", DEFAULT_IMAGE_PULL_TIMEOUT_S) or 0,
         config_error_timeout_seconds=integer("configErrorTimeoutSeconds", DEFAULT_CONFIG_ERROR_TIMEOUT_S) or 0,
+        retry_on_exit_codes=exit_codes("retryOnExitCodes"),
+        fail_on_exit_codes=exit_codes("failOnExitCodes"),
+        max_disruptions=integer("maxDisruptions", DEFAULT_MAX_DISRUPTIONS) or 0,
     )
     if report.count:
         return None  # value checks on half-parsed fields would only repeat the type errors

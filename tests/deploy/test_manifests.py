@@ -62,6 +62,8 @@ EXPECTED_PERMISSIONS = {
     ("batch", "jobs", "deletecollection"),
     ("", "pods", "list"),
     ("", "pods", "patch"),
+    ("", "pods/log", "get"),
+    ("", "events", "list"),
 }
 
 
@@ -471,6 +473,7 @@ _RESOURCES = {
     "job_status": "jobs/status",
     "pod": "pods",
     "pod_log": "pods/log",
+    "event": "events",
     "pod_status": "pods/status",
 }
 

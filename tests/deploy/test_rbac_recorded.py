@@ -26,7 +26,7 @@ from k8s_dispatch.engine.errors import ApiRejected
 from k8s_dispatch.engine.settings import load_settings
 from k8s_dispatch.localcluster import LocalCluster
 from k8s_dispatch.ops.processes import wait_until
-from k8s_dispatch.recovery import delivery
+from k8s_dispatch.recovery import delivery, disruptions
 from k8s_dispatch.recovery.reconcile import run_sweep
 from k8s_dispatch.recovery.runtime import Runtime
 from k8s_dispatch.workers import labels as job_labels
@@ -40,6 +40,11 @@ CAPABILITIES = {
     "capabilities": {
         "sim.ok": {"worker": "sim", "image": "sim:1", "annotations": {SIM + "duration-ms": "10"}},
         "sim.hang": {"worker": "sim", "image": "sim:1", "annotations": {SIM + "outcome": "hang"}},
+        "sim.fail": {
+            "worker": "sim",
+            "image": "sim:1",
+            "annotations": {SIM + "outcome": "fail", SIM + "duration-ms": "10", SIM + "log": "it broke\n"},
+        },
     }
 }
 
@@ -99,10 +104,11 @@ def _finished(rt: Runtime, namespace: str, name: str) -> bool:
 
 def walk_the_delivery_path(rt: Runtime, *, timeout_s: float = 15) -> None:
     """Every API call the product makes: create, adopt, poll's LIST, complete (Pod LIST, the
-    Pod's and the Job's release patches, the bulk delete), cancel, and a sweep deleting an orphan."""
+    Pod's and the Job's release patches, the bulk delete), a failure's detail (its Pod's log, the
+    namespace's Warning Events), poll's LIST of failed Pods, cancel, and a sweep deleting an orphan."""
     namespace = rt.settings.namespace
-    done, running = _schedule(rt, "sim.ok"), _schedule(rt, "sim.hang")
-    for dispatch_id in (done, running):
+    done, running, failing = _schedule(rt, "sim.ok"), _schedule(rt, "sim.hang"), _schedule(rt, "sim.fail")
+    for dispatch_id in (done, running, failing):
         assert delivery.create_job_for(rt, dispatch_id) is delivery.CreateOutcome.CREATED
     assert delivery.create_job_for(rt, done) is delivery.CreateOutcome.ADOPTED  # a duplicate message
 
@@ -110,8 +116,16 @@ def walk_the_delivery_path(rt: Runtime, *, timeout_s: float = 15) -> None:
     wait_until(lambda: _finished(rt, namespace, name), timeout=timeout_s, what="the Job finished")
     finished = [j["metadata"]["name"] for page in rt.kube.iter_jobs(namespace, label_selector=job_labels.selector(),
                 page_size=rt.settings.poll_page_size) for j in page if job_state(j).terminal]  # fmt: skip
-    assert finished == [name]  # what poll does: one paginated LIST
+    assert name in finished  # what poll does: one paginated LIST
     assert delivery.complete_job(rt, namespace, name) is delivery.CompleteOutcome.COMPLETED
+    assert disruptions.scan(rt, namespace) == []  # poll's LIST of our failed Pods
+    bad = delivery.job_location(rt, delivery.load_record(rt, failing))[1]
+    wait_until(lambda: _finished(rt, namespace, bad), timeout=timeout_s, what="the failing Job finished")
+    assert delivery.complete_job(rt, namespace, bad) is delivery.CompleteOutcome.COMPLETED
+    with transaction(rt.sessions) as session:
+        detail = store.terminal_event(session, failing).payload["detail"]
+    assert detail["log_tail"] == "it broke\n"  # read, not refused (which would only leave it out)
+    assert [e["reason"] for e in detail["events"]] == ["BackoffLimitExceeded"]
     assert delivery.cancel_dispatch(rt, running, reason="UserCancelled")
 
     forged = DispatchRef(str(uuid.uuid4()), "case-x", "tenant-a", "sim.ok", "sim", "key-x")

@@ -193,6 +193,7 @@ def test_the_json_holds_everything_the_tables_show() -> None:
         {
             "dispatch_id": "d-f", "capability": "demo.y", "case_id": "c2", "tenancy_id": "globex",
             "reason": "BackoffLimitExceeded", "message": "exit 2", "finished_at": NOW.isoformat(),
+            "exit_code": None, "signal": None, "container_reason": None,
         }
     ]  # fmt: skip
 

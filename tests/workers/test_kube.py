@@ -520,8 +520,14 @@ def test_on_request_is_told_each_requests_verb_and_answer(cluster, faulty_cluste
                 kube.create_job(ns, job("p"))
         finally:
             faulty_cluster.set_faults(0.0, 0)
-    assert [verb for verb, _ in unanswered] == ["get", "create"]
     assert all(code in ("500", "503", "429") for _, code in unanswered), unanswered  # the faults it injects
+    # Each attempt is a request: a 429 (Retry-After: 1) is waited out and sent again, up to
+    # RETRY_AFTER_ATTEMPTS times; the call ends at its first other answer, or at the last 429.
+    calls = [[code for verb, code in unanswered if verb == v] for v in ("get", "create")]
+    assert [verb for verb, _ in unanswered] == ["get"] * len(calls[0]) + ["create"] * len(calls[1])
+    for codes in calls:
+        assert codes[:-1] == ["429"] * (len(codes) - 1)
+        assert codes[-1] != "429" or len(codes) == kube_module.RETRY_AFTER_ATTEMPTS + 1, codes
 
 
 def test_on_request_is_told_of_a_request_no_server_answered(tmp_path, ns):

@@ -172,6 +172,12 @@ def test_unstarted_reads_only_the_jobs_status(status: dict[str, Any], metadata: 
     assert unstarted({"metadata": {"name": "kd-x", **metadata}, "status": status}) is expected
 
 
+@pytest.mark.parametrize(("suspend", "expected"), [(True, False), (False, True), (None, True), ("true", True)])
+def test_a_suspended_job_has_not_started_its_start_clock(suspend: Any, expected: bool) -> None:
+    job = {"metadata": {"name": "kd-x"}, "spec": {"suspend": suspend}, "status": {}}
+    assert unstarted(job) is expected
+
+
 def test_pods_are_read_only_past_the_grace() -> None:
     assert not due_for_check(job(), age=CHECK_GRACE - s(1))
     assert due_for_check(job(), age=CHECK_GRACE)

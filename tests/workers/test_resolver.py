@@ -168,6 +168,19 @@ def test_unknown_capability() -> None:
         (minimal(resources={"wants": {"cpu": "1"}}), "cap.one", "resources"),
         (minimal(resources={"requests": {"bad name": "1"}}), "cap.one", "resources"),
         (minimal(resources={"requests": {"cpu": "2"}, "limits": {"cpu": "1500m"}}), "cap.one", "resources"),
+        # bad failure policy
+        (minimal(failOnExitCodes=3), "cap.one", "failOnExitCodes"),
+        (minimal(failOnExitCodes=[0]), "cap.one", "failOnExitCodes"),
+        (minimal(failOnExitCodes=[256]), "cap.one", "failOnExitCodes"),
+        (minimal(failOnExitCodes=[3, 3]), "cap.one", "failOnExitCodes"),
+        (minimal(failOnExitCodes=["3"]), "cap.one", "failOnExitCodes"),
+        (minimal(failOnExitCodes=[True]), "cap.one", "failOnExitCodes"),
+        (minimal(failOnExitCodes=[*range(1, 256), 1]), "cap.one", "failOnExitCodes"),
+        (minimal(retryOnExitCodes=[4], failOnExitCodes=[4], backoffLimit=1), "cap.one", "failOnExitCodes"),
+        (minimal(retryOnExitCodes=[4]), "cap.one", "retryOnExitCodes"),  # backoffLimit 0 retries nothing
+        (minimal(maxDisruptions=-1), "cap.one", "maxDisruptions"),
+        (minimal(maxDisruptions="3"), "cap.one", "maxDisruptions"),
+        (minimal(maxDisruptions=1001), "cap.one", "maxDisruptions"),
         # unknown keys
         (minimal(backoff_limit=1), "cap.one", "backoff_limit"),
         (minimal(replicas=3), "cap.one", "replicas"),
@@ -184,6 +197,26 @@ def test_config_errors_name_file_capability_and_field(
     assert problem_lines, str(raised.value)
     expected_prefix = f"{path}: capability {capability!r}: field {field!r}: "
     assert any(line.startswith(expected_prefix) for line in problem_lines), str(raised.value)
+
+
+def test_failure_fields_are_read_with_their_defaults() -> None:
+    config = {
+        "capabilities": {
+            "plain": {"worker": "w", "image": "img"},
+            "strict": {
+                "worker": "w",
+                "image": "img",
+                "backoffLimit": 2,
+                "failOnExitCodes": [3, 2],
+                "retryOnExitCodes": [75],
+                "maxDisruptions": 0,
+            },
+        }
+    }
+    resolver = CapabilityResolver.from_mapping(config)
+    plain, strict = resolver.spec("plain"), resolver.spec("strict")
+    assert (plain.fail_on_exit_codes, plain.retry_on_exit_codes, plain.max_disruptions) == ((), (), 3)
+    assert (strict.fail_on_exit_codes, strict.retry_on_exit_codes, strict.max_disruptions) == ((3, 2), (75,), 0)
 
 
 def test_every_problem_is_reported_at_once() -> None:
@@ -203,7 +236,8 @@ def test_every_problem_is_reported_at_once() -> None:
         "caps.json: capability 'b': field 'colour': unknown field (known: worker, image, command, args, env, "
         "resources, namespace, activeDeadlineSeconds, backoffLimit, labels, annotations, "
         "runAsUser, runAsGroup, securityOverrides, queueTimeoutSeconds, "
-        "startTimeoutSeconds, imagePullTimeoutSeconds, configErrorTimeoutSeconds)",
+        "startTimeoutSeconds, imagePullTimeoutSeconds, configErrorTimeoutSeconds, "
+        "retryOnExitCodes, failOnExitCodes, maxDisruptions)",
         "caps.json: capability 'b': field 'worker': is required",
     ]
 

@@ -1,0 +1,207 @@
+"""The `show` command's story of one dispatch: its row, every event of it in order, its attempts,
+the disruptions its Pods met, why it failed (the Pod's and container's reasons, exit code and
+signal, the log tail, the Warning Events) and its timings, read from the database alone in one
+short transaction (the cluster may have forgotten the Pods long since: what they said is in the
+event log).
+
+`read_story` does the reading; `Story.to_dict` (for `--json`) and `render` are pure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+from sqlalchemy.orm import Session
+
+from k8s_dispatch.engine import store
+from k8s_dispatch.engine.errors import UnknownDispatch
+from k8s_dispatch.engine.ids import check_dispatch_id
+from k8s_dispatch.engine.models import EventType
+from k8s_dispatch.ops.status import format_age
+
+
+@dataclass(frozen=True)
+class StoryEvent:
+    id: int
+    type: str
+    at: datetime
+    payload: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Story:
+    dispatch_id: str
+    case_id: str
+    tenancy_id: str
+    capability: str
+    state: str
+    reason: str | None
+    job: str | None  # namespace/name
+    attempts: int
+    created_at: datetime
+    job_created_at: datetime | None
+    finished_at: datetime | None
+    notified_at: datetime | None
+    events: list[StoryEvent] = field(default_factory=list)
+
+    @property
+    def disruptions(self) -> list[dict[str, Any]]:
+        return [e.payload for e in self.events if e.type == EventType.WORKER_DISRUPTED]
+
+    @property
+    def end(self) -> StoryEvent | None:
+        ends = {EventType.WORKER_COMPLETED, EventType.WORKER_FAILED, EventType.WORKER_CANCELLED}
+        return next((e for e in self.events if e.type in ends), None)
+
+    @property
+    def failure(self) -> dict[str, Any]:
+        """The failure's structured detail (exit code, reasons, log tail, events), if it failed."""
+        end = self.end
+        detail = end.payload.get("detail") if end is not None and end.type == EventType.WORKER_FAILED else None
+        return detail if isinstance(detail, dict) else {}
+
+    def timings(self) -> dict[str, float | None]:
+        """Seconds: scheduled -> Job created (queued), Job created -> end (ran), scheduled -> end."""
+
+        def span(start: datetime | None, end: datetime | None) -> float | None:
+            return None if start is None or end is None else round(max(0.0, (end - start).total_seconds()), 3)
+
+        return {
+            "queued_s": span(self.created_at, self.job_created_at),
+            "ran_s": span(self.job_created_at, self.finished_at),
+            "total_s": span(self.created_at, self.finished_at),
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        def when(value: datetime | None) -> str | None:
+            return value.isoformat() if value else None
+
+        return {
+            "dispatch_id": self.dispatch_id,
+            "case_id": self.case_id,
+            "tenancy_id": self.tenancy_id,
+            "capability": self.capability,
+            "state": self.state,
+            "reason": self.reason,
+            "job": self.job,
+            "attempts": self.attempts,
+            "created_at": when(self.created_at),
+            "job_created_at": when(self.job_created_at),
+            "finished_at": when(self.finished_at),
+            "notified_at": when(self.notified_at),
+            "timings": self.timings(),
+            "disruptions": self.disruptions,
+            "failure": self.failure,
+            "events": [{"id": e.id, "type": e.type, "at": e.at.isoformat(), "payload": e.payload} for e in self.events],
+        }
+
+
+def read_story(session: Session, dispatch_id: str) -> Story:
+    """The dispatch's story, from the caller's session (read only).
+
+    Raises:
+        InvalidId: not a dispatch id.
+        UnknownDispatch: no such dispatch.
+    """
+    check_dispatch_id(dispatch_id)
+    row = store.get_dispatch(session, dispatch_id)
+    if row is None:
+        raise UnknownDispatch(f"dispatch {dispatch_id} does not exist")
+    events = [
+        StoryEvent(e.id, e.type, e.created_at, e.payload if isinstance(e.payload, dict) else {"value": e.payload})
+        for e in store.events_for(session, dispatch_id)
+    ]
+    return Story(
+        dispatch_id=row.dispatch_id,
+        case_id=row.case_id,
+        tenancy_id=row.tenancy_id,
+        capability=row.capability,
+        state=str(row.state.value if hasattr(row.state, "value") else row.state),
+        reason=row.reason,
+        job=f"{row.job_namespace}/{row.job_name}" if row.job_name else None,
+        attempts=row.attempts or 0,
+        created_at=row.created_at,
+        job_created_at=row.job_created_at,
+        finished_at=row.finished_at,
+        notified_at=row.notified_at,
+        events=events,
+    )
+
+
+# --- rendering (pure) ----------------------------------------------------------------------
+
+
+def render(story: Story) -> Group:
+    """The story for the terminal: who and where, timings, the events, disruptions, why it failed."""
+    head = Text()
+    head.append(f"{story.dispatch_id}  ", style="bold")
+    head.append(story.state, style="bold red" if story.state == "FAILED" else "bold")
+    if story.reason:
+        head.append(f" {story.reason}", style="red")
+    lines: list[Any] = [
+        head,
+        f"capability {story.capability}  tenancy={story.tenancy_id}  case={story.case_id}",
+        f"job {story.job or '-'}  attempts {story.attempts + 1 if story.job else 0}"
+        f"  disruptions {len(story.disruptions)}",
+    ]
+    timing = story.timings()
+    lines.append(
+        "timings: "
+        + ", ".join(
+            f"{label} {format_age(value) if value >= 1 else f'{value:.2f}s'}"
+            for label, value in (("queued", timing["queued_s"]), ("ran", timing["ran_s"]), ("total", timing["total_s"]))
+            if value is not None
+        )
+    )
+    table = Table(title="events", title_justify="left")
+    for column in ("#", "at", "type", "what"):
+        table.add_column(column)
+    for e in story.events:
+        table.add_row(str(e.id), e.at.strftime("%Y-%m-%d %H:%M:%S.%f")[:-3], e.type, _what(e))
+    lines.append(table)
+    failure = story.failure
+    if failure:
+        lines.append(Text("why it failed", style="italic"))
+        facts = [
+            ("job", failure.get("job_reason"), failure.get("job_message")),
+            ("pod", failure.get("pod"), failure.get("node") and f"on node {failure['node']}"),
+            ("pod reason", failure.get("pod_reason"), failure.get("pod_message")),
+            ("container", failure.get("container_reason"), _exit(failure)),
+        ]
+        for label, value, more in facts:
+            if value or more:
+                lines.append(f"  {label}: {value or ''}{'  ' + str(more) if more else ''}")
+        for event in failure.get("events") or []:
+            lines.append(f"  event: {event.get('object')} {event.get('reason')}: {event.get('message')}")
+        if failure.get("log_tail"):
+            lines.append(Text("  log tail:", style="italic"))
+            lines.append(Text("\n".join("    " + line for line in str(failure["log_tail"]).splitlines()), style="dim"))
+    return Group(*lines)
+
+
+def _exit(failure: dict[str, Any]) -> str | None:
+    if "exit_code" not in failure:
+        return None
+    signal = failure.get("signal")
+    return f"exit code {failure['exit_code']}" + (f" ({signal})" if signal else "")
+
+
+def _what(event: StoryEvent) -> str:
+    p = event.payload
+    if event.type == EventType.WORKER_DISRUPTED:
+        return f"pod {p.get('pod')} {p.get('reason')} on node {p.get('node')}: replaced"
+    if event.type == EventType.WORKER_COMPLETED:
+        return "output " + _short(p.get("output"))
+    if "reason" in p:
+        return f"{p.get('reason')}" + (f": {_short(p.get('message'))}" if p.get("message") else "")
+    return _short(p)
+
+
+def _short(value: object, limit: int = 120) -> str:
+    text = " ".join(str(value).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
