@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import threading
 import uuid
+from pathlib import Path
 from typing import Any
+
+import yaml
 
 from k8s_dispatch.engine import store
 from k8s_dispatch.engine.db import transaction
@@ -42,3 +45,29 @@ def schedule(rt: Runtime, capability: str = "sim.ok", input: Any = None, *, tena
             router=rt.resolver,
             max_input_bytes=rt.settings.max_input_bytes,
         ).dispatch_id
+
+
+def runtime_values(
+    *,
+    database_url: str,
+    redis_url: str,
+    prefix: str,
+    namespace: str,
+    kubeconfig: Path,
+    capabilities: Any,
+    tmp: Path,
+    **settings: str,
+) -> dict[str, str]:
+    """A test's K8S_DISPATCH_*: its database, Redis prefix, namespace, cluster and capabilities
+    (written to a file under `tmp`), plus `settings` (K8S_DISPATCH_<NAME>)."""
+    caps = tmp / "capabilities.yaml"
+    caps.write_text(yaml.safe_dump(capabilities))
+    return {
+        "K8S_DISPATCH_DATABASE_URL": database_url,
+        "K8S_DISPATCH_REDIS_URL": redis_url,
+        "K8S_DISPATCH_KEY_PREFIX": prefix,
+        "K8S_DISPATCH_NAMESPACE": namespace,
+        "K8S_DISPATCH_KUBECONFIG": str(kubeconfig),
+        "K8S_DISPATCH_CAPABILITIES": str(caps),
+        **{f"K8S_DISPATCH_{k.upper()}": v for k, v in settings.items()},
+    }

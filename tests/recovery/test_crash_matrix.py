@@ -67,7 +67,12 @@ def expected_output(value: Any) -> dict[str, Any]:
 
 @dataclass
 class Site:
-    """One test's k8s-dispatch: its settings, database, Redis prefix, namespace and processes."""
+    """One test's k8s-dispatch: its settings, database, Redis prefix, namespace and processes.
+
+    Beside tests/tasks/conftest.py's Deployment, not one with it: this one starts workers with a
+    crash point armed and reads through a Runtime (guard claims, raw rows) where that one
+    schedules as an engine does through a producer; the few lines they share (settings,
+    namespace, prefix) are the shape of any deployment."""
 
     values: dict[str, str]
     settings: Settings

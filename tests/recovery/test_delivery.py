@@ -15,10 +15,9 @@ from typing import Any
 import kubernetes
 import pytest
 import sqlalchemy as sa
-import yaml
 from clusters import LOCAL, REAL, ClusterHandle
 from forged_jobs import SIM, forge_job
-from runtimes import Notified, schedule
+from runtimes import Notified, runtime_values, schedule
 
 from k8s_dispatch.engine import store
 from k8s_dispatch.engine.db import transaction
@@ -91,17 +90,11 @@ def runtime_env(cluster, pg_url, redis_url, key_prefix, request, tmp_path) -> di
     namespace = f"dl-{uuid.uuid4().hex[:8]}"
     if isinstance(cluster, ClusterHandle):
         cluster.ensure_namespace(namespace)
-    caps = tmp_path / "capabilities.yaml"
-    caps.write_text(yaml.safe_dump(CAPABILITIES))
-    return {
-        "K8S_DISPATCH_DATABASE_URL": pg_url,
-        "K8S_DISPATCH_REDIS_URL": redis_url,
-        "K8S_DISPATCH_KEY_PREFIX": f"{key_prefix}-{request.node.name[:30]}",
-        "K8S_DISPATCH_NAMESPACE": namespace,
-        "K8S_DISPATCH_KUBECONFIG": str(cluster.kubeconfig),
-        "K8S_DISPATCH_CAPABILITIES": str(caps),
-        "K8S_DISPATCH_GUARD_LEASE_MS": "10000",
-    }
+    return runtime_values(
+        database_url=pg_url, redis_url=redis_url, prefix=f"{key_prefix}-{request.node.name[:30]}",
+        namespace=namespace, kubeconfig=cluster.kubeconfig, capabilities=CAPABILITIES, tmp=tmp_path,
+        guard_lease_ms="10000",
+    )  # fmt: skip
 
 
 def job_finished(rt: Runtime, dispatch_id: str) -> dict[str, Any]:

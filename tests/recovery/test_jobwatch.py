@@ -110,13 +110,6 @@ def kube(cluster_under_test: ClusterHandle) -> Iterator[KubeClient]:
 
 
 @pytest.fixture
-def client(redis_url: str) -> Iterator[redis.Redis]:
-    c = redis.Redis.from_url(redis_url)
-    yield c
-    c.close()
-
-
-@pytest.fixture
 def deployment() -> str:
     return f"w{uuid.uuid4().hex[:10]}"
 

@@ -16,9 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from forged_jobs import SIM, forge_job
-from runtimes import Notified, schedule
+from runtimes import Notified, runtime_values, schedule
 
 from k8s_dispatch.engine import migrate, store
 from k8s_dispatch.engine.db import transaction
@@ -71,19 +70,11 @@ def runtime_env(cluster, new_pg_database, redis_url, key_prefix, tmp_path) -> di
     """K8S_DISPATCH_* of this test: its own database, namespace and Redis prefix."""
     database_url = new_pg_database()
     migrate.upgrade(database_url)
-    caps = tmp_path / "capabilities.yaml"
-    caps.write_text(yaml.safe_dump(CAPABILITIES))
-    return {
-        "K8S_DISPATCH_DATABASE_URL": database_url,
-        "K8S_DISPATCH_REDIS_URL": redis_url,
-        "K8S_DISPATCH_KEY_PREFIX": f"{key_prefix}-{uuid.uuid4().hex[:8]}",
-        "K8S_DISPATCH_NAMESPACE": f"rc-{uuid.uuid4().hex[:8]}",
-        "K8S_DISPATCH_KUBECONFIG": str(cluster.kubeconfig),
-        "K8S_DISPATCH_CAPABILITIES": str(caps),
-        "K8S_DISPATCH_SWEEP_GRACE_S": "0",
-        "K8S_DISPATCH_POLL_PAGE_SIZE": "7",  # several pages with a few dozen Jobs
-        "K8S_DISPATCH_GUARD_LEASE_MS": "10000",
-    }
+    return runtime_values(
+        database_url=database_url, redis_url=redis_url, prefix=f"{key_prefix}-{uuid.uuid4().hex[:8]}",
+        namespace=f"rc-{uuid.uuid4().hex[:8]}", kubeconfig=cluster.kubeconfig, capabilities=CAPABILITIES,
+        tmp=tmp_path, sweep_grace_s="0", poll_page_size="7", guard_lease_ms="10000",
+    )  # fmt: skip
 
 
 # --- helpers -------------------------------------------------------------------------------

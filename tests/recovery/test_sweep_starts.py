@@ -13,9 +13,8 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
-import yaml
 from forged_jobs import SIM
-from runtimes import schedule
+from runtimes import runtime_values, schedule
 
 from k8s_dispatch.engine import migrate, store
 from k8s_dispatch.engine.db import database_now, transaction
@@ -53,18 +52,11 @@ def cluster() -> Iterator[LocalCluster]:
 def runtime_env(cluster, new_pg_database, redis_url, key_prefix, tmp_path) -> dict[str, str]:
     database_url = new_pg_database()
     migrate.upgrade(database_url)
-    caps = tmp_path / "capabilities.yaml"
-    caps.write_text(yaml.safe_dump(CAPABILITIES))
-    return {
-        "K8S_DISPATCH_DATABASE_URL": database_url,
-        "K8S_DISPATCH_REDIS_URL": redis_url,
-        "K8S_DISPATCH_KEY_PREFIX": f"{key_prefix}-{uuid.uuid4().hex[:8]}",
-        "K8S_DISPATCH_NAMESPACE": f"st-{uuid.uuid4().hex[:8]}",
-        "K8S_DISPATCH_KUBECONFIG": str(cluster.kubeconfig),
-        "K8S_DISPATCH_CAPABILITIES": str(caps),
-        "K8S_DISPATCH_SWEEP_GRACE_S": "0",
-        "K8S_DISPATCH_POLL_PAGE_SIZE": str(PAGE),
-    }
+    return runtime_values(
+        database_url=database_url, redis_url=redis_url, prefix=f"{key_prefix}-{uuid.uuid4().hex[:8]}",
+        namespace=f"st-{uuid.uuid4().hex[:8]}", kubeconfig=cluster.kubeconfig, capabilities=CAPABILITIES,
+        tmp=tmp_path, sweep_grace_s="0", poll_page_size=str(PAGE),
+    )  # fmt: skip
 
 
 def started(rt: Runtime, capability: str, count: int) -> list[str]:
