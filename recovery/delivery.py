@@ -812,11 +812,16 @@ def fail_unstarted(
     dispatch_id: str,
     attempts: int,
     snapshot: Mapping[str, Any],
-    decide: Callable[[list[dict[str, Any]]], Verdict],
+    decide: Callable[[list[dict[str, Any]], list[dict[str, Any]]], Verdict],
 ) -> Verdict | None:
     """Give up on a Job whose container never started: WORKER_FAILED with the cause `decide`
-    names (the one terminal-event path: `fail_dispatch`), then the Job released and deleted,
+    names (the one terminal-event path: `fail_dispatch`), with the failure's structured detail
+    (the Pod's state, the Job's and its Pods' Warning Events), then the Job released and deleted,
     which stops its Pods; the verdict if this call recorded it, else None.
+
+    `decide(pods, events)` judges the Job; the Warning Events are read (one LIST for the Job and
+    one per Pod, with field selectors) only once it says to give up, and it is asked again with
+    them, so a Job whose Pods were refused ends with the controller's FailedCreate.
 
     Under the dispatch's guard claim, the row must still be CREATED with the `attempts` counted
     when planned; the Job's Pods are read again, every phase (a Pod that started since the
@@ -834,14 +839,19 @@ def fail_unstarted(
         if record is None or record.state is not DispatchState.CREATED or record.attempts != attempts:
             return None
         pods = pods_by_job(rt, namespace, [name])[name]
-        verdict = decide(pods)
+        if not decide(pods, []).fail:
+            return None
+        events = _warnings_about(rt, namespace, [name, *(_pod_name(pod) for pod in pods)])
+        verdict = decide(pods, events)
         if not verdict.fail:
             return None
         log.warning(
             "dispatch %s: job %s/%s never started its container: %s: %s",
             dispatch_id, namespace, name, verdict.reason, verdict.message,
         )  # fmt: skip
-        if not fail_dispatch(rt, dispatch_id, reason=verdict.reason or "StartTimeout", message=verdict.message):
+        detail = failure_detail.detail(snapshot, pods[0] if pods else None, events=events)
+        reason = verdict.reason or "StartTimeout"
+        if not fail_dispatch(rt, dispatch_id, reason=reason, message=verdict.message, detail=detail):
             return None
     finally:
         rt.guard.release(claim)
@@ -849,6 +859,23 @@ def fail_unstarted(
     release_job(rt, namespace, name, snapshot=snapshot)
     rt.kube.delete_job(namespace, name, propagation="Background", uid=(snapshot.get("metadata") or {}).get("uid"))
     return verdict
+
+
+def _warnings_about(rt: Runtime, namespace: str, names: Sequence[str]) -> list[dict[str, Any]]:
+    """The Warning Events whose object is one of `names` (a Job, its Pods); none if unreadable."""
+    events: list[dict[str, Any]] = []
+    try:
+        for name in dict.fromkeys(n for n in names if n):
+            selector = f"involvedObject.name={name},type={failure_detail.WARNING}"
+            for page in rt.kube.iter_events(namespace, field_selector=selector):
+                events += page
+    except DispatchError as e:
+        log.info("the warning events of %s/%s could not be read (%s)", namespace, names[0], e.reason)
+    return events
+
+
+def _pod_name(pod: Mapping[str, Any]) -> str:
+    return str((pod.get("metadata") or {}).get("name") or "")
 
 
 # --- notify, cancel, clean up -----------------------------------------------------------

@@ -582,7 +582,7 @@ class Executor:
             dispatch_id=check.dispatch_id,
             attempts=check.attempts,
             snapshot=check.job,
-            decide=lambda pods: assess(check.job, pods, age=check.age, policy=check.policy),
+            decide=lambda pods, events: assess(check.job, pods, age=check.age, policy=check.policy, events=events),
         )
         return _Outcome.SKIPPED if verdict is None else _Outcome.ACTED
 

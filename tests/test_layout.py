@@ -63,3 +63,11 @@ def test_the_import_name_links_every_folder() -> None:
         link = REPO / "k8s_dispatch" / folder
         assert link.is_symlink() and link.resolve() == REPO / folder, link
     assert (REPO / "k8s_dispatch" / "celeryconfig.py").resolve() == REPO / "celeryconfig.py"
+
+
+def test_test_modules_have_names_of_their_own() -> None:
+    """The tests are imported by basename (no packages under tests/): two test_x.py in two
+    folders stop the whole run at collection."""
+    names = [p.name for p in (REPO / "tests").rglob("*.py") if "__pycache__" not in p.parts]
+    repeated = sorted({n for n in names if names.count(n) > 1 and n != "conftest.py"})
+    assert repeated == []

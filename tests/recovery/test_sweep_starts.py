@@ -148,10 +148,14 @@ def test_at_the_start_clock_an_unschedulable_job_fails_once_and_leaves_nothing(c
     run_sweep(rt, now=late)  # a second sweep (or a racing one) changes nothing
     for dispatch_id in ids:
         with transaction(rt.sessions) as session:
-            events = [(e.type, e.payload) for e in store.events_for(session, dispatch_id)]
-        assert events[1:] == [
-            (EventType.WORKER_FAILED, {"reason": "Unschedulable", "message": startfaults.SCHEDULER_MESSAGE})
-        ]
+            events = [(e.type, dict(e.payload)) for e in store.events_for(session, dispatch_id)]
+        [(failed, payload)] = events[1:]
+        detail = payload.pop("detail")
+        assert (failed, payload) == (
+            EventType.WORKER_FAILED,
+            {"reason": "Unschedulable", "message": startfaults.SCHEDULER_MESSAGE},
+        )
+        assert detail["pod"].startswith(job_name(dispatch_id) + "-") and "exit_code" not in detail, detail
     assert sorted(notified.ids) == sorted(ids)
     wait_until(lambda: not _jobs(rt), what="their Jobs deleted", timeout=20.0)
     assert not [p for p in pods(rt) if FINALIZER in (p["metadata"].get("finalizers") or [])]
@@ -164,7 +168,9 @@ def test_a_give_up_rechecks_the_row_and_the_pods_before_failing(cluster, rt):
     job = rt.kube.get_job(namespace, name)
     record = delivery.load_record(rt, dispatch_id)
     kwargs = dict(
-        dispatch_id=dispatch_id, snapshot=job, decide=lambda p: assess(job, p, age=timedelta(0), policy=_policy())
+        dispatch_id=dispatch_id,
+        snapshot=job,
+        decide=lambda p, e: assess(job, p, age=timedelta(0), policy=_policy(), events=e),
     )
     # the plan's attempt is not the row's any more (a re-creation since): nothing is done
     assert delivery.fail_unstarted(rt, namespace, name, attempts=record.attempts + 1, **kwargs) is None
@@ -175,7 +181,7 @@ def test_a_give_up_rechecks_the_row_and_the_pods_before_failing(cluster, rt):
     try:
         verdict = delivery.fail_unstarted(
             rt, namespace, name, attempts=record.attempts, dispatch_id=dispatch_id, snapshot=job,
-            decide=lambda p: assess(job, p, age=timedelta(seconds=START_S), policy=_policy()),
+            decide=lambda p, e: assess(job, p, age=timedelta(seconds=START_S), policy=_policy(), events=e),
         )  # fmt: skip
         assert verdict is None
     finally:
@@ -184,7 +190,7 @@ def test_a_give_up_rechecks_the_row_and_the_pods_before_failing(cluster, rt):
     assert assess(job, pods(rt), age=timedelta(seconds=1), policy=_policy()) == WAIT
     verdict = delivery.fail_unstarted(
         rt, namespace, name, attempts=record.attempts, dispatch_id=dispatch_id, snapshot=job,
-        decide=lambda p: assess(job, p, age=timedelta(seconds=START_S), policy=_policy()),
+        decide=lambda p, e: assess(job, p, age=timedelta(seconds=START_S), policy=_policy(), events=e),
     )  # fmt: skip
     assert verdict is not None and verdict.reason == "Unschedulable"
     assert delivery.load_record(rt, dispatch_id).state is DispatchState.FAILED

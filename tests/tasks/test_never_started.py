@@ -23,7 +23,7 @@ from k8s_dispatch.engine.models import DispatchState, EventType
 from k8s_dispatch.localcluster import startfaults
 from k8s_dispatch.localcluster.quota import QUOTA_JOBS
 from k8s_dispatch.workers import labels as job_labels
-from k8s_dispatch.workers.manifest import FINALIZER
+from k8s_dispatch.workers.manifest import FINALIZER, job_name
 from k8s_dispatch.workers.pod_health import CHECK_GRACE
 
 SIM = "localcluster.k8s-dispatch.io/"
@@ -101,7 +101,12 @@ def test_a_bad_image_ends_image_pull_back_off_within_its_timeout_and_one_sweep(d
     )
     [dispatch_id] = d.schedule_batch("sim.pull", 1)
     payload, took = ended(d, dispatch_id, timeout_s=pull_s + SWEEP_S + SLACK_S + 20)
-    assert payload == {"reason": "ImagePullBackOff", "message": 'Back-off pulling image "registry.invalid/foo:1"'}
+    reason, message, detail = payload.pop("reason"), payload.pop("message"), payload.pop("detail")
+    assert (
+        payload == {} and reason == "ImagePullBackOff" and message == 'Back-off pulling image "registry.invalid/foo:1"'
+    )
+    # The detail names the Pod that waited (its name is the Job's and a suffix); no container ran.
+    assert detail["pod"].startswith(job_name(dispatch_id) + "-") and "exit_code" not in detail, detail
     assert timedelta(seconds=pull_s) <= took <= timedelta(seconds=pull_s + SWEEP_S + SLACK_S), took
     assert d.notifications().count(dispatch_id) >= 1
     assert_nothing_left(d)
@@ -147,6 +152,7 @@ def test_an_unschedulable_pod_fails_at_the_start_clock_while_a_running_one_is_le
     [nofit] = d.schedule_batch("sim.nofit", 1)
     [runs] = d.schedule_batch("sim.runs", 1)
     payload, took = ended(d, nofit, timeout_s=start_s + SWEEP_S + SLACK_S + 30)
+    assert payload.pop("detail")["pod"].startswith(job_name(nofit) + "-"), payload
     assert payload == {"reason": "Unschedulable", "message": startfaults.SCHEDULER_MESSAGE}
     assert timedelta(seconds=start_s) <= took <= timedelta(seconds=start_s + SWEEP_S + SLACK_S), took
     time.sleep(2 * SWEEP_S + 1)  # a couple more sweeps, all past the running one's start clock too
