@@ -184,7 +184,7 @@ def pick_termination(
                 exit_code=exit_code,
                 reason=_str(terminated.get("reason")),
                 message=_str(terminated.get("message")),
-                finished_at=_timestamp(terminated.get("finishedAt")),
+                finished_at=parse_timestamp(terminated.get("finishedAt")),
                 pod_succeeded=status.get("phase") == "Succeeded",
             )
         )
@@ -283,7 +283,7 @@ def _trim(text: str | None) -> str:
     return text if len(text) <= MAX_DETAIL_CHARS else "..." + text[-(MAX_DETAIL_CHARS - 3) :]
 
 
-def _timestamp(value: object) -> datetime | None:
+def parse_timestamp(value: object) -> datetime | None:
     """RFC 3339 as the API writes it ("...Z") or as `sanitize_for_serialization` does ("+00:00")."""
     if isinstance(value, datetime):
         parsed = value

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
-from k8s_dispatch.workers.job_status import job_state
+from k8s_dispatch.workers.job_status import job_state, parse_timestamp
 
 # The waiting reasons a kubelet reports for a container that cannot start.
 INVALID_IMAGE_NAME = "InvalidImageName"  # the reference cannot be parsed: no retry will help
@@ -135,14 +135,14 @@ def read_pod(pod: Mapping[str, Any]) -> PodView:
         if condition.get("status") == "False" and condition.get("reason") == UNSCHEDULABLE:
             unschedulable = _str(condition.get("message")) or "the Pod cannot be scheduled"
         elif condition.get("status") == "True":
-            scheduled_at = _timestamp(condition.get("lastTransitionTime"))
+            scheduled_at = parse_timestamp(condition.get("lastTransitionTime"))
     return PodView(
         name=_str(metadata.get("name")) or "",
         started=started,
         waiting_reason=waiting_reason,
         waiting_message=waiting_message,
         unschedulable=unschedulable,
-        since=scheduled_at or _timestamp(metadata.get("creationTimestamp")),
+        since=scheduled_at or parse_timestamp(metadata.get("creationTimestamp")),
     )
 
 
@@ -169,7 +169,7 @@ def assess(
     views = [read_pod(pod) for pod in pods_of(job, pods)]
     if any(view.started for view in views):
         return WAIT
-    created = _timestamp(_dict(job.get("metadata")).get("creationTimestamp"))
+    created = parse_timestamp(_dict(job.get("metadata")).get("creationTimestamp"))
     for view in views:
         if view.waiting_reason == INVALID_IMAGE_NAME:
             return _fail(view.waiting_reason, view.waiting_message, view)
@@ -239,16 +239,3 @@ def _list(value: object) -> list[Any]:
 
 def _str(value: object) -> str | None:
     return value if isinstance(value, str) and value else None
-
-
-def _timestamp(value: object) -> datetime | None:
-    if isinstance(value, datetime):
-        parsed = value
-    elif isinstance(value, str):
-        try:
-            parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
-        except ValueError:
-            return None
-    else:
-        return None
-    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)

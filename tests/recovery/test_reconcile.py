@@ -10,7 +10,6 @@ import subprocess
 import sys
 import threading
 import uuid
-from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -59,10 +58,9 @@ def expected_output(value: Any) -> dict[str, Any]:
     return {"simulated": True, "input": value}
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[LocalCluster]:
-    with LocalCluster(mode="simulate") as c:
-        yield c
+@pytest.fixture
+def cluster(sim_cluster: LocalCluster) -> LocalCluster:
+    return sim_cluster
 
 
 @pytest.fixture

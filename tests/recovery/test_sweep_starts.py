@@ -8,7 +8,6 @@ dispatch changed since the plan is left alone."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -42,10 +41,9 @@ CAPABILITIES = {
 PAGE = 7
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[LocalCluster]:
-    with LocalCluster(mode="simulate") as c:
-        yield c
+@pytest.fixture
+def cluster(sim_cluster: LocalCluster) -> LocalCluster:
+    return sim_cluster
 
 
 @pytest.fixture

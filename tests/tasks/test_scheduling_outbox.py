@@ -16,6 +16,7 @@ import redis
 import sqlalchemy as sa
 from celery import Celery
 from sqlalchemy import event
+from test_scheduling import new_case, request
 
 from k8s_dispatch import celeryconfig
 from k8s_dispatch.engine import store
@@ -24,7 +25,6 @@ from k8s_dispatch.engine.models import CaseEvent, Dispatch
 from k8s_dispatch.engine.settings import load_settings
 from k8s_dispatch.ops.processes import wait_until
 from k8s_dispatch.tasks.scheduling import CREATE_BATCH, schedule_in_session, schedule_many_in_session
-from k8s_dispatch.workers.resolver import demo_resolver
 
 
 @pytest.fixture
@@ -47,25 +47,6 @@ def batches(client: redis.Redis, queue: str) -> list[list[str]]:
     messages = [json.loads(raw) for raw in reversed(client.lrange(queue, 0, -1))]
     assert all(m["headers"]["task"] == celeryconfig.CREATE_JOBS_TASK for m in messages)
     return [json.loads(base64.b64decode(m["body"]))[0][0] for m in messages]
-
-
-def request(case_id: str) -> dict[str, Any]:
-    return {
-        "case_id": case_id,
-        "tenancy_id": "tenant-a",
-        "capability": "demo.wordcount",
-        "input": {"text": "a b"},
-        "idempotency_key": f"key-{uuid.uuid4()}",
-        "router": demo_resolver(),
-        "max_input_bytes": 1024,
-    }
-
-
-def new_case(sessions) -> str:
-    case_id = f"case-{uuid.uuid4().hex[:8]}"
-    with transaction(sessions) as session:
-        store.create_case(session, case_id=case_id, tenancy_id="tenant-a")
-    return case_id
 
 
 class Rollback(Exception):
