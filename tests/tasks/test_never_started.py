@@ -11,6 +11,7 @@ retried, and ends `QueueTimeout`.
 from __future__ import annotations
 
 import time
+import uuid
 from datetime import timedelta
 from typing import Any
 
@@ -197,3 +198,37 @@ def _create_error(d: Any, dispatch_id: str) -> bool:
     with transaction(d.sessions) as session:
         row = store.get_dispatch(session, dispatch_id)
         return row is not None and row.state is DispatchState.SCHEDULED and bool(row.create_error)
+
+
+def test_a_job_whose_pods_admission_refuses_ends_failed_create_with_the_controllers_message(deploy, real_cluster):
+    """The real control plane, a namespace enforcing the `restricted` Pod Security profile, a
+    capability that overrides it: kube-apiserver refuses every Pod the real Job controller makes,
+    the controller says why in a FailedCreate Warning Event, and the start clock's give-up ends
+    the dispatch with that reason and message instead of a bare StartTimeout."""
+    namespace = f"kd-refused-{uuid.uuid4().hex[:6]}"
+    labels = {
+        "pod-security.kubernetes.io/enforce": "restricted",
+        "pod-security.kubernetes.io/enforce-version": "latest",
+    }
+    with real_cluster.api_client() as api:
+        kubernetes.client.CoreV1Api(api).create_namespace({"metadata": {"name": namespace, "labels": labels}})
+    start_s = 6
+    d = deploy_started(
+        deploy,
+        real_cluster,
+        {
+            "sim.root": capability(
+                namespace=namespace,
+                startTimeoutSeconds=start_s,
+                runAsUser=0,
+                securityOverrides={"runAsNonRoot": "test: a Pod the namespace's admission refuses"},
+            )
+        },
+    )
+    [dispatch_id] = d.schedule_batch("sim.root", 1)
+    payload, took = ended(d, dispatch_id, timeout_s=start_s + SWEEP_S + SLACK_S + 30)
+    assert payload["reason"] == "FailedCreate", payload
+    assert 'violates PodSecurity "restricted:latest"' in payload["message"], payload
+    assert [e["reason"] for e in payload["detail"]["events"]][-1] == "FailedCreate", payload
+    assert timedelta(seconds=start_s) <= took, took
+    d.wait(lambda: not d.jobs(namespace), timeout_s=30, what="the refused Job deleted")
