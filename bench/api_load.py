@@ -35,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
-import math
 import os
 import queue
 import re
@@ -916,9 +915,10 @@ def _report(result: BenchResult, n: int, ours: Window, baseline: Window, knobs: 
     # Finding finished Jobs, apart from each Job's own create and clean-up: ours LISTs pages
     # (every poll, and the sweep), the baseline GETs each Job every COUNTDOWN_S.
     result.figures += [
-        Figure(f"finding_requests_per_s_ours_{n}", f"requests/s finding finished Jobs, ours (LIST pages of "
-               f"{PAGE_SIZE}: {math.ceil(n / PAGE_SIZE)} a poll), {n:,} Jobs", "requests/s",
-               [ours.requests[("LIST", "jobs", "", 200)] / ours.seconds], ref="8.2"),
+        Figure(f"finding_requests_per_s_ours_{n}", f"requests/s finding finished Jobs, ours (a WATCH slice a "
+               f"poll, or LIST pages of {PAGE_SIZE} where the watch must start again), {n:,} Jobs", "requests/s",
+               [(ours.requests[("LIST", "jobs", "", 200)] + ours.requests[("WATCH", "jobs", "", 200)]) / ours.seconds],
+               ref="8.2"),
         Figure(f"finding_requests_per_s_baseline_{n}", f"requests/s finding finished Jobs, baseline (a GET per Job), "
                f"{n:,} Jobs", "requests/s", [baseline.requests[("GET", "jobs", "", 200)] / baseline.seconds], ref="8.2"),
     ]  # fmt: skip

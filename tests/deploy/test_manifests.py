@@ -57,6 +57,7 @@ EXPECTED_PERMISSIONS = {
     ("batch", "jobs", "create"),
     ("batch", "jobs", "get"),
     ("batch", "jobs", "list"),
+    ("batch", "jobs", "watch"),
     ("batch", "jobs", "patch"),
     ("batch", "jobs", "delete"),
     ("batch", "jobs", "deletecollection"),
@@ -504,6 +505,17 @@ def _api_calls_in_kube_module() -> set[tuple[str, str, str]]:
         ):
             verb, _, resource = node.attr.partition("_namespaced_")
             calls.add((group_of_attr[node.value.attr], _RESOURCES[resource], _VERBS[verb]))
+        # self._batch.list_namespaced_job(..., watch=True): a LIST that is a WATCH to RBAC
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and isinstance(node.func.value, ast.Attribute)
+            and node.func.value.attr in group_of_attr
+            and node.func.attr.startswith("list_namespaced_")
+            and any(k.arg == "watch" for k in node.keywords)
+        ):
+            resource = _RESOURCES[node.func.attr.removeprefix("list_namespaced_")]
+            calls.add((group_of_attr[node.func.value.attr], resource, "watch"))
         # self._request(what, "POST", JOBS_PATH, ...): the lean path, by HTTP method and URL template
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "_request":
             method, path = node.args[1], node.args[2]

@@ -2,7 +2,7 @@
 
 A local cluster records every request as RBAC sees it, (group, resource, verb). The whole
 delivery path runs against it — create (and adopt), poll's paginated LIST, complete with its
-Pod LIST, the release patch and the bulk delete (deletecollection), cancel with its delete, and
+Pod LIST, the watch poll's LIST and WATCH, the release patch and the bulk delete (deletecollection), cancel with its delete, and
 a recovery sweep that deletes an orphan —
 and the record must equal what the Role grants: nothing missing, nothing granted unused.
 
@@ -26,7 +26,7 @@ from k8s_dispatch.engine.errors import ApiRejected
 from k8s_dispatch.engine.settings import load_settings
 from k8s_dispatch.localcluster import LocalCluster
 from k8s_dispatch.ops.processes import wait_until
-from k8s_dispatch.recovery import delivery, disruptions
+from k8s_dispatch.recovery import delivery, disruptions, jobwatch
 from k8s_dispatch.recovery.reconcile import run_sweep
 from k8s_dispatch.recovery.runtime import Runtime
 from k8s_dispatch.workers import labels as job_labels
@@ -116,7 +116,14 @@ def walk_the_delivery_path(rt: Runtime, *, timeout_s: float = 15) -> None:
     wait_until(lambda: _finished(rt, namespace, name), timeout=timeout_s, what="the Job finished")
     finished = [j["metadata"]["name"] for page in rt.kube.iter_jobs(namespace, label_selector=job_labels.selector(),
                 page_size=rt.settings.poll_page_size) for j in page if job_state(j).terminal]  # fmt: skip
-    assert name in finished  # what poll does: one paginated LIST
+    assert name in finished  # what poll does in LIST mode: one paginated LIST
+    for resumed in (False, True):  # and in watch mode: a LIST to start from, then a watch slice
+        polled = jobwatch.poll_namespace(
+            rt.kube, rt.redis, prefix=rt.settings.key_prefix, deployment=rt.settings.effective_deployment,
+            namespace=namespace, page_size=rt.settings.poll_page_size, poll_interval_s=rt.settings.poll_interval_s,
+            hand_off=lambda jobs: 0,
+        )  # fmt: skip
+        assert polled.listed is not resumed, polled
     assert delivery.complete_job(rt, namespace, name) is delivery.CompleteOutcome.COMPLETED
     assert disruptions.scan(rt, namespace) == []  # poll's LIST of our failed Pods
     bad = delivery.job_location(rt, delivery.load_record(rt, failing))[1]
