@@ -459,22 +459,11 @@ class KubeClient:
         page_size: int = DEFAULT_PAGE_SIZE,
     ) -> Iterator[list[JsonDict]]:
         """Yield the Pods matching the selectors page by page (one LIST per page)."""
-        token: str | None = None
         extra: dict[str, Any] = {"field_selector": field_selector} if field_selector else {}
-        while True:
-            page = self._call(
-                f"list pods in {namespace}",
-                self._core.list_namespaced_pod,
-                namespace,
-                label_selector=label_selector,
-                limit=page_size,
-                _continue=token,
-                **extra,
-            )
-            yield page.get("items") or []
-            token = (page.get("metadata") or {}).get("continue") or None
-            if token is None:
-                return
+        return self._pages(
+            f"list pods in {namespace}", self._core.list_namespaced_pod, namespace,
+            page_size=page_size, label_selector=label_selector, **extra,
+        )  # fmt: skip
 
     def release_pod(self, namespace: str, pod: Mapping[str, Any], *, finalizer: str) -> bool:
         """Remove `finalizer` from a Pod as a LIST read it, in one JSON patch that `test`s its uid
@@ -527,16 +516,18 @@ class KubeClient:
         self, namespace: str, *, field_selector: str, page_size: int = DEFAULT_PAGE_SIZE
     ) -> Iterator[list[JsonDict]]:
         """Yield the namespace's core/v1 Events matching the field selector, page by page."""
+        return self._pages(
+            f"list events in {namespace}", self._core.list_namespaced_event, namespace,
+            page_size=page_size, field_selector=field_selector,
+        )  # fmt: skip
+
+    def _pages(
+        self, what: str, method: Callable[..., Any], namespace: str, *, page_size: int, **selectors: Any
+    ) -> Iterator[list[JsonDict]]:
+        """One paginated LIST: a request per page, each page's items yielded as it arrives."""
         token: str | None = None
         while True:
-            page = self._call(
-                f"list events in {namespace}",
-                self._core.list_namespaced_event,
-                namespace,
-                field_selector=field_selector,
-                limit=page_size,
-                _continue=token,
-            )
+            page = self._call(what, method, namespace, limit=page_size, _continue=token, **selectors)
             yield page.get("items") or []
             token = (page.get("metadata") or {}).get("continue") or None
             if token is None:
