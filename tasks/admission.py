@@ -99,5 +99,19 @@ def on_ended(rt: Runtime, sender: Celery, dispatch_ids: Sequence[str]) -> None:
         log.warning("admission after %d ended dispatches failed (%s); beat's next pass admits", len(dispatch_ids), e)
 
 
+def count_tenancies(rt: Runtime) -> None:
+    """Set the per-tenancy running and queued gauges (the sweep calls it, where limits exist):
+    one grouped read of the open dispatches. Never raises."""
+    if not rt.resolver.limits:
+        return
+    try:
+        with transaction(rt.sessions) as session:
+            rows = admission.summary(session)
+    except DispatchError as e:
+        log.warning("counting the tenancies' slots failed (%s)", e)
+        return
+    METRICS.tenancies_counted(admission.by_tenancy(rows))
+
+
 def _keys(prefix: str) -> tuple[str, str]:
     return f"{prefix}:admission:wanted", f"{prefix}:admission:running"
