@@ -114,13 +114,16 @@ def test_evictions_beyond_max_disruptions_fail_the_dispatch_as_disrupted(deploy,
     events = d.wait_terminal([dispatch_id], timeout_s=90 if any_cluster.is_real else 40)
     ((kind, payload),) = events[dispatch_id]
     assert (kind, payload["reason"]) == (EventType.WORKER_FAILED, "Disrupted")
-    assert payload["message"] == "disrupted 2 times, more than the capability's maxDisruptions of 1"
-    assert payload["detail"]["disruptions"] == 2
+    # Disruptions are found by beat's cleanup (every 5 polls): Pods evicted every ~150 ms may be
+    # evicted again before it looks; each is recorded, and the count it failed at is the log's.
+    times = payload["detail"]["disruptions"]
+    assert times >= 2
+    assert payload["message"] == f"disrupted {times} times, more than the capability's maxDisruptions of 1"
     assert payload["detail"]["last_disruption"]["reason"] == "EvictionByEvictionAPI"
-    assert _types(_story(d, dispatch_id)).count(EventType.WORKER_DISRUPTED) == 2
+    assert _types(_story(d, dispatch_id)).count(EventType.WORKER_DISRUPTED) == times
     d.wait_no_jobs()  # deleted, not left to be evicted for ever
     story = json.loads(_cli(d, "show", dispatch_id, "--json").stdout)
-    assert [p["reason"] for p in story["disruptions"]] == ["EvictionByEvictionAPI"] * 2
+    assert [p["reason"] for p in story["disruptions"]] == ["EvictionByEvictionAPI"] * times
     assert "replaced" in _cli(d, "show", dispatch_id).stdout
 
 

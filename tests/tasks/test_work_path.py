@@ -223,6 +223,7 @@ def test_a_forged_job_is_polled_but_never_delivered(deploy, any_cluster):
     [dispatch_id] = schedule_many(d, [("demo.wordcount", {"text": "mine"})], by_task_every=99)
     events = d.wait_terminal([dispatch_id])
     assert events[dispatch_id][0][0] == EventType.WORKER_COMPLETED
+    d.wait_no_jobs()  # its Job released, then deleted by beat's next cleanup
     # A Job with our labels for a dispatch that does not exist.
     from k8s_dispatch.workers import labels as job_labels
     from k8s_dispatch.workers.types import DispatchRef
