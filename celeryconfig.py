@@ -29,6 +29,7 @@ POLL_TASK = "k8s-dispatch.poll"
 COMPLETE_TASK = "k8s-dispatch.complete"  # one Job, read fresh
 COMPLETE_BATCH_TASK = "k8s-dispatch.complete_batch"  # poll's hand-off: finished Jobs as listed
 SWEEP_TASK = "k8s-dispatch.sweep"  # the recovery sweep (tasks/recovery_tasks.py)
+ADMIT_TASK = "k8s-dispatch.admit"  # an admission pass under the limits (tasks/admission.py)
 
 
 def config(settings: Settings) -> dict[str, Any]:
@@ -86,6 +87,7 @@ def config(settings: Settings) -> dict[str, Any]:
             CREATE_JOB_TASK: {"queue": JOBS_QUEUE},
             CREATE_JOBS_TASK: {"queue": JOBS_QUEUE},
             CANCEL_TASK: {"queue": JOBS_QUEUE},
+            ADMIT_TASK: {"queue": JOBS_QUEUE},
             COMPLETE_TASK: {"queue": COMPLETE_QUEUE},
             COMPLETE_BATCH_TASK: {"queue": COMPLETE_QUEUE},
             POLL_TASK: {"queue": SWEEP_QUEUE},
@@ -105,6 +107,13 @@ def config(settings: Settings) -> dict[str, Any]:
             "poll": {
                 "task": POLL_TASK,
                 "schedule": timedelta(seconds=settings.poll_interval_s),
+                "options": {"queue": SWEEP_QUEUE},
+            },
+            "admit": {
+                "task": ADMIT_TASK,
+                "schedule": timedelta(seconds=settings.poll_interval_s),
+                # The net under lost admit messages: a pass whatever Redis says (queued work only).
+                "kwargs": {"periodic": True},
                 "options": {"queue": SWEEP_QUEUE},
             },
             "sweep": {

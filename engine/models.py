@@ -37,12 +37,16 @@ TERMINAL_EVENT_TYPES: frozenset[EventType] = frozenset(
 
 
 class DispatchState(StrEnum):
-    SCHEDULED = "SCHEDULED"  # row and WORKER_SCHEDULED written, no Job yet
+    QUEUED = "QUEUED"  # row and WORKER_SCHEDULED written, waiting for a slot (engine/limits.py)
+    SCHEDULED = "SCHEDULED"  # row and WORKER_SCHEDULED written (and admitted), no Job yet
     CREATED = "CREATED"  # the Job exists in the cluster
     COMPLETED = "COMPLETED"
     FAILED = "FAILED"
     CANCELLED = "CANCELLED"
 
+
+# The states that hold a slot of a tenancy's or capability's limit: from admission to the end.
+HOLDING_STATES: frozenset[DispatchState] = frozenset({DispatchState.SCHEDULED, DispatchState.CREATED})
 
 TERMINAL_STATES: frozenset[DispatchState] = frozenset(
     {DispatchState.COMPLETED, DispatchState.FAILED, DispatchState.CANCELLED}
@@ -59,6 +63,7 @@ STATE_FOR_TERMINAL_EVENT: dict[EventType, DispatchState] = {
 # `INSERT ... ON CONFLICT` can name the same predicate and the database can infer the index.
 SCHEDULED_EVENT_PREDICATE = "type = 'WORKER_SCHEDULED'"
 TERMINAL_EVENT_PREDICATE = "type IN ('WORKER_COMPLETED', 'WORKER_FAILED', 'WORKER_CANCELLED')"
+QUEUED_PREDICATE = "state = 'QUEUED'"
 UNNOTIFIED_PREDICATE = "notified_at IS NULL AND state IN ('COMPLETED', 'FAILED', 'CANCELLED')"
 
 
@@ -178,6 +183,17 @@ class Dispatch(Base):
         # Leads with state: serves "by state" and the sweep's keyset pages ordered by id.
         sa.Index("ix_dispatches_state", "state", "dispatch_id"),
         sa.Index("ix_dispatches_case_id", "case_id"),
+        # The admission queues (engine/admission.py): which have work, and each one's order.
+        sa.Index(
+            "ix_dispatches_queued",
+            "tenancy_id",
+            "capability",
+            sa.text("priority DESC"),
+            "created_at",
+            "dispatch_id",
+            postgresql_where=sa.text(QUEUED_PREDICATE),
+            sqlite_where=sa.text(QUEUED_PREDICATE),
+        ),
         # Terminal dispatches the engine was not told about yet: what the sweep re-notifies.
         sa.Index(
             "ix_dispatches_unnotified",
@@ -210,6 +226,10 @@ class Dispatch(Base):
     # job_created_at is later.
     create_error: Mapped[str | None] = mapped_column(sa.Text(), nullable=True)
     create_error_at: Mapped[datetime | None] = mapped_column(nullable=True)
+    # Within its tenancy's queue: higher first (then first in, first out). Only a queued one's
+    # matters.
+    priority: Mapped[int] = mapped_column(default=0, server_default="0")
+    admitted_at: Mapped[datetime | None] = mapped_column(nullable=True)  # QUEUED -> SCHEDULED
 
     @property
     def terminal(self) -> bool:
@@ -217,3 +237,12 @@ class Dispatch(Base):
 
     def __repr__(self) -> str:
         return f"Dispatch(dispatch_id={self.dispatch_id!r}, case_id={self.case_id!r}, state={self.state!r})"
+
+
+class DispatchAdmission(Base):
+    """One row: an admission pass takes its lock first, so passes run one at a time."""
+
+    __tablename__ = "dispatch_admission"
+
+    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+    passes: Mapped[int] = mapped_column(sa.BigInteger(), default=0, server_default="0")

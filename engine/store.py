@@ -34,6 +34,7 @@ from k8s_dispatch.engine.errors import (
     UnknownDispatch,
 )
 from k8s_dispatch.engine.ids import check_dispatch_id, check_id, check_idempotency_key, show_value
+from k8s_dispatch.engine.limits import Limits
 from k8s_dispatch.engine.models import (
     STATE_FOR_TERMINAL_EVENT,
     TERMINAL_EVENT_PREDICATE,
@@ -49,6 +50,7 @@ from k8s_dispatch.engine.models import (
 from k8s_dispatch.engine.names import is_dns1123_label
 from k8s_dispatch.engine.payloads import canonical_json, encode_input
 
+MAX_INT32 = 2**31 - 1
 QUERY_BATCH = 500  # ids per IN (...) and rows per page: bounded memory, few round trips
 
 
@@ -117,6 +119,7 @@ class ScheduleRequest:
     input: Any
     idempotency_key: str
     dispatch_id: str | None = None  # else a fresh uuid4
+    priority: int = 0  # within its tenancy's queue, when a limit queues it: higher first
 
 
 def schedule(
@@ -130,11 +133,12 @@ def schedule(
     router: CapabilityRouter,
     max_input_bytes: int,
     dispatch_id: str | None = None,
+    priority: int = 0,
     now: datetime | None = None,
 ) -> ScheduleResult:
-    """Write a dispatch (SCHEDULED) and its WORKER_SCHEDULED event in the caller's transaction:
-    `schedule_many` for one request (its rules, errors and idempotency)."""
-    request = ScheduleRequest(case_id, tenancy_id, capability, input, idempotency_key, dispatch_id)
+    """Write a dispatch (SCHEDULED, or QUEUED under a limit) and its WORKER_SCHEDULED event in
+    the caller's transaction: `schedule_many` for one request (its rules, errors and idempotency)."""
+    request = ScheduleRequest(case_id, tenancy_id, capability, input, idempotency_key, dispatch_id, priority)
     return schedule_many(session, [request], router=router, max_input_bytes=max_input_bytes, now=now)[0]
 
 
@@ -151,7 +155,9 @@ def schedule_many(
     keys, one of the cases, one multi-row INSERT per table. A result per request, in order.
 
     Each dispatch's Job namespace is recorded from `router.namespace_for`, when the router
-    has it: a later change of the capability's config moves only new dispatches.
+    has it: a later change of the capability's config moves only new dispatches. A router with
+    `limits` (an `engine.limits.Limits`) queues the dispatches a limit covers: written QUEUED,
+    they wait for admission (`engine.admission`) instead of having their Jobs created.
 
     Idempotent on (tenancy_id, idempotency_key): a repeat of a request (an earlier one, or one
     earlier in `requests`) returns the existing dispatch with `created=False` and writes
@@ -163,14 +169,16 @@ def schedule_many(
     Raises (all before anything of the batch is written; the first bad request's error):
         InvalidId: case_id or tenancy_id invalid; dispatch_id not a UUID or already in use.
         InvalidIdempotencyKey, InputNotSerialisable, InputTooLarge
+        InvalidInput: priority is not an integer within 32 bits.
         UnknownCapability: from `router`.
         UnknownCase, TenancyMismatch: the case is missing or belongs to another tenancy.
         IdempotencyConflict: the key was used for a different case, capability or input.
         ConfigError: the router names a namespace that is not a DNS-1123 label.
     """
     namespace_for = getattr(router, "namespace_for", None)
+    limits: Limits = getattr(router, "limits", None) or Limits()
     prepared = [
-        _prepare(request, router=router, namespace_for=namespace_for, max_input_bytes=max_input_bytes)
+        _prepare(request, router=router, namespace_for=namespace_for, limits=limits, max_input_bytes=max_input_bytes)
         for request in requests
     ]
     if not prepared:
@@ -181,7 +189,7 @@ def schedule_many(
         # wrote nothing either, and the general path below reads and decides as it always did.
         (p,) = prepared
         if _insert_one(session, p, now=now or database_now(session)):
-            return [ScheduleResult(dispatch_id=p.dispatch_id, created=True, state=DispatchState.SCHEDULED)]
+            return [ScheduleResult(dispatch_id=p.dispatch_id, created=True, state=p.state)]
     existing = _dispatches_by_key(session, {(p.tenancy_id, p.idempotency_key) for p in prepared})
     new = _new_dispatches(session, prepared, existing)
     if new:
@@ -195,7 +203,7 @@ def schedule_many(
         elif p.repeat:
             results.append(_repeat(written[key], p))
         else:
-            results.append(ScheduleResult(dispatch_id=p.dispatch_id, created=True, state=DispatchState.SCHEDULED))
+            results.append(ScheduleResult(dispatch_id=p.dispatch_id, created=True, state=p.state))
     return results
 
 
@@ -213,7 +221,8 @@ class _Prepared:
     encoded_input: str
     input: Any  # plain JSON types, as stored
     job_namespace: str | None = None  # where its Job goes, fixed now (None: by the first worker)
-    state: DispatchState = DispatchState.SCHEDULED
+    priority: int = 0
+    state: DispatchState = DispatchState.SCHEDULED  # QUEUED: a limit covers it
     repeat: bool = False  # its key is an earlier request's of the same batch
 
 
@@ -222,6 +231,7 @@ def _prepare(
     *,
     router: CapabilityRouter,
     namespace_for: Callable[[str], str | None] | None,
+    limits: Limits,
     max_input_bytes: int,
 ) -> _Prepared:
     """The checks that need no database, in `schedule`'s documented order."""
@@ -231,6 +241,9 @@ def _prepare(
     dispatch_id = check_dispatch_id(request.dispatch_id) if chosen_by_caller else str(uuid.uuid4())
     check_idempotency_key(request.idempotency_key)
     encoded = encode_input(request.input, max_bytes=max_input_bytes)
+    priority = request.priority
+    if isinstance(priority, bool) or not isinstance(priority, int) or not -MAX_INT32 - 1 <= priority <= MAX_INT32:
+        raise InvalidInput(f"priority must be an integer within 32 bits, got {show_value(priority)}")
     capability = request.capability
     if not isinstance(capability, str) or not capability:
         raise UnknownCapability(f"capability must be a non-empty string, got {show_value(capability)}")
@@ -249,6 +262,8 @@ def _prepare(
         encoded_input=encoded,
         input=json.loads(encoded),  # tuples become lists, as on reading
         job_namespace=namespace,
+        priority=priority,
+        state=DispatchState.QUEUED if limits.limits(request.tenancy_id, capability) else DispatchState.SCHEDULED,
     )
 
 
@@ -337,7 +352,7 @@ _INSERT_ONE: list[tuple[sa.Insert, sa.Insert]] = []
 # `_dispatch_row`'s keys less the two the case's row gives.
 _ONE_ROW_COLUMNS = (
     "dispatch_id", "capability", "worker_name", "idempotency_key", "input", "state", "job_namespace", "attempts",
-    "created_at", "updated_at",
+    "priority", "created_at", "updated_at",
 )  # fmt: skip
 
 
@@ -372,9 +387,10 @@ def _dispatch_row(p: _Prepared, now: datetime) -> dict[str, Any]:
         worker_name=p.worker_name,
         idempotency_key=p.idempotency_key,
         input=p.input,
-        state=DispatchState.SCHEDULED,
+        state=p.state,
         job_namespace=p.job_namespace,
         attempts=0,
+        priority=p.priority,
         created_at=now,
         updated_at=now,
     )

@@ -8,10 +8,15 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
-from k8s_dispatch.engine.errors import DispatchError
+from k8s_dispatch.engine.errors import ConfigError, DispatchError
+from k8s_dispatch.engine.limits import Limits
+
+if TYPE_CHECKING:
+    from k8s_dispatch.engine.settings import Settings
 
 # Exit codes scripts can rely on.
 EXIT_OK = 0
@@ -44,6 +49,7 @@ def migrate(revision: str) -> None:
 @click.option("--input", "input_json", default="{}", show_default=True, help="The input, as JSON.")
 @click.option("--idempotency-key", required=True, help="Scheduling twice with one key is one dispatch.")
 @click.option("--dispatch-id", default=None, help="A UUID to use as the dispatch id (default: a new one).")
+@click.option("--priority", default=0, show_default=True, type=int, help="Within its tenancy's queue: higher first.")
 @click.option("--create-case", is_flag=True, help="Create the case first if it does not exist.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def schedule(
@@ -53,10 +59,12 @@ def schedule(
     input_json: str,
     idempotency_key: str,
     dispatch_id: str | None,
+    priority: int,
     create_case: bool,
     as_json: bool,
 ) -> None:
-    """Schedule one dispatch; its Job is created by a worker. Prints the dispatch id."""
+    """Schedule one dispatch; its Job is created by a worker (once admitted, under limits).
+    Prints the dispatch id."""
     import json
 
     from k8s_dispatch.engine import store
@@ -86,6 +94,7 @@ def schedule(
                 router=resolver,
                 max_input_bytes=settings.max_input_bytes,
                 dispatch_id=dispatch_id,
+                priority=priority,
             )
     finally:
         engine.dispose()
@@ -164,11 +173,12 @@ def status(failures: int, as_json: bool) -> None:
     from k8s_dispatch.engine.settings import get_settings
     from k8s_dispatch.ops.status import read_status, render
 
-    engine = make_engine(get_settings().database_url)
+    settings = get_settings()
+    engine = make_engine(settings.database_url)
     try:
         with transaction(make_sessionmaker(engine)) as session:
             # Ages on the clock the rows were written with, not this host's.
-            report = read_status(session, now=database_now(session), failures=failures)
+            report = read_status(session, now=database_now(session), failures=failures, limits=_limits(settings))
     finally:
         engine.dispose()
     if as_json:
@@ -318,6 +328,18 @@ def _redacted(url: str) -> str:
     from sqlalchemy.engine import make_url
 
     return make_url(url).render_as_string(hide_password=True)
+
+
+def _limits(settings: Settings) -> Limits:
+    """The capabilities file's limits, for `status` (none when the file cannot be read: the
+    report still shows what waits)."""
+    from k8s_dispatch.workers.resolver import CapabilityResolver
+
+    try:
+        return CapabilityResolver.from_settings(settings).limits
+    except ConfigError as e:
+        click.echo(f"warning: limits not shown: {e}", err=True)
+        return Limits()
 
 
 def _mount_subcommands() -> None:

@@ -18,7 +18,7 @@ from rich.table import Table
 from rich.text import Text
 from sqlalchemy.orm import Session
 
-from k8s_dispatch.engine import store
+from k8s_dispatch.engine import admission, store
 from k8s_dispatch.engine.errors import UnknownDispatch
 from k8s_dispatch.engine.ids import check_dispatch_id
 from k8s_dispatch.engine.models import EventType
@@ -48,6 +48,9 @@ class Story:
     finished_at: datetime | None
     notified_at: datetime | None
     events: list[StoryEvent] = field(default_factory=list)
+    priority: int = 0
+    admitted_at: datetime | None = None  # a limit queued it until then
+    place: int | None = None  # queued: its place in its tenancy's queue for its capability (1: next)
 
     @property
     def disruptions(self) -> list[dict[str, Any]]:
@@ -72,6 +75,7 @@ class Story:
             return None if start is None or end is None else round(max(0.0, (end - start).total_seconds()), 3)
 
         return {
+            "waited_for_slot_s": span(self.created_at, self.admitted_at),
             "queued_s": span(self.created_at, self.job_created_at),
             "ran_s": span(self.job_created_at, self.finished_at),
             "total_s": span(self.created_at, self.finished_at),
@@ -94,6 +98,9 @@ class Story:
             "job_created_at": when(self.job_created_at),
             "finished_at": when(self.finished_at),
             "notified_at": when(self.notified_at),
+            "priority": self.priority,
+            "admitted_at": when(self.admitted_at),
+            "place_in_queue": self.place,
             "timings": self.timings(),
             "disruptions": self.disruptions,
             "failure": self.failure,
@@ -130,6 +137,9 @@ def read_story(session: Session, dispatch_id: str) -> Story:
         finished_at=row.finished_at,
         notified_at=row.notified_at,
         events=events,
+        priority=row.priority or 0,
+        admitted_at=row.admitted_at,
+        place=admission.place(session, dispatch_id),
     )
 
 
@@ -149,12 +159,22 @@ def render(story: Story) -> Group:
         f"job {story.job or '-'}  attempts {story.attempts + 1 if story.job else 0}"
         f"  disruptions {len(story.disruptions)}",
     ]
+    if story.place is not None:
+        lines.append(
+            Text(f"queued under its limits: place {story.place} in {story.tenancy_id}'s queue for {story.capability}"
+                 f" (priority {story.priority})", style="italic")
+        )  # fmt: skip
     timing = story.timings()
     lines.append(
         "timings: "
         + ", ".join(
             f"{label} {format_age(value) if value >= 1 else f'{value:.2f}s'}"
-            for label, value in (("queued", timing["queued_s"]), ("ran", timing["ran_s"]), ("total", timing["total_s"]))
+            for label, value in (
+                ("waited for a slot", timing["waited_for_slot_s"]),
+                ("queued", timing["queued_s"]),
+                ("ran", timing["ran_s"]),
+                ("total", timing["total_s"]),
+            )
             if value is not None
         )
     )

@@ -18,7 +18,8 @@ from rich.table import Table
 from rich.text import Text
 from sqlalchemy.orm import Session
 
-from k8s_dispatch.engine import store
+from k8s_dispatch.engine import admission, store
+from k8s_dispatch.engine.limits import Limits
 from k8s_dispatch.engine.models import (
     TERMINAL_EVENT_TYPES,
     TERMINAL_STATES,
@@ -71,6 +72,19 @@ class CreateWait:
 
 
 @dataclass(frozen=True)
+class QueueRow:
+    """One (tenancy, capability) under fair share: what holds slots, what waits, the limits."""
+
+    tenancy_id: str
+    capability: str
+    running: int
+    queued: int
+    oldest_queued_s: float | None
+    tenancy_limit: int | None  # None: no limit
+    capability_limit: int | None
+
+
+@dataclass(frozen=True)
 class StatusReport:
     generated_at: datetime
     counts: dict[str, int]  # every DispatchState, zero if none
@@ -79,6 +93,7 @@ class StatusReport:
     unnotified: int  # ended, the engine not told yet (the sweep retries)
     create_waits: list[CreateWait] = field(default_factory=list)  # newest first
     create_waiting: int = 0  # how many pending dispatches wait for their Job's create
+    queues: list[QueueRow] = field(default_factory=list)  # under a limit, or waiting
 
     @property
     def total(self) -> int:
@@ -122,6 +137,18 @@ class StatusReport:
                 }
                 for f in self.recent_failures
             ],
+            "queues": [
+                {
+                    "tenancy_id": q.tenancy_id,
+                    "capability": q.capability,
+                    "running": q.running,
+                    "queued": q.queued,
+                    "oldest_queued_s": None if q.oldest_queued_s is None else round(q.oldest_queued_s, 3),
+                    "tenancy_limit": q.tenancy_limit,
+                    "capability_limit": q.capability_limit,
+                }
+                for q in self.queues
+            ],
             "create_waiting": self.create_waiting,
             "create_waits": [
                 {
@@ -138,8 +165,12 @@ class StatusReport:
 # --- reading -------------------------------------------------------------------------------
 
 
-def read_status(session: Session, *, now: datetime, failures: int = DEFAULT_FAILURES) -> StatusReport:
-    """The report as of `now`, from the caller's session (read only)."""
+def read_status(
+    session: Session, *, now: datetime, failures: int = DEFAULT_FAILURES, limits: Limits | None = None
+) -> StatusReport:
+    """The report as of `now`, from the caller's session (read only); `limits`: the
+    capabilities file's, for the fair-share rows' limits."""
+    limits = limits if limits is not None else Limits()
     pending_states = sorted(s for s in DispatchState if s not in TERMINAL_STATES)
     terminal_states = sorted(TERMINAL_STATES)
     oldest_row = session.scalars(
@@ -204,6 +235,19 @@ def read_status(session: Session, *, now: datetime, failures: int = DEFAULT_FAIL
             if row.create_error_at is not None  # always: `_waiting_to_create` asks for one
         ],
         create_waiting=int(create_waiting or 0),
+        queues=[
+            QueueRow(
+                q.tenancy_id,
+                q.capability,
+                q.running,
+                q.queued,
+                None if q.oldest_queued_at is None else max(0.0, (now - q.oldest_queued_at).total_seconds()),
+                limits.tenancy(q.tenancy_id).max_running,
+                limits.capability(q.capability),
+            )
+            for q in admission.summary(session)
+            if q.queued or limits.limits(q.tenancy_id, q.capability)
+        ],
     )
 
 
@@ -275,6 +319,8 @@ def render(report: StatusReport) -> Group:
             f"oldest pending: {oldest.dispatch_id} {oldest.state} {oldest.capability} "
             f"case={oldest.case_id} tenancy={oldest.tenancy_id}, waiting {format_age(oldest.age_s)}"
         )
+    if report.queues:
+        lines.append(_queues_table(report.queues))
     if report.unnotified:
         lines.append(f"ended but the engine not told yet: {report.unnotified} (the sweep retries)")
     if report.create_waiting:
@@ -308,6 +354,36 @@ def render(report: StatusReport) -> Group:
     else:
         lines.append("no failures")
     return Group(*lines)
+
+
+def _queues_table(rows: list[QueueRow]) -> Table:
+    """Per (tenancy, capability); the limits column says how full each limit is as a whole."""
+    by_tenancy: dict[str, int] = {}
+    by_capability: dict[str, int] = {}
+    for q in rows:
+        by_tenancy[q.tenancy_id] = by_tenancy.get(q.tenancy_id, 0) + q.running
+        by_capability[q.capability] = by_capability.get(q.capability, 0) + q.running
+    table = Table(title="fair share", title_justify="left")
+    for column in ("tenancy", "capability", "running", "queued", "oldest queued", "limits (running / limit)"):
+        table.add_column(column, justify="right" if column in ("running", "queued") else "left")
+    for q in rows:
+        limits = [
+            f"{label} {used} / {limit}"
+            for label, used, limit in (
+                ("tenancy", by_tenancy[q.tenancy_id], q.tenancy_limit),
+                ("capability", by_capability[q.capability], q.capability_limit),
+            )
+            if limit is not None
+        ]
+        table.add_row(
+            q.tenancy_id,
+            q.capability,
+            str(q.running),
+            str(q.queued),
+            "-" if q.oldest_queued_s is None else format_age(q.oldest_queued_s),
+            ", ".join(limits) or "none",
+        )
+    return table
 
 
 def format_age(seconds: float) -> str:

@@ -20,6 +20,7 @@ ENV_VAR = "K8S_DISPATCH_CRASH_AT"
 
 class Point(StrEnum):
     AFTER_SCHEDULE_COMMIT = "after_schedule_commit"  # dispatch committed, create_job not enqueued
+    AFTER_ADMIT_COMMIT = "after_admit_commit"  # admitted (SCHEDULED, a slot held), create_jobs not sent
     BEFORE_JOB_CREATE = "before_job_create"  # create_job task started, Job not created
     AFTER_JOB_CREATE = "after_job_create"  # Job created, dispatch not marked created
     BEFORE_COMPLETE_WRITE = "before_complete_write"  # Job terminal, completion not written

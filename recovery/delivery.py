@@ -70,6 +70,7 @@ class CreateOutcome(StrEnum):
     CREATED = "created"  # this call created the Job
     ADOPTED = "adopted"  # the Job existed (a retry, a duplicate message) and its labels agree
     SKIPPED = "skipped"  # the dispatch is terminal already: no Job is needed
+    QUEUED = "queued"  # the dispatch waits for a slot (engine/admission.py): no Job yet
     FAILED = "failed"  # refused for good (API 4xx, invalid manifest, foreign Job): WORKER_FAILED
 
 
@@ -224,6 +225,8 @@ def _create(rt: Runtime, record: DispatchRecord) -> tuple[CreateOutcome, tuple[s
     and where the Job is if it is to be marked created."""
     if record.terminal:
         return CreateOutcome.SKIPPED, None
+    if record.state is DispatchState.QUEUED:  # a create sent before admission would exceed its limit
+        return CreateOutcome.QUEUED, None
     try:
         spec = rt.resolver.spec(record.capability)
         if record.job_namespace is not None:  # fixed when scheduled: the config may have moved since
@@ -893,6 +896,8 @@ def notify_engines(rt: Runtime, dispatch_ids: Sequence[str]) -> set[str]:
     Called after the terminal events committed. A send that fails (or a process with no
     notifier) leaves the dispatch unnotified, and the sweep notifies it later: at least once.
     """
+    if rt.on_ended is not None and dispatch_ids:
+        rt.on_ended(dispatch_ids)  # their slots are free: admission may run
     if rt.notifier is None:
         return set()
     sent: list[str] = []

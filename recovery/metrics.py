@@ -27,6 +27,8 @@ NAMESPACE = "k8s_dispatch"
 # Job finished -> terminal event recorded: about a poll interval when all is well (issue 8's
 # target is p99 <= 3 s), minutes when completions fall behind.
 LATENCY_BUCKETS_S = (0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 900.0)
+# Scheduled -> admitted: nothing when no limit is full, hours behind a paused tenancy.
+QUEUE_WAIT_BUCKETS_S = (0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0, 14400.0)
 # A running Job counts as past its deadline only this long after it: the Job controller fails
 # it at the deadline, and the API server's clock (the Job's startTime) may differ from ours.
 DEADLINE_SLACK_S = 120.0
@@ -147,6 +149,29 @@ class Metrics:
             namespace=NAMESPACE,
             registry=registry,
         )
+        self.queue_wait = Histogram(
+            "queue_wait_seconds",
+            "From a dispatch's scheduling to its admission under its limits (engine/limits.py), by "
+            "the database's clock: how long fair share made it wait.",
+            ["tenancy"],
+            buckets=QUEUE_WAIT_BUCKETS_S,
+            namespace=NAMESPACE,
+            registry=registry,
+        )
+        self.tenancy_running = Gauge(
+            "tenancy_running",
+            "Dispatches holding a slot (admitted, not ended), by tenancy, as the last sweep counted.",
+            ["tenancy"],
+            namespace=NAMESPACE,
+            registry=registry,
+        )
+        self.tenancy_queued = Gauge(
+            "tenancy_queued",
+            "Dispatches waiting for a slot under their limits, by tenancy, as the last sweep counted.",
+            ["tenancy"],
+            namespace=NAMESPACE,
+            registry=registry,
+        )
         self.api_requests = Counter(
             "api_requests",
             "Requests this process sent to the Kubernetes API, by verb (get, list, create, patch, "
@@ -201,12 +226,33 @@ class Metrics:
             now = now if now is not None else datetime.now(UTC)
             self.completion_latency.observe(max(0.0, (now - finished).total_seconds()))
 
+    def admitted(self, tenancy: str, *, waited_s: float) -> None:
+        self.queue_wait.labels(tenancy=tenancy).observe(waited_s)
+
+    def tenancies_counted(self, counts: Mapping[str, tuple[int, int]]) -> None:
+        """Set the per-tenancy gauges from (running, queued); a tenancy no longer counted goes to 0."""
+        for gauge, index in ((self.tenancy_running, 0), (self.tenancy_queued, 1)):
+            for labels in list(_label_values(gauge)):
+                if labels not in counts:
+                    gauge.labels(tenancy=labels).set(0)
+            for tenancy, values in counts.items():
+                gauge.labels(tenancy=tenancy).set(values[index])
+
     def api_request(self, verb: str, code: str) -> None:
         """Count one Kubernetes API request (`workers.kube.KubeClient`'s `on_request`)."""
         self.api_requests.labels(verb=verb, code=code).inc()
 
 
 # --- pure -------------------------------------------------------------------------------
+
+
+def _label_values(gauge: Gauge) -> Iterable[str]:
+    """The tenancy label values a gauge has children for."""
+    for metric in gauge.collect():
+        for sample in metric.samples:
+            value = sample.labels.get("tenancy")
+            if value is not None:
+                yield value
 
 
 def job_finished_at(job: Mapping[str, Any]) -> datetime | None:

@@ -9,7 +9,7 @@ engine's Celery task; tests inject their own.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import redis
@@ -27,6 +27,7 @@ from k8s_dispatch.workers.resolver import CapabilityResolver
 log = logging.getLogger(__name__)
 
 Notifier = Callable[[str], None]  # called with a dispatch id after its terminal event commits
+Ended = Callable[[Sequence[str]], None]  # called with dispatch ids after their terminal events commit
 
 REDIS_TIMEOUT_S = 5.0  # connect and per-command: a Redis that hangs is unavailable, not slow
 
@@ -44,6 +45,8 @@ class Runtime:
     # None: this process cannot reach the engine; terminal dispatches stay "unnotified" and
     # the sweep of a process that can notifies them.
     notifier: Notifier | None = None
+    # Told of every dispatch that ended (its slot free); the tasks layer runs admission on it.
+    on_ended: Ended | None = None
     _closed: bool = field(default=False, repr=False)
 
     @classmethod
@@ -52,6 +55,7 @@ class Runtime:
         settings: Settings,
         *,
         notifier: Notifier | None = None,
+        on_ended: Ended | None = None,
         resolver: CapabilityResolver | None = None,
         kube: KubeClient | None = None,
     ) -> Runtime:
@@ -79,6 +83,7 @@ class Runtime:
             guard=Guard(client, prefix=settings.key_prefix, lease_ms=settings.guard_lease_ms),
             stats=Stats(client, prefix=settings.key_prefix),
             notifier=notifier,
+            on_ended=on_ended,
         )
 
     def namespace_for(self, capability: str) -> str:

@@ -12,6 +12,7 @@ import logging
 import signal
 import sys
 import threading
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from celery import Celery, signals
@@ -38,9 +39,12 @@ def get_runtime() -> Runtime:
         if _runtime is None:
             from k8s_dispatch.engine.settings import get_settings
             from k8s_dispatch.recovery.runtime import Runtime
+            from k8s_dispatch.tasks.admission import on_ended
 
             settings = get_settings()
-            _runtime = Runtime.from_settings(settings, notifier=celery_notifier(settings))
+            runtime = Runtime.from_settings(settings, notifier=celery_notifier(settings))
+            runtime.on_ended = partial(on_ended, runtime, app)  # ended dispatches free slots: admit
+            _runtime = runtime
         return _runtime
 
 

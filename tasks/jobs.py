@@ -29,6 +29,7 @@ from k8s_dispatch.recovery import delivery, disruptions, handoff, jobwatch, stat
 from k8s_dispatch.recovery.crashpoints import Point, crashpoint
 from k8s_dispatch.recovery.metrics import METRICS, jobs_past_deadline, poll_lag_s
 from k8s_dispatch.recovery.runtime import Runtime
+from k8s_dispatch.tasks import admission
 from k8s_dispatch.tasks.app import app, get_runtime
 from k8s_dispatch.workers import labels as job_labels
 from k8s_dispatch.workers.job_status import job_state
@@ -78,6 +79,7 @@ def schedule(
     input: Any,
     idempotency_key: str,
     dispatch_id: str | None = None,
+    priority: int = 0,
 ) -> str:
     """The engine's entry by task call: write the dispatch, then enqueue its Job's creation.
 
@@ -96,10 +98,11 @@ def schedule(
             router=rt.resolver,
             max_input_bytes=rt.settings.max_input_bytes,
             dispatch_id=dispatch_id,
+            priority=priority,
         )
     if result.created:
         statelog.state_changed(
-            DispatchState.SCHEDULED,
+            result.state,
             dispatch_id=result.dispatch_id,
             case_id=case_id,
             tenancy_id=tenancy_id,
@@ -108,7 +111,20 @@ def schedule(
     crashpoint(Point.AFTER_SCHEDULE_COMMIT)
     if result.state is DispatchState.SCHEDULED:
         create_job.delay(result.dispatch_id)
+    elif result.state is DispatchState.QUEUED:
+        admit.delay()
     return result.dispatch_id
+
+
+@app.task(name=names.ADMIT_TASK, **RETRY)
+def admit(periodic: bool = False) -> int:
+    """Admit queued dispatches to the slots free under the limits and send their creates (how
+    many). Sent after a queued schedule commits (coalesced with the passes running elsewhere) and
+    by beat every poll interval (`periodic`: a pass whatever Redis says)."""
+    rt = get_runtime()
+    if periodic:
+        return len(admission.run_pass(rt, app))
+    return admission.run_coalesced(rt, app)
 
 
 # --- create, complete, cancel ---------------------------------------------------------------

@@ -16,6 +16,7 @@ from k8s_dispatch import celeryconfig as names
 from k8s_dispatch.engine.errors import DispatchError
 from k8s_dispatch.recovery import supersede
 from k8s_dispatch.recovery.reconcile import run_sweep
+from k8s_dispatch.tasks import admission
 from k8s_dispatch.tasks.app import app, get_runtime
 
 log = logging.getLogger(__name__)
@@ -32,7 +33,9 @@ def sweep() -> dict[str, Any]:
         rt.redis, rt.settings.key_prefix, names.SWEEP_TASK, window_s=supersede.window_s(rt.settings.sweep_interval_s)
     ):
         return {"superseded": True}
-    return run_sweep(rt, watched=True).to_dict()  # LISTs less often where poll's watch is healthy
+    report = run_sweep(rt, watched=True).to_dict()  # LISTs less often where poll's watch is healthy
+    admission.count_tenancies(rt)
+    return report
 
 
 @signals.worker_ready.connect

@@ -34,6 +34,9 @@ Schema (field names as Kubernetes spells them)::
         retryOnExitCodes: [75]         # exit codes counted against backoffLimit (Count): needs backoffLimit >= 1
         maxDisruptions: 3              # evictions/preemptions tolerated (never counted as failures); one more: Disrupted
         queue: team-a                  # a Kueue LocalQueue: Jobs created suspended, labelled for it; Kueue admits them
+    limits:                            # optional: fair-share limits, see engine/limits.py
+      tenancies: {default: {maxRunning: 100}, acme: {maxRunning: 3, weight: 2}}
+      capabilities: {demo.sha256: {maxRunning: 5}}
 """
 
 from __future__ import annotations
@@ -48,6 +51,8 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from k8s_dispatch.engine.errors import ConfigError, UnknownCapability
+from k8s_dispatch.engine.limits import Limits
+from k8s_dispatch.engine.limits import parse as parse_limits
 from k8s_dispatch.workers.backends import Worker
 from k8s_dispatch.workers.failure_policy import DEFAULT_MAX_DISRUPTIONS
 from k8s_dispatch.workers.manifest import MAX_INT32, spec_problems
@@ -140,12 +145,19 @@ class CapabilityResolver:
     """The validated capability table. Build it with `from_file`, `from_mapping` or `demo_resolver`."""
 
     def __init__(
-        self, specs: Mapping[str, CapabilitySpec], *, source: str, default_namespace: str | None = None
+        self,
+        specs: Mapping[str, CapabilitySpec],
+        *,
+        source: str,
+        default_namespace: str | None = None,
+        limits: Limits | None = None,
     ) -> None:
         """Prefer the `from_*` constructors; this one checks the specs but not the raw config.
 
         `default_namespace` is where a capability that names none runs (the settings'
         namespace; `from_settings` and `Runtime` set it): what `namespace_for` answers.
+        `limits`: the fair-share limits (`engine.limits`), which `engine.store.schedule` reads
+        to queue what they cover.
         """
         problems = [] if specs else [f"{source}: no capability is defined"]
         for name, spec in specs.items():
@@ -155,10 +167,17 @@ class CapabilityResolver:
                 f"{source}: capability {name!r}: field {fld!r}: {why}"
                 for fld, why in [*spec_problems(spec), *clock_problems(spec)]
             )
+        limits = limits if limits is not None else Limits()
+        problems.extend(
+            f"{source}: limits.capabilities.{name}: no such capability (defined: {', '.join(sorted(specs))})"
+            for name in sorted(limits.capabilities)
+            if name not in specs
+        )
         if problems:
             raise ConfigError("invalid capability config:\n" + "\n".join(problems))
         self.source = source
         self.default_namespace = default_namespace
+        self.limits = limits
         self._specs: dict[str, CapabilitySpec] = dict(specs)
 
     @classmethod
@@ -193,13 +212,13 @@ class CapabilityResolver:
         """
         if not isinstance(data, Mapping):
             raise ConfigError(f"{source}: the top level must be a mapping with a 'capabilities' key")
-        unknown = sorted(str(k) for k in data if k != "capabilities")
+        unknown = sorted(str(k) for k in data if k not in ("capabilities", "limits"))
         if unknown:
-            raise ConfigError(f"{source}: unknown top-level keys {unknown} (only 'capabilities' is allowed)")
+            raise ConfigError(f"{source}: unknown top-level keys {unknown} (only 'capabilities' and 'limits')")
         table = data.get("capabilities")
         if not isinstance(table, Mapping) or not table:
             raise ConfigError(f"{source}: 'capabilities' must be a non-empty mapping of name -> fields")
-        problems: list[str] = []
+        limits, problems = parse_limits(data.get("limits"), source=source)
         specs: dict[str, CapabilitySpec] = {}
         for name, fields in table.items():
             spec = _parse_capability(name, fields, problems=problems, source=source)
@@ -207,7 +226,7 @@ class CapabilityResolver:
                 specs[name] = spec
         if problems:
             raise ConfigError("invalid capability config:\n" + "\n".join(problems))
-        return cls(specs, source=source)
+        return cls(specs, source=source, limits=limits)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> CapabilityResolver:
@@ -217,7 +236,7 @@ class CapabilityResolver:
 
     def with_default_namespace(self, namespace: str) -> CapabilityResolver:
         """The same table, with `namespace` for the capabilities that name none."""
-        return type(self)(self._specs, source=self.source, default_namespace=namespace)
+        return type(self)(self._specs, source=self.source, default_namespace=namespace, limits=self.limits)
 
     def spec(self, capability: str) -> CapabilitySpec:
         """Raises: UnknownCapability."""

@@ -19,7 +19,7 @@ from sqlalchemy.engine import Engine
 from k8s_dispatch.engine import migrate
 from k8s_dispatch.engine.models import Base
 
-OUR_TABLES = {"case_instances", "case_events", "dispatches"}
+OUR_TABLES = {"case_instances", "case_events", "dispatches", "dispatch_admission"}
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -73,6 +73,10 @@ def test_indexes_and_constraints_the_store_relies_on(db_url: str, engine_factory
         assert predicate in str(events[name]["dialect_options"][f"{dialect}_where"])
     dispatches = {index["name"]: index for index in inspector.get_indexes("dispatches")}
     assert dispatches["ix_dispatches_state"]["column_names"][0] == "state"
+    assert dispatches["ix_dispatches_queued"]["column_names"][:2] == ["tenancy_id", "capability"]
+    assert "QUEUED" in str(dispatches["ix_dispatches_queued"]["dialect_options"][f"{dialect}_where"])
+    with engine_factory(db_url).connect() as connection:  # the admission turn's one row
+        assert connection.execute(sa.text("SELECT id FROM dispatch_admission")).scalars().all() == [1]
     uniques = {u["name"]: u["column_names"] for u in inspector.get_unique_constraints("dispatches")}
     assert uniques["uq_dispatches_tenancy_id_idempotency_key"] == ["tenancy_id", "idempotency_key"]
     assert {fk["referred_table"] for fk in inspector.get_foreign_keys("dispatches")} == {"case_instances"}
@@ -85,6 +89,11 @@ def test_models_match_the_migrated_schema(db_url: str, engine_factory: Callable[
             opts={"version_table": migrate.VERSION_TABLE, "compare_type": True, "compare_server_default": False},
         )
         differences = compare_metadata(context, Base.metadata)
+    if db_url.startswith("sqlite"):
+        # Alembic compares no expression index on SQLite (it warns, then reports the index as both
+        # removed and added): the queue index's `priority DESC` is one. Its presence and predicate
+        # are checked above, and PostgreSQL compares it in full.
+        differences = [d for d in differences if getattr(d[1], "name", None) != "ix_dispatches_queued"]
     assert differences == []
 
 

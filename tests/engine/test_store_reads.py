@@ -73,7 +73,7 @@ def test_counts_by_state_counts_every_state(db_sessionmaker, new_case, schedule_
     with transaction(db_sessionmaker) as session:
         after = store.counts_by_state(session)
     delta = {state: after[state] - before[state] for state in after}
-    assert delta == {"SCHEDULED": 1, "CREATED": 1, "COMPLETED": 1, "FAILED": 0, "CANCELLED": 1}
+    assert delta == {"QUEUED": 0, "SCHEDULED": 1, "CREATED": 1, "COMPLETED": 1, "FAILED": 0, "CANCELLED": 1}
 
 
 def test_events_for_and_terminal_event(db_sessionmaker, new_case, schedule_for: Schedule) -> None:

@@ -1,0 +1,117 @@
+"""Admission under Celery: run a pass (`engine.admission`) and send the admitted dispatches'
+`create_jobs`; when to run one.
+
+Passes run when a dispatch is queued (the `admit` task, sent after the schedule commits), when
+dispatches end (inline, in the worker that recorded the end: `Runtime.on_ended`), and every
+poll interval from beat (the net under lost messages and crashed workers). The triggered ones
+are coalesced through Redis (a burst of 10,000 queued schedules runs a few passes, not 10,000);
+beat's runs regardless. Correctness never rests on Redis: the database's admission turn makes
+any number of passes safe, and a pass that was skipped is covered by the next one.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import redis
+from celery import Celery
+from kombu.exceptions import OperationalError
+
+from k8s_dispatch import celeryconfig as names
+from k8s_dispatch.engine import admission
+from k8s_dispatch.engine.db import database_now, transaction
+from k8s_dispatch.engine.errors import DispatchError
+from k8s_dispatch.engine.models import DispatchState
+from k8s_dispatch.recovery import statelog
+from k8s_dispatch.recovery.crashpoints import Point, crashpoint
+from k8s_dispatch.recovery.metrics import METRICS
+from k8s_dispatch.recovery.runtime import Runtime
+
+log = logging.getLogger(__name__)
+
+CREATE_BATCH = 50  # as tasks.scheduling's: dispatch ids per create_jobs message
+# A pass holds the "running" key this long at most: a holder that dies stops coalescing for no
+# longer than this (beat's passes go on regardless).
+RUNNING_LEASE_MS = 10_000
+
+
+def run_pass(rt: Runtime, sender: Celery) -> list[admission.Admitted]:
+    """One admission pass, committed, then `create_jobs` sent for what it admitted (a lost
+    message, or a crash before it, leaves them SCHEDULED for the sweep: their slots held).
+
+    Raises:
+        Transient: the database is unavailable (nothing admitted).
+    """
+    with transaction(rt.sessions) as session:
+        admitted = admission.admit(session, rt.resolver.limits, now=database_now(session))
+    if not admitted:
+        return admitted
+    crashpoint(Point.AFTER_ADMIT_COMMIT)
+    for a in admitted:
+        METRICS.admitted(a.tenancy_id, waited_s=a.waited_s)
+        statelog.state_changed(
+            DispatchState.SCHEDULED, dispatch_id=a.dispatch_id, case_id=a.case_id, tenancy_id=a.tenancy_id,
+            capability=a.capability, via="admission", waited_s=round(a.waited_s, 3),
+        )  # fmt: skip
+    ids = [a.dispatch_id for a in admitted]
+    for start in range(0, len(ids), CREATE_BATCH):
+        batch = ids[start : start + CREATE_BATCH]
+        try:
+            sender.send_task(names.CREATE_JOBS_TASK, args=[batch], queue=names.JOBS_QUEUE)
+        except OperationalError as e:
+            log.warning(
+                "%d dispatches admitted but create_jobs was not sent (%s); the sweep creates them", len(batch), e
+            )
+    return admitted
+
+
+def run_coalesced(rt: Runtime, sender: Celery) -> int:
+    """Run passes until no request for one is left, unless another process is running them (it
+    sees this request); the number of dispatches admitted here. Redis unreachable: one pass."""
+    wanted, running = _keys(rt.settings.key_prefix)
+    client = rt.redis
+    admitted = 0
+    try:
+        client.set(wanted, 1)
+        while client.set(running, 1, nx=True, px=RUNNING_LEASE_MS):
+            try:
+                while client.getdel(wanted):
+                    admitted += len(run_pass(rt, sender))
+            finally:
+                client.delete(running)
+            if not client.exists(wanted):  # a request made while we let go is ours to serve
+                return admitted
+        return admitted
+    except redis.RedisError as e:
+        log.warning("admission: cannot coalesce passes (%s); running one", e)
+        return admitted + len(run_pass(rt, sender))
+
+
+def on_ended(rt: Runtime, sender: Celery, dispatch_ids: Sequence[str]) -> None:
+    """`Runtime.on_ended`: the slots of ended dispatches are free, so run admission (if limits
+    are configured). Never raises: the end is recorded, and beat's next pass admits."""
+    if not rt.resolver.limits:
+        return
+    try:
+        run_coalesced(rt, sender)
+    except DispatchError as e:
+        log.warning("admission after %d ended dispatches failed (%s); beat's next pass admits", len(dispatch_ids), e)
+
+
+def count_tenancies(rt: Runtime) -> None:
+    """Set the per-tenancy running and queued gauges (the sweep calls it, where limits exist):
+    one grouped read of the open dispatches. Never raises."""
+    if not rt.resolver.limits:
+        return
+    try:
+        with transaction(rt.sessions) as session:
+            rows = admission.summary(session)
+    except DispatchError as e:
+        log.warning("counting the tenancies' slots failed (%s)", e)
+        return
+    METRICS.tenancies_counted(admission.by_tenancy(rows))
+
+
+def _keys(prefix: str) -> tuple[str, str]:
+    return f"{prefix}:admission:wanted", f"{prefix}:admission:running"
