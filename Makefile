@@ -41,11 +41,11 @@ fmt: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/k8s-dispatch demo
 
-# The tools the tests need (etcd, kube-apiserver, kube-controller-manager, helm, promtool from
+# The tools the tests need (etcd, kube-apiserver, kube-controller-manager, helm, promtool, kueue from
 # their Go modules; checkov in a virtualenv of its own) in ~/.cache/k8s-dispatch/tools; a second
 # run finds them and does nothing.
 tools:
-	bash tools/build.sh etcd kube helm promtool checkov >/dev/null
+	bash tools/build.sh etcd kube helm promtool kueue checkov >/dev/null
 
 # Installs what it needs, starts PostgreSQL and Redis if needed, builds the tools, runs the tests.
 test: $(STAMP) tools lint

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Build the Go tools the tests need (kube-apiserver, kube-controller-manager, etcd, helm, promtool) from
+# Build the Go tools the tests need (kube-apiserver, kube-controller-manager, etcd, helm, promtool, kueue) from
 # the wrapper modules beside this script into a cache outside the repository, keyed by the
 # wrapper's go.mod and go.sum: a second run with nothing changed does nothing. A folder with a
 # requirements.txt instead (checkov) is a Python tool, installed into a virtualenv of its own.
-#   tools/build.sh [--print-dir] NAME...   NAME: kube | etcd | helm | promtool | checkov | <any folder here>
+#   tools/build.sh [--print-dir] NAME...   NAME: kube | etcd | helm | promtool | kueue | checkov | <any folder here>
 # The cache is $K8S_DISPATCH_TOOLS (default ~/.cache/k8s-dispatch/tools); prints where each
 # tool's binaries are.
 set -euo pipefail
@@ -19,6 +19,7 @@ programs() {
         kube) echo "k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager" ;;
         promtool) echo "github.com/prometheus/prometheus/cmd/promtool" ;;
         helm) echo "helm.sh/helm/v3/cmd/helm" ;;
+        kueue) echo "sigs.k8s.io/kueue/cmd/kueue" ;;
         *) echo "." ;;
     esac
 }
@@ -45,6 +46,7 @@ ldflags() {
                 "$((minor - 300))" "$patch" "$v" ;;
         helm) printf -- '-X helm.sh/helm/v3/internal/version.version=%s -X helm.sh/helm/v3/internal/version.gitTreeState=clean' \
             "$(module_version helm helm.sh/helm/v3)" ;;
+        kueue) printf -- '-X sigs.k8s.io/kueue/pkg/version.GitVersion=%s' "$(module_version kueue sigs.k8s.io/kueue)" ;;
         *) ;;
     esac
 }

@@ -4,6 +4,8 @@
 takes (camelCase keys). Names, labels, resources and sizes are checked here against the
 rules the API server applies, so a manifest either builds valid or fails with a typed error
 before any request. The input reaches the container as compact JSON in `K8S_DISPATCH_INPUT`.
+A capability with a Kueue `queue` gets a Job created suspended with Kueue's queue-name label:
+Kueue's admission unsuspends it (its webhook is not needed).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from k8s_dispatch.engine.errors import (
     InvalidManifest,
 )
 from k8s_dispatch.engine.ids import is_dispatch_id
-from k8s_dispatch.engine.names import is_dns1123_label, is_label_value, is_qualified_name
+from k8s_dispatch.engine.names import is_dns1123_label, is_dns1123_subdomain, is_label_value, is_qualified_name
 from k8s_dispatch.engine.payloads import canonical_json
 from k8s_dispatch.workers import labels as job_labels
 from k8s_dispatch.workers.failure_policy import pod_failure_policy, policy_problems
@@ -48,6 +50,8 @@ SECURITY_DEFAULTS = (
     "runAsNonRoot", "allowPrivilegeEscalation", "capabilities", "seccompProfile", "automountServiceAccountToken",
 )  # fmt: skip
 SECURITY_OVERRIDES_ANNOTATION = "k8s-dispatch.io/security-overrides"
+# Kueue's label naming the LocalQueue of a Job (sigs.k8s.io/kueue pkg/controller/constants).
+QUEUE_NAME_LABEL = "kueue.x-k8s.io/queue-name"
 
 RESERVED_ENV = frozenset({INPUT_ENV})
 RESOURCE_KINDS = ("requests", "limits")
@@ -134,6 +138,8 @@ def build_job(
     # Ours last: a capability's labels can add to them, never replace them.
     labels = {**spec.labels, **our_labels}
     annotations = {**spec.annotations, **our_annotations}
+    # Kueue's Job integration reads the queue from the Job's own labels; its Pods need none.
+    queue_label = {QUEUE_NAME_LABEL: spec.queue} if spec.queue is not None else {}
     if spec.security_overrides:  # why this Job runs outside `restricted`, for whoever finds it
         annotations[SECURITY_OVERRIDES_ANNOTATION] = canonical_json(dict(spec.security_overrides), what="reasons")
     size = sum(len(k.encode("utf-8")) + len(v.encode("utf-8")) for k, v in annotations.items())
@@ -163,6 +169,8 @@ def build_job(
         "backoffLimit": spec.backoff_limit,
         "podFailurePolicy": pod_failure_policy(spec, container=CONTAINER_NAME),
     }
+    if spec.queue is not None:  # queued until Kueue admits it: no Pod, no start clock (pod_health)
+        job_spec["suspend"] = True
     if spec.active_deadline_seconds is not None:
         job_spec["activeDeadlineSeconds"] = spec.active_deadline_seconds
     job_spec["template"] = {
@@ -178,7 +186,7 @@ def build_job(
         "metadata": {
             "name": job_name(ref.dispatch_id),
             "namespace": target,
-            "labels": labels,
+            "labels": {**labels, **queue_label},
             "annotations": annotations,
             "finalizers": [FINALIZER],
         },
@@ -247,6 +255,10 @@ def spec_problems(spec: CapabilitySpec) -> list[tuple[str, str]]:
     problems.extend(("resources", why) for why in _resource_problems(spec.resources))
     if spec.namespace is not None and not (isinstance(spec.namespace, str) and is_dns1123_label(spec.namespace)):
         problems.append(("namespace", f"{spec.namespace!r} is not a DNS-1123 label"))
+    if spec.queue is not None and not is_queue_name(spec.queue):
+        problems.append(
+            ("queue", f"{spec.queue!r} is not a LocalQueue name (a DNS-1123 subdomain usable as a label value)")
+        )
     deadline = spec.active_deadline_seconds
     if deadline is not None and not _is_int_in(deadline, 1, MAX_INT32):
         problems.append(("activeDeadlineSeconds", f"{deadline!r} is not a positive integer"))
@@ -258,6 +270,12 @@ def spec_problems(spec: CapabilitySpec) -> list[tuple[str, str]]:
     problems.extend(("annotations", why) for why in _metadata_problems(spec.annotations, labels=False))
     problems.extend(_security_problems(spec))
     return problems
+
+
+def is_queue_name(value: object) -> bool:
+    """What Kueue accepts as the queue-name label: a LocalQueue's name (DNS-1123 subdomain,
+    as its webhook checks it) that is also a label value (at most 63 characters)."""
+    return isinstance(value, str) and is_dns1123_subdomain(value) and is_label_value(value)
 
 
 def _is_int_in(value: object, low: int, high: int) -> bool:
@@ -273,6 +291,8 @@ def _metadata_problems(values: Mapping[str, str], *, labels: bool) -> list[str]:
             problems.append(f"{key!r} is reserved: k8s-dispatch sets it")
         elif labels and (key in _CONTROLLER_LABELS or key.startswith(_CONTROLLER_LABEL_PREFIX)):
             problems.append(f"{key!r} is reserved: the Job controller sets it")
+        elif labels and key == QUEUE_NAME_LABEL:
+            problems.append(f"{key!r} is set from the capability's 'queue' field: name the LocalQueue there")
         elif not isinstance(value, str):
             problems.append(f"the value of {key!r} must be a string")
         elif labels and not is_label_value(value):

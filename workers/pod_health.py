@@ -8,6 +8,10 @@ waiting reason, `Unschedulable`, `StartTimeout`) and its message, e.g.
 `Back-off pulling image "foo:1"`. Ages are durations: the Job's age by the database's clock,
 and offsets between the Job's and its Pod's own timestamps (one server's clock), so no two
 hosts' clocks are ever compared.
+
+A suspended Job (created so for a Kueue queue, or suspended by an operator) is queued: its
+start clock has not started. Resumed, the Job controller starts it again (`status.startTime`)
+and the clock counts from there, so the time spent waiting in the queue never fails it.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from k8s_dispatch.workers.job_status import job_state, parse_timestamp
+from k8s_dispatch.workers.manifest import QUEUE_NAME_LABEL
 
 # The waiting reasons a kubelet reports for a container that cannot start.
 INVALID_IMAGE_NAME = "InvalidImageName"  # the reference cannot be parsed: no retry will help
@@ -43,7 +48,7 @@ _CONTROLLER_UID_LABEL = "batch.kubernetes.io/controller-uid"
 @dataclass(frozen=True)
 class StartPolicy:
     """A capability's clocks once its Job exists (seconds): the container must start within
-    `start_timeout_s` of the Job's creation; a Pod waiting on an image pull is given up after
+    `start_timeout_s` of the Job's creation (of its resume, if it was queued); a Pod waiting on an image pull is given up after
     `image_pull_timeout_s`, one waiting on its config (a missing Secret) after
     `config_error_timeout_s`, both counted from the Pod's scheduling; InvalidImageName at once."""
 
@@ -77,23 +82,54 @@ class PodView:
     since: datetime | None  # when it was scheduled (else created): where its own waits begin
 
 
+def is_suspended(job: Mapping[str, Any]) -> bool:
+    """Whether the Job is queued, waiting for admission (Kueue's, or an operator's): its spec
+    says suspend, or the Job controller has not yet acted on its resume (its `Suspended`
+    condition is still True). Such a Job has no Pod to wait for: it counts as queued, not running."""
+    if _dict(job.get("spec")).get("suspend") is True:
+        return True
+    return any(_dict(c).get("type") == "Suspended" and _dict(c).get("status") == "True" for c in _conditions(job))
+
+
+def start_age(job: Mapping[str, Any], *, age: timedelta) -> timedelta | None:
+    """How long the Job's start clock has run, `age` being the Job's age by the database's
+    clock; None while it has not started (a queued Job).
+
+    A Job that was ever suspended (it has a `Suspended` condition, or Kueue's queue label: it
+    was created suspended) starts its clock when the Job controller resumes it, at
+    `status.startTime` (None until then): its age less the offset from its creation, both
+    timestamps the control plane's. Any other Job's clock runs from its creation."""
+    if is_suspended(job):
+        return None
+    queued = QUEUE_NAME_LABEL in _dict(_dict(job.get("metadata")).get("labels")) or any(
+        _dict(c).get("type") == "Suspended" for c in _conditions(job)
+    )
+    if not queued:
+        return age
+    started = parse_timestamp(_dict(job.get("status")).get("startTime"))
+    if started is None:
+        return None
+    return age - _offset(started, parse_timestamp(_dict(job.get("metadata")).get("creationTimestamp")))
+
+
 def unstarted(job: Mapping[str, Any]) -> bool:
     """Whether the Job runs with no container started yet, by its own status (no Pod read):
     not finished, not being deleted, not suspended, no ready, succeeded or failed Pod.
 
-    A suspended Job waits for admission (a queue such as Kueue's, or an operator): its Pods are
-    not meant to start, so its start clock has not started either."""
+    A suspended Job waits for admission (`is_suspended`): its Pods are not meant to start, so
+    its start clock has not started either."""
     if job_state(job).terminal or _dict(job.get("metadata")).get("deletionTimestamp"):
         return False
-    if _dict(job.get("spec")).get("suspend") is True:
+    if is_suspended(job):
         return False
     status = _dict(job.get("status"))
     return not any(_count(status.get(key)) for key in ("ready", "succeeded", "failed"))
 
 
 def due_for_check(job: Mapping[str, Any], *, age: timedelta) -> bool:
-    """Whether to read this Job's Pods: unstarted, and older than CHECK_GRACE."""
-    return age >= CHECK_GRACE and unstarted(job)
+    """Whether to read this Job's Pods: unstarted, its start clock (`start_age`) past CHECK_GRACE."""
+    started = start_age(job, age=age)
+    return started is not None and started >= CHECK_GRACE and unstarted(job)
 
 
 def pods_of(job: Mapping[str, Any], pods: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
@@ -157,7 +193,7 @@ def assess(
     """Wait, or give up on a Job none of whose containers has started.
 
     `age` is the Job's age by the database's clock (now - when its dispatch recorded the Job
-    created); `pods` may be a LIST of many Jobs' Pods (this Job's are picked); `events` any
+    created), the start clock counting from its resume if it was queued (`start_age`); `pods` may be a LIST of many Jobs' Pods (this Job's are picked); `events` any
     core/v1 Events read for the Job (a Warning FailedCreate names why no Pod exists).
 
     In order: a Pod started, wait (the Job's own conditions speak from now on); a Pod waiting
@@ -167,7 +203,8 @@ def assess(
     scheduler's message, FailedCreate with the controller's, else StartTimeout.
     """
     views = [read_pod(pod) for pod in pods_of(job, pods)]
-    if any(view.started for view in views):
+    started = start_age(job, age=age)
+    if started is None or any(view.started for view in views):
         return WAIT
     created = parse_timestamp(_dict(job.get("metadata")).get("creationTimestamp"))
     for view in views:
@@ -179,7 +216,7 @@ def assess(
             return _fail(view.waiting_reason, view.waiting_message, view)
         if view.waiting_reason in CONFIG_REASONS and waited >= timedelta(seconds=policy.config_error_timeout_s):
             return _fail(view.waiting_reason, view.waiting_message, view)
-    if age < timedelta(seconds=policy.start_timeout_s):
+    if started < timedelta(seconds=policy.start_timeout_s):
         return WAIT
     within = f"within startTimeoutSeconds ({policy.start_timeout_s} s)"
     for view in views:
@@ -223,6 +260,10 @@ def _offset(since: datetime | None, created: datetime | None) -> timedelta:
     if since is None or created is None:
         return timedelta(0)
     return max(since - created, timedelta(0))
+
+
+def _conditions(job: Mapping[str, Any]) -> list[Any]:
+    return _list(_dict(job.get("status")).get("conditions"))
 
 
 def _count(value: object) -> int:

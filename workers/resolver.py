@@ -33,6 +33,7 @@ Schema (field names as Kubernetes spells them)::
         failOnExitCodes: [3]           # exit codes that fail the Job at once (FailJob); 1-255
         retryOnExitCodes: [75]         # exit codes counted against backoffLimit (Count): needs backoffLimit >= 1
         maxDisruptions: 3              # evictions/preemptions tolerated (never counted as failures); one more: Disrupted
+        queue: team-a                  # a Kueue LocalQueue: Jobs created suspended, labelled for it; Kueue admits them
     limits:                            # optional: fair-share limits, see engine/limits.py
       tenancies: {default: {maxRunning: 100}, acme: {maxRunning: 3, weight: 2}}
       capabilities: {demo.sha256: {maxRunning: 5}}
@@ -107,6 +108,9 @@ class CapabilitySpec:
     retry_on_exit_codes: tuple[int, ...] = ()
     fail_on_exit_codes: tuple[int, ...] = ()
     max_disruptions: int = DEFAULT_MAX_DISRUPTIONS
+    # A Kueue LocalQueue in the Job's namespace: the Job is created suspended with Kueue's
+    # queue-name label, and runs when Kueue admits (unsuspends) it. None: it runs at once.
+    queue: str | None = None
 
     @property
     def start_policy(self) -> StartPolicy:
@@ -123,7 +127,7 @@ _FIELDS = (
     "activeDeadlineSeconds", "backoffLimit", "labels", "annotations",
     "runAsUser", "runAsGroup", "securityOverrides",
     "queueTimeoutSeconds", "startTimeoutSeconds", "imagePullTimeoutSeconds", "configErrorTimeoutSeconds",
-    "retryOnExitCodes", "failOnExitCodes", "maxDisruptions",
+    "retryOnExitCodes", "failOnExitCodes", "maxDisruptions", "queue",
 )  # fmt: skip
 _NULLABLE = ("activeDeadlineSeconds", "queueTimeoutSeconds")  # null: no limit
 # The clocks (seconds): config field -> CapabilitySpec attribute; each a positive integer.
@@ -372,6 +376,7 @@ def _parse_capability(name: object, fields: object, *, problems: list[str], sour
         retry_on_exit_codes=exit_codes("retryOnExitCodes"),
         fail_on_exit_codes=exit_codes("failOnExitCodes"),
         max_disruptions=integer("maxDisruptions", DEFAULT_MAX_DISRUPTIONS) or 0,
+        queue=text("queue", optional=True),
     )
     if report.count:
         return None  # value checks on half-parsed fields would only repeat the type errors
