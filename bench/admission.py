@@ -6,10 +6,12 @@ and one localcluster (simulate mode) for both. Limits: tenancy LIMITED `maxRunni
 tenancy OTHER `maxRunning: OTHER_SLOTS` (so its dispatches are queued too, and admitted by a
 pass). In each database: SLOTS dispatches of LIMITED admitted and their Jobs created (the
 slots full), then N more written as an engine writes a burst (`engine.store.schedule_many`,
-CHUNK per transaction): QUEUED, waiting. Then `VACUUM ANALYZE dispatches`, what autovacuum does
-to a table after such a burst within a minute.
+CHUNK per transaction): QUEUED, waiting. Measured first right after the burst, the table's
+autovacuum off (no statistics of the burst yet: the planner's guesses); then `VACUUM ANALYZE
+dispatches`, what autovacuum does to a table after such a burst within a minute, for the rest.
 
 Measured, each step on the small and the large queue in turn (the order alternating):
+- right after the burst: a few passes as below, and their buffers (the "fresh" figures);
 - a pass when one slot frees: a terminal event recorded for one holder (committed, untimed),
   then one pass (`engine.admission.admit` in its own transaction, as `tasks.admission.run_pass`
   runs it), timed to its commit; the SQL statements it sent; it must admit exactly the head of
@@ -83,6 +85,7 @@ def run(ctx: services.BenchContext, size: Size) -> BenchResult:
             "slots": SLOTS,
             "other_slots": OTHER_SLOTS,
             "passes": passes,
+            "fresh_passes": max(BLOCKS, passes // 4),
             "paths": paths,
             "blocks": BLOCKS,
             "chunk": CHUNK,
@@ -102,6 +105,11 @@ def run(ctx: services.BenchContext, size: Size) -> BenchResult:
             side.seed()
             result.notes.append(f"setup of {side.n:,} queued: {time.perf_counter() - started:.0f}s")
         before = api_load.scrape(cluster)
+        # Right after the burst, before any statistics of it: what the planner does then.
+        _alternate(sides, result.params["fresh_passes"], lambda side: side.freed_pass("fresh"))
+        fresh = {side.n: side.explained_pass() for side in sides}
+        for side in sides:
+            side.vacuumed()
         _alternate(sides, passes, lambda side: side.freed_pass())
         explained = {side.n: side.explained_pass() for side in sides}
         _alternate(sides, passes, lambda side: side.idle_pass())
@@ -110,8 +118,9 @@ def run(ctx: services.BenchContext, size: Size) -> BenchResult:
         after = api_load.scrape(cluster)
         server_requests = _check_requests(before.requests, after.requests, sides)
     result.params["plans"] = {str(n): plans for n, (_, plans) in explained.items()}
+    result.params["plans_fresh"] = {str(n): plans for n, (_, plans) in fresh.items()}
     buffers = {n: blocks for n, (blocks, _) in explained.items()}
-    _report(result, s, b, buffers, server_requests=server_requests)
+    _report(result, s, b, buffers, {n: blocks for n, (blocks, _) in fresh.items()}, server_requests=server_requests)
     return result
 
 
@@ -135,6 +144,7 @@ class _Side:
     # --- set-up ---
 
     def seed(self) -> None:
+        self.sql("ALTER TABLE dispatches SET (autovacuum_enabled = false)")  # until `vacuumed`
         for tenancy in (LIMITED, OTHER):
             case_id = f"case-{tenancy}"
             with transaction(self.rt.sessions) as session:
@@ -148,9 +158,16 @@ class _Side:
         self.holders.extend(a.dispatch_id for a in admitted)
         for start in range(0, self.n, CHUNK):
             self.schedule(LIMITED, min(CHUNK, self.n - start))
-        with self.rt.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-            conn.exec_driver_sql("VACUUM ANALYZE dispatches")
         self.created.clear()
+
+    def sql(self, statement: str) -> None:
+        with self.rt.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            conn.exec_driver_sql(statement)
+
+    def vacuumed(self) -> None:
+        """What autovacuum does within a minute of the burst: the table's statistics taken."""
+        self.sql("VACUUM ANALYZE dispatches")
+        self.sql("ALTER TABLE dispatches RESET (autovacuum_enabled)")
 
     def schedule(self, tenancy: str, count: int) -> list[str]:
         requests = [
@@ -203,13 +220,13 @@ class _Side:
 
     # --- the measured steps ---
 
-    def freed_pass(self) -> None:
+    def freed_pass(self, kind: str = "freed") -> None:
         self.end(self.holders.popleft())
         with self.no_requests("an admission pass"):
             admitted, seconds, statements = self.pass_()
         self.holders.append(self.admitted_one(admitted, LIMITED))
-        self.record("freed_ms", 1000 * seconds)
-        self.record("freed_statements", statements)
+        self.record(f"{kind}_ms", 1000 * seconds)
+        self.record(f"{kind}_statements", statements)
 
     def idle_pass(self) -> None:
         with self.no_requests("an admission pass"):
@@ -361,8 +378,17 @@ def block_p50s(values: Sequence[float], blocks: int = BLOCKS) -> list[float]:
     ]
 
 
-def _report(result: BenchResult, small: _Side, big: _Side, buffers: dict[int, int], *, server_requests: int) -> None:
+def _report(
+    result: BenchResult,
+    small: _Side,
+    big: _Side,
+    buffers: dict[int, int],
+    fresh: dict[int, int],
+    *,
+    server_requests: int,
+) -> None:
     timed = {
+        "fresh_ms": "admission pass, one slot freed, right after the burst (no statistics yet)",
         "freed_ms": "admission pass, one slot freed",
         "idle_ms": "admission pass, no slot free",
         "other_ms": "schedule -> Job created, another tenancy's dispatch (slot free)",
@@ -380,7 +406,11 @@ def _report(result: BenchResult, small: _Side, big: _Side, buffers: dict[int, in
                     f"admission_{kind}_p99_{side.n}", f"{label}, {side.n:,} queued: p99", "ms", [percentile(values, 99)]
                 )
             )
-        for kind, label in (("freed_statements", "one slot freed"), ("idle_statements", "no slot free")):
+        for kind, label in (
+            ("fresh_statements", "one slot freed, right after the burst"),
+            ("freed_statements", "one slot freed"),
+            ("idle_statements", "no slot free"),
+        ):
             result.figures.append(
                 Figure(
                     f"admission_{kind}_{side.n}",
@@ -395,6 +425,14 @@ def _report(result: BenchResult, small: _Side, big: _Side, buffers: dict[int, in
                 f"shared buffers a freed-slot pass touches, {side.n:,} queued",
                 "blocks",
                 [float(buffers[side.n])],
+            )
+        )
+        result.figures.append(
+            Figure(
+                f"admission_buffers_fresh_{side.n}",
+                f"shared buffers a freed-slot pass touches right after the burst (no statistics yet), {side.n:,} queued",
+                "blocks",
+                [float(fresh[side.n])],
             )
         )
     jobs = len(small.created) + len(big.created)
@@ -420,6 +458,11 @@ def _report(result: BenchResult, small: _Side, big: _Side, buffers: dict[int, in
             f"SQL statements per pass, {m:,} / {n:,} queued",
             STATEMENTS_TARGET,
         ),
+        "fresh_ms": (
+            "admission_fresh_pass_ratio",
+            f"admission pass (one slot freed) right after the burst, no statistics yet, {m:,} / {n:,} queued",
+            None,
+        ),
         "idle_ms": ("admission_idle_ratio", f"admission pass (no slot free), {m:,} / {n:,} queued", None),
         "other_ms": (
             "admission_other_path_ratio",
@@ -438,9 +481,16 @@ def _report(result: BenchResult, small: _Side, big: _Side, buffers: dict[int, in
             [buffers[m] / buffers[n]],
         )
     )
+    result.ratios.append(
+        Ratio(
+            "admission_buffers_fresh_ratio",
+            f"shared buffers per freed-slot pass right after the burst, no statistics yet, {m:,} / {n:,} queued",
+            [fresh[m] / fresh[n]],
+        )
+    )
     result.notes.append(
         f"tenancy {LIMITED} maxRunning {SLOTS} (full), {OTHER} maxRunning {OTHER_SLOTS}; N written QUEUED by "
-        f"store.schedule_many, {CHUNK} per transaction, then VACUUM ANALYZE; a pass: engine.admission.admit in its own "
+        f"store.schedule_many, {CHUNK} per transaction (autovacuum off for the table until measured 'right after the burst', then VACUUM ANALYZE and autovacuum back on); a pass: engine.admission.admit in its own "
         "transaction, timed to its commit; the paths: store.schedule_many -> admit -> recovery.delivery.create_jobs_for "
         "against localcluster (simulate), without Celery's hops; ratios: p50 per block of passes, large / small"
     )
