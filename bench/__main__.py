@@ -26,6 +26,7 @@ from rich.console import Console
 
 from k8s_dispatch.bench import (
     adapter,
+    admission,
     api_load,
     cluster_speed,
     dispatch_throughput,
@@ -48,6 +49,7 @@ BENCHMARKS: dict[str, Benchmark] = {
     "localcluster": cluster_speed.run,  # figure 6
     "adapter": adapter.run,
     "poll_cost": poll_cost.run,  # issue 16: objects read per finished Job, watch vs LIST poll
+    "admission": admission.run,  # issue 17: a pass's cost with 1,000 vs 100,000 queued behind a limit
 }
 # Not an issue-8 figure, so not in the quick run (about 2 minutes); `--only adapter` runs it there.
 SKIPPED_AT = {"adapter": {"quick"}}

@@ -27,6 +27,10 @@ class Size:
     dispatch_jobs: int
     dispatch_rounds: int
     dispatch_threads: int
+    # admission (issue 17): the queues measured side by side (dispatches waiting behind a full
+    # limit), and the admission passes timed per queue and kind
+    admission_queued: tuple[int, int]
+    admission_passes: int
     check_targets: bool  # the issues' targets are judged (quick and full)
 
 
@@ -41,6 +45,8 @@ QUICK = Size(
     dispatch_jobs=200,
     dispatch_rounds=3,
     dispatch_threads=8,
+    admission_queued=(1_000, 100_000),
+    admission_passes=200,
     check_targets=True,
 )
 # The others as what they change of quick: the differences are the point of each (the same
@@ -56,8 +62,10 @@ SMOKE = replace(
     dispatch_jobs=20,
     dispatch_rounds=2,
     dispatch_threads=4,
+    admission_queued=(200, 2_000),
+    admission_passes=20,
     check_targets=False,
 )
-FULL = replace(QUICK, name="full", rounds=5, creates=1000, dispatch_jobs=2000)
+FULL = replace(QUICK, name="full", rounds=5, creates=1000, dispatch_jobs=2000, admission_passes=1000)
 
 SIZES = {s.name: s for s in (SMOKE, QUICK, FULL)}
