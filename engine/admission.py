@@ -45,10 +45,11 @@ def admit(session: Session, limits: Limits, *, now: datetime, page: int = UNLIMI
     """One admission pass in the caller's transaction; the dispatches it admitted (commit to
     make it so). See the module's docstring."""
     table = Dispatch.__table__
-    if not queues_with_work(session, first=True):  # nothing waits: no turn taken
-        return []
-    _take_turn(session)
     queues = queues_with_work(session)
+    if not queues or not _room(limits, holding(session, limits), queues):
+        return []  # nothing waits, or every queue's limit is full: no turn taken (no write)
+    _take_turn(session)
+    queues = queues_with_work(session)  # read again under the turn: exact from here
     running = holding(session, limits)
     heads: dict[Pair, list[Candidate]] = {}
     case_of: dict[str, str] = {}
@@ -75,6 +76,12 @@ def admit(session: Session, limits: Limits, *, now: datetime, page: int = UNLIMI
         for c in chosen
         if c.dispatch_id in moved
     ]
+
+
+def _room(limits: Limits, running: Mapping[Pair, int], queues: list[Pair]) -> bool:
+    """Whether any queue may have a free slot, read before the turn (pure). A slot freed after
+    this read is its ender's to fill: it runs a pass once its end commits (`Runtime.on_ended`)."""
+    return any(free_slots(limits, running, pair) != 0 for pair in queues)
 
 
 def _take_turn(session: Session) -> None:

@@ -64,6 +64,7 @@ STATE_FOR_TERMINAL_EVENT: dict[EventType, DispatchState] = {
 SCHEDULED_EVENT_PREDICATE = "type = 'WORKER_SCHEDULED'"
 TERMINAL_EVENT_PREDICATE = "type IN ('WORKER_COMPLETED', 'WORKER_FAILED', 'WORKER_CANCELLED')"
 QUEUED_PREDICATE = "state = 'QUEUED'"
+HOLDING_PREDICATE = "state IN ('SCHEDULED', 'CREATED')"
 UNNOTIFIED_PREDICATE = "notified_at IS NULL AND state IN ('COMPLETED', 'FAILED', 'CANCELLED')"
 
 
@@ -193,6 +194,14 @@ class Dispatch(Base):
             "dispatch_id",
             postgresql_where=sa.text(QUEUED_PREDICATE),
             sqlite_where=sa.text(QUEUED_PREDICATE),
+        ),
+        # What holds a slot, by tenancy and capability: admission's count.
+        sa.Index(
+            "ix_dispatches_holding",
+            "tenancy_id",
+            "capability",
+            postgresql_where=sa.text(HOLDING_PREDICATE),
+            sqlite_where=sa.text(HOLDING_PREDICATE),
         ),
         # Terminal dispatches the engine was not told about yet: what the sweep re-notifies.
         sa.Index(

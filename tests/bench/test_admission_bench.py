@@ -72,7 +72,7 @@ def test_smoke_admission_figures(tmp_path: Path, redis_url: str, key_prefix: str
         assert len(plans) == freed[n][0]
         # The queue's reads (which queues have work, a queue's head) go through its index.
         queue_reads = [line for line in plans if line.split(" | ")[1].startswith(QUEUE_READS)]
-        assert len(queue_reads) == freed[n][0] - 3  # less the turn, the count and the update
+        assert len(queue_reads) == freed[n][0] - 4  # less the turn, the two counts (before it and under it), the update
         assert all("ix_dispatches_queued" in line.split(" | ")[0] for line in queue_reads), queue_reads
     # Every Job created cost the server one request (its create); admission and schedule none.
     assert figures["admission_requests_per_job"].samples == [1.0]

@@ -6,9 +6,11 @@ Create Date: 2026-12-01
 
 A dispatch under a limit is written QUEUED (the state column is a plain string: no type
 change) and admitted, QUEUED -> SCHEDULED, by `engine/admission.py` when a slot is free.
-`ix_dispatches_queued` serves both of admission's reads, each O(what it returns): which
+`ix_dispatches_queued` serves two of admission's reads, each O(what it returns): which
 (tenancy, capability) queues have work (a skip scan) and each queue's first dispatches in
-order (priority, then first in). `dispatch_admission` has one row: admission passes take it in
+order (priority, then first in); `ix_dispatches_holding` the count of what holds slots, by
+tenancy and capability, whatever the table's statistics say (a fresh burst of queued rows had
+PostgreSQL scan the whole tenancy through the idempotency index before its first ANALYZE). `dispatch_admission` has one row: admission passes take it in
 turn (the row's lock), so that two replicas never fill the same free slot.
 """
 
@@ -23,6 +25,7 @@ branch_labels = None
 depends_on = None
 
 QUEUED = "state = 'QUEUED'"
+HOLDING = "state IN ('SCHEDULED', 'CREATED')"
 
 
 def upgrade() -> None:
@@ -36,6 +39,13 @@ def upgrade() -> None:
         postgresql_where=sa.text(QUEUED),
         sqlite_where=sa.text(QUEUED),
     )
+    op.create_index(
+        "ix_dispatches_holding",
+        "dispatches",
+        ["tenancy_id", "capability"],
+        postgresql_where=sa.text(HOLDING),
+        sqlite_where=sa.text(HOLDING),
+    )
     turn = op.create_table(
         "dispatch_admission",
         sa.Column("id", sa.Integer(), primary_key=True, autoincrement=False),
@@ -46,6 +56,7 @@ def upgrade() -> None:
 
 def downgrade() -> None:
     op.drop_table("dispatch_admission")
+    op.drop_index("ix_dispatches_holding", table_name="dispatches")
     op.drop_index("ix_dispatches_queued", table_name="dispatches")
     with op.batch_alter_table("dispatches") as batch:
         batch.drop_column("admitted_at")
