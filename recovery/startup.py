@@ -3,9 +3,11 @@
 Two of a capability's three clocks are kept here (the third, `activeDeadlineSeconds`, is the
 Job controller's). The start clock (`startTimeoutSeconds`, and the per-reason timeouts of
 `workers/pod_health.py`) counts from `job_created_at`, which the dispatch row records by the
-database's clock; the sweep's "now" is the database's too. The queue clock
-(`queueTimeoutSeconds`) counts from the row's `created_at`, its scheduling, also by the
-database's clock. A worker's own clock is never read.
+database's clock (for a Job that waited suspended in a queue such as Kueue's, from its resume:
+`pod_health.start_age`); the sweep's "now" is the database's too. The queue clock
+(`queueTimeoutSeconds`) counts from the row's `admitted_at` (a fair-share limit's wait is a
+turn, not a fault) or else its `created_at`, its scheduling, also by the database's clock. A
+worker's own clock is never read.
 """
 
 from __future__ import annotations
@@ -85,13 +87,14 @@ def due(
 
 def queue_expired(sessions: Any, dispatch_id: str, *, timeout_s: int | None) -> bool:
     """Whether the dispatch, still SCHEDULED (its first Job never created), has waited longer
-    than `timeout_s` since it was scheduled, by the database's clock. One query; only asked when
+    than `timeout_s` since it was admitted (scheduled, if no limit queued it), by the database's
+    clock. One query; only asked when
     a create could not be made (a `QUEUE_WAITS` error) and the capability has a queue clock."""
     if timeout_s is None:
         return False
     with transaction(sessions) as session:
         created = session.scalar(
-            sa.select(Dispatch.created_at).where(
+            sa.select(sa.func.coalesce(Dispatch.admitted_at, Dispatch.created_at)).where(
                 Dispatch.dispatch_id == dispatch_id, Dispatch.state == DispatchState.SCHEDULED
             )
         )

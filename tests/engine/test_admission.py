@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import uuid
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -201,3 +202,20 @@ def test_a_pass_costs_the_same_statements_with_ten_or_two_thousand_waiting(sm) -
 def admitted_ids(sm: sessionmaker[Session]) -> list[str]:
     with transaction(sm) as session:
         return list(session.scalars(sa.select(Dispatch.dispatch_id).where(Dispatch.state == DispatchState.SCHEDULED)))
+
+
+def test_the_queue_clock_counts_from_admission_not_from_the_turns_wait(sm) -> None:
+    from k8s_dispatch.recovery import startup
+
+    router = LimitedRouter(LIMITS)
+    (waited,) = schedule(sm, router, "acme", 1)
+    (direct,) = schedule(sm, router, "other", 1)  # no limit: its clock runs from scheduling
+    with transaction(sm) as session:  # both scheduled an hour ago; the limited one admitted now
+        session.execute(
+            sa.update(Dispatch)
+            .where(Dispatch.dispatch_id.in_([waited, direct]))
+            .values(created_at=database_now(session) - timedelta(hours=1))
+        )
+    assert admit(sm, LIMITS) == [waited]
+    assert not startup.queue_expired(sm, waited, timeout_s=600)  # admitted a moment ago
+    assert startup.queue_expired(sm, direct, timeout_s=600)
