@@ -136,8 +136,9 @@ class Metrics:
         )
         self.jobs_past_deadline = Gauge(
             "poll_jobs_past_deadline",
-            "Running Jobs the latest poll saw past their activeDeadlineSeconds (by more than "
-            f"{DEADLINE_SLACK_S:.0f} s): the Job controller should have failed them.",
+            "Running Jobs past their activeDeadlineSeconds (by more than "
+            f"{DEADLINE_SLACK_S:.0f} s): the Job controller should have failed them. As the latest "
+            "LIST poll saw them, or with the poll by watch as the latest sweep counted them in the database.",
             namespace=NAMESPACE,
             registry=registry,
         )

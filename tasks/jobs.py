@@ -270,8 +270,8 @@ def _poll_watch(rt: Runtime, *, ttl_s: float, renew: bool) -> dict[str, int]:
     except (Transient, redis.RedisError) as e:
         log.warning("poll stopped early (%s); the next one resumes from the version stored", e)
     else:
-        # Running Jobs are not read by a watch poll: the past-deadline gauge is left as the last
-        # LIST set it (a watch poll would otherwise report none).
+        # Running Jobs are not read by a watch poll: the sweep sets the past-deadline gauge from
+        # the database instead (`recovery.deadlines`).
         METRICS.finished_jobs_waiting.set(waiting)
         METRICS.poll_lag.set(lag_s)
         METRICS.last_poll.set(utcnow().timestamp())

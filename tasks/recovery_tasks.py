@@ -14,7 +14,9 @@ from celery import signals
 
 from k8s_dispatch import celeryconfig as names
 from k8s_dispatch.engine.errors import DispatchError
-from k8s_dispatch.recovery import supersede
+from k8s_dispatch.engine.settings import PollMode
+from k8s_dispatch.recovery import deadlines, supersede
+from k8s_dispatch.recovery.metrics import METRICS
 from k8s_dispatch.recovery.reconcile import run_sweep
 from k8s_dispatch.tasks import admission
 from k8s_dispatch.tasks.app import app, get_runtime
@@ -35,6 +37,11 @@ def sweep() -> dict[str, Any]:
         return {"superseded": True}
     report = run_sweep(rt, watched=True).to_dict()  # LISTs less often where poll's watch is healthy
     admission.count_tenancies(rt)
+    if rt.settings.poll_mode is PollMode.WATCH:  # a LIST poll counts them as it reads them
+        try:
+            METRICS.jobs_past_deadline.set(deadlines.past_deadline(rt))
+        except DispatchError as e:
+            log.warning("counting the jobs past their deadline failed: %s: %s", e.reason, e)
     return report
 
 
