@@ -4,7 +4,6 @@ fill a slot twice, and a pass's statements do not grow with what waits."""
 
 from __future__ import annotations
 
-import threading
 import uuid
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -19,7 +18,7 @@ from k8s_dispatch.engine import admission, migrate, store
 from k8s_dispatch.engine.db import database_now, make_engine, make_sessionmaker, transaction
 from k8s_dispatch.engine.limits import Limits, TenancyLimit
 from k8s_dispatch.engine.models import Dispatch, DispatchState, EventType
-from tests.engine.conftest import MAX_INPUT_BYTES, StaticRouter
+from tests.engine.conftest import MAX_INPUT_BYTES, StaticRouter, run_concurrently
 
 
 class LimitedRouter(StaticRouter):
@@ -146,21 +145,8 @@ def test_concurrent_passes_never_fill_a_slot_twice(pg_sm) -> None:
     ids = schedule(sm, router, "acme", 30) + schedule(sm, router, "beta", 10, capability="sleep")
 
     def race() -> int:
-        barrier, got, errors = threading.Barrier(8), [], []
-
-        def one() -> None:
-            barrier.wait()
-            try:
-                got.extend(admit(sm, limits))
-            except Exception as e:
-                errors.append(e)
-
-        threads = [threading.Thread(target=one) for _ in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert not errors, errors
+        (admitted,) = run_concurrently(8, 1, lambda _round, _thread: admit(sm, limits))
+        got = [d for ids in admitted for d in ids]
         assert len(got) == len(set(got))
         return len(got)
 
