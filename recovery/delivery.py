@@ -17,6 +17,7 @@ batch's Pods show are recorded first (`recovery.disruptions`).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
@@ -128,10 +129,19 @@ def create_job_for(rt: Runtime, dispatch_id: str) -> CreateOutcome:
     return outcome
 
 
+# A batch older than this reads its remaining rows again before the next create (and marks what
+# it made): a row read is trusted for about as long as one create takes under API faults.
+RECHECK_S = 1.0
+
+
 def create_jobs_for(rt: Runtime, dispatch_ids: Sequence[str]) -> dict[str, CreateOutcome]:
     """Create the dispatches' Jobs (or adopt those there), one after the other: the rows read
     with one query, the created Jobs marked with one transaction. An outcome per dispatch, by
     id; an id with no dispatch is logged and left out.
+
+    A batch slowed past RECHECK_S marks what it made and reads its remaining rows again, so
+    that a dispatch that ended meanwhile (its Job delivered and deleted already) is not run a
+    second time.
 
     Per Job as for one: a terminal dispatch is skipped, a Job that exists is adopted (if its
     labels say it is this dispatch's), a permanent refusal fails that dispatch only. A
@@ -145,11 +155,20 @@ def create_jobs_for(rt: Runtime, dispatch_ids: Sequence[str]) -> dict[str, Creat
     """
     ids = [check_dispatch_id(d) for d in dict.fromkeys(dispatch_ids)]
     records = _with_namespaces(rt, load_records(rt, ids))
+    read_at = time.monotonic()
     outcomes: dict[str, CreateOutcome] = {}
     made: list[tuple[DispatchRecord, CreateOutcome, str, str]] = []
     record: DispatchRecord | None = None
     try:
-        for dispatch_id in ids:
+        for i, dispatch_id in enumerate(ids):
+            if time.monotonic() - read_at > RECHECK_S:
+                # A slow batch (API faults, 429 pauses): what it read may have ended since, and
+                # had its Job delivered and deleted; a create now would run the work again. Mark
+                # what was made (deleting the Jobs of those that ended) and read the rest again.
+                _mark_created(rt, made)
+                made = []
+                records = _with_namespaces(rt, load_records(rt, ids[i:]))
+                read_at = time.monotonic()
             record = records.get(dispatch_id)
             if record is None:
                 log.warning("no dispatch %s: no Job to create", dispatch_id)
