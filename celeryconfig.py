@@ -29,6 +29,8 @@ POLL_TASK = "k8s-dispatch.poll"
 COMPLETE_TASK = "k8s-dispatch.complete"  # one Job, read fresh
 COMPLETE_BATCH_TASK = "k8s-dispatch.complete_batch"  # poll's hand-off: finished Jobs as listed
 SWEEP_TASK = "k8s-dispatch.sweep"  # the recovery sweep (tasks/recovery_tasks.py)
+CLEANUP_TASK = "k8s-dispatch.cleanup"  # poll's follow-ups: disruptions, the bulk delete of delivered Jobs
+CLEANUP_POLLS = 5  # beat sends cleanup once per this many poll intervals
 ADMIT_TASK = "k8s-dispatch.admit"  # an admission pass under the limits (tasks/admission.py)
 
 
@@ -91,6 +93,7 @@ def config(settings: Settings) -> dict[str, Any]:
             COMPLETE_TASK: {"queue": COMPLETE_QUEUE},
             COMPLETE_BATCH_TASK: {"queue": COMPLETE_QUEUE},
             POLL_TASK: {"queue": SWEEP_QUEUE},
+            CLEANUP_TASK: {"queue": SWEEP_QUEUE},
             SWEEP_TASK: {"queue": SWEEP_QUEUE},
         },
         # --- beat ----------------------------------------------------------------------
@@ -107,6 +110,11 @@ def config(settings: Settings) -> dict[str, Any]:
             "poll": {
                 "task": POLL_TASK,
                 "schedule": timedelta(seconds=settings.poll_interval_s),
+                "options": {"queue": SWEEP_QUEUE},
+            },
+            "cleanup": {
+                "task": CLEANUP_TASK,
+                "schedule": timedelta(seconds=CLEANUP_POLLS * settings.poll_interval_s),
                 "options": {"queue": SWEEP_QUEUE},
             },
             "admit": {

@@ -1019,15 +1019,15 @@ def label_deployment(rt: Runtime, namespace: str, name: str, *, snapshot: Mappin
 
 
 def delete_delivered_later(rt: Runtime, namespace: str) -> None:
-    """Leave the bulk delete of the Jobs just released in `namespace` to the next poll
-    (`delete_noted`), with a note in Redis: one bulk delete per poll interval, not one per
-    batch. Where Redis cannot take the note, the bulk delete is made now (a failure of it only
+    """Leave the bulk delete of the Jobs just released in `namespace` to the next cleanup
+    (`delete_noted`, beat's `cleanup` task), with a note in Redis: one bulk delete per cleanup
+    interval, not one per batch. Where Redis cannot take the note, the bulk delete is made now (a failure of it only
     logged: the sweep's removes those Jobs)."""
     try:
         rt.redis.set(_noted_key(rt, namespace), "1")
         return
     except redis.RedisError as e:
-        log.info("could not note delivered jobs in %s for the next poll (%s); deleting them now", namespace, e)
+        log.info("could not note delivered jobs in %s for the next cleanup (%s); deleting them now", namespace, e)
     try:
         delete_delivered(rt, namespace)
     except Transient as e:
@@ -1035,18 +1035,18 @@ def delete_delivered_later(rt: Runtime, namespace: str) -> None:
 
 
 def delete_noted(rt: Runtime, namespace: str) -> int:
-    """Poll's bulk delete: the delivered Jobs of `namespace`, if any were noted since the last
+    """Cleanup's bulk delete: the delivered Jobs of `namespace`, if any were noted since the last
     one (`delete_delivered_later`); how many. A failure is logged and the note put back.
 
     Raises:
-        redis.RedisError: Redis is unavailable (poll stops, as on any Redis error).
+        redis.RedisError: Redis is unavailable (cleanup stops, as on any Redis error).
     """
     if not rt.redis.getdel(_noted_key(rt, namespace)):
         return 0
     try:
         return delete_delivered(rt, namespace)
     except Transient as e:
-        log.warning("bulk delete of delivered jobs in %s failed (%s); the next poll tries again", namespace, e)
+        log.warning("bulk delete of delivered jobs in %s failed (%s); the next cleanup tries again", namespace, e)
         rt.redis.set(_noted_key(rt, namespace), "1")
         return 0
 

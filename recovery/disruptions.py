@@ -31,11 +31,11 @@ FAILED_PODS = "status.phase=Failed"
 
 
 def scan(rt: Runtime, namespace: str) -> list[str]:
-    """Poll's look for disruptions in `namespace`: ONE LIST (per page) of our failed Pods, the
-    disrupted ones recorded (`record_pods`); the dispatches failed as Disrupted.
+    """The look for disruptions in `namespace` (beat's `cleanup` task): ONE LIST (per page) of
+    our failed Pods, the disrupted ones recorded (`record_pods`); the dispatches failed as Disrupted.
 
     Raises:
-        Transient: the API or the database is unavailable (the next poll looks again).
+        Transient: the API or the database is unavailable (the next cleanup looks again).
     """
     pods: list[dict[str, Any]] = []
     for page in rt.kube.iter_pods(

@@ -155,13 +155,13 @@ def complete_batch(
     self: Task[[str, list[dict[str, Any]]], dict[str, int]], namespace: str, jobs: list[dict[str, Any]]
 ) -> dict[str, int]:
     """Finished Jobs of one namespace as poll's LIST saw them (`delivery.job_snapshot`): one
-    Pod LIST for them all, no GET per Job, and the bulk delete left to the next poll (one for
-    every batch of a poll interval). A Transient error stops the batch; the Jobs it left are
+    Pod LIST for them all, no GET per Job, and the bulk delete left to the next cleanup (one for
+    every batch of a cleanup interval). A Transient error stops the batch; the Jobs it left are
     retried (with backoff, as RETRY's) in a new message of their own.
     """
     rt = get_runtime()
     done = delivery.complete_jobs(rt, namespace, jobs, delete=False)
-    if done.released:  # removed by the next poll's one bulk delete for every batch since the last
+    if done.released:  # removed by the next cleanup's one bulk delete for every batch since the last
         delivery.delete_delivered_later(rt, namespace)
     if done.error is not None:
         countdown = get_exponential_backoff_interval(
@@ -222,13 +222,33 @@ def poll() -> dict[str, int]:
                     rt.redis, rt.settings.key_prefix, namespace, finished,
                     ttl_s=ttl_s, workers=rt.settings.worker_concurrency, renew=renew,
                 )  # fmt: skip
-            disruptions.scan(rt, namespace)  # one LIST of our failed Pods: evictions recorded, replaced
-            delivery.delete_noted(rt, namespace)  # what the batches released since the last poll
     except (Transient, redis.RedisError) as e:
         log.warning("poll stopped early (%s); the next one continues", e)
     else:
         METRICS.poll_done(finished=waiting, lag_s=lag_s, past_deadline=overdue)
     return {"seen": seen, "handed_off": handed}
+
+
+@app.task(name=names.CLEANUP_TASK)
+def cleanup() -> dict[str, int]:
+    """Poll's follow-ups that need not be as prompt as a completion, every CLEANUP_POLLS polls (beat):
+    per namespace ONE LIST of our failed Pods (disruptions recorded, their Pods freed, a dispatch
+    past its maxDisruptions failed) and the bulk delete of the Jobs released since the last one.
+    Apart from poll, so that neither request is paid per poll (with long Jobs few finish per poll)
+    nor adds to a poll's duration. Superseded like poll; an unavailable API or Redis stops it, and
+    the next one goes on."""
+    rt = get_runtime()
+    window = supersede.window_s(names.CLEANUP_POLLS * rt.settings.poll_interval_s)
+    if not supersede.go_ahead(rt.redis, rt.settings.key_prefix, names.CLEANUP_TASK, window_s=window):
+        return {"superseded": 1}
+    failed = deleted = 0
+    try:
+        for namespace in rt.namespaces():
+            failed += len(disruptions.scan(rt, namespace))
+            deleted += delivery.delete_noted(rt, namespace)
+    except (Transient, redis.RedisError) as e:
+        log.warning("cleanup stopped early (%s); the next one continues", e)
+    return {"disrupted_failed": failed, "deleted": deleted}
 
 
 def _poll_watch(rt: Runtime, *, ttl_s: float, renew: bool) -> dict[str, int]:
@@ -247,8 +267,6 @@ def _poll_watch(rt: Runtime, *, ttl_s: float, renew: bool) -> dict[str, int]:
             )  # fmt: skip
             seen, handed, listed = seen + done.seen, handed + done.handed_off, listed + done.listed
             waiting, lag_s = waiting + len(done.finished), max(lag_s, poll_lag_s(done.finished, now=utcnow()))
-            disruptions.scan(rt, namespace)  # one LIST of our failed Pods: evictions recorded, replaced
-            delivery.delete_noted(rt, namespace)  # what the batches released since the last poll
     except (Transient, redis.RedisError) as e:
         log.warning("poll stopped early (%s); the next one resumes from the version stored", e)
     else:

@@ -215,18 +215,23 @@ class Deployment:
         assert not problems, "\n".join(problems)
 
 
-def capabilities_file(path: Path, capabilities: dict[str, Any]) -> Path:
-    path.write_text(yaml.safe_dump({"capabilities": capabilities}))
+def capabilities_file(path: Path, capabilities: dict[str, Any], limits: dict[str, Any] | None = None) -> Path:
+    path.write_text(yaml.safe_dump({"capabilities": capabilities, **({"limits": limits} if limits else {})}))
     return path
 
 
 @pytest.fixture
 def deploy(new_pg_database, redis_url, key_prefix, tmp_path) -> Iterator[Callable[..., Deployment]]:
-    """`deploy(cluster, capabilities=None, **settings)`: a Deployment; stopped cleanly at the end."""
+    """`deploy(cluster, capabilities=None, limits=None, **settings)`: a Deployment (its capabilities
+    file holds `limits` too); stopped cleanly at the end."""
     made: list[tuple[Deployment, Any]] = []
 
     def make(
-        cluster: LocalCluster | ClusterHandle, *, capabilities: dict[str, Any] | None = None, **overrides: str
+        cluster: LocalCluster | ClusterHandle,
+        *,
+        capabilities: dict[str, Any] | None = None,
+        limits: dict[str, Any] | None = None,
+        **overrides: str,
     ) -> Deployment:
         pg_url = new_pg_database()
         migrate.upgrade(pg_url)
@@ -242,7 +247,7 @@ def deploy(new_pg_database, redis_url, key_prefix, tmp_path) -> Iterator[Callabl
         }
         if capabilities is not None:
             values["K8S_DISPATCH_CAPABILITIES"] = str(
-                capabilities_file(tmp_path / f"caps-{len(made)}.yaml", capabilities)
+                capabilities_file(tmp_path / f"caps-{len(made)}.yaml", capabilities, limits)
             )
         values.update({f"K8S_DISPATCH_{k.upper()}": v for k, v in overrides.items()})
         settings = load_settings(values)

@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from k8s_dispatch.engine import migrate, store
+from k8s_dispatch.engine import admission, migrate, store
 from k8s_dispatch.engine.db import make_engine, make_sessionmaker, transaction
+from k8s_dispatch.engine.limits import Limits, TenancyLimit
 from k8s_dispatch.engine.models import EventType
 from k8s_dispatch.ops.status import CreateWait, Failure, Pending, StatusReport, format_age, read_status, render
 
@@ -102,7 +103,7 @@ def test_the_report_counts_states_finds_the_oldest_pending_and_lists_failures_ne
     ids = populate(fresh_db_url)
     report = read(fresh_db_url)
 
-    assert report.counts == {"SCHEDULED": 2, "CREATED": 1, "COMPLETED": 1, "FAILED": 2, "CANCELLED": 1}
+    assert report.counts == {"QUEUED": 0, "SCHEDULED": 2, "CREATED": 1, "COMPLETED": 1, "FAILED": 2, "CANCELLED": 1}
     assert (report.total, report.pending) == (7, 3)
     oldest = report.oldest_pending
     assert oldest is not None
@@ -121,7 +122,7 @@ def test_the_report_counts_states_finds_the_oldest_pending_and_lists_failures_ne
 
 def test_an_empty_database_reports_zeros_and_nothing_pending(fresh_db_url) -> None:
     report = read(fresh_db_url)
-    assert report.counts == {"SCHEDULED": 0, "CREATED": 0, "COMPLETED": 0, "FAILED": 0, "CANCELLED": 0}
+    assert report.counts == {"QUEUED": 0, "SCHEDULED": 0, "CREATED": 0, "COMPLETED": 0, "FAILED": 0, "CANCELLED": 0}
     assert report.oldest_pending is None and report.recent_failures == [] and report.unnotified == 0
     text = rendered(report)
     assert "oldest pending: none" in text and "no failures" in text
@@ -130,7 +131,7 @@ def test_an_empty_database_reports_zeros_and_nothing_pending(fresh_db_url) -> No
 def sample_report() -> StatusReport:
     return StatusReport(
         generated_at=NOW,
-        counts={"SCHEDULED": 4, "CREATED": 2, "COMPLETED": 10, "FAILED": 1, "CANCELLED": 0},
+        counts={"QUEUED": 0, "SCHEDULED": 4, "CREATED": 2, "COMPLETED": 10, "FAILED": 1, "CANCELLED": 0},
         oldest_pending=Pending(
             dispatch_id="d-old",
             state="CREATED",
@@ -220,7 +221,7 @@ def test_the_command_prints_json_for_scripts_and_tables_for_people(fresh_db_url)
     result = run_cli(fresh_db_url, "--json")
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
-    assert data["counts"] == {"SCHEDULED": 2, "CREATED": 1, "COMPLETED": 1, "FAILED": 2, "CANCELLED": 1}
+    assert data["counts"] == {"QUEUED": 0, "SCHEDULED": 2, "CREATED": 1, "COMPLETED": 1, "FAILED": 2, "CANCELLED": 1}
     assert data["oldest_pending"]["dispatch_id"] == ids["old-scheduled"]
     assert [f["reason"] for f in data["recent_failures"]] == ["DeadlineExceeded", "JobLost"]
 
@@ -249,3 +250,36 @@ def test_dispatches_waiting_for_their_create_are_shown_with_why() -> None:
         }
     ]
     assert "waiting for their Job" not in rendered(sample_report())
+
+
+class LimitedRouter(Router):
+    def __init__(self, limits: Limits) -> None:
+        self.limits = limits
+
+
+def test_the_fair_share_rows_show_running_queued_the_oldest_and_how_full_each_limit_is(fresh_db_url) -> None:
+    limits = Limits(tenancies={"acme": TenancyLimit(2)}, capabilities={"demo.x": 5})
+    engine = make_engine(fresh_db_url)
+    try:
+        sessions = make_sessionmaker(engine)
+        with transaction(sessions) as session:
+            store.create_case(session, case_id="case-q", tenancy_id="acme")
+            for i in range(5):
+                store.schedule(
+                    session, case_id="case-q", tenancy_id="acme", capability="demo.x", input={"i": i},
+                    idempotency_key=f"q-{i}", router=LimitedRouter(limits), max_input_bytes=1000,
+                    now=NOW - timedelta(minutes=10 - i),
+                )  # fmt: skip
+        with transaction(sessions) as session:
+            admission.admit(session, limits, now=NOW)
+        report = read(fresh_db_url, limits=limits)
+    finally:
+        engine.dispose()
+    assert report.counts["QUEUED"] == 3 and report.counts["SCHEDULED"] == 2
+    (row,) = report.queues
+    assert (row.tenancy_id, row.capability, row.running, row.queued) == ("acme", "demo.x", 2, 3)
+    assert row.oldest_queued_s == 8 * 60  # the first two (10 and 9 minutes ago) were admitted
+    assert (row.tenancy_limit, row.capability_limit) == (2, 5)
+    assert report.to_dict()["queues"][0]["queued"] == 3
+    text = rendered(report)
+    assert "fair share" in text and "tenancy 2 / 2" in text and "capability 2 / 5" in text
