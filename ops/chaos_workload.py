@@ -31,8 +31,8 @@ CASES_PER_TENANCY = 5
 LIMITED_TENANCY = "tenant-a"
 LIMITED_CAPABILITY = "chaos.slow"
 LIMITS: dict[str, Any] = {
-    "tenancies": {"default": {"maxRunning": 20}, LIMITED_TENANCY: {"maxRunning": 12, "weight": 2}},
-    "capabilities": {LIMITED_CAPABILITY: {"maxRunning": 12}},
+    "tenancies": {"default": {"maxRunning": 24}, LIMITED_TENANCY: {"maxRunning": 16, "weight": 2}},
+    "capabilities": {LIMITED_CAPABILITY: {"maxRunning": 16}},
 }
 
 SLOW_MS = 3000

@@ -252,15 +252,15 @@ def test_the_capability_file_limits_one_tenancy_every_other_and_the_slow_capabil
 
 def test_each_limit_is_judged_by_the_most_jobs_seen_running_under_it():
     limits, _ = parse_limits(LIMITS, source="<chaos>")
-    peaks = limit_peaks(limits, {("tenancy", "tenant-a"): 12, ("tenancy", "tenant-b"): 3}, tenancies=TENANCIES)
+    peaks = limit_peaks(limits, {("tenancy", "tenant-a"): 16, ("tenancy", "tenant-b"): 3}, tenancies=TENANCIES)
     assert [(p.scope, p.name, p.limit, p.peak) for p in peaks] == [
-        ("tenancy", "tenant-a", 12, 12), ("tenancy", "tenant-b", 20, 3), ("capability", "chaos.slow", 12, 0),
+        ("tenancy", "tenant-a", 16, 16), ("tenancy", "tenant-b", 24, 3), ("capability", "chaos.slow", 16, 0),
     ]  # fmt: skip
     at_limit = verdict_with(peaks)
     assert at_limit.ok and at_limit.limit_exceeded == 0
-    over = verdict_with(limit_peaks(limits, {("capability", "chaos.slow"): 13}, tenancies=TENANCIES))
+    over = verdict_with(limit_peaks(limits, {("capability", "chaos.slow"): 17}, tenancies=TENANCIES))
     assert not over.ok and over.limit_exceeded == 1
-    assert any("capability chaos.slow: 13 Jobs running at once, limit 12" in p for p in over.problems)
+    assert any("capability chaos.slow: 17 Jobs running at once, limit 16" in p for p in over.problems)
     assert verdict().limit_exceeded is None and verdict().ok  # no limits: nothing to judge
 
 
