@@ -37,9 +37,9 @@ from sqlalchemy.engine import make_url
 from k8s_dispatch.engine.errors import DispatchError
 from k8s_dispatch.engine.models import TERMINAL_EVENT_TYPES, CaseEvent, Dispatch
 from k8s_dispatch.ops import chaos_cluster, interrupts
-from k8s_dispatch.ops.chaos_checks import RowSnapshot, TerminalEvent, Verdict, judge
+from k8s_dispatch.ops.chaos_checks import RowSnapshot, TerminalEvent, Verdict, judge, limit_peaks
 from k8s_dispatch.ops.chaos_cluster import CLUSTERS, LOCALCLUSTER, ChaosCluster
-from k8s_dispatch.ops.chaos_workload import Expected, Planned, capabilities_config, expected, workload
+from k8s_dispatch.ops.chaos_workload import TENANCIES, Expected, Planned, capabilities_config, expected, workload
 from k8s_dispatch.ops.fault_plan import BEAT, Fault, FaultKind, FaultPlan, make_plan, worker_names
 from k8s_dispatch.ops.kubeclient import opened
 from k8s_dispatch.ops.processes import ManagedProcess, WaitTimeout, celery_beat, celery_worker, wait_for_log, wait_until
@@ -79,6 +79,7 @@ RESEND_AFTER_S = 15.0
 TICK_S = 0.5
 THREAD_JOIN_S = 60.0
 PROGRESS_EVERY_S = 10.0
+QUEUE_COUNT_S = 1.0
 POD_DELETE_TRIES = 30  # a second apart: through an API server restart
 ID_CHUNK = 500
 
@@ -139,6 +140,8 @@ class ChaosResult:
     error: str | None = None
     neighbour: Verdict | None = None  # the second deployment's own verdict (also in `verdict`)
     jobs_seen: int = 0  # distinct Jobs the observer saw
+    samples: int = 0  # the observer's samples of the running Jobs (every 100 ms)
+    queued_peak: dict[str, int] = field(default_factory=dict)  # tenancy -> most QUEUED at once (database, 1/s)
     by_namespace: dict[str, int] = field(default_factory=dict)  # dispatches by recorded namespace
 
     def count_done(self, kind: FaultKind) -> int:
@@ -161,7 +164,9 @@ class ChaosResult:
         converged = f"{self.converged_s:.1f}" if self.converged_s is not None else "timeout"
         return (
             f"chaos: dispatched={v.dispatched} terminal={v.terminal} lost={v.lost} duplicates={v.duplicates} "
-            f"wrong_output={v.wrong_output} leftover_jobs={v.leftover_jobs} second_jobs={v.second_jobs} kills={self.kills} "
+            f"wrong_output={v.wrong_output} leftover_jobs={v.leftover_jobs} second_jobs={v.second_jobs} "
+            f"limit_exceeded={'none' if v.limit_exceeded is None else v.limit_exceeded} running={v.running} "
+            f"queued={v.queued} kills={self.kills} "
             f"broker_flushes={self.broker_flushes} api_faults={self.api_faults} converged_s={converged} "
             f"seed={self.options.seed}"
         )
@@ -179,6 +184,12 @@ class ChaosResult:
             "wrong_namespace": v.wrong_namespace,
             "held_claims": v.held_claims,
             "unnotified": v.unnotified,
+            "limit_exceeded": v.limit_exceeded,
+            "running": v.running,
+            "queued": v.queued,
+            "limits": [{"scope": p.scope, "name": p.name, "limit": p.limit, "peak": p.peak} for p in v.limits],
+            "queued_peak": self.queued_peak,
+            "samples": self.samples,
             "kills": self.kills,
             "broker_flushes": self.broker_flushes,
             "api_faults": self.api_faults,
@@ -308,6 +319,7 @@ class _Run:
         self.feed_error: BaseException | None = None
         self.threads: list[threading.Thread] = []
         self.t0 = 0.0
+        self.next_queue_count = 0.0
 
     # --- set-up and tear-down ------------------------------------------------------------
 
@@ -332,6 +344,7 @@ class _Run:
         from k8s_dispatch.engine.migrate import upgrade
         from k8s_dispatch.engine.settings import load_settings
         from k8s_dispatch.workers.kube import KubeClient
+        from k8s_dispatch.workers.resolver import CapabilityResolver
 
         options = self.options
         self.redis = redis.Redis.from_url(options.redis_url, socket_timeout=10, socket_connect_timeout=10)
@@ -364,6 +377,7 @@ class _Run:
         self.values = values
         self.caps_now = caps_path
         self.settings = load_settings(values)
+        self.limits = CapabilityResolver.from_settings(self.settings).limits
         self.kube = KubeClient(cluster.harness_kubeconfig, timeout_s=10)
         self.stack.callback(self.kube.close)
 
@@ -503,6 +517,25 @@ class _Run:
             if self.neighbour is not None:
                 self.result.unexpected_exits += self.neighbour.revive()
         self._resend_unrecorded()
+        self._count_queued()
+
+    def _count_queued(self) -> None:
+        """Note the most dispatches of each tenancy waiting for a slot at once (once a second)."""
+        from k8s_dispatch.engine import admission
+        from k8s_dispatch.engine.db import transaction
+
+        if time.monotonic() < self.next_queue_count or not hasattr(self, "sessions"):
+            return
+        self.next_queue_count = time.monotonic() + QUEUE_COUNT_S
+        try:
+            with transaction(self.sessions) as session:
+                rows = admission.by_tenancy(admission.summary(session))
+        except DispatchError as e:
+            log.warning("cannot count the queued dispatches: %s", e)
+            return
+        peaks = self.result.queued_peak
+        for tenancy, (_running, queued) in rows.items():
+            peaks[tenancy] = max(peaks.get(tenancy, 0), queued)
 
     # --- the feeder (the engine) -----------------------------------------------------------
 
@@ -815,13 +848,17 @@ class _Run:
                 dispatch_id = self.ids.get(planned.index, f"never-scheduled-{planned.index}")
                 wanted[dispatch_id] = expected(planned.kind, planned.input, mode=mode)
         seen = self.observer.seen() if self.observer is not None else {}
+        peaks = self.observer.peaks() if self.observer is not None else {}
+        result.samples = self.observer.samples if self.observer is not None else 0
         result.jobs_seen = sum(len(jobs) for jobs in seen.values())
         rows, events, namespaces = read_ends(self.sessions, list(wanted))
         result.by_namespace = dict(sorted(Counter(str(ns) for ns in namespaces.values()).items()))
+        limits = limit_peaks(self.limits, of_deployment(peaks, self.settings.effective_deployment), tenancies=TENANCIES)
         result.verdict = judge(wanted, rows=rows, events=events, jobs=self._all_jobs(), claims=self._claims(),
-                               namespaces=namespaces, jobs_seen=seen)  # fmt: skip
+                               namespaces=namespaces, jobs_seen=seen, limits=limits,
+                               open_slots=open_slots(self.sessions))  # fmt: skip
         if self.neighbour is not None:
-            result.neighbour = self.neighbour.judge(jobs_seen=seen)
+            result.neighbour = self.neighbour.judge(jobs_seen=seen, peaks=peaks)
             result.verdict = result.verdict.merged(result.neighbour)
         counted = Counter(result.stats)
         counted.update(Stats(self.redis, prefix=self.prefix).all())
@@ -865,6 +902,21 @@ def read_ends(
             ):
                 events.setdefault(event.dispatch_id, []).append(TerminalEvent(event.type, event.payload))
     return rows, events, namespaces
+
+
+def open_slots(sessions: Any) -> tuple[int, int]:
+    """(dispatches holding a slot, dispatches queued) in the whole database."""
+    from k8s_dispatch.engine import admission
+    from k8s_dispatch.engine.db import transaction
+
+    with transaction(sessions) as session:
+        rows = admission.summary(session)
+    return sum(r.running for r in rows), sum(r.queued for r in rows)
+
+
+def of_deployment(peaks: dict[tuple[str, str, str], int], deployment: str) -> dict[tuple[str, str], int]:
+    """The observer's peaks of one deployment's Jobs, by (scope, name)."""
+    return {(scope, name): n for (dep, scope, name), n in peaks.items() if dep == deployment}
 
 
 def pending(sessions: Any, ids: list[str], *, planned: int) -> int:
@@ -1010,6 +1062,9 @@ def render(result: ChaosResult, console: Any) -> None:
         ("leftover jobs or finalizers", verdict.leftover_jobs),
         ("dispatches with a second Job", verdict.second_jobs),
         ("dispatches with a Job outside their recorded namespace", verdict.wrong_namespace),
+        ("Jobs running beyond a limit (worst sample)", max(0, verdict.limit_exceeded or 0)),
+        ("dispatches holding a slot after convergence", verdict.running),
+        ("dispatches queued after convergence", verdict.queued),
         ("guard claims held past their lease", verdict.held_claims),
         ("ended without the engine told", verdict.unnotified),
     ):
@@ -1023,6 +1078,15 @@ def render(result: ChaosResult, console: Any) -> None:
         checks.add_row(f"second deployment: {n.dispatched} dispatches, {n.terminal} ended",
                        "clean" if n.ok else "NOT clean", "[green]ok[/green]" if n.ok else "[red]FAIL[/red]")  # fmt: skip
     console.print(checks)
+    if verdict.limits:
+        limits = Table(title=f"fair-share limits: the most Jobs running at once, {result.samples} samples 100 ms apart")
+        for column in ("limit", "maxRunning", "most running", "most queued (database)", ""):
+            limits.add_column(column)
+        for peak in verdict.limits:
+            queued = str(result.queued_peak.get(peak.name, 0)) if peak.scope == "tenancy" else ""
+            mark = "[green]ok[/green]" if peak.excess <= 0 else "[red]FAIL[/red]"
+            limits.add_row(f"{peak.scope} {peak.name}", str(peak.limit), str(peak.peak), queued, mark)
+        console.print(limits)
     for problem in verdict.problems:
         console.print(f"[red]{problem}[/red]")
     if result.error:

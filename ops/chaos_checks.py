@@ -6,6 +6,9 @@ output, or the expected failure reason), with its row agreeing and the engine no
 Job and no finalizer of ours may be left in the cluster, and no guard claim may outlive its
 lease. Every Job seen while the run went on must be its dispatch's one Job, in the namespace the
 dispatch recorded when it was scheduled (`jobs_seen`): a config change moves new work only.
+Under fair-share limits, no sample of the cluster may show more Jobs of a tenancy or a capability
+running than its limit (`limit_peaks`), and after convergence no dispatch may hold a slot or wait
+for one (`open_slots`: a leaked slot would be a dispatch left SCHEDULED or CREATED).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from k8s_dispatch.engine.limits import Limits
 from k8s_dispatch.engine.models import STATE_FOR_TERMINAL_EVENT, EventType
 from k8s_dispatch.ops.chaos_workload import Expected
 from k8s_dispatch.workers.labels import MANAGED_BY, MANAGED_BY_LABEL
@@ -39,6 +43,33 @@ class TerminalEvent:
     payload: Mapping[str, Any]
 
 
+@dataclass(frozen=True)
+class LimitPeak:
+    """The most Jobs of one tenancy or capability seen running at once, against its limit."""
+
+    scope: str  # "tenancy" or "capability"
+    name: str
+    limit: int
+    peak: int
+
+    @property
+    def excess(self) -> int:
+        return self.peak - self.limit
+
+
+def limit_peaks(limits: Limits, peaks: Mapping[tuple[str, str], int], *, tenancies: Iterable[str]) -> list[LimitPeak]:
+    """Each limit of `limits` that applies to `tenancies` (and every capability limit), with the
+    most running at once that `peaks` ((scope, name) -> count) holds for it (0 if never seen)."""
+    found = []
+    for tenancy in sorted(set(tenancies)):
+        limit = limits.tenancy(tenancy).max_running
+        if limit is not None:
+            found.append(LimitPeak("tenancy", tenancy, limit, peaks.get(("tenancy", tenancy), 0)))
+    for name, limit in sorted(limits.capabilities.items()):
+        found.append(LimitPeak("capability", name, limit, peaks.get(("capability", name), 0)))
+    return found
+
+
 @dataclass
 class Verdict:
     dispatched: int = 0
@@ -52,6 +83,11 @@ class Verdict:
     unnotified: int = 0  # ended, but the engine was never told
     second_jobs: int = 0  # dispatches with more than one Job (uid) seen
     wrong_namespace: int = 0  # dispatches with a Job outside the namespace they recorded
+    # The worst of (most running at once - limit) over the limits (> 0: a limit exceeded); None: no limit.
+    limit_exceeded: int | None = None
+    limits: list[LimitPeak] = field(default_factory=list)
+    running: int = 0  # after convergence: dispatches holding a slot (SCHEDULED, CREATED)
+    queued: int = 0  # after convergence: dispatches waiting for one (QUEUED)
     outcomes: Counter[str] = field(default_factory=Counter)  # "WORKER_COMPLETED", "WORKER_FAILED:Reason"
     problems: list[str] = field(default_factory=list)
 
@@ -66,14 +102,20 @@ class Verdict:
             or self.unnotified
             or self.second_jobs
             or self.wrong_namespace
+            or (self.limit_exceeded is not None and self.limit_exceeded > 0)
+            or self.running
+            or self.queued
         )
 
     def merged(self, other: Verdict) -> Verdict:
         """Both runs' counts (two deployments judged apart, reported as one)."""
-        both = Verdict(outcomes=self.outcomes + other.outcomes, problems=self.problems + other.problems)
+        both = Verdict(outcomes=self.outcomes + other.outcomes, problems=self.problems + other.problems,
+                       limits=self.limits + other.limits)  # fmt: skip
         for name in ("dispatched", "terminal", "lost", "duplicates", "wrong_output", "leftover_jobs", "held_claims",
-                     "claims_without_expiry", "unnotified", "second_jobs", "wrong_namespace"):  # fmt: skip
+                     "claims_without_expiry", "unnotified", "second_jobs", "wrong_namespace", "running", "queued"):  # fmt: skip
             setattr(both, name, getattr(self, name) + getattr(other, name))
+        worst = [v for v in (self.limit_exceeded, other.limit_exceeded) if v is not None]
+        both.limit_exceeded = max(worst) if worst else None
         return both
 
 
@@ -86,6 +128,8 @@ def judge(
     claims: Iterable[tuple[str, int]],
     namespaces: Mapping[str, str | None] | None = None,
     jobs_seen: Mapping[str, set[tuple[str, str]]] | None = None,
+    limits: Sequence[LimitPeak] = (),
+    open_slots: tuple[int, int] = (0, 0),
 ) -> Verdict:
     """The verdict on one run.
 
@@ -95,8 +139,12 @@ def judge(
     `claims`: (key, remaining lease in ms; -1 for no expiry) of the guard claims left.
     `namespaces`: each dispatch's recorded namespace; `jobs_seen`: dispatch id -> the
     (namespace, uid) of every Job of it seen during the run (a dispatch never seen is not judged).
+    `limits`: each limit with the most Jobs seen running under it at once; `open_slots`: the
+    database's (holding a slot, queued) after convergence.
     """
-    verdict = Verdict(dispatched=len(expected))
+    verdict = Verdict(dispatched=len(expected), limits=list(limits), running=open_slots[0], queued=open_slots[1])
+    if limits:
+        verdict.limit_exceeded = max(peak.excess for peak in limits)
     examples: dict[str, list[str]] = {}
 
     def problem(kind: str, text: str) -> None:
@@ -147,6 +195,12 @@ def judge(
                 "leftover job",
                 f"{metadata.get('namespace')}/{metadata.get('name')}: finalizers {metadata.get('finalizers')}",
             )
+
+    for peak in limits:
+        if peak.excess > 0:
+            problem("limit exceeded", f"{peak.scope} {peak.name}: {peak.peak} Jobs running at once, limit {peak.limit}")
+    if verdict.running or verdict.queued:
+        problem("slot left", f"{verdict.running} dispatches hold a slot, {verdict.queued} queued after convergence")
 
     for key, pttl_ms in claims:
         verdict.held_claims += 1

@@ -11,6 +11,7 @@ import threading
 import time
 import uuid
 from contextlib import ExitStack
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +20,8 @@ import redis
 import yaml
 from sqlalchemy.engine import make_url
 
-from k8s_dispatch.ops.chaos_checks import Verdict, judge
-from k8s_dispatch.ops.chaos_workload import Expected, capabilities_config, cases, expected, workload
+from k8s_dispatch.ops.chaos_checks import Verdict, judge, limit_peaks
+from k8s_dispatch.ops.chaos_workload import TENANCIES, Expected, capabilities_config, cases, expected, workload
 from k8s_dispatch.ops.processes import ManagedProcess, celery_beat, celery_worker, wait_for_log
 
 NAME = "neighbour"
@@ -136,7 +137,11 @@ class Neighbour:
                 proc.start()
         return notes
 
-    def judge(self, *, jobs_seen: dict[str, set[tuple[str, str]]]) -> Verdict:
+    def judge(self, *, jobs_seen: dict[str, set[tuple[str, str]]], peaks: dict[tuple[str, str, str], int]) -> Verdict:
+        """Its dispatches' ends; its own Jobs' peaks (`peaks`: the observer's, of every deployment)
+        against its limits; what holds or waits for a slot in its database."""
+        from k8s_dispatch.workers.resolver import CapabilityResolver
+
         wanted: dict[str, Expected] = {}
         with self.ids_lock:
             for planned in self.planned:
@@ -144,6 +149,9 @@ class Neighbour:
                 wanted[dispatch_id] = expected(planned.kind, planned.input, mode=self.options.mode)
         rows, events, namespaces = self.chaos.read_ends(self.sessions, list(wanted))
         claims = [(k.decode(), int(self.redis.pttl(k))) for k in self.redis.scan_iter(match=f"{self.prefix}:claim:*")]
+        limits = CapabilityResolver.from_settings(self.settings).limits
+        own = self.chaos.of_deployment(peaks, self.settings.effective_deployment)
+        named = [replace(p, scope=f"{NAME} {p.scope}") for p in limit_peaks(limits, own, tenancies=TENANCIES)]
         # jobs=(): what is left in the cluster is counted once, by the run, over every deployment's Jobs
         return judge(wanted, rows=rows, events=events, jobs=(), claims=claims, namespaces=namespaces,
-                     jobs_seen=jobs_seen)  # fmt: skip
+                     jobs_seen=jobs_seen, limits=named, open_slots=self.chaos.open_slots(self.sessions))  # fmt: skip

@@ -13,6 +13,7 @@ outcome comes from localcluster's pod annotations and a success's output is
 from __future__ import annotations
 
 import base64
+import copy
 import random
 from dataclasses import dataclass
 from enum import StrEnum
@@ -25,6 +26,14 @@ SIM = "localcluster.k8s-dispatch.io/"  # localcluster's simulate-mode annotation
 IMAGE = "k8s-dispatch-chaos:local"  # never pulled: localcluster runs or simulates it
 TENANCIES = ("tenant-a", "tenant-b")
 CASES_PER_TENANCY = 5
+# The run's fair-share limits (issue 17), in both capability files (the namespace change keeps
+# them): sized to be reached at the feed's peaks, and to leave the run near its unlimited time.
+LIMITED_TENANCY = "tenant-a"
+LIMITED_CAPABILITY = "chaos.slow"
+LIMITS: dict[str, Any] = {
+    "tenancies": {"default": {"maxRunning": 24}, LIMITED_TENANCY: {"maxRunning": 16, "weight": 2}},
+    "capabilities": {LIMITED_CAPABILITY: {"maxRunning": 16}},
+}
 
 SLOW_MS = 3000
 TIMEOUT_DEADLINE_S = 2
@@ -105,8 +114,9 @@ def cases(tag: str) -> list[tuple[str, str]]:
     return [(f"chaos-{tag}-{t}-{c}", t) for t in TENANCIES for c in range(CASES_PER_TENANCY)]
 
 
-def capabilities_config(mode: str, *, python: str = "python") -> dict[str, Any]:
-    """The capability file's content for `mode` ("simulate" or "exec")."""
+def capabilities_config(mode: str, *, python: str = "python", limits: bool = True) -> dict[str, Any]:
+    """The capability file's content for `mode` ("simulate" or "exec"), with `LIMITS` unless
+    `limits` is False."""
     if mode not in ("simulate", "exec"):
         raise ValueError(f"mode must be simulate or exec, got {mode!r}")
     functions = {Kind.QUICK: "echo", Kind.SLOW: "sleep", Kind.FAIL: "fail", Kind.TIMEOUT: "sleep"}
@@ -134,7 +144,10 @@ def capabilities_config(mode: str, *, python: str = "python") -> dict[str, Any]:
         table[Kind.FAIL]["annotations"] = {SIM + "duration-ms": "100", SIM + "outcome": "fail", SIM + "exit-code": "3"}
         table[Kind.TIMEOUT]["annotations"] = {SIM + "outcome": "hang"}
     table[Kind.TIMEOUT]["activeDeadlineSeconds"] = TIMEOUT_DEADLINE_S
-    return {"capabilities": {capability(kind): fields for kind, fields in table.items()}}
+    config: dict[str, Any] = {"capabilities": {capability(kind): fields for kind, fields in table.items()}}
+    if limits:
+        config["limits"] = copy.deepcopy(LIMITS)
+    return config
 
 
 def workload(seed: int, count: int, *, tag: str, task_every: int = 4) -> list[Planned]:

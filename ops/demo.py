@@ -5,8 +5,11 @@ if it answers, else an embedded fakeredis server), SQLite in a temporary directo
 configured database), a real `celery -A k8s_dispatch.tasks worker` and `beat`; schedules a few dozen
 dispatches over the three demo capabilities, SIGKILLs the worker mid-run, drops the queued
 messages, restarts it and shows what its start-up sweep found and did; then checks that every
-dispatch ended exactly once with the right output. Everything it starts is stopped, and its
-files removed, on the way out (also on Ctrl-C and SIGTERM).
+dispatch ended exactly once with the right output. One tenancy runs under a fair-share limit
+(`DEMO_LIMITS`, in the demo's capability file): its dispatches wait, queued in the database, and
+are admitted in turn; the demo samples the cluster's running Jobs of that tenancy and the
+database's queue, and checks that the limit was never exceeded. Everything it starts is
+stopped, and its files removed, on the way out (also on Ctrl-C and SIGTERM).
 """
 
 from __future__ import annotations
@@ -24,11 +27,13 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import redis
 import sqlalchemy as sa
+import yaml
 from celery import Celery
 from rich.console import Console, Group
 from rich.live import Live
@@ -37,7 +42,7 @@ from rich.table import Table
 from sqlalchemy.engine import make_url
 
 from k8s_dispatch import celeryconfig as names
-from k8s_dispatch.engine import store
+from k8s_dispatch.engine import admission, store
 from k8s_dispatch.engine.db import make_engine, make_sessionmaker, transaction
 from k8s_dispatch.engine.errors import Transient
 from k8s_dispatch.engine.migrate import upgrade
@@ -51,7 +56,7 @@ from k8s_dispatch.workers import demo_functions
 from k8s_dispatch.workers import labels as job_labels
 from k8s_dispatch.workers.job_status import job_state
 from k8s_dispatch.workers.kube import KubeClient
-from k8s_dispatch.workers.resolver import DEMO_FUNCTIONS, CapabilityResolver
+from k8s_dispatch.workers.resolver import DEMO_FUNCTIONS, CapabilityResolver, demo_config
 
 WORKER_NAME = "demo-worker"
 WORKER_DOWN = "worker DOWN"  # the phase in which the worker is dead on purpose
@@ -69,6 +74,10 @@ KILL_AT = 0.35  # of the first wave ended
 FIRST_WAVE = 0.7  # of the dispatches; the rest is scheduled while the worker is down
 BAD_INPUT = {"limit": demo_functions.MAX_PRIMES_LIMIT + 1}  # refused by the function: must fail
 REFRESH_S = 0.25
+# One tenancy limited to a few Jobs at once: the rest of its dispatches wait their turn.
+LIMITED_TENANCY = "acme"
+LIMITED_MAX_RUNNING = 2
+DEMO_LIMITS = {"tenancies": {LIMITED_TENANCY: {"maxRunning": LIMITED_MAX_RUNNING}}}
 
 
 # --- what the demo asks for and what it expects (pure) --------------------------------------
@@ -147,6 +156,12 @@ class Summary:
     wrong: list[str] = field(default_factory=list)  # dispatches whose end is not the expected one
     unnotified: int = 0  # ended, the engine not told
     jobs_left: int = 0  # Jobs of ours still in the cluster
+    # The limited tenancy: the most of its Jobs seen running at once (the cluster, sampled every
+    # REFRESH_S), the most of its dispatches holding a slot and waiting for one (the database).
+    max_running: int = 0
+    max_holding: int = 0
+    max_queued: int = 0
+    limit: int = LIMITED_MAX_RUNNING
     elapsed_s: float = 0.0
     problems: list[str] = field(default_factory=list)  # the run itself went wrong (a process died...)
 
@@ -159,6 +174,8 @@ class Summary:
             and not self.wrong
             and self.unnotified == 0
             and self.jobs_left == 0
+            and self.max_running <= self.limit
+            and self.max_holding <= self.limit
             and not self.problems
         )
 
@@ -168,6 +185,7 @@ class Summary:
             f"{verdict}: dispatched={self.dispatched} completed={self.completed} failed={self.failed} "
             f"(as intended: {self.failed_as_intended}) lost={self.lost} duplicates={self.duplicates} "
             f"right_outputs={self.right_outputs}/{self.completed} jobs_left={self.jobs_left} "
+            f"{LIMITED_TENANCY}: max_running={self.max_running}/{self.limit} max_queued={self.max_queued} "
             f"in {self.elapsed_s:.1f}s"
         )
 
@@ -281,6 +299,8 @@ class _Demo:
         self.run_id = uuid.uuid4().hex[:6]
         self.ids: list[str] = []
         self.phase = "starting"
+        # The limited tenancy, sampled at each refresh (see Summary).
+        self.max_running = self.max_holding = self.max_queued = 0
 
     def remaining(self) -> float:
         return max(0.0, self.deadline - time.monotonic())
@@ -342,9 +362,15 @@ class _Demo:
         header.add_row("database", _redacted(database_url))
         header.add_row("files", f"{tmp} (removed at the end)" if not self.keep else str(tmp))
         header.add_row("metrics", self.metrics_url)
+        capabilities = tmp / "capabilities.yaml"
+        capabilities.write_text(yaml.safe_dump(demo_config() | {"limits": DEMO_LIMITS}))
+        header.add_row(
+            "limits", f"tenancy {LIMITED_TENANCY}: at most {LIMITED_MAX_RUNNING} Jobs at once (the rest wait, queued)"
+        )
         self.console.rule("[bold]k8s-dispatch demo")
         self.console.print(header)
         values = {
+            "K8S_DISPATCH_CAPABILITIES": str(capabilities),
             "K8S_DISPATCH_DATABASE_URL": database_url,
             "K8S_DISPATCH_REDIS_URL": broker.url,
             "K8S_DISPATCH_KEY_PREFIX": prefix,
@@ -386,6 +412,12 @@ class _Demo:
             try:
                 self._schedule(requests[:first])
                 self.note(f"scheduled {first} dispatches over {', '.join(sorted(DEMO_FUNCTIONS))}")
+                holding, queued = self._queue()
+                limited = sum(r.tenancy_id == LIMITED_TENANCY for r in requests[:first])
+                self.note(
+                    f"tenancy [bold]{LIMITED_TENANCY}[/bold] may run {LIMITED_MAX_RUNNING} Jobs at once: "
+                    f"{queued} of its {limited} dispatches wait their turn, queued in the database ({holding} admitted)"
+                )
                 self._watch(lambda ended, _jobs: ended >= max(1, int(first * KILL_AT)), "some dispatches end")
                 self._kill_and_recover(requests[first:])
                 self.phase = "finishing"
@@ -475,6 +507,7 @@ class _Demo:
         while True:
             states = self._states()
             jobs = self._jobs()
+            self._queue()
             ended = sum(n for s, n in states.items() if DispatchState(s) in TERMINAL_STATES)
             self.progress.update(self.bar, completed=ended)
             self.live.update(self._view(states, jobs))
@@ -505,8 +538,9 @@ class _Demo:
             return sum(1 for row in rows.values() if row.notified_at is None)
 
     def _jobs(self) -> tuple[int, int]:
-        """(running, finished) Jobs of ours in the cluster."""
-        running = finished = 0
+        """(running, finished) Jobs of ours in the cluster; notes the most of the limited
+        tenancy's running at once (by its label)."""
+        running = finished = limited = 0
         try:
             for page in self.kube.iter_jobs(
                 NAMESPACE, label_selector=job_labels.selector(self.settings.effective_deployment)
@@ -516,18 +550,43 @@ class _Demo:
                         finished += 1
                     else:
                         running += 1
+                        labels = (job.get("metadata") or {}).get("labels") or {}
+                        limited += labels.get(job_labels.TENANCY_ID_KEY) == LIMITED_TENANCY
         except Transient:
             return (0, 0)
+        self.max_running = max(self.max_running, limited)
         return running, finished
+
+    def _queue(self) -> tuple[int, int]:
+        """The limited tenancy's dispatches (holding a slot, queued) in the database; notes the most of each."""
+        with transaction(self.sessions) as session:
+            holding, queued = admission.by_tenancy(admission.summary(session)).get(LIMITED_TENANCY, (0, 0))
+        self.max_holding = max(self.max_holding, holding)
+        self.max_queued = max(self.max_queued, queued)
+        return holding, queued
+
+    def _waits(self) -> list[float]:
+        """How long each of the limited tenancy's admitted dispatches waited in the queue (s)."""
+        with transaction(self.sessions) as session:
+            rows = session.execute(
+                sa.select(Dispatch.created_at, Dispatch.admitted_at).where(
+                    Dispatch.dispatch_id.in_(self.ids),
+                    Dispatch.tenancy_id == LIMITED_TENANCY,
+                    Dispatch.admitted_at.is_not(None),
+                )
+            ).all()
+        return sorted(
+            max(0.0, (_utc(admitted) - _utc(created)).total_seconds()) for created, admitted in rows if admitted
+        )
 
     def _view(self, states: Mapping[str, int] | None = None, jobs: tuple[int, int] = (0, 0)) -> Group:
         states = states or {}
         table = Table(title=f"dispatches — {self.phase}", title_justify="left")
-        for column in ("SCHEDULED", "CREATED", "COMPLETED", "FAILED", "Jobs run", "Jobs done", "worker"):
+        for column in ("QUEUED", "SCHEDULED", "CREATED", "COMPLETED", "FAILED", "Jobs run", "Jobs done", "worker"):
             table.add_column(column, justify="right", no_wrap=True)
         worker = f"up {self.worker.pid}" if self.worker.alive else "[bold red]DOWN[/bold red]"
         table.add_row(
-            *(str(states.get(s, 0)) for s in ("SCHEDULED", "CREATED", "COMPLETED", "FAILED")),
+            *(str(states.get(s, 0)) for s in ("QUEUED", "SCHEDULED", "CREATED", "COMPLETED", "FAILED")),
             str(jobs[0]),
             str(jobs[1]),
             worker,
@@ -569,8 +628,21 @@ class _Demo:
             jobs_left=running + finished,
             elapsed_s=time.monotonic() - self.started,
         )
+        summary.max_running, summary.max_holding, summary.max_queued = (
+            self.max_running, self.max_holding, self.max_queued,
+        )  # fmt: skip
         summary.problems.extend(problems or [])
         self.console.print(self._summary_table(summary))
+        if self.ids:
+            waits = self._waits()
+            if waits:
+                self.console.print(
+                    f"tenancy {LIMITED_TENANCY} (maxRunning {LIMITED_MAX_RUNNING}): {len(waits)} dispatches admitted "
+                    f"in turn, after waiting {waits[0]:.1f}s to {waits[-1]:.1f}s in the queue; at most "
+                    f"{summary.max_running} of its Jobs ran at once (the cluster, sampled every {REFRESH_S:g}s), "
+                    f"{summary.max_holding} held a slot and {summary.max_queued} waited at once (the database)",
+                    markup=False, highlight=False, soft_wrap=True,
+                )  # fmt: skip
         for text in summary.wrong[:10]:
             self.console.print(f"[red]unexpected end:[/red] {text}")
         for text in summary.problems:
@@ -608,6 +680,12 @@ class _Demo:
         table.add_row("duplicates (second terminal events)", str(s.duplicates), mark(s.duplicates == 0))
         table.add_row("engine not told", str(s.unnotified), mark(s.unnotified == 0))
         table.add_row("Jobs left in the cluster", str(s.jobs_left), mark(s.jobs_left == 0))
+        table.add_row(
+            f"{LIMITED_TENANCY}: most Jobs running at once / limit",
+            f"{max(s.max_running, s.max_holding)}/{s.limit}",
+            mark(max(s.max_running, s.max_holding) <= s.limit),
+        )
+        table.add_row(f"{LIMITED_TENANCY}: most dispatches queued at once", str(s.max_queued), "")
         table.add_row("wall time", f"{s.elapsed_s:.1f}s", "")
         return table
 
@@ -682,6 +760,11 @@ class _Demo:
 
 class _Stop(Exception):
     """The run cannot go on (a process died, a wait timed out): summarise and stop."""
+
+
+def _utc(moment: datetime) -> datetime:
+    """A naive UTC datetime (SQLite gives back naive ones, PostgreSQL aware ones)."""
+    return moment.astimezone(UTC).replace(tzinfo=None) if moment.tzinfo is not None else moment
 
 
 def _redacted(url: str) -> str:

@@ -5,10 +5,29 @@ from __future__ import annotations
 
 import pytest
 
+from k8s_dispatch.engine.limits import parse as parse_limits
 from k8s_dispatch.engine.models import EventType
-from k8s_dispatch.ops.chaos_checks import RowSnapshot, TerminalEvent, judge, mismatch
-from k8s_dispatch.ops.chaos_workload import Expected, Kind, capabilities_config, expected, kind_of, workload
-from k8s_dispatch.workers.labels import MANAGED_BY, MANAGED_BY_LABEL
+from k8s_dispatch.ops.chaos_checks import LimitPeak, RowSnapshot, TerminalEvent, judge, limit_peaks, mismatch
+from k8s_dispatch.ops.chaos_observer import CAPABILITY, TENANCY, live_job, running_now
+from k8s_dispatch.ops.chaos_workload import (
+    LIMITED_CAPABILITY,
+    LIMITED_TENANCY,
+    LIMITS,
+    TENANCIES,
+    Expected,
+    Kind,
+    capabilities_config,
+    expected,
+    kind_of,
+    workload,
+)
+from k8s_dispatch.workers.labels import (
+    CAPABILITY_KEY,
+    DEPLOYMENT_LABEL,
+    MANAGED_BY,
+    MANAGED_BY_LABEL,
+    TENANCY_ID_KEY,
+)
 from k8s_dispatch.workers.manifest import FINALIZER
 from k8s_dispatch.workers.resolver import CapabilityResolver
 
@@ -217,3 +236,77 @@ def test_a_hung_job_may_end_past_its_deadline_or_past_its_backoff_limit_and_noth
     want = expected(Kind.TIMEOUT, {"n": 1}, mode="simulate")
     why = mismatch(want, failed(reason), RowSnapshot("FAILED", reason=reason))
     assert (why is None) == right, why
+
+
+# --- fair-share limits (issue 17) --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["simulate", "exec"])
+def test_the_capability_file_limits_one_tenancy_every_other_and_the_slow_capability(mode):
+    limits = CapabilityResolver.from_mapping(capabilities_config(mode), source="<chaos>").limits
+    a, b = limits.tenancy(LIMITED_TENANCY), limits.tenancy("tenant-b")
+    assert a.max_running is not None and b.max_running is not None and a.max_running < b.max_running
+    assert limits.capability(LIMITED_CAPABILITY) is not None
+    assert not CapabilityResolver.from_mapping(capabilities_config(mode, limits=False), source="<chaos>").limits
+
+
+def test_each_limit_is_judged_by_the_most_jobs_seen_running_under_it():
+    limits, _ = parse_limits(LIMITS, source="<chaos>")
+    peaks = limit_peaks(limits, {("tenancy", "tenant-a"): 16, ("tenancy", "tenant-b"): 3}, tenancies=TENANCIES)
+    assert [(p.scope, p.name, p.limit, p.peak) for p in peaks] == [
+        ("tenancy", "tenant-a", 16, 16), ("tenancy", "tenant-b", 24, 3), ("capability", "chaos.slow", 16, 0),
+    ]  # fmt: skip
+    at_limit = verdict_with(peaks)
+    assert at_limit.ok and at_limit.limit_exceeded == 0
+    over = verdict_with(limit_peaks(limits, {("capability", "chaos.slow"): 17}, tenancies=TENANCIES))
+    assert not over.ok and over.limit_exceeded == 1
+    assert any("capability chaos.slow: 17 Jobs running at once, limit 16" in p for p in over.problems)
+    assert verdict().limit_exceeded is None and verdict().ok  # no limits: nothing to judge
+
+
+@pytest.mark.parametrize("open_slots", [(1, 0), (0, 1), (2, 3)])
+def test_a_slot_held_or_a_dispatch_queued_after_convergence_fails_the_run(open_slots):
+    left = verdict_with((), open_slots=open_slots)
+    assert not left.ok and (left.running, left.queued) == open_slots
+    assert any(p.startswith("slot left:") for p in left.problems)
+
+
+def test_merged_verdicts_keep_the_worst_limit_and_add_the_slots_left():
+    ok = LimitPeak("tenancy", "tenant-a", 12, 10)
+    over = LimitPeak("neighbour tenancy", "tenant-a", 12, 13)
+    both = verdict_with([ok], open_slots=(0, 1)).merged(verdict_with([over]))
+    assert both.limit_exceeded == 1 and both.queued == 1 and both.limits == [ok, over] and not both.ok
+    assert verdict().merged(verdict_with([ok])).limit_exceeded == -2
+
+
+def job(uid, tenancy, capability, *, conditions=(), deployment="d1", deleting=False):
+    metadata = {
+        "uid": uid,
+        "labels": {DEPLOYMENT_LABEL: deployment, TENANCY_ID_KEY: tenancy, CAPABILITY_KEY: capability},
+    }
+    if deleting:
+        metadata["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    return {"metadata": metadata, "status": {"conditions": [{"type": t, "status": "True"} for t in conditions]}}
+
+
+def test_the_sampler_counts_running_jobs_per_deployment_tenancy_and_capability():
+    jobs = {
+        "1": job("1", "tenant-a", "chaos.slow"),
+        "2": job("2", "tenant-a", "chaos.quick"),
+        "3": job("3", "tenant-a", "chaos.slow", conditions=["Complete"]),
+        "4": job("4", "tenant-b", "chaos.slow", conditions=["FailureTarget"]),  # the engine reads it as ended
+        "5": job("5", "tenant-b", "chaos.slow", deleting=True),
+        "6": job("6", "tenant-b", "chaos.slow", deployment="d2"),
+    }
+    counts = running_now({uid: live_job(j) for uid, j in jobs.items()})
+    assert counts == {
+        ("d1", TENANCY, "tenant-a"): 2, ("d1", CAPABILITY, "chaos.slow"): 1, ("d1", CAPABILITY, "chaos.quick"): 1,
+        ("d2", TENANCY, "tenant-b"): 1, ("d2", CAPABILITY, "chaos.slow"): 1,
+    }  # fmt: skip
+
+
+def verdict_with(limits, *, open_slots=(0, 0)):
+    return judge(
+        {"a": DONE, "b": FAILS}, rows={"a": GOOD_ROW, "b": FAIL_ROW}, events={"a": [GOOD_EVENT], "b": [FAIL_EVENT]},
+        jobs=(), claims=(), limits=limits, open_slots=open_slots,
+    )  # fmt: skip

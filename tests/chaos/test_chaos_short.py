@@ -26,7 +26,8 @@ CLI = [sys.executable, "-c", "import sys; from k8s_dispatch.ops.cli import main;
 FINAL_LINE = re.compile(
     r"^chaos: dispatched=(?P<dispatched>\d+) terminal=(?P<terminal>\d+) lost=(?P<lost>\d+) "
     r"duplicates=(?P<duplicates>\d+) wrong_output=(?P<wrong_output>\d+) leftover_jobs=(?P<leftover_jobs>\d+) "
-    r"second_jobs=(?P<second_jobs>\d+) "
+    r"second_jobs=(?P<second_jobs>\d+) limit_exceeded=(?P<limit_exceeded>-?\d+) running=(?P<running>\d+) "
+    r"queued=(?P<queued>\d+) "
     r"kills=(?P<kills>\d+) broker_flushes=(?P<broker_flushes>\d+) api_faults=(?P<api_faults>\d+) "
     r"converged_s=(?P<converged_s>[\d.]+) seed=(?P<seed>\d+)$"
 )
@@ -104,6 +105,9 @@ def test_a_short_chaos_run_loses_nothing_doubles_nothing_and_leaves_nothing(redi
         0,
     ), output
     assert numbers["second_jobs"] == 0, output
+    # Fair share: no sample of the cluster (every 100 ms) saw more Jobs of a tenancy or a capability
+    # running than its limit, and after convergence no dispatch holds a slot or waits for one.
+    assert numbers["limit_exceeded"] <= 0 and numbers["running"] == 0 and numbers["queued"] == 0, output
     assert numbers["kills"] == 8 and numbers["broker_flushes"] == 1 and numbers["seed"] == 11, output
     assert numbers["api_faults"] > 0, "the API server injected no error at all"
     assert done.returncode == 0, output
@@ -122,6 +126,13 @@ def test_a_short_chaos_run_loses_nothing_doubles_nothing_and_leaves_nothing(redi
     }  # fmt: skip
     assert result["wrong_namespace"] == 0 and result["neighbour"]["ok"], result["neighbour"]
     assert result["jobs_seen"] >= 300, "the observer saw too few Jobs to judge"
+    limits = {(p["scope"], p["name"]): p for p in result["limits"]}
+    assert set(limits) >= {("tenancy", "tenant-a"), ("tenancy", "tenant-b"), ("capability", "chaos.slow")}, limits
+    assert all(p["peak"] <= p["limit"] for p in result["limits"]), limits
+    # The limits were felt: the limited tenancy reached its limit and dispatches waited in the database.
+    assert limits[("tenancy", "tenant-a")]["peak"] == limits[("tenancy", "tenant-a")]["limit"], limits
+    assert result["queued_peak"].get("tenant-a", 0) > 0, result["queued_peak"]
+    assert result["samples"] >= 10 * result["feed_s"] * 0.5, "the observer sampled far less often than every 100 ms"
     assert set(result["by_namespace"]) == {"chaos", "chaos-moved"}, result["by_namespace"]  # before and after
     done_faults = {f["kind"] for f in result["faults"] if f["ok"]}
     assert {"pod_delete", "namespace_change"} <= done_faults, result["faults"]

@@ -17,13 +17,35 @@ import pytest
 import redis
 
 from k8s_dispatch.ops import processes
-from k8s_dispatch.ops.demo import DemoRequest, Outcome, parse_sweep_line, plan_requests, summarise
+from k8s_dispatch.ops.demo import (
+    LIMITED_MAX_RUNNING,
+    DemoRequest,
+    Outcome,
+    parse_sweep_line,
+    plan_requests,
+    summarise,
+)
 
 SCRIPT = str(Path(sys.executable).parent / "k8s-dispatch")
 OK_LINE = re.compile(
     r"demo OK: dispatched=(\d+) completed=(\d+) failed=1 \(as intended: 1\) lost=0 duplicates=0 "
-    r"right_outputs=(\d+)/(\d+) jobs_left=0 in ([0-9.]+)s"
+    r"right_outputs=(\d+)/(\d+) jobs_left=0 acme: max_running=(\d+)/(\d+) max_queued=(\d+) in ([0-9.]+)s"
 )
+
+
+def assert_the_limited_tenancy_waited_its_turn(match: re.Match[str], output: str) -> None:
+    """acme's Jobs never ran more at once than its limit (the cluster sampled, the database read),
+    and its dispatches did wait, queued, and were admitted in turn."""
+    max_running, limit, max_queued = map(int, match.groups()[4:7])
+    assert limit == LIMITED_MAX_RUNNING and 1 <= max_running <= limit, match.group(0)
+    assert max_queued > 0, match.group(0)
+    assert re.search(r"tenancy acme may run 2 Jobs at once: [1-9]\d* of its \d+ dispatches wait their turn", output)
+    waited = re.search(r"tenancy acme \(maxRunning 2\): (\d+) dispatches admitted in turn, after waiting "
+                       r"[0-9.]+s to ([0-9.]+)s in the queue; at most (\d+) of its Jobs ran at once .*?"
+                       r"(\d+) held a slot and (\d+) waited at once", output)  # fmt: skip
+    assert waited, output[-3000:]
+    assert float(waited.group(2)) > 0 and int(waited.group(3)) <= limit and int(waited.group(4)) <= limit
+    assert int(waited.group(5)) == max_queued
 
 
 def demo_env(tmp: Path, **settings: str) -> dict[str, str]:
@@ -79,6 +101,7 @@ def test_the_demo_runs_on_embedded_defaults_when_no_redis_answers(tmp_path: Path
     assert match, result.stdout[-2000:]
     dispatched, completed, right, of = map(int, match.groups()[:4])
     assert (dispatched, completed, right, of) == (30, 29, 29, 29)
+    assert_the_limited_tenancy_waited_its_turn(match, result.stdout)
     assert "SIGKILL to the worker" in result.stdout and "start-up sweep found and did:" in result.stdout
     assert re.search(r"finished unrecorded +│ +\d+ │ +\d+ │", result.stdout)
     assert_left_nothing(result.stdout, cwd=cwd, tmp=tmp)
@@ -93,6 +116,7 @@ def test_the_demo_uses_the_configured_redis_and_postgresql(tmp_path: Path, redis
     assert f"Redis at {redis_url}" in result.stdout and "postgresql" in result.stdout
     match = OK_LINE.search(result.stdout)
     assert match and match.group(1) == "12", result.stdout[-2000:]
+    assert_the_limited_tenancy_waited_its_turn(match, result.stdout)
     assert_left_nothing(result.stdout, cwd=cwd, tmp=tmp)
     client = redis.Redis.from_url(redis_url)
     try:
@@ -165,6 +189,15 @@ def test_a_summary_holds_only_when_every_dispatch_ended_once_as_expected() -> No
     ).ok
     unnotified = {"a": Outcome("COMPLETED", {"n": 1}, None, 1, notified=False), "b": outcome("FAILED")}
     assert not summarise([good, bad], ["a", "b"], unnotified, jobs_left=0, elapsed_s=1).ok
+    for field in ("max_running", "max_holding"):  # the limited tenancy ran more at once than its limit
+        beyond = summarise(
+            [good, bad], ["a", "b"], {"a": outcome("COMPLETED", {"n": 1}), "b": outcome("FAILED")}, jobs_left=0,
+            elapsed_s=1,
+        )  # fmt: skip
+        setattr(beyond, field, LIMITED_MAX_RUNNING)
+        assert beyond.ok, field
+        setattr(beyond, field, LIMITED_MAX_RUNNING + 1)
+        assert not beyond.ok, field
 
 
 @pytest.mark.parametrize(
