@@ -53,7 +53,8 @@ class Point:
 POINTS = {
     "smoke": (Point(10, 4.0, 4.0),),
     "quick": (Point(1000, 60.0, 20.0), Point(1000, 600.0, 60.0), Point(300, 600.0, 120.0)),
-    "full": (Point(1000, 60.0, 30.0), Point(1000, 600.0, 60.0), Point(5000, 600.0, 30.0), Point(5000, 1800.0, 60.0)),
+    # The sizes: 5,000 of 10 minutes, and 20,000 of 30 minutes (11 finish a second).
+    "full": (Point(1000, 60.0, 30.0), Point(1000, 600.0, 60.0), Point(5000, 600.0, 30.0), Point(20000, 1800.0, 30.0)),
 }
 
 
