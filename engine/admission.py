@@ -105,9 +105,9 @@ def holding(session: Session, limits: Limits) -> dict[Pair, int]:
     return {(t, c): n for t, c, n in session.execute(query)}
 
 
-def queues_with_work(session: Session, *, first: bool = False) -> list[Pair]:
+def queues_with_work(session: Session) -> list[Pair]:
     """The (tenancy, capability) queues with a QUEUED dispatch, by a skip scan of the queue
-    index: one probe per queue, whatever their length (`first`: only the first one)."""
+    index: one probe per queue, whatever their length."""
     table = Dispatch.__table__
     pairs: list[Pair] = []
     after: Pair | None = None
@@ -120,8 +120,6 @@ def queues_with_work(session: Session, *, first: bool = False) -> list[Pair]:
             return pairs
         after = (row[0], row[1])
         pairs.append(after)
-        if first:
-            return pairs
 
 
 def _queue_order(table: sa.Table) -> tuple[sa.ColumnElement[object], ...]:
