@@ -8,14 +8,16 @@ import os
 import subprocess
 import sys
 import uuid
+from datetime import timedelta
 
 import pytest
 from rich.console import Console
 
-from k8s_dispatch.engine import migrate, store
-from k8s_dispatch.engine.db import make_engine, make_sessionmaker, transaction
+from k8s_dispatch.engine import admission, migrate, store
+from k8s_dispatch.engine.db import database_now, make_engine, make_sessionmaker, transaction
 from k8s_dispatch.engine.disruptions import DisruptionEvent, record_disruptions
 from k8s_dispatch.engine.errors import InvalidId, UnknownDispatch
+from k8s_dispatch.engine.limits import Limits, TenancyLimit
 from k8s_dispatch.engine.models import EventType
 from k8s_dispatch.ops.show import read_story, render
 
@@ -95,3 +97,37 @@ def test_the_command_exits_3_for_an_id_it_cannot_show(url: str) -> None:
             timeout=60,
         )  # fmt: skip
         assert result.returncode == 3 and "error: " in result.stderr, result.stderr
+
+
+class LimitedRouter(Router):
+    limits = Limits(tenancies={"acme": TenancyLimit(1)})
+
+
+def test_a_queued_dispatch_shows_its_place_in_its_queue_and_an_admitted_one_its_wait(url) -> None:
+    engine = make_engine(url)
+    sessions = make_sessionmaker(engine)
+    try:
+        with transaction(sessions) as session:
+            store.create_case(session, case_id="cq", tenancy_id="acme")
+            first, second, urgent = (
+                store.schedule(
+                    session, case_id="cq", tenancy_id="acme", capability="cap", input={"i": i},
+                    idempotency_key=f"q{i}", router=LimitedRouter(), max_input_bytes=1000, priority=priority,
+                    now=database_now(session) - timedelta(seconds=10 - i),  # first in: by time
+                ).dispatch_id
+                for i, priority in ((0, 0), (1, 0), (2, 9))
+            )  # fmt: skip
+        with transaction(sessions) as session:
+            assert [read_story(session, d).place for d in (urgent, first, second)] == [1, 2, 3]
+            admission.admit(session, LimitedRouter.limits, now=database_now(session))
+        with transaction(sessions) as session:
+            admitted, waiting = read_story(session, urgent), read_story(session, second)
+    finally:
+        engine.dispose()
+    assert admitted.place is None and admitted.admitted_at is not None and admitted.priority == 9
+    assert admitted.timings()["waited_for_slot_s"] is not None
+    assert waiting.state == "QUEUED" and waiting.place == 2
+    assert waiting.to_dict()["place_in_queue"] == 2
+    console = Console(width=200, record=True)
+    console.print(render(waiting))
+    assert "place 2 in acme's queue for cap" in console.export_text()
