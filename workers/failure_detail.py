@@ -14,6 +14,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from k8s_dispatch.workers.job_status import terminated_state
 from k8s_dispatch.workers.manifest import CONTAINER_NAME
 
 OOM_KILLED = "OOMKilled"  # the container's reason, and the dispatch's
@@ -218,13 +219,7 @@ def _failed_condition(job: Mapping[str, Any]) -> Mapping[str, Any] | None:
 
 
 def _terminated(pod: Mapping[str, Any] | None, container: str) -> Mapping[str, Any] | None:
-    statuses = [_dict(s) for s in _list(_dict(_dict(pod).get("status")).get("containerStatuses"))]
-    chosen = [s for s in statuses if s.get("name") == container] or (statuses if len(statuses) == 1 else [])
-    for status in chosen:
-        terminated = _dict(_dict(status.get("state")).get("terminated"))
-        if terminated:
-            return terminated
-    return None
+    return terminated_state(_list(_dict(_dict(pod).get("status")).get("containerStatuses")), container)
 
 
 def _name(pod: Mapping[str, Any]) -> str:

@@ -172,7 +172,7 @@ def pick_termination(
         if job_uid is not None and not _may_belong_to(metadata, job_uid):
             continue
         status = _dict(pod.get("status"))
-        terminated = _terminated_state(_list(status.get("containerStatuses")), container)
+        terminated = terminated_state(_list(status.get("containerStatuses")), container)
         if terminated is None:
             continue
         exit_code = terminated.get("exitCode")
@@ -205,7 +205,9 @@ def _may_belong_to(metadata: Mapping[str, Any], job_uid: str) -> bool:
     return not uids or uids == {job_uid}
 
 
-def _terminated_state(statuses: list[Any], container: str) -> Mapping[str, Any] | None:
+def terminated_state(statuses: list[Any], container: str) -> Mapping[str, Any] | None:
+    """The `terminated` state among a Pod's container statuses: the named container's, or the
+    only container's when none has the name (pure). None while it has not ended."""
     statuses = [_dict(s) for s in statuses]
     chosen = [s for s in statuses if s.get("name") == container] or (statuses if len(statuses) == 1 else [])
     for status in chosen:
