@@ -82,6 +82,18 @@ def _types(story: list[tuple[str, dict[str, Any]]]) -> list[str]:
     return [t for t, _ in story]
 
 
+def _run_one(deploy: Any, cluster: Any, capability: str, *, timeout_s: float) -> tuple[Any, str, str, dict[str, Any]]:
+    """One dispatch of `capability` through a worker and beat on `cluster`: the deployment, the
+    dispatch id and its one terminal event (type, payload); twice `timeout_s` on the real plane."""
+    d = deploy(cluster, capabilities=CAPABILITIES)
+    d.start_worker("w1")
+    d.start_beat()
+    (dispatch_id,) = d.schedule_batch(capability, 1)
+    events = d.wait_terminal([dispatch_id], timeout_s=2 * timeout_s if cluster.is_real else timeout_s)
+    ((kind, payload),) = events[dispatch_id]
+    return d, dispatch_id, kind, payload
+
+
 def test_two_evictions_then_success_complete_after_two_disruption_events(deploy, any_cluster):
     d = deploy(any_cluster, capabilities=CAPABILITIES)
     d.start_worker("w1")
@@ -107,12 +119,7 @@ def test_two_evictions_then_success_complete_after_two_disruption_events(deploy,
 
 
 def test_evictions_beyond_max_disruptions_fail_the_dispatch_as_disrupted(deploy, any_cluster):
-    d = deploy(any_cluster, capabilities=CAPABILITIES)
-    d.start_worker("w1")
-    d.start_beat()
-    (dispatch_id,) = d.schedule_batch("sim.drained", 1)
-    events = d.wait_terminal([dispatch_id], timeout_s=90 if any_cluster.is_real else 40)
-    ((kind, payload),) = events[dispatch_id]
+    d, dispatch_id, kind, payload = _run_one(deploy, any_cluster, "sim.drained", timeout_s=40)
     assert (kind, payload["reason"]) == (EventType.WORKER_FAILED, "Disrupted")
     # Disruptions are found by beat's cleanup (every 5 polls): Pods evicted every ~150 ms may be
     # evicted again before it looks; each is recorded, and the count it failed at is the log's.
@@ -128,12 +135,7 @@ def test_evictions_beyond_max_disruptions_fail_the_dispatch_as_disrupted(deploy,
 
 
 def test_an_oom_kill_ends_oomkilled_with_exit_code_signal_and_log_tail(deploy, any_cluster):
-    d = deploy(any_cluster, capabilities=CAPABILITIES)
-    d.start_worker("w1")
-    d.start_beat()
-    (dispatch_id,) = d.schedule_batch("sim.oom", 1)
-    events = d.wait_terminal([dispatch_id], timeout_s=60 if any_cluster.is_real else 30)
-    ((kind, payload),) = events[dispatch_id]
+    d, dispatch_id, kind, payload = _run_one(deploy, any_cluster, "sim.oom", timeout_s=30)
     assert (kind, payload["reason"]) == (EventType.WORKER_FAILED, "OOMKilled")
     detail = payload["detail"]
     assert (detail["exit_code"], detail["signal"], detail["container_reason"]) == (137, "SIGKILL", "OOMKilled")
@@ -162,12 +164,7 @@ def test_an_oom_kill_ends_oomkilled_with_exit_code_signal_and_log_tail(deploy, a
 
 
 def test_an_exit_code_in_fail_on_exit_codes_fails_at_once(deploy, any_cluster):
-    d = deploy(any_cluster, capabilities=CAPABILITIES)
-    d.start_worker("w1")
-    d.start_beat()
-    (dispatch_id,) = d.schedule_batch("sim.fatal", 1)
-    events = d.wait_terminal([dispatch_id], timeout_s=60 if any_cluster.is_real else 30)
-    ((kind, payload),) = events[dispatch_id]
+    d, _, kind, payload = _run_one(deploy, any_cluster, "sim.fatal", timeout_s=30)
     assert (kind, payload["reason"]) == (EventType.WORKER_FAILED, "PodFailurePolicy")
     detail = payload["detail"]
     assert (detail["exit_code"], detail.get("signal")) == (3, None)
