@@ -285,3 +285,22 @@ def deploy(new_pg_database, redis_url, key_prefix, tmp_path) -> Iterator[Callabl
             deployment.redis.close()
             engine.dispose()
     assert not failures, "\n".join(failures)
+
+
+@pytest.fixture
+def world(pg_url, redis_url, key_prefix):
+    """An engine's side without workers: a producer app on a fresh key prefix, the database
+    (engine and sessions), Redis, and the name of the jobs queue the producer sends to. Its keys
+    are deleted at the end. Yields (producer, engine, sessions, redis, queue)."""
+    prefix = f"{key_prefix}-producer-{uuid.uuid4().hex[:6]}"
+    settings = load_settings({"K8S_DISPATCH_KEY_PREFIX": prefix, "K8S_DISPATCH_REDIS_URL": redis_url})
+    producer = Celery("test-producer", set_as_current=False)
+    producer.conf.update(celeryconfig.config(settings))
+    engine = make_engine(pg_url, pool_size=10)  # the outbox's tests commit from 8 threads
+    client = redis.Redis.from_url(redis_url)
+    yield producer, engine, make_sessionmaker(engine), client, f"{prefix}:{celeryconfig.JOBS_QUEUE}"
+    producer.close()
+    for key in client.scan_iter(f"{prefix}*"):
+        client.delete(key)
+    client.close()
+    engine.dispose()

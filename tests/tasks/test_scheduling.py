@@ -11,29 +11,13 @@ import uuid
 
 import pytest
 import redis
-from celery import Celery
 
 from k8s_dispatch import celeryconfig
 from k8s_dispatch.engine import store
-from k8s_dispatch.engine.db import make_engine, make_sessionmaker, transaction
+from k8s_dispatch.engine.db import transaction
 from k8s_dispatch.engine.errors import UnknownCapability
-from k8s_dispatch.engine.settings import load_settings
 from k8s_dispatch.tasks.scheduling import CREATE_BATCH, schedule_in_session, schedule_many_in_session
 from k8s_dispatch.workers.resolver import demo_resolver
-
-
-@pytest.fixture
-def world(pg_url, redis_url, key_prefix):
-    prefix = f"{key_prefix}-sched-{uuid.uuid4().hex[:6]}"
-    settings = load_settings({"K8S_DISPATCH_KEY_PREFIX": prefix, "K8S_DISPATCH_REDIS_URL": redis_url})
-    producer = Celery("sched-producer", set_as_current=False)
-    producer.conf.update(celeryconfig.config(settings))
-    engine = make_engine(pg_url)
-    client = redis.Redis.from_url(redis_url)
-    yield producer, make_sessionmaker(engine), client, f"{prefix}:{celeryconfig.JOBS_QUEUE}"
-    producer.close()
-    client.close()
-    engine.dispose()
 
 
 def batches(client: redis.Redis, queue: str) -> list[list[str]]:
@@ -69,7 +53,7 @@ def new_case(sessions) -> str:
 
 
 def test_create_job_is_sent_once_the_transaction_commits(world):
-    producer, sessions, client, queue = world
+    producer, _, sessions, client, queue = world
     case_id = new_case(sessions)
     with transaction(sessions) as session:
         first = schedule_in_session(session, via=producer, **request(case_id))
@@ -79,7 +63,7 @@ def test_create_job_is_sent_once_the_transaction_commits(world):
 
 
 def test_nothing_is_sent_when_the_transaction_rolls_back(world):
-    producer, sessions, client, queue = world
+    producer, _, sessions, client, queue = world
     case_id = new_case(sessions)
     with pytest.raises(RuntimeError), transaction(sessions) as session:
         result = schedule_in_session(session, via=producer, **request(case_id))
@@ -94,7 +78,7 @@ def test_nothing_is_sent_when_the_transaction_rolls_back(world):
 
 
 def test_a_rolled_back_savepoint_takes_only_its_own_dispatches(world):
-    producer, sessions, client, queue = world
+    producer, _, sessions, client, queue = world
     case_id = new_case(sessions)
     with transaction(sessions) as session:
         kept = schedule_in_session(session, via=producer, **request(case_id))
@@ -110,7 +94,7 @@ def test_a_rolled_back_savepoint_takes_only_its_own_dispatches(world):
 
 
 def test_a_repeated_request_is_one_dispatch_and_a_bad_one_writes_nothing(world):
-    producer, sessions, client, queue = world
+    producer, _, sessions, client, queue = world
     case_id = new_case(sessions)
     same = request(case_id)
     with transaction(sessions) as session:
@@ -125,7 +109,7 @@ def test_a_repeated_request_is_one_dispatch_and_a_bad_one_writes_nothing(world):
 
 
 def test_a_transaction_of_60_dispatches_is_sent_in_batches_after_its_commit(world):
-    producer, sessions, client, queue = world
+    producer, _, sessions, client, queue = world
     case_id = new_case(sessions)
     router = demo_resolver()
 

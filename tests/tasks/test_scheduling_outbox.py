@@ -11,36 +11,17 @@ import threading
 import uuid
 from typing import Any
 
-import pytest
 import redis
 import sqlalchemy as sa
-from celery import Celery
 from sqlalchemy import event
 from test_scheduling import new_case, request
 
 from k8s_dispatch import celeryconfig
 from k8s_dispatch.engine import store
-from k8s_dispatch.engine.db import make_engine, make_sessionmaker, transaction
+from k8s_dispatch.engine.db import transaction
 from k8s_dispatch.engine.models import CaseEvent, Dispatch
-from k8s_dispatch.engine.settings import load_settings
 from k8s_dispatch.ops.processes import wait_until
 from k8s_dispatch.tasks.scheduling import CREATE_BATCH, schedule_in_session, schedule_many_in_session
-
-
-@pytest.fixture
-def world(pg_url, redis_url, key_prefix):
-    prefix = f"{key_prefix}-outbox-{uuid.uuid4().hex[:6]}"
-    settings = load_settings({"K8S_DISPATCH_KEY_PREFIX": prefix, "K8S_DISPATCH_REDIS_URL": redis_url})
-    producer = Celery("outbox-producer", set_as_current=False)
-    producer.conf.update(celeryconfig.config(settings))
-    engine = make_engine(pg_url, pool_size=10)
-    client = redis.Redis.from_url(redis_url)
-    yield producer, engine, make_sessionmaker(engine), client, f"{prefix}:{celeryconfig.JOBS_QUEUE}"
-    producer.close()
-    for key in client.scan_iter(f"{prefix}*"):
-        client.delete(key)
-    client.close()
-    engine.dispose()
 
 
 def batches(client: redis.Redis, queue: str) -> list[list[str]]:
