@@ -27,10 +27,10 @@ from k8s_dispatch.recovery import statelog
 from k8s_dispatch.recovery.crashpoints import Point, crashpoint
 from k8s_dispatch.recovery.metrics import METRICS
 from k8s_dispatch.recovery.runtime import Runtime
+from k8s_dispatch.tasks.scheduling import CREATE_BATCH
 
 log = logging.getLogger(__name__)
 
-CREATE_BATCH = 50  # as tasks.scheduling's: dispatch ids per create_jobs message
 # A pass holds the "running" key this long at most: a holder that dies stops coalescing for no
 # longer than this (beat's passes go on regardless).
 RUNNING_LEASE_MS = 10_000
