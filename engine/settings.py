@@ -51,6 +51,8 @@ class Settings(BaseSettings):
     poll_page_size: int = Field(default=500, gt=0, le=10_000)
     sweep_interval_s: float = Field(default=30.0, gt=0)
     poll_mode: PollMode = PollMode.WATCH
+    # How long poll's watch stream may be kept open between polls (0: a new watch each poll).
+    poll_watch_hold_s: float = Field(default=30.0, ge=0, le=1800)
     # While poll's watch is healthy, the sweep LISTs a namespace's Jobs at most this often (its
     # database side runs every sweep); with the watch down, or in LIST mode, every sweep lists.
     sweep_list_interval_s: float = Field(default=600.0, gt=0)

@@ -26,7 +26,7 @@ from k8s_dispatch.recovery import delivery
 from k8s_dispatch.workers import labels as job_labels
 from k8s_dispatch.workers import pod_health
 from k8s_dispatch.workers.job_status import job_state
-from k8s_dispatch.workers.kube import KubeClient
+from k8s_dispatch.workers.kube import Hold, KubeClient
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,8 @@ WATCH_BOUND_MAX_S = 0.3
 # The poll's watch of a namespace is healthy (the sweep may skip its LIST) while a poll has
 # stored a version within this many poll intervals.
 HEALTHY_INTERVALS = 3
+# A stream kept between polls is dropped after this many poll intervals without a poll reading it.
+HOLD_IDLE_INTERVALS = 2
 _RV = b"rv"
 _JOB = "j:"
 _UNSTARTED = "u:"
@@ -116,6 +118,13 @@ def apply(position: Position, events: Sequence[Mapping[str, Any]]) -> Applied:
 def bound_s(poll_interval_s: float) -> float:
     """How long one slice of the watch may read, for a poll every `poll_interval_s` (pure)."""
     return min(WATCH_BOUND_MAX_S, WATCH_BOUND_SHARE * poll_interval_s)
+
+
+def hold(hold_s: float, poll_interval_s: float) -> Hold | None:
+    """How a poll's watch stream is kept for the next poll (pure): `hold_s` in all (None: not
+    kept), and dropped once HOLD_IDLE_INTERVALS poll intervals pass without a poll reading it
+    (the next poll ran elsewhere, or not at all)."""
+    return Hold(lifetime_s=hold_s, idle_s=HOLD_IDLE_INTERVALS * poll_interval_s) if hold_s > 0 else None
 
 
 # --- the position in Redis ------------------------------------------------------------------
@@ -222,8 +231,10 @@ def poll_namespace(
     page_size: int,
     poll_interval_s: float,
     hand_off: HandOff,
+    hold_s: float = 0.0,
 ) -> NamespacePoll:
     """Resume the namespace's watch (or LIST), hand off its finished Jobs, then store the position.
+    With `hold_s`, the watch's stream is kept for the next poll for that long (`hold`).
 
     Raises:
         Transient: the API (the LIST) is unavailable: nothing is stored, the next poll resumes
@@ -238,7 +249,11 @@ def poll_namespace(
     if before.version is not None:
         try:
             watched = kube.watch_jobs(
-                namespace, label_selector=selector, resource_version=before.version, bound_s=bound_s(poll_interval_s)
+                namespace,
+                label_selector=selector,
+                resource_version=before.version,
+                bound_s=bound_s(poll_interval_s),
+                hold=hold(hold_s, poll_interval_s),
             )
         except ApiUnavailable as e:
             log.info("poll: the watch of jobs in %s failed (%s); listing them", namespace, e)

@@ -17,6 +17,7 @@ import json
 import logging
 import math
 import re
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ from k8s_dispatch.engine.errors import (
     QuotaExceeded,
 )
 from k8s_dispatch.workers import budget as api_budget
+from k8s_dispatch.workers import watch_stream
 from k8s_dispatch.workers.budget import Budget
 from k8s_dispatch.workers.kube_metrics import METRICS, KubeMetrics
 
@@ -87,6 +89,17 @@ NO_ANSWER = "error"  # the code of a request that got no answer
 # A watch slice ends after this long without a byte from the server: it has sent what it had
 # (the watch cache replays the events after a version at once), so the slice is caught up.
 WATCH_QUIET_S = 0.08
+# A watch's reads wait at most its lifetime and this much more: the server ends it by then.
+WATCH_READ_SLACK_S = 5.0
+
+
+@dataclass(frozen=True)
+class Hold:
+    """How long a watch stream may be kept between slices (`KubeClient.watch_jobs`): at most
+    `lifetime_s` in all (the watch's timeoutSeconds), and `idle_s` without a slice reading it."""
+
+    lifetime_s: float
+    idle_s: float
 
 
 @dataclass(frozen=True)
@@ -141,6 +154,11 @@ class KubeClient:
         self._auth_due = -math.inf
         self._batch = k8s.BatchV1Api(self._api_client)
         self._core = k8s.CoreV1Api(self._api_client)
+        # Watch streams kept between slices, and the version each watch's last slice reached,
+        # by (namespace, label selector): `watch_jobs`.
+        self._watch_lock = threading.Lock()
+        self._held: dict[tuple[str, str], watch_stream.WatchStream] = {}
+        self._reached: dict[tuple[str, str], str] = {}
         self.host: str = configuration.host
         base = urllib3.util.parse_url(configuration.host)
         self._origin = (base.host or "", base.port, base.scheme or "https")  # for the pool of `_request`
@@ -158,6 +176,10 @@ class KubeClient:
         )
 
     def close(self) -> None:
+        with self._watch_lock:
+            held, self._held = list(self._held.values()), {}
+        for stream in held:
+            stream.close()
         self._api_client.close()  # type: ignore[no-untyped-call]  # py.typed, but kubernetes leaves it unannotated
 
     def __enter__(self) -> KubeClient:
@@ -240,10 +262,18 @@ class KubeClient:
         resource_version: str,
         bound_s: float,
         quiet_s: float = WATCH_QUIET_S,
+        hold: Hold | None = None,
     ) -> WatchSlice:
         """One bounded slice of a Job watch from `resource_version` (with bookmarks): the events
-        the server sent until a BOOKMARK, `quiet_s` without a byte (caught up), or `bound_s` in
-        all, whichever comes first. The stream is then closed (its connection not reused).
+        the server sent until a BOOKMARK, `quiet_s` without one (caught up), or `bound_s` in all,
+        whichever comes first.
+
+        Without `hold` the stream is closed after the slice. With it, the stream is kept for the
+        next slice of the same watch, when that one starts where this one ended: it is read from
+        the kept stream, without a new request. A stream is kept once two slices of this process
+        follow each other (so that replicas taking turns do not each keep a stream nobody reads),
+        for at most `hold.lifetime_s`, and dropped when no slice read it for `hold.idle_s`. A kept
+        stream that has ended or broken is replaced by a new watch in the same slice.
 
         A slice never loses an event: what it did not read, the next one (from the last version
         read) reads. `expired` is set when the server says the version is too old (410 Gone or
@@ -253,27 +283,75 @@ class KubeClient:
             ApiUnavailable: the watch could not be opened or broke off (an ERROR event other
                 than 410 included); the caller falls back to a LIST.
         """
-        what = f"watch jobs in {namespace} from {resource_version}"
+        key = (namespace, label_selector)
+        with self._watch_lock:
+            stream = self._held.pop(key, None)
+            follows = self._reached.get(key) == resource_version
+        if stream is not None and not (stream.usable and stream.reached == resource_version):
+            stream.close()
+            stream = None
+        kept = stream is not None
+        deadline = time.monotonic() + bound_s
+        events: list[JsonDict] = []
+        while True:
+            if stream is None:
+                stream = self._open_watch(namespace, label_selector, resource_version, bound_s=bound_s, hold=hold)
+                if stream is None:
+                    return WatchSlice(events=[], expired=True)
+            try:
+                got = stream.slice(bound_s=max(0.0, deadline - time.monotonic()), quiet_s=quiet_s)
+            except ApiUnavailable:
+                stream.close()
+                if not kept:
+                    raise
+                got = watch_stream.Slice([], expired=False, ended=True)
+            events += got.events
+            self._metrics.watch_events.labels(resource="jobs").inc(len(got.events))
+            if got.expired:
+                stream.close()
+                return WatchSlice(events=events, expired=True)
+            if got.ended and kept and not got.events and deadline > time.monotonic():
+                log.info("%s: the kept stream had ended; opening a new one", stream.what)
+                stream, kept = None, False  # once: a new stream's end or error stands
+                continue
+            break
+        done: watch_stream.WatchStream | None = stream
+        with self._watch_lock:
+            self._reached[key] = stream.reached
+            if hold is not None and not got.ended and (kept or follows):
+                done, self._held[key] = self._held.get(key), stream  # one kept per watch: the newer
+        if done is not None:
+            done.close()
+        return WatchSlice(events=events, expired=False)
+
+    def _open_watch(
+        self, namespace: str, label_selector: str, version: str, *, bound_s: float, hold: Hold | None
+    ) -> watch_stream.WatchStream | None:
+        """A Job watch from `version`, read by its own thread; None when the server answers 410."""
+        what = f"watch jobs in {namespace} from {version}"
+        lifetime_s = hold.lifetime_s if hold is not None else bound_s
         for attempt in range(RETRY_AFTER_ATTEMPTS + 1):
             self._metrics.waited(self._budget.acquire())  # a watch is a request like any other
-            deadline, started = time.monotonic() + bound_s, time.perf_counter()
+            started = time.perf_counter()
             try:
                 response = self._batch.list_namespaced_job(
                     namespace,
                     label_selector=label_selector,
                     watch=True,
                     allow_watch_bookmarks=True,
-                    resource_version=resource_version,
-                    timeout_seconds=max(1, math.ceil(bound_s)),
+                    resource_version=version,
+                    timeout_seconds=max(1, math.ceil(lifetime_s)),
                     _preload_content=False,
-                    _request_timeout=self._timeout,
+                    # (connect, each read): a read waiting longer than the watch lasts means
+                    # a connection that died without a word (the stream is then over)
+                    _request_timeout=(self._timeout, lifetime_s + WATCH_READ_SLACK_S),
                 )
                 stream = cast(urllib3.BaseHTTPResponse, response)  # raw: _preload_content=False
             except ApiException as e:
                 self._done("watch", str(e.status), started)
                 e.with_traceback(None)
                 if e.status == 410:
-                    return WatchSlice(events=[], expired=True)
+                    return None
                 if attempt < RETRY_AFTER_ATTEMPTS and self._waited_out(e.status, e.headers, what):
                     continue
                 raise _mapped(e, what) from e
@@ -281,47 +359,9 @@ class KubeClient:
                 self._done("watch", NO_ANSWER, started)
                 raise ApiUnavailable(f"{what}: {type(e).__name__}: {e}") from e
             self._done("watch", str(stream.status), started)  # its latency: until the stream opened
-            break
-        else:
-            raise AssertionError("unreachable: the last attempt returns, raises or breaks")
-        events: list[JsonDict] = []
-        buffer = b""
-        try:
-            sock = getattr(getattr(stream, "connection", None), "sock", None)
-            while True:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                if sock is not None:
-                    sock.settimeout(min(quiet_s, left))
-                try:
-                    chunk = stream.read1(65536)
-                except (urllib3.exceptions.ReadTimeoutError, TimeoutError):
-                    break  # quiet: caught up with the server
-                if not chunk:
-                    break  # the server ended the watch (its timeoutSeconds)
-                buffer += chunk
-                *lines, buffer = buffer.split(b"\n")
-                for line in lines:
-                    if not line.strip():
-                        continue
-                    event = _decoded(line, what)
-                    if event.get("type") == "ERROR":
-                        status = event.get("object") or {}
-                        if status.get("code") == 410 or status.get("reason") in ("Expired", "Gone"):
-                            return WatchSlice(events=events, expired=True)
-                        raise ApiUnavailable(f"{what}: the watch broke off: {status.get('message') or status}")
-                    events.append(event)
-                    if event.get("type") == "BOOKMARK":
-                        return WatchSlice(events=events, expired=False)
-        except (urllib3.exceptions.HTTPError, OSError) as e:  # reset mid-stream: what was read stands
-            log.info("%s: the stream broke after %d events (%s)", what, len(events), e)
-            if not events:
-                raise ApiUnavailable(f"{what}: {type(e).__name__}: {e}") from e
-        finally:
-            stream.close()  # unread bytes left: the connection is not returned to the pool as is
-            stream.release_conn()
-        return WatchSlice(events=events, expired=False)
+            idle_s = hold.idle_s if hold is not None else lifetime_s
+            return watch_stream.WatchStream(stream, what=what, version=version, idle_s=idle_s)
+        raise AssertionError("unreachable: the last attempt returns, raises or breaks")
 
     def remove_finalizer(self, namespace: str, name: str, finalizer: str) -> bool:
         """Remove one finalizer from a Job; True if this call removed it (see `release_job`)."""

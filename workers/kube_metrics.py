@@ -1,5 +1,5 @@
 """The Kubernetes adapter's metrics: each request's latency by verb and code, the time spent
-waiting for the API budget, and the 429s whose Retry-After was honoured.
+waiting for the API budget, the 429s whose Retry-After was honoured, and the watch events read.
 
 Registered in prometheus_client's default registry, the one a worker's `/metrics` serves
 (`recovery/metrics.serve`), so `workers/` defines them without importing `recovery/`. Verbs and
@@ -40,6 +40,15 @@ class KubeMetrics:
         self.retry_after = Counter(
             "kube_retry_after",
             "429 answers whose Retry-After this process waited out before sending again.",
+            namespace=NAMESPACE,
+            registry=registry,
+        )
+
+        self.watch_events = Counter(
+            "kube_watch_events",
+            "Watch events this process read, by resource: what poll's watch costs the API server "
+            "(kube-apiserver's own count, apiserver_watch_events_total, adds every other watcher's).",
+            ["resource"],
             namespace=NAMESPACE,
             registry=registry,
         )

@@ -1,10 +1,13 @@
 """Poll's watch (`recovery.jobwatch`): what each event means (a table), and the slices against both
-clusters: resumed from the stored version, a LIST on 410 Gone, two overlapping polls."""
+clusters: resumed from the stored version, a LIST on 410 Gone, two overlapping polls, and the
+stream kept between polls (read without a new request; replaced when it ended; never read from
+another version than the one stored)."""
 
 from __future__ import annotations
 
 import base64
 import json
+import threading
 import time
 import urllib.request
 import uuid
@@ -154,10 +157,13 @@ class Recorder:
         return len(fresh)
 
 
-def poll(kube: KubeClient, client: redis.Redis, prefix: str, deployment: str, namespace: str, rec: Recorder):
+def poll(
+    kube: KubeClient, client: redis.Redis, prefix: str, deployment: str, namespace: str, rec: Recorder,
+    *, hold_s: float = 0.0,
+):  # fmt: skip
     return jobwatch.poll_namespace(
         kube, client, prefix=prefix, deployment=deployment, namespace=namespace, page_size=2,
-        poll_interval_s=POLL_INTERVAL_S, hand_off=rec,
+        poll_interval_s=POLL_INTERVAL_S, hand_off=rec, hold_s=hold_s,
     )  # fmt: skip
 
 
@@ -332,3 +338,118 @@ def test_two_overlapping_polls_hand_each_job_off_once_and_one_stores(
     wait_finished(kube, namespace, [late])
     poll_until(lambda: not poll(kube, client, prefix, deployment, namespace, rec).listed and late in rec.handed)
     assert sorted(jobwatch.load(client, jobwatch.key(prefix, deployment, namespace)).finished) == sorted([*names, late])
+
+
+# --- the stream kept between polls ------------------------------------------------------------
+
+
+class Watches:
+    """Counts the watch requests a client sends (its `on_request` observer)."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+
+    def __call__(self, verb: str, code: str) -> None:
+        self.sent += verb == "watch"
+
+
+def kept_streams() -> int:
+    return sum(1 for t in threading.enumerate() if t.name.startswith("watch jobs in ") and t.is_alive())
+
+
+def poll_until_handed(
+    kube: KubeClient, client: redis.Redis, prefix: str, deployment: str, namespace: str, rec: Recorder,
+    names: list[str], *, hold_s: float,
+) -> None:  # fmt: skip
+    """Poll (never through a LIST) until each of `names` has been handed off."""
+
+    def handed() -> bool:
+        assert not poll(kube, client, prefix, deployment, namespace, rec, hold_s=hold_s).listed
+        return set(names) <= set(rec.handed)
+
+    poll_until(handed)
+
+
+def test_polls_that_follow_each_other_read_one_kept_stream_without_a_new_request(
+    cluster_under_test: ClusterHandle, client: redis.Redis, key_prefix: str, deployment: str
+) -> None:
+    namespace = cluster_under_test.ensure_namespace("watch-kept")
+    prefix = f"{key_prefix}-{deployment}"
+    rec, watches = Recorder(client, prefix, namespace), Watches()
+    with KubeClient(cluster_under_test.kubeconfig, on_request=watches) as kube:
+        assert poll(kube, client, prefix, deployment, namespace, rec, hold_s=30).listed
+        for _ in range(2):  # the first watch is closed after its slice; the second follows it and is kept
+            assert not poll(kube, client, prefix, deployment, namespace, rec, hold_s=30).listed
+        assert watches.sent == 2
+        names: list[str] = []
+        for _ in range(3):  # Jobs made between polls are read from the kept stream
+            names += [make_job(kube, namespace, deployment, ms=10) for _ in range(2)]
+            wait_finished(kube, namespace, names)
+            poll_until_handed(kube, client, prefix, deployment, namespace, rec, names, hold_s=30)
+        assert watches.sent == 2  # not one request more
+        assert sorted(rec.handed) == sorted(names)  # each handed off once
+        release(kube, namespace, names[0])  # its DELETED event comes through the kept stream too
+        key = jobwatch.key(prefix, deployment, namespace)
+
+        def forgotten() -> bool:
+            assert not poll(kube, client, prefix, deployment, namespace, rec, hold_s=30).listed
+            return names[0] not in jobwatch.load(client, key).finished
+
+        poll_until(forgotten)
+        assert watches.sent == 2 and kept_streams() >= 1
+    assert kept_streams() == 0  # closing the client closes its streams
+
+
+def test_a_kept_stream_is_not_read_when_another_poll_stored_a_version(
+    cluster_under_test: ClusterHandle, client: redis.Redis, key_prefix: str, deployment: str
+) -> None:
+    """Two replicas taking turns: each poll resumes from the version the other stored, so neither
+    reads a stream it kept at an older one, and neither keeps one after a poll that followed the other's."""
+    namespace = cluster_under_test.ensure_namespace("watch-turns")
+    prefix = f"{key_prefix}-{deployment}"
+    rec, watches = Recorder(client, prefix, namespace), [Watches(), Watches()]
+    with (
+        KubeClient(cluster_under_test.kubeconfig, on_request=watches[0]) as a,
+        KubeClient(cluster_under_test.kubeconfig, on_request=watches[1]) as b,
+    ):
+        assert poll(a, client, prefix, deployment, namespace, rec, hold_s=30).listed
+        for _ in range(2):  # a keeps its stream: it made the poll before
+            assert not poll(a, client, prefix, deployment, namespace, rec, hold_s=30).listed
+        names = [make_job(b, namespace, deployment, ms=10) for _ in range(2)]
+        wait_finished(b, namespace, names)
+        poll_until_handed(b, client, prefix, deployment, namespace, rec, names, hold_s=30)
+        sent = [w.sent for w in watches]
+        late = make_job(b, namespace, deployment, ms=10)
+        wait_finished(b, namespace, [late])
+        # a's kept stream stands at the version a stored, b has stored a later one: a opens a new watch
+        poll_until_handed(a, client, prefix, deployment, namespace, rec, [late], hold_s=30)
+        assert watches[0].sent == sent[0] + 1
+        assert sorted(rec.handed) == sorted([*names, late])  # each once, whichever read it
+        for turn in range(4):  # taking turns, each after a change: every turn's first poll is a new watch
+            polling, watched = (b, a)[turn % 2], watches[(1, 0)[turn % 2]]
+            names.append(make_job(polling, namespace, deployment, ms=10))
+            wait_finished(polling, namespace, names[-1:])
+            before = watched.sent
+            assert not poll(polling, client, prefix, deployment, namespace, rec, hold_s=30).listed
+            assert watched.sent == before + 1
+            poll_until_handed(polling, client, prefix, deployment, namespace, rec, names, hold_s=30)
+        assert sorted(rec.handed) == sorted([*names, late])
+
+
+def test_a_kept_stream_the_server_ended_is_replaced_in_the_same_poll_and_loses_nothing(
+    cluster_under_test: ClusterHandle, client: redis.Redis, key_prefix: str, deployment: str
+) -> None:
+    namespace = cluster_under_test.ensure_namespace("watch-ended")
+    prefix = f"{key_prefix}-{deployment}"
+    rec, watches = Recorder(client, prefix, namespace), Watches()
+    with KubeClient(cluster_under_test.kubeconfig, on_request=watches) as kube:
+        assert poll(kube, client, prefix, deployment, namespace, rec, hold_s=1).listed
+        names: list[str] = []
+        deadline = time.monotonic() + 8  # several of the streams' 1 s lives
+        while time.monotonic() < deadline:
+            names.append(make_job(kube, namespace, deployment, ms=10))
+            wait_finished(kube, namespace, names[-1:])
+            assert not poll(kube, client, prefix, deployment, namespace, rec, hold_s=1).listed  # never a LIST
+        poll_until_handed(kube, client, prefix, deployment, namespace, rec, names, hold_s=1)
+        assert sorted(rec.handed) == sorted(names)
+        assert 3 <= watches.sent < len(names)  # replaced as they ended, not opened for every poll

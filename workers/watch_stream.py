@@ -1,0 +1,153 @@
+"""A watch response read by a thread of its own, so that it can stay open between slices.
+
+A poll reads its watch in bounded slices. Reopening the watch for every slice costs one request
+per poll, which with long Jobs is a third of what a poll costs the API server. A stream read by
+its own thread can be kept for the next slice, as an informer keeps its watch, while a slice
+still only ever reads what the stream has already received. The thread blocks on the socket
+(no socket timeouts: a timed-out read leaves a buffered reader's state undefined) and queues
+what it decodes: events, the stream's end, or the error that broke it. Closing shuts the socket
+down, so a blocked read returns at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+import urllib3
+
+from k8s_dispatch.engine.errors import ApiUnavailable
+
+log = logging.getLogger(__name__)
+
+JsonDict = dict[str, Any]
+# What the reader thread queues besides events: the stream ended (the server's timeoutSeconds,
+# or closed by us), or broke off (the exception).
+_END = object()
+CLOSE_WAIT_S = 1.0
+
+
+@dataclass(frozen=True)
+class Slice:
+    """What one slice read: its events in order (the last may be a BOOKMARK); `expired` when
+    the server said the version is too old (410); `ended` when the stream is over (it ended, or
+    broke off after some events) and cannot serve another slice."""
+
+    events: list[JsonDict]
+    expired: bool
+    ended: bool
+
+
+class WatchStream:
+    """One open watch response. `reached` is the version the slices have read up to (each
+    event's `resourceVersion`): the stream can serve a slice from that version only."""
+
+    def __init__(self, response: urllib3.BaseHTTPResponse, *, what: str, version: str, idle_s: float) -> None:
+        """Start reading `response` (a watch opened from `version`). The thread stops reading
+        once no slice has taken an event for `idle_s` (a stream nobody reads is dropped, not buffered)."""
+        self.what = what
+        self.reached = version
+        self.opened_at = time.monotonic()
+        self._response = response
+        self._idle_s = idle_s
+        self._taken_at = time.monotonic()
+        self._items: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._closed = threading.Event()
+        self._over = False  # a slice saw its end or an error: no further slice
+        self._thread = threading.Thread(target=self._read, name=what, daemon=True)
+        self._thread.start()
+
+    @property
+    def usable(self) -> bool:
+        """Whether a slice can still read something from it: not over, and either still open or
+        holding what it received before it ended."""
+        return not self._over and not (self._closed.is_set() and self._items.empty())
+
+    def slice(self, *, bound_s: float, quiet_s: float) -> Slice:
+        """The events received until a BOOKMARK, `quiet_s` without one (caught up), or `bound_s`
+        in all. Each event read moves `reached`.
+
+        Raises:
+            ApiUnavailable: the stream broke off before this slice read an event, or the server
+                sent an ERROR other than 410 (the stream is then over).
+        """
+        deadline = time.monotonic() + bound_s
+        events: list[JsonDict] = []
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                item = self._items.get(timeout=min(quiet_s, left))
+            except queue.Empty:
+                break  # quiet: caught up with the server
+            self._taken_at = time.monotonic()
+            if item is _END or isinstance(item, BaseException):
+                self._over = True
+                if isinstance(item, BaseException) and not events:
+                    raise ApiUnavailable(f"{self.what}: {type(item).__name__}: {item}") from item
+                if isinstance(item, BaseException):  # what was read stands
+                    log.info("%s: the stream broke after %d events (%s)", self.what, len(events), item)
+                return Slice(events, expired=False, ended=True)
+            if item.get("type") == "ERROR":
+                self._over = True
+                status = item.get("object") or {}
+                if status.get("code") == 410 or status.get("reason") in ("Expired", "Gone"):
+                    return Slice(events, expired=True, ended=True)
+                raise ApiUnavailable(f"{self.what}: the watch broke off: {status.get('message') or status}")
+            events.append(item)
+            version = (item.get("object") or {}).get("metadata", {}).get("resourceVersion")
+            if version:
+                self.reached = str(version)
+            if item.get("type") == "BOOKMARK":
+                break
+        return Slice(events, expired=False, ended=False)
+
+    def close(self) -> None:
+        """Stop the stream: the socket is shut down so that the reader's blocked read returns,
+        and the reader is waited for (briefly: it has nothing left to do)."""
+        if not self._closed.is_set():
+            self._closed.set()
+            sock = getattr(getattr(self._response, "connection", None), "sock", None)
+            if sock is not None:
+                with contextlib.suppress(OSError):  # already closed by the server, or by the reader
+                    sock.shutdown(socket.SHUT_RDWR)
+        self._thread.join(timeout=CLOSE_WAIT_S)
+
+    def _read(self) -> None:
+        buffer = b""
+        try:
+            while not self._closed.is_set():
+                chunk = self._response.read1(65536)
+                if not chunk:
+                    break  # the server ended the watch
+                buffer += chunk
+                *lines, buffer = buffer.split(b"\n")
+                for line in lines:
+                    if line.strip():
+                        self._items.put(_event(line, self.what))
+                if time.monotonic() - self._taken_at > self._idle_s:
+                    log.info("%s: no slice read the stream for %.0f s; closing it", self.what, self._idle_s)
+                    break
+        except (urllib3.exceptions.HTTPError, OSError, ApiUnavailable) as e:
+            if not self._closed.is_set():
+                self._items.put(e)
+        finally:
+            self._closed.set()
+            self._items.put(_END)
+            self._response.close()  # unread bytes left: the connection is not returned to the pool as is
+            self._response.release_conn()
+
+
+def _event(line: bytes, what: str) -> JsonDict:
+    try:
+        event = orjson.loads(line)
+    except orjson.JSONDecodeError as e:
+        raise ApiUnavailable(f"{what}: the server sent a line that is not JSON") from e
+    if not isinstance(event, dict):
+        raise ApiUnavailable(f"{what}: the server sent a watch event that is not an object")
+    return event
