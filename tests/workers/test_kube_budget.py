@@ -20,9 +20,9 @@ from k8s_dispatch.recovery import metrics as recovery_metrics
 from k8s_dispatch.workers.budget import Budget
 from k8s_dispatch.workers.kube import RETRY_AFTER_ATTEMPTS, KubeClient
 
-# What may separate a request's token from its answer at the server: the thread's send, the
-# server's handling (a simulated create: about a millisecond), a busy machine's scheduling.
-DELIVERY_SLACK_S = 0.15
+# Requests already sent when a 429 comes are answered in this long (a simulated create takes
+# about a millisecond; the rest is a busy machine's scheduling).
+IN_FLIGHT_S = 0.15
 
 
 @pytest.fixture(scope="module")
@@ -86,12 +86,31 @@ def most_in_any_window(times: list[float], window: float) -> int:
     return most
 
 
+class Scheduled(Budget):
+    """The budget as it is, through its clock seam: each token's time to send (the `now` its
+    `reserve` read, plus the wait it returned) is recorded, exactly, whatever the machine's load."""
+
+    def __init__(self, qps: float, burst: int) -> None:
+        self._read = threading.local()
+        self.times: list[float] = []
+        super().__init__(qps, burst, clock=self._clock_read)
+
+    def _clock_read(self) -> float:
+        self._read.now = time.monotonic()
+        return self._read.now
+
+    def reserve(self) -> float:
+        wait = super().reserve()
+        self.times.append(self._read.now + wait)  # reserve reads the clock once, under its lock
+        return wait
+
+
 def over_budget(times: list[float], *, qps: float, burst: int) -> list[tuple[float, int, float]]:
-    """The windows where the server saw more than a token bucket allows: in any `w` seconds, at
-    most burst + qps * (w + DELIVERY_SLACK_S). (window, seen, allowed) of each one exceeded."""
+    """The windows where more was sent than a token bucket allows: in any `w` seconds, at most
+    burst + qps * w. (window, seen, allowed) of each one exceeded."""
     found = []
     for window in (0.1, 0.25, 0.5, 1.0, 2.0):
-        allowed = burst + qps * (window + DELIVERY_SLACK_S)
+        allowed = burst + qps * window + 1e-6  # the float sums of the bucket's times
         seen = most_in_any_window(times, window)
         if seen > allowed:
             found.append((window, seen, allowed))
@@ -101,19 +120,22 @@ def over_budget(times: list[float], *, qps: float, burst: int) -> list[tuple[flo
 def test_a_burst_of_creates_from_eight_threads_and_two_clients_stays_within_the_budget(cluster):
     qps, burst, threads, per_thread = 40.0, 8, 8, 10
     # Unlimited first: the same burst far exceeds what the budget allows, so the check can fail.
-    unlimited = Budget(0, 1)
+    unlimited = Scheduled(0, 1)
     with KubeClient(cluster.kubeconfig, budget=unlimited) as a, KubeClient(cluster.kubeconfig, budget=unlimited) as b:
         began, _ = creates(cluster, [a, b], threads=threads, per_thread=per_thread)
-    posts = [x.at for x in answers(cluster, since=began) if x.verb == "POST"]
-    assert len(posts) == threads * per_thread
-    assert over_budget(posts, qps=qps, burst=burst), "an unlimited burst should exceed the budget"
+    assert len([x for x in answers(cluster, since=began) if x.verb == "POST"]) == threads * per_thread
+    assert over_budget(unlimited.times, qps=qps, burst=burst), "an unlimited burst should exceed the budget"
 
-    shared = Budget(qps, burst)  # one budget, as every client of a process shares the process's
+    shared = Scheduled(qps, burst)  # one budget, as every client of a process shares the process's
     with KubeClient(cluster.kubeconfig, budget=shared) as a, KubeClient(cluster.kubeconfig, budget=shared) as b:
         began, ended = creates(cluster, [a, b], threads=threads, per_thread=per_thread)
-    posts = [x.at for x in answers(cluster, since=began) if x.verb == "POST" and x.code == 201]
-    assert len(posts) == threads * per_thread
-    assert over_budget(posts, qps=qps, burst=burst) == []
+    posts = sorted(x.at for x in answers(cluster, since=began) if x.verb == "POST" and x.code == 201)
+    assert len(posts) == len(shared.times) == threads * per_thread  # one token per request
+    assert over_budget(shared.times, qps=qps, burst=burst) == []
+    # No request reached the server before its token allowed: the k-th answer came after the
+    # k-th time to send (true of the sorted lists if of each request, and false if any went early).
+    early = [(at, go) for at, go in zip(posts, sorted(shared.times), strict=True) if at < go]
+    assert early == []
     # 80 requests, 8 at once and then 40 a second: at least (80 - 8) / 40 = 1.8 s.
     assert ended - began >= (threads * per_thread - burst) / qps
 
@@ -132,7 +154,7 @@ def test_a_429s_retry_after_holds_every_thread_then_the_request_goes_again(clust
     assert len(created) == 12, "the throttled create went again and succeeded"
     # Requests already on their way when the 429 came are answered at once; after that, nothing
     # until the Retry-After has passed, from any thread.
-    in_pause = [a for a in created if throttled.at + DELIVERY_SLACK_S < a.at < throttled.at + retry_after - 0.05]
+    in_pause = [a for a in created if throttled.at + IN_FLIGHT_S < a.at < throttled.at + retry_after - 0.05]
     assert in_pause == []
     assert max(a.at for a in created) >= throttled.at + retry_after - 0.05
     assert ended - began >= retry_after
@@ -172,7 +194,10 @@ def test_request_latency_and_budget_waits_are_served_at_metrics(cluster):
             for i in range(3):
                 kube.create_job(namespace, job(f"m-{i}"))
             kube.get_job(namespace, "m-0")
-            list(kube.iter_jobs(namespace, label_selector="suite=budget"))
+            listed = next(kube.iter_jobs(namespace, label_selector="suite=budget"))
+            first = min(listed, key=lambda j: int(j["metadata"]["resourceVersion"]))
+            version = first["metadata"]["resourceVersion"]  # the first Job's: two were made after it
+            watched = kube.watch_jobs(namespace, label_selector="suite=budget", resource_version=version, bound_s=1)
             cluster.call(lambda core: core.faults.throttle(1, 0.05))
             kube.get_job(namespace, "m-1")
         after = scrape(port)
@@ -187,7 +212,10 @@ def test_request_latency_and_budget_waits_are_served_at_metrics(cluster):
     assert grew(latency, verb="get", code="200") == 2
     assert grew(latency, verb="get", code="429") == 1
     assert grew(latency, verb="list", code="200") == 1
+    assert grew(latency, verb="watch", code="200") == 1
+    assert len(watched.events) >= 2  # the two later creates, and the status writes that follow them
+    assert grew("k8s_dispatch_kube_watch_events_total", resource="jobs") == len(watched.events)
     assert grew("k8s_dispatch_kube_retry_after_total") == 1
-    # 7 requests at 5/s with no burst to spare: 6 waited about 0.2 s each (the 429's retry among them).
-    assert grew("k8s_dispatch_kube_budget_wait_seconds_count") >= 5
+    # 8 requests at 5/s with no burst to spare: 7 waited about 0.2 s each (the 429's retry among them).
+    assert grew("k8s_dispatch_kube_budget_wait_seconds_count") >= 6
     assert grew("k8s_dispatch_kube_budget_wait_seconds_sum") >= 0.5
