@@ -315,6 +315,11 @@ class _Demo:
     def run(self, broker_mode: str) -> Summary:
         tmp = Path(tempfile.mkdtemp(prefix="k8s-dispatch-demo-"))
         self.stack.callback(self._remove_tmp, tmp)
+        # A library's temporary files in this process go there too, and are removed with it: the
+        # Kubernetes client writes a kubeconfig's CA to one, and a Ctrl-C between its write and
+        # its atexit registration would leave it behind.
+        self.stack.callback(setattr, tempfile, "tempdir", tempfile.tempdir)
+        tempfile.tempdir = str(tmp)
         env_values = self._start_services(tmp, broker_mode)
         self.settings = load_settings(env_values)
         child_env = {k: v for k, v in processes.project_env({}).items() if not k.startswith("K8S_DISPATCH_")}
