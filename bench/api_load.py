@@ -43,6 +43,7 @@ import sys
 import threading
 import time
 import urllib.parse
+import urllib.request
 import uuid
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -67,7 +68,14 @@ from k8s_dispatch.bench.sizes import Size
 from k8s_dispatch.engine.db import make_engine, make_sessionmaker, transaction
 from k8s_dispatch.engine.models import TERMINAL_EVENT_TYPES, CaseEvent, Dispatch
 from k8s_dispatch.engine.settings import load_settings
-from k8s_dispatch.ops.processes import ManagedProcess, WaitTimeout, project_env, wait_for_log, wait_until
+from k8s_dispatch.ops.processes import (
+    ManagedProcess,
+    WaitTimeout,
+    free_port,
+    project_env,
+    wait_for_log,
+    wait_until,
+)
 from k8s_dispatch.tasks.scheduling import schedule_in_session
 from k8s_dispatch.workers.resolver import CapabilityResolver
 
@@ -134,6 +142,9 @@ class Window:
     # objects the server sent in the window: "LIST jobs", "WATCH jobs", "LIST pods", ... (the
     # objects LISTs returned, from storage or the watch cache; watch events), the bench's own removed
     objects: Counter[str] = field(default_factory=Counter)
+    # the watch events on Jobs our worker read in the window, by its own count: on the real server
+    # "WATCH jobs" also counts the events sent to the controllers' informers
+    events_read: int = 0
 
     @property
     def total(self) -> int:
@@ -569,14 +580,24 @@ def steady(
         watch.stop()
 
 
-def measure(cluster: services.Cluster, watch: JobWatch, window_s: float, *, pids: dict[str, int | None]) -> Window:
+def measure(
+    cluster: services.Cluster,
+    watch: JobWatch,
+    window_s: float,
+    *,
+    pids: dict[str, int | None],
+    worker_metrics: str | None = None,
+) -> Window:
     """Requests and completions over `window_s` seconds (a measurement window, not a wait), and
-    the CPU each of `pids` (and the bench) used in it; on the real server, who sent the requests."""
+    the CPU each of `pids` (and the bench) used in it; on the real server, who sent the requests;
+    the watch events our worker read (`worker_metrics`: its /metrics URL; the baseline has none)."""
     audit_from = cluster.audit_log.stat().st_size if cluster.audit_log else 0
     cpu_before = _cpu(pids)
+    read_before = _events_read(worker_metrics)
     first, in_flight_at_start, own_events = scrape(cluster), watch.in_flight, watch.events
     time.sleep(window_s)
     last, in_flight_at_end, own_events = scrape(cluster), watch.in_flight, watch.events - own_events
+    events_read = _events_read(worker_metrics) - read_before
     objects = last.objects.copy()
     objects.subtract(first.objects)
     objects["WATCH jobs"] -= own_events  # the bench's own watch is no reader of ours
@@ -598,7 +619,23 @@ def measure(cluster: services.Cluster, watch: JobWatch, window_s: float, *, pids
                   watch_lag_p99_s=_percentile(lags, 0.99) if lags else 0.0,
                   by_actor=_audited_window(cluster, offset=audit_from) if cluster.audit_log else {},
                   cpu_s={name: cpu_after[name] - cpu_before[name] for name in cpu_before},
-                  server_ms=server_ms(first, last), objects=+objects)  # fmt: skip
+                  server_ms=server_ms(first, last), objects=+objects, events_read=events_read)  # fmt: skip
+
+
+WORKER_EVENTS = "k8s_dispatch_kube_watch_events_total"
+
+
+def _events_read(url: str | None) -> int:
+    """The watch events on Jobs the worker has read (its own counter, from its /metrics)."""
+    if url is None:
+        return 0
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == WORKER_EVENTS and s.labels.get("resource") == "jobs":
+                return int(s.value)
+    return 0
 
 
 def server_ms(first: Scrape, last: Scrape) -> dict[str, float]:
@@ -703,6 +740,7 @@ def _ours(
     ):
         cluster.ensure_namespace(OURS_NAMESPACE)
         pids = cluster.pids()
+        metrics_port = free_port()
         env = services.deployment_env(
             {
                 "database_url": database_url,
@@ -714,6 +752,7 @@ def _ours(
                 "poll_interval_s": str(POLL_INTERVAL_S),
                 "poll_page_size": str(PAGE_SIZE),
                 "worker_concurrency": str(CONCURRENCY),
+                "metrics_port": str(metrics_port),
                 **(extra_env or {}),
             }
         )
@@ -765,7 +804,8 @@ def _ours(
                     )
                     if before_window is not None:
                         before_window(cluster, settings)
-                    window = measure(cluster, watch, knobs.window_s, pids=pids)
+                    window = measure(cluster, watch, knobs.window_s, pids=pids,
+                                     worker_metrics=f"http://127.0.0.1:{metrics_port}/metrics")  # fmt: skip
                     window.pods_behind = behind
                     window.job_bytes = _listed_bytes_per_job(cluster, OURS_NAMESPACE)
                 # The window's Jobs get their terminal events a poll or so later.

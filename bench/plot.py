@@ -13,12 +13,14 @@ STYLE = {"list": ("tab:red", "o", "LIST poll (old)"), "watch": ("tab:blue", "s",
 
 def plot(rows: list[dict[str, Any]], out: Path = DEFAULT_PNG) -> Path:
     """Two panels: per Job duration (at the most common N), and every row per N, each point
-    marked with its Jobs' duration (the full sizes grow N and duration together)."""
+    marked with its Jobs' duration (the full sizes grow N and duration together). localcluster's
+    rows only: the real control plane's one point is in the README's table."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display: a file
     import matplotlib.pyplot as plt
 
+    rows = [r for r in rows if r.get("cluster", "local") == "local"]
     jobs = max({r["jobs"] for r in rows}, key=lambda n: sum(r["jobs"] == n for r in rows))
     fig, (by_duration, by_jobs) = plt.subplots(1, 2, figsize=(10, 4), constrained_layout=True)
     for mode, (colour, marker, label) in STYLE.items():

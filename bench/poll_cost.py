@@ -56,6 +56,10 @@ POINTS = {
     # The issue's sizes: 5,000 of 10 minutes, and 20,000 of 30 minutes (11 finish a second).
     "full": (Point(1000, 60.0, 30.0), Point(1000, 600.0, 60.0), Point(5000, 600.0, 30.0), Point(20000, 1800.0, 30.0)),
 }
+# The same steady state on the real control plane (`--cluster real|both`), poll by watch: the
+# issue's 5,000 Jobs of 10 minutes (8 finish a second; the Job controller's ~9 requests per Pod
+# come on top of ours). Its start and the first N Pods take minutes: at full size only.
+REAL_POINTS = {"smoke": (), "quick": (), "full": (Point(5000, 600.0, 60.0),)}
 
 
 def run(ctx: services.BenchContext, size: Size) -> BenchResult:
@@ -72,13 +76,15 @@ def run(ctx: services.BenchContext, size: Size) -> BenchResult:
         for mode in MODES:
             window = _measure(ctx, point, mode)
             rows.append(_row(point, mode, window))
+    for point in REAL_POINTS[size.name] if services.REAL in ctx.clusters else ():
+        rows.append(_row(point, "watch", _measure(ctx, point, "watch", kind=services.REAL), kind=services.REAL))
     _figures(result, rows)
     result.params["rows"] = rows
     (ctx.work_dir / "poll_cost.json").write_text(json.dumps(rows))
     return result
 
 
-def _measure(ctx: services.BenchContext, point: Point, mode: str) -> api_load.Window:
+def _measure(ctx: services.BenchContext, point: Point, mode: str, *, kind: str = services.LOCAL) -> api_load.Window:
     knobs = api_load.Knobs(jobs=(point.jobs,), job_s=point.job_s, window_s=point.window_s)
     caps_file = ctx.work_dir / f"poll-cost-{point.job_s:g}.yaml"
     caps_file.write_text(yaml.safe_dump(api_load.capability_config(point.job_s)))
@@ -86,7 +92,7 @@ def _measure(ctx: services.BenchContext, point: Point, mode: str) -> api_load.Wi
     prefix = f"{ctx.key_prefix}-cost-{uuid.uuid4().hex[:6]}"  # a fresh position per run
     env = {"poll_mode": mode, "key_prefix": prefix, "sweep_list_interval_s": str(SWEEP_LIST_INTERVAL_S)}
     wait = partial(_first_sweep_listed, ctx.redis_url) if mode == "watch" else None  # (cluster, settings)
-    return api_load._ours(ctx, knobs, point.jobs, caps, caps_file, extra_env=env, before_window=wait)
+    return api_load._ours(ctx, knobs, point.jobs, caps, caps_file, kind=kind, extra_env=env, before_window=wait)
 
 
 def _first_sweep_listed(redis_url: str, cluster: services.Cluster, settings: Any) -> None:
@@ -110,17 +116,23 @@ def _first_sweep_listed(redis_url: str, cluster: services.Cluster, settings: Any
     wait_until(still, timeout=60, interval=2.0, what="the sweep's LIST read")
 
 
-def _row(point: Point, mode: str, window: api_load.Window) -> dict[str, Any]:
+def _row(point: Point, mode: str, window: api_load.Window, *, kind: str = services.LOCAL) -> dict[str, Any]:
+    """One steady state's figures. On the real server its own count of watch events includes the
+    controllers' informers', and its request count every sender's: ours are our worker's count
+    of the events it read, and the requests its audit log gives to ours."""
     finished = len(window.finished)
     rate = finished / window.seconds
     amortised = point.jobs / (rate * SWEEP_LIST_INTERVAL_S) if mode == "watch" else 0.0
-    jobs_read = window.objects["LIST jobs"] + window.objects["WATCH jobs"]
+    real = kind == services.REAL
+    events = window.events_read if real else window.objects["WATCH jobs"]
+    requests = api_load.per_finished_job(window.sent_by(api_load.OURS), finished) if real else window.per_job
     return {
-        "mode": mode, "jobs": point.jobs, "job_s": point.job_s, "window_s": round(window.seconds, 1),
-        "finished": finished, "objects_per_job": jobs_read / finished + amortised,
-        "listed_per_job": window.objects["LIST jobs"] / finished, "events_per_job": window.objects["WATCH jobs"] / finished,
+        "cluster": kind, "mode": mode, "jobs": point.jobs, "job_s": point.job_s, "window_s": round(window.seconds, 1),
+        "finished": finished, "objects_per_job": (window.objects["LIST jobs"] + events) / finished + amortised,
+        "listed_per_job": window.objects["LIST jobs"] / finished, "events_per_job": events / finished,
+        "events_read_per_job": window.events_read / finished, "events_sent_per_job": window.objects["WATCH jobs"] / finished,
         "sweep_list_share_per_job": amortised, "pods_listed_per_job": window.objects["LIST pods"] / finished,
-        "requests_per_job": window.per_job,
+        "requests_per_job": requests, "requests_per_job_every_sender": window.per_job,
         "completion_p99_s": api_load._percentile(window.latencies_s, 0.99) if window.latencies_s else None,
         "poll_p99_s": _poll_p99(window.tasks), "in_flight": list(window.in_flight), "tasks": window.tasks,
     }  # fmt: skip
@@ -136,10 +148,11 @@ def _poll_p99(tasks: str) -> float | None:
 
 
 def _figures(result: BenchResult, rows: list[dict[str, Any]]) -> None:
-    by = {(r["mode"], r["jobs"], r["job_s"]): r for r in rows}
+    by = {(r["mode"], r["jobs"], r["job_s"]): r for r in rows if r.get("cluster", services.LOCAL) == services.LOCAL}
     for r in rows:
-        tag = f"{r['mode']}_{r['jobs']}_{r['job_s']:g}s"
-        what = f"{r['jobs']:,} Jobs of {r['job_s']:g} s, poll by {r['mode']}"
+        real = r.get("cluster") == services.REAL
+        tag = f"{r['mode']}_{r['jobs']}_{r['job_s']:g}s" + ("_real" if real else "")
+        what = f"{r['jobs']:,} Jobs of {r['job_s']:g} s, poll by {r['mode']}" + (", real control plane" if real else "")
         judged = r["mode"] == "watch"
         result.figures.append(Figure(f"objects_per_job_{tag}", f"objects read per finished Job, {what}", "objects",
                                      [r["objects_per_job"]], target=OBJECTS_PER_JOB if judged else None, ref="16"))  # fmt: skip
@@ -157,7 +170,9 @@ def _figures(result: BenchResult, rows: list[dict[str, Any]]) -> None:
             f"{what}: {r['finished']} finished in {r['window_s']} s, {r['in_flight'][0]}/{r['in_flight'][1]} in flight; "
             f"per Job {r['listed_per_job']:.2f} listed + {r['events_per_job']:.2f} watch events + "
             f"{r['sweep_list_share_per_job']:.2f} (the sweep's LIST every {SWEEP_LIST_INTERVAL_S:g} s, by its share); "
-            f"Pods listed {r['pods_listed_per_job']:.2f}; worker tasks: {r['tasks']}"
+            f"Pods listed {r['pods_listed_per_job']:.2f}; watch events our worker read {r['events_read_per_job']:.2f} "
+            f"(the server sent {r['events_sent_per_job']:.2f} to every watcher); requests of every sender "
+            f"{r['requests_per_job_every_sender']:.2f}; worker tasks: {r['tasks']}"
         )
     jobs = sorted({r["jobs"] for r in rows})
     for mode in MODES:
