@@ -370,12 +370,19 @@ def poll_until_handed(
     poll_until(handed)
 
 
+def watched_namespace(
+    cluster: ClusterHandle, client: redis.Redis, key_prefix: str, deployment: str, name: str
+) -> tuple[str, str, Recorder]:
+    """A namespace of the cluster, the deployment's key prefix, and a recorder of its hand-offs."""
+    namespace, prefix = cluster.ensure_namespace(name), f"{key_prefix}-{deployment}"
+    return namespace, prefix, Recorder(client, prefix, namespace)
+
+
 def test_polls_that_follow_each_other_read_one_kept_stream_without_a_new_request(
     cluster_under_test: ClusterHandle, client: redis.Redis, key_prefix: str, deployment: str
 ) -> None:
-    namespace = cluster_under_test.ensure_namespace("watch-kept")
-    prefix = f"{key_prefix}-{deployment}"
-    rec, watches = Recorder(client, prefix, namespace), Watches()
+    namespace, prefix, rec = watched_namespace(cluster_under_test, client, key_prefix, deployment, "watch-kept")
+    watches = Watches()
     with KubeClient(cluster_under_test.kubeconfig, on_request=watches) as kube:
         assert poll(kube, client, prefix, deployment, namespace, rec, hold_s=30).listed
         for _ in range(2):  # the first watch is closed after its slice; the second follows it and is kept
@@ -405,9 +412,8 @@ def test_a_kept_stream_is_not_read_when_another_poll_stored_a_version(
 ) -> None:
     """Two replicas taking turns: each poll resumes from the version the other stored, so neither
     reads a stream it kept at an older one, and neither keeps one after a poll that followed the other's."""
-    namespace = cluster_under_test.ensure_namespace("watch-turns")
-    prefix = f"{key_prefix}-{deployment}"
-    rec, watches = Recorder(client, prefix, namespace), [Watches(), Watches()]
+    namespace, prefix, rec = watched_namespace(cluster_under_test, client, key_prefix, deployment, "watch-turns")
+    watches = [Watches(), Watches()]
     with (
         KubeClient(cluster_under_test.kubeconfig, on_request=watches[0]) as a,
         KubeClient(cluster_under_test.kubeconfig, on_request=watches[1]) as b,
@@ -439,9 +445,8 @@ def test_a_kept_stream_is_not_read_when_another_poll_stored_a_version(
 def test_a_kept_stream_the_server_ended_is_replaced_in_the_same_poll_and_loses_nothing(
     cluster_under_test: ClusterHandle, client: redis.Redis, key_prefix: str, deployment: str
 ) -> None:
-    namespace = cluster_under_test.ensure_namespace("watch-ended")
-    prefix = f"{key_prefix}-{deployment}"
-    rec, watches = Recorder(client, prefix, namespace), Watches()
+    namespace, prefix, rec = watched_namespace(cluster_under_test, client, key_prefix, deployment, "watch-ended")
+    watches = Watches()
     with KubeClient(cluster_under_test.kubeconfig, on_request=watches) as kube:
         assert poll(kube, client, prefix, deployment, namespace, rec, hold_s=1).listed
         names: list[str] = []
