@@ -10,8 +10,9 @@ events it sent on Jobs (`apiserver_watch_events_total`), the bench's own watch t
 and the sweep's together, divided by the Jobs that finished in the window.
 
 The window is shorter than the sweep's LIST interval of the watch mode (600 s), so the one full
-LIST that mode makes per interval is counted by its share: the window opens once beat's first
-sweep has made its LIST (its key is in Redis), none falls in the window, and N objects /
+LIST that mode makes per interval is counted by its share: the window opens once a sweep has made
+its LIST (its key is in Redis) and the next is not due before the window ends, none falls in the
+window, and N objects /
 (Jobs finished per second x 600 s) are added. The LIST mode's sweeps (every 30 s) fall in the
 window and are counted as they come. Pods (listed by each `complete_batch` alike in both modes)
 are reported apart.
@@ -38,6 +39,7 @@ from k8s_dispatch.workers.resolver import CapabilityResolver
 
 MODES = ("list", "watch")
 SWEEP_LIST_INTERVAL_S = 600.0  # K8S_DISPATCH_SWEEP_LIST_INTERVAL_S's default
+LIST_MARGIN_S = 30.0  # what the sweep's LIST key must have left past the window's end
 OBJECTS_PER_JOB = Target(10.0, at_least=False, inclusive=True)
 LONG_VS_SHORT = Target(1.5, at_least=False, inclusive=True)
 POLL_P99_S = Target(0.5, at_least=False, inclusive=True)
@@ -91,19 +93,27 @@ def _measure(ctx: services.BenchContext, point: Point, mode: str, *, kind: str =
     caps = CapabilityResolver.from_mapping(api_load.capability_config(point.job_s), source=str(caps_file))
     prefix = f"{ctx.key_prefix}-cost-{uuid.uuid4().hex[:6]}"  # a fresh position per run
     env = {"poll_mode": mode, "key_prefix": prefix, "sweep_list_interval_s": str(SWEEP_LIST_INTERVAL_S)}
-    wait = partial(_first_sweep_listed, ctx.redis_url) if mode == "watch" else None  # (cluster, settings)
+    wait = (
+        partial(_first_sweep_listed, ctx.redis_url, point.window_s) if mode == "watch" else None
+    )  # (cluster, settings)
     return api_load._ours(ctx, knobs, point.jobs, caps, caps_file, kind=kind, extra_env=env, before_window=wait)
 
 
-def _first_sweep_listed(redis_url: str, cluster: services.Cluster, settings: Any) -> None:
-    """Until beat's first sweep has made the LIST of the watch mode's interval: its key is set
-    (as the sweep starts), then the server's count of Jobs listed stands still for 2 s (its
-    pages are all read)."""
+def _first_sweep_listed(redis_url: str, window_s: float, cluster: services.Cluster, settings: Any) -> None:
+    """Until a sweep's LIST of the watch mode's interval has been made and the next one is not due
+    within the window: its key is set (as the sweep starts) with at least the window and a margin
+    left (else the key's expiry, then the next sweep's LIST, is waited for: a setup longer than the
+    interval would otherwise put that LIST in the window, counted twice), then the server's count
+    of Jobs listed stands still for 2 s (its pages are all read)."""
     name = jobwatch.key(settings.key_prefix, settings.effective_deployment, settings.namespace)
+    needed_ms = int(1000 * (window_s + LIST_MARGIN_S))
     client = redis.Redis.from_url(redis_url)
     try:
         wait_until(lambda: client.exists(f"{name}:sweep-listed"), timeout=60, interval=0.5,
                    what="beat's first sweep LIST")  # fmt: skip
+        if int(client.pttl(f"{name}:sweep-listed")) < needed_ms:
+            wait_until(lambda: int(client.pttl(f"{name}:sweep-listed")) >= needed_ms, timeout=SWEEP_LIST_INTERVAL_S,
+                       interval=0.5, what="the next sweep LIST")  # fmt: skip
     finally:
         client.close()
     listed = [-1]
@@ -113,7 +123,7 @@ def _first_sweep_listed(redis_url: str, cluster: services.Cluster, settings: Any
         done, listed[0] = now == listed[0], now
         return done
 
-    wait_until(still, timeout=60, interval=2.0, what="the sweep's LIST read")
+    wait_until(still, timeout=120, interval=2.0, what="the sweep's LIST read")
 
 
 def _row(point: Point, mode: str, window: api_load.Window, *, kind: str = services.LOCAL) -> dict[str, Any]:
