@@ -7,7 +7,9 @@ off again if their message is lost, and renewed while a backlog waits). The stat
 only after the hand-off, by compare-and-set on the version read: of two overlapping polls one
 stores, the other's write is dropped, and what both handed off was deduplicated by the hand-off
 markers. Without a version (first poll, Redis flushed), on 410 Gone or a broken watch: the old
-paginated LIST, and the watch starts again from that LIST's version.
+paginated LIST, and the watch starts again from that LIST's version. The watch's stream itself
+may stay open from one poll to the next (`hold`: `KubeClient.watch_jobs`), and is read again only
+from the very version stored.
 """
 
 from __future__ import annotations

@@ -262,7 +262,8 @@ def _poll_watch(rt: Runtime, *, ttl_s: float, renew: bool) -> dict[str, int]:
             done = jobwatch.poll_namespace(
                 rt.kube, rt.redis, prefix=settings.key_prefix, deployment=settings.effective_deployment,
                 namespace=namespace, page_size=settings.poll_page_size, poll_interval_s=settings.poll_interval_s,
-                hold_s=settings.poll_watch_hold_s, hand_off=partial(_hand_off, rt.redis, settings.key_prefix, namespace, ttl_s=ttl_s,
+                hold_s=settings.poll_watch_hold_s,
+                hand_off=partial(_hand_off, rt.redis, settings.key_prefix, namespace, ttl_s=ttl_s,
                                  workers=settings.worker_concurrency, renew=renew),
             )  # fmt: skip
             seen, handed, listed = seen + done.seen, handed + done.handed_off, listed + done.listed
