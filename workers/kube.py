@@ -360,7 +360,7 @@ class KubeClient:
                 raise ApiUnavailable(f"{what}: {type(e).__name__}: {e}") from e
             self._done("watch", str(stream.status), started)  # its latency: until the stream opened
             idle_s = hold.idle_s if hold is not None else lifetime_s
-            return watch_stream.WatchStream(stream, what=what, version=version, idle_s=idle_s)
+            return watch_stream.WatchStream(stream, what=what, version=version, idle_s=idle_s, decode=_decoded)
         raise AssertionError("unreachable: the last attempt returns, raises or breaks")
 
     def remove_finalizer(self, namespace: str, name: str, finalizer: str) -> bool:

@@ -43,7 +43,6 @@ class KubeMetrics:
             namespace=NAMESPACE,
             registry=registry,
         )
-
         self.watch_events = Counter(
             "kube_watch_events",
             "Watch events this process read, by resource: what poll's watch costs the API server "

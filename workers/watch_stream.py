@@ -17,10 +17,10 @@ import queue
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
 import urllib3
 
 from k8s_dispatch.engine.errors import ApiUnavailable
@@ -49,10 +49,21 @@ class WatchStream:
     """One open watch response. `reached` is the version the slices have read up to (each
     event's `resourceVersion`): the stream can serve a slice from that version only."""
 
-    def __init__(self, response: urllib3.BaseHTTPResponse, *, what: str, version: str, idle_s: float) -> None:
-        """Start reading `response` (a watch opened from `version`). The thread stops reading
-        once no slice has taken an event for `idle_s` (a stream nobody reads is dropped, not buffered)."""
+    def __init__(
+        self,
+        response: urllib3.BaseHTTPResponse,
+        *,
+        what: str,
+        version: str,
+        idle_s: float,
+        decode: Callable[[bytes, str], JsonDict],
+    ) -> None:
+        """Start reading `response` (a watch opened from `version`), each line an event by
+        `decode` (the adapter's, raising ApiUnavailable for what is not a JSON object). The thread
+        stops reading once no slice has taken an event for `idle_s` (a stream nobody reads is
+        dropped, not buffered)."""
         self.what = what
+        self._decode = decode
         self.reached = version
         self.opened_at = time.monotonic()
         self._response = response
@@ -129,7 +140,7 @@ class WatchStream:
                 *lines, buffer = buffer.split(b"\n")
                 for line in lines:
                     if line.strip():
-                        self._items.put(_event(line, self.what))
+                        self._items.put(self._decode(line, self.what))
                 if time.monotonic() - self._taken_at > self._idle_s:
                     log.info("%s: no slice read the stream for %.0f s; closing it", self.what, self._idle_s)
                     break
@@ -141,13 +152,3 @@ class WatchStream:
             self._items.put(_END)
             self._response.close()  # unread bytes left: the connection is not returned to the pool as is
             self._response.release_conn()
-
-
-def _event(line: bytes, what: str) -> JsonDict:
-    try:
-        event = orjson.loads(line)
-    except orjson.JSONDecodeError as e:
-        raise ApiUnavailable(f"{what}: the server sent a line that is not JSON") from e
-    if not isinstance(event, dict):
-        raise ApiUnavailable(f"{what}: the server sent a watch event that is not an object")
-    return event
