@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
+import math
 import os
 import queue
 import re
@@ -131,7 +132,8 @@ class Window:
     in_flight: tuple[int, int]  # Jobs running at the window's start and end
     latencies_s: list[float] = field(default_factory=list)  # ours: finish -> terminal event
     unrecorded: int = 0  # ours: finished Jobs without a terminal event by `_latencies`' deadline
-    tasks: str = ""  # ours: what the worker's tasks took, from its log
+    tasks: str = ""  # ours: what the worker's tasks that ended in the window took, from its log
+    span: tuple[float, float] = (0.0, 0.0)  # the window's start and end (time.time())
     watch_lag_p99_s: float = 0.0  # the bench's watch: seen finished - completionTime (< 1 s: on time)
     # the real server: the window's requests by who sent them (its audit log), the bench's left out
     by_actor: dict[str, Counter[Key]] = field(default_factory=dict)
@@ -615,7 +617,8 @@ def measure(
     lags = [watch.lag_s[name] for name in finished if name in watch.lag_s]
     if not finished:
         raise RuntimeError(f"no Job finished in the {window_s:g}s window: nothing to divide the requests by")
-    return Window(seconds=t1 - t0, requests=+requests, finished=finished, in_flight=(in_flight_at_start, in_flight_at_end),
+    return Window(seconds=t1 - t0, span=(t0, t1), requests=+requests, finished=finished,
+                  in_flight=(in_flight_at_start, in_flight_at_end),
                   watch_lag_p99_s=_percentile(lags, 0.99) if lags else 0.0,
                   by_actor=_audited_window(cluster, offset=audit_from) if cluster.audit_log else {},
                   cpu_s={name: cpu_after[name] - cpu_before[name] for name in cpu_before},
@@ -810,7 +813,9 @@ def _ours(
                     window.job_bytes = _listed_bytes_per_job(cluster, OURS_NAMESPACE)
                 # The window's Jobs get their terminal events a poll or so later.
                 window.latencies_s, window.unrecorded = _latencies(sessions, window.finished)
-            window.tasks = task_times((ctx.work_dir / "bench-worker.log").read_text(errors="replace"))
+            window.tasks = task_times(
+                (ctx.work_dir / "bench-worker.log").read_text(errors="replace"), within=window.span
+            )
         finally:
             producer.close()
             engine.dispose()
@@ -818,18 +823,32 @@ def _ours(
 
 
 TASK_DONE = re.compile(r"Task ([\w.-]+)\[[^\]]*\] succeeded in ([\d.]+)s")
+LOGGED_AT = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3})")  # Celery's "[%(asctime)s: ..."
 
 
-def task_times(log: str) -> str:
-    """ "poll 20x p50 0.12s p99 0.30s, ..." for the tasks of the worker's latest start, from its log."""
+def task_times(log: str, *, within: tuple[float, float] | None = None) -> str:
+    """ "poll 20x p50 0.12s p99 0.30s, ..." for the tasks of the worker's latest start, from its
+    log; with `within` (time.time() values), only those that ended in it, by the line's time
+    (Celery writes this machine's local time): the setup's tasks are no steady state's."""
     latest = log[log.rfind("--- start #") :]
     seconds: dict[str, list[float]] = {}
-    for name, s in TASK_DONE.findall(latest):
-        seconds.setdefault(name.rsplit(".", 1)[-1], []).append(float(s))
+    for line in latest.splitlines():
+        done = TASK_DONE.search(line)
+        if done is None or (within is not None and not within[0] <= _logged_at(line) <= within[1]):
+            continue
+        seconds.setdefault(done[1].rsplit(".", 1)[-1], []).append(float(done[2]))
     return ", ".join(
         f"{name} {len(v)}x p50 {_percentile(v, 0.5):.2f}s p99 {_percentile(v, 0.99):.2f}s"
         for name, v in sorted(seconds.items())
     )
+
+
+def _logged_at(line: str) -> float:
+    """The time a Celery log line was written (time.time()); NaN, outside every span, if it has none."""
+    at = LOGGED_AT.match(line)
+    if at is None:
+        return math.nan
+    return datetime.strptime(at[1], "%Y-%m-%d %H:%M:%S").timestamp() + int(at[2]) / 1000
 
 
 def _log_tail(path: Path, lines: int = 20) -> str:

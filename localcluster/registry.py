@@ -170,11 +170,9 @@ class Registry:
 
     def _check_job_quota(self, namespace: str, name: str) -> None:
         entry = self.store.get(NAMESPACES, "", namespace)
-        refusal = (
-            quota.job_create_refusal(entry.meta, name=name, used=len(self.store.list(JOBS, namespace)))
-            if entry
-            else None
-        )
+        if entry is None:
+            return
+        refusal = quota.job_create_refusal(entry.meta, name=name, used=self.store.count(JOBS, namespace))
         if refusal is not None:
             raise refusal
 

@@ -10,6 +10,7 @@ not write back synchronously (they schedule their work).
 from __future__ import annotations
 
 import asyncio
+import bisect
 import builtins
 import contextlib
 import json
@@ -138,8 +139,29 @@ class Watcher:
 
 @dataclass
 class _Table:
+    """One resource's objects, their keys kept in order (a LIST reads a namespace's range, and a
+    busy server writes between LISTs: sorting per LIST, or scanning every namespace, costs what
+    the real server's cache does not), and how many each namespace holds (the Job quota)."""
+
     objects: dict[Key, Entry] = field(default_factory=dict)
-    sorted_keys: list[Key] | None = None
+    sorted_keys: list[Key] = field(default_factory=list)
+    counts: dict[str, int] = field(default_factory=dict)
+
+    def add(self, key: Key, entry: Entry) -> None:
+        self.objects[key] = entry
+        bisect.insort(self.sorted_keys, key)
+        self.counts[key[0]] = self.counts.get(key[0], 0) + 1
+
+    def discard(self, key: Key) -> None:
+        del self.objects[key]
+        del self.sorted_keys[bisect.bisect_left(self.sorted_keys, key)]
+        self.counts[key[0]] -= 1
+
+    def namespace_keys(self, namespace: str) -> list[Key]:
+        """The keys of `namespace`, in order: (namespace,) sorts before all of them and
+        (namespace + NUL,) after all of them and before any other namespace's."""
+        keys = self.sorted_keys
+        return keys[bisect.bisect_left(keys, (namespace,)) : bisect.bisect_left(keys, (namespace + "\0",))]
 
 
 class Store:
@@ -168,15 +190,12 @@ class Store:
     def list(self, resource: Resource, namespace: str | None = None) -> list[Entry]:
         """Entries sorted by (namespace, name), as etcd's key order lists them."""
         table = self._table(resource)
-        if table.sorted_keys is None:
-            table.sorted_keys = sorted(table.objects)
         objects = table.objects
-        if namespace is None:
-            return [objects[k] for k in table.sorted_keys]
-        return [objects[k] for k in table.sorted_keys if k[0] == namespace]
+        return [objects[k] for k in (table.sorted_keys if namespace is None else table.namespace_keys(namespace))]
 
-    def count(self, resource: Resource) -> int:
-        return len(self._table(resource).objects)
+    def count(self, resource: Resource, namespace: str | None = None) -> int:
+        table = self._table(resource)
+        return len(table.objects) if namespace is None else table.counts.get(namespace, 0)
 
     def owned_by(self, uid: str) -> builtins.list[tuple[str, str, str]]:  # `list` is the method above
         """(plural, namespace, name) of objects whose ownerReferences name `uid`."""
@@ -200,8 +219,7 @@ class Store:
         table = self._table(resource)
         key = (entry.namespace, entry.name)
         assert key not in table.objects, key
-        table.objects[key] = entry
-        table.sorted_keys = None
+        table.add(key, entry)
         self._index(entry, None)
         self._emit(Event(ADDED, entry))
         return entry
@@ -216,9 +234,7 @@ class Store:
     def remove(self, old: Entry, final: dict[str, Any] | None = None) -> Entry:
         """Delete an object; the DELETED event carries `final` (default: the last version)."""
         entry = self._stamp(old.resource, final if final is not None else old.obj)
-        table = self._table(old.resource)
-        del table.objects[(old.namespace, old.name)]
-        table.sorted_keys = None
+        self._table(old.resource).discard((old.namespace, old.name))
         self._index(None, old)
         self._emit(Event(DELETED, entry, old))
         return entry
@@ -305,9 +321,7 @@ class Store:
                 obj,
                 int(meta.get("resourceVersion") or 0),
             )
-            table = self._table(resource)
-            table.objects[(entry.namespace, entry.name)] = entry
-            table.sorted_keys = None
+            self._table(resource).add((entry.namespace, entry.name), entry)
             self._index(entry, None)
         self.rv = rv
         self.compacted_rv = rv

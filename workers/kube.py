@@ -89,6 +89,9 @@ NO_ANSWER = "error"  # the code of a request that got no answer
 # A watch slice ends after this long without a byte from the server: it has sent what it had
 # (the watch cache replays the events after a version at once), so the slice is caught up.
 WATCH_QUIET_S = 0.08
+# A slice of a kept stream ends after this long without an event: what it waits for is only
+# what is on its way from the socket, not the server's replay of what it has.
+KEPT_QUIET_S = 0.01
 # A watch's reads wait at most its lifetime and this much more: the server ends it by then.
 WATCH_READ_SLACK_S = 5.0
 
@@ -265,8 +268,8 @@ class KubeClient:
         hold: Hold | None = None,
     ) -> WatchSlice:
         """One bounded slice of a Job watch from `resource_version` (with bookmarks): the events
-        the server sent until a BOOKMARK, `quiet_s` without one (caught up), or `bound_s` in all,
-        whichever comes first.
+        the server sent until a BOOKMARK, `quiet_s` without one (caught up; a kept stream's
+        KEPT_QUIET_S), or `bound_s` in all, whichever comes first.
 
         Without `hold` the stream is closed after the slice. With it, the stream is kept for the
         next slice of the same watch, when that one starts where this one ended: it is read from
@@ -299,7 +302,10 @@ class KubeClient:
                 if stream is None:
                     return WatchSlice(events=[], expired=True)
             try:
-                got = stream.slice(bound_s=max(0.0, deadline - time.monotonic()), quiet_s=quiet_s)
+                # A kept stream's events are already here (its thread read them as they came):
+                # the slice takes what has arrived, and does not wait out a replay's quiet.
+                quiet = min(quiet_s, KEPT_QUIET_S) if kept else quiet_s
+                got = stream.slice(bound_s=max(0.0, deadline - time.monotonic()), quiet_s=quiet)
             except ApiUnavailable:
                 stream.close()
                 if not kept:

@@ -11,6 +11,7 @@ import json
 import os
 from collections import Counter
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -212,3 +213,16 @@ def test_task_times_reads_the_workers_latest_start() -> None:
         "[..] Task k8s-dispatch.create_job[d] succeeded in 0.1s: 'created'",
     ])  # fmt: skip
     assert api_load.task_times(log) == "create_job 1x p50 0.10s p99 0.10s, poll 2x p50 0.25s p99 0.75s"
+
+
+def test_task_times_within_a_window_counts_the_tasks_that_ended_in_it() -> None:
+    log = "\n".join([
+        "--- start #1: celery worker",
+        "[2026-12-01 22:00:09,900: INFO/MainProcess] Task k8s-dispatch.poll[a] succeeded in 9.0s: {}",
+        "[2026-12-01 22:00:10,100: INFO/MainProcess] Task k8s-dispatch.poll[b] succeeded in 0.25s: {}",
+        "[2026-12-01 22:00:39,999: INFO/MainProcess] Task k8s-dispatch.poll[c] succeeded in 0.5s: {}",
+        "[2026-12-01 22:00:40,001: INFO/MainProcess] Task k8s-dispatch.poll[d] succeeded in 7.0s: {}",
+        "[..] Task k8s-dispatch.poll[e] succeeded in 8.0s: {}",  # no time: in no window
+    ])  # fmt: skip
+    opened = datetime(2026, 12, 1, 22, 0, 10).timestamp()  # Celery writes local time, as this reads it
+    assert api_load.task_times(log, within=(opened, opened + 30)) == "poll 2x p50 0.25s p99 0.50s"

@@ -1,5 +1,6 @@
 """Pure parts: the Job controller's decisions (jobsync.plan_job), the three patch formats, the
-Table printer's durations, paths and the simulate runner's plan from annotations."""
+Table printer's durations, paths, the simulate runner's plan from annotations, and the store's
+ordered keys and counts."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from k8s_dispatch.localcluster.jobsync import TRACKING_FINALIZER, PodView, plan_
 from k8s_dispatch.localcluster.patching import PatchError, json_patch, merge_patch, strategic_merge_patch
 from k8s_dispatch.localcluster.registry import new_uid
 from k8s_dispatch.localcluster.resources import JOBS, NAMESPACES, PODS
+from k8s_dispatch.localcluster.store import Store
 from k8s_dispatch.localcluster.tables import human_duration
 from k8s_dispatch.localcluster.timestamps import rfc3339
 
@@ -229,3 +231,19 @@ def test_uids_are_random_version_4_uuids_in_canonical_text() -> None:
     for text in uids:
         parsed = uuid.UUID(text)
         assert (parsed.version, parsed.variant, str(parsed)) == (4, uuid.RFC_4122, text)
+
+
+def test_the_store_lists_a_namespace_in_name_order_and_counts_it_through_writes() -> None:
+    store = Store()
+    # Namespaces that share a prefix, or sort next to it, must not leak into its range.
+    for namespace, name in [("ns", "b"), ("ns-a", "a"), ("n", "z"), ("ns", "a"), ("nt", "a"), ("ns", "c")]:
+        store.insert(JOBS, {"metadata": {"namespace": namespace, "name": name}})
+    assert [e.name for e in store.list(JOBS, "ns")] == ["a", "b", "c"]
+    assert [(e.namespace, e.name) for e in store.list(JOBS)] == [
+        ("n", "z"), ("ns", "a"), ("ns", "b"), ("ns", "c"), ("ns-a", "a"), ("nt", "a"),
+    ]  # fmt: skip
+    store.remove(store.get(JOBS, "ns", "b"))
+    store.insert(JOBS, {"metadata": {"namespace": "ns", "name": "aa"}})
+    assert [e.name for e in store.list(JOBS, "ns")] == ["a", "aa", "c"]
+    counts = [store.count(JOBS, namespace) for namespace in ("ns", "ns-a", "gone")]
+    assert (counts, store.count(JOBS)) == ([3, 1, 0], 6)
