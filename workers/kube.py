@@ -276,7 +276,8 @@ class KubeClient:
         the kept stream, without a new request. A stream is kept once two slices of this process
         follow each other (so that replicas taking turns do not each keep a stream nobody reads),
         for at most `hold.lifetime_s`, and dropped when no slice read it for `hold.idle_s`. A kept
-        stream that has ended or broken is replaced by a new watch in the same slice.
+        stream that has ended or broken is replaced in the same slice by a new watch from where
+        it ended (if that fails, the slice fails as any watch's does).
 
         A slice never loses an event: what it did not read, the next one (from the last version
         read) reads. `expired` is set when the server says the version is too old (410 Gone or
@@ -296,11 +297,12 @@ class KubeClient:
         kept = stream is not None
         deadline = time.monotonic() + bound_s
         events: list[JsonDict] = []
+        version = resource_version
         while True:
             if stream is None:
-                stream = self._open_watch(namespace, label_selector, resource_version, bound_s=bound_s, hold=hold)
+                stream = self._open_watch(namespace, label_selector, version, bound_s=bound_s, hold=hold)
                 if stream is None:
-                    return WatchSlice(events=[], expired=True)
+                    return WatchSlice(events=events, expired=True)
             try:
                 # A kept stream's events are already here (its thread read them as they came):
                 # the slice takes what has arrived, and does not wait out a replay's quiet.
@@ -316,9 +318,12 @@ class KubeClient:
             if got.expired:
                 stream.close()
                 return WatchSlice(events=events, expired=True)
-            if got.ended and kept and not got.events and deadline > time.monotonic():
-                log.info("%s: the kept stream had ended; opening a new one", stream.what)
-                stream, kept = None, False  # once: a new stream's end or error stands
+            if got.ended and kept and deadline > time.monotonic():
+                # It ended (its lifetime) or broke since the last slice: what came after the
+                # events it had is read in this slice from a new stream, not left for the next
+                # poll (a poll interval late).
+                log.info("%s: the kept stream had ended; opening a new one from %s", stream.what, stream.reached)
+                version, stream, kept = stream.reached, None, False  # once: a new stream's end or error stands
                 continue
             break
         done: watch_stream.WatchStream | None = stream
