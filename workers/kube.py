@@ -92,6 +92,9 @@ WATCH_QUIET_S = 0.08
 # A slice of a kept stream ends after this long without an event: what it waits for is only
 # what is on its way from the socket, not the server's replay of what it has.
 KEPT_QUIET_S = 0.01
+# How many requests one task thread may have in flight at once (a completion's releases of its
+# batch's Jobs, `recovery.delivery`): the connection pool is sized for it.
+REQUESTS_PER_THREAD = 4
 # A watch's reads wait at most its lifetime and this much more: the server ends it by then.
 WATCH_READ_SLACK_S = 5.0
 
@@ -169,11 +172,11 @@ class KubeClient:
 
     @classmethod
     def from_settings(cls, settings: Settings, *, on_request: RequestObserver | None = None) -> KubeClient:
-        # Task threads plus the poll and sweep that may run beside them.
+        # Task threads (each with up to REQUESTS_PER_THREAD at once) plus the poll and sweep beside them.
         return cls(
             settings.kubeconfig,
             timeout_s=settings.kube_timeout_s,
-            pool_size=settings.worker_concurrency + 4,
+            pool_size=settings.worker_concurrency * REQUESTS_PER_THREAD + 4,
             budget=api_budget.shared(settings.kube_qps, settings.kube_burst),
             on_request=on_request,
         )

@@ -811,3 +811,44 @@ def test_a_transient_error_mid_batch_keeps_the_jobs_created_before_it_and_the_re
         outcomes = create_jobs_for(rt, ids)
         assert {d for d, o in outcomes.items() if o is CreateOutcome.ADOPTED} >= set(marked)
         assert all(load_record(rt, d).state is DispatchState.CREATED for d in ids)
+
+
+def test_a_release_failing_mid_batch_keeps_the_outcomes_before_it_and_the_retries_release_every_job_once(
+    make_runtime, notified
+):
+    """A batch's releases run a few Jobs at a time; with 30% of the API's requests failing,
+    each call returns the outcomes up to its first failure and leaves the rest for the retry,
+    which releases them (again, for those done out of order): one terminal event each, and
+    no finalizer of ours left on a Job or a Pod."""
+    with LocalCluster(mode="simulate") as flaky:
+        rt = make_runtime(notifier=notified, kubeconfig=flaky.kubeconfig)
+        ids = [schedule(rt, "sim.ok", {"i": i}) for i in range(12)]
+        for dispatch_id in ids:
+            assert create_job_for(rt, dispatch_id) is CreateOutcome.CREATED
+        for dispatch_id in ids:
+            job_finished(rt, dispatch_id)
+        left = listed_finished(rt)
+        assert len(left) == len(ids)
+        flaky.set_faults(0.3, 0)
+        stopped_midway = False
+        for _ in range(100):
+            done = complete_jobs(rt, rt.settings.namespace, left, delete=False)
+            assert done.unavailable == list(left[len(done.outcomes) :])  # a prefix done, the rest to retry
+            if done.error is None:
+                break
+            stopped_midway |= bool(done.outcomes)
+            left = done.unavailable
+        else:
+            pytest.fail("the batch never got through")
+        flaky.set_faults(0.0, 0)
+        assert stopped_midway, "no call stopped after delivering some of its Jobs"
+        assert all(len(events(rt, d)) == 2 for d in ids)  # scheduled, then exactly one terminal event
+        assert sorted(notified.ids) == sorted(ids)
+        names = {job_name(d) for d in ids}
+        pages = rt.kube.iter_jobs(rt.settings.namespace, label_selector=job_labels.selector())
+        jobs = [j for page in pages for j in page if j["metadata"]["name"] in names]
+        assert len(jobs) == len(ids) and not any(FINALIZER in (j["metadata"].get("finalizers") or []) for j in jobs)
+        pods = rt.kube.list_pods(
+            rt.settings.namespace, label_selector=f"{JOB_NAME_LABEL} in ({','.join(sorted(names))})"
+        )
+        assert len(pods) == len(ids) and not any(FINALIZER in (p["metadata"].get("finalizers") or []) for p in pods)
