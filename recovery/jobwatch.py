@@ -61,7 +61,9 @@ class Step(Enum):
 
 def decide(event: Mapping[str, Any]) -> Step:
     """The step for one watch event (pure). DELETED is also how a watch with a label selector
-    says an object stopped matching it: labelled delivered by its completion, or otherwise."""
+    says an object stopped matching it: labelled delivered by its completion, or otherwise.
+    kube-apiserver's event then carries the version before the change, so there a delivered Job
+    is GONE too, and the sweep finds its dispatch ended (one database read, no request)."""
     kind = event.get("type")
     job = event.get("object") or {}
     if kind == "BOOKMARK":
@@ -272,8 +274,12 @@ def poll_namespace(
         position = _relist(kube, namespace, selector=selector, page_size=page_size, hand_off=hand_off, out=out)
     for job in out.gone:
         meta = job.get("metadata") or {}
-        log.info("poll: job %s/%s left without being delivered; the sweep checks its dispatch",
-                 namespace, meta.get("name"))  # fmt: skip
+        # A finished one is, as a rule, one we delivered: kube-apiserver's event for an object
+        # leaving the selector carries its previous version, without the delivered label
+        # (localcluster's, the new one). Its dispatch is checked all the same (in the database).
+        level = logging.DEBUG if job_state(job).terminal else logging.INFO
+        log.log(level, "poll: job %s/%s left without being labelled delivered; the sweep checks its dispatch",
+                namespace, meta.get("name"))  # fmt: skip
     healthy_ms = max(1, int(HEALTHY_INTERVALS * poll_interval_s * 1000))
     out.stored = store(client, name, expected=before.version, position=position, healthy_ms=healthy_ms)
     if out.stored:
