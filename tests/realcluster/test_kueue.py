@@ -183,6 +183,8 @@ def test_two_dispatches_of_a_one_job_queue_run_one_after_the_other_and_both_comp
             for name, j in jobs.items():
                 if job_state(j).terminal:
                     finished.setdefault(name, now)
+            for name in set(resumed) - set(jobs):  # finished, delivered and deleted between two samples
+                finished.setdefault(name, now)
             listed = objects.list_namespaced_custom_object(GROUP, VERSION, namespace, "workloads")["items"]
             workloads |= {w["metadata"]["name"] for w in listed if (w.get("status") or {}).get("admission")}
             if now - last_sweep >= 0.5:  # the beat's sweep, which delivers finished Jobs
