@@ -360,14 +360,18 @@ def kept_streams() -> int:
 def poll_until_handed(
     kube: KubeClient, client: redis.Redis, prefix: str, deployment: str, namespace: str, rec: Recorder,
     names: list[str], *, hold_s: float,
-) -> None:  # fmt: skip
-    """Poll (never through a LIST) until each of `names` has been handed off."""
+) -> int:  # fmt: skip
+    """Poll (never through a LIST) until each of `names` has been handed off; how many polls it took."""
+    polls = 0
 
     def handed() -> bool:
+        nonlocal polls
+        polls += 1
         assert not poll(kube, client, prefix, deployment, namespace, rec, hold_s=hold_s).listed
         return set(names) <= set(rec.handed)
 
     poll_until(handed)
+    return polls
 
 
 def watched_namespace(
@@ -451,17 +455,11 @@ def test_a_kept_stream_the_server_ended_is_replaced_in_the_same_poll_and_loses_n
         assert poll(kube, client, prefix, deployment, namespace, rec, hold_s=1).listed
         names: list[str] = []
         polls = 0
-
-        def handed() -> bool:
-            nonlocal polls
-            polls += 1
-            assert not poll(kube, client, prefix, deployment, namespace, rec, hold_s=1).listed  # never a LIST
-            return names[-1] in rec.handed
-
         deadline = time.monotonic() + 8  # several of the streams' 1 s lives
         while time.monotonic() < deadline:
             names.append(make_job(kube, namespace, deployment, ms=10))
-            poll_until(handed)  # a poll every 0.1 s
+            # a poll every 0.1 s, never a LIST
+            polls += poll_until_handed(kube, client, prefix, deployment, namespace, rec, names[-1:], hold_s=1)
         assert sorted(rec.handed) == sorted(names)
         assert 3 <= watches.sent <= polls // 2, (watches.sent, polls)  # replaced as they ended, not for every poll
 
