@@ -35,6 +35,7 @@ NO_FAULT_PATHS = frozenset({"/healthz", "/livez", "/readyz", "/metrics"})
 JSON = "application/json"
 DEFAULT_WATCH_TIMEOUT = 1800
 BOOKMARK_INTERVAL = 5.0
+PRE_TIMEOUT_BOOKMARK_S = 2.0
 FAULTS_PATH = "/localcluster/faults"
 AUDIT_PATH = "/localcluster/audit"
 METRICS_PATH = "/metrics"
@@ -553,11 +554,19 @@ async def _watch(request: web.Request, core: ClusterCore, target: paths.Target) 
             core.audit.watched(resource, 1)
             await response.write(_bookmark(resource, store.rv, initial_end=True))
         last_sent = loop.time()
+        # kube-apiserver's watch cache sends a bookmark this long before a watch's timeout,
+        # events or not (so that the client resumes close to now): so does this server
+        pre_timeout: float | None = deadline - PRE_TIMEOUT_BOOKMARK_S if bookmarks else None
+        if pre_timeout is not None and pre_timeout <= loop.time():
+            pre_timeout = None
         while not watcher.closed or watcher.queue:
             remaining = deadline - loop.time()
             if remaining <= 0:
                 break
-            await watcher.wait(min(remaining, BOOKMARK_INTERVAL))
+            wait = min(remaining, BOOKMARK_INTERVAL)
+            if pre_timeout is not None:
+                wait = max(0.0, min(wait, pre_timeout - loop.time()))
+            await watcher.wait(wait)
             if watcher.queue:
                 out: list[bytes] = []
                 while watcher.queue and len(out) < 1000:
@@ -568,6 +577,11 @@ async def _watch(request: web.Request, core: ClusterCore, target: paths.Target) 
                 await response.write(b"".join(out))
                 last_sent = loop.time()
             elif bookmarks and loop.time() - last_sent >= BOOKMARK_INTERVAL:
+                core.audit.watched(resource, 1)
+                await response.write(_bookmark(resource, store.rv))
+                last_sent = loop.time()
+            if pre_timeout is not None and loop.time() >= pre_timeout and not watcher.queue:
+                pre_timeout = None
                 core.audit.watched(resource, 1)
                 await response.write(_bookmark(resource, store.rv))
                 last_sent = loop.time()

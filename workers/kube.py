@@ -110,7 +110,7 @@ class Hold:
 
 @dataclass(frozen=True)
 class WatchSlice:
-    """What one bounded slice of a watch read: its events in order (the last may be a BOOKMARK),
+    """What one bounded slice of a watch read: its events in order (BOOKMARKs among them),
     and whether the server said the version was too old to resume from (LIST again)."""
 
     events: list[JsonDict]
@@ -271,8 +271,8 @@ class KubeClient:
         hold: Hold | None = None,
     ) -> WatchSlice:
         """One bounded slice of a Job watch from `resource_version` (with bookmarks): the events
-        the server sent until a BOOKMARK, `quiet_s` without one (caught up; a kept stream's
-        KEPT_QUIET_S), or `bound_s` in all, whichever comes first.
+        the server sent until caught up (`quiet_s` without one, a kept stream's KEPT_QUIET_S; or
+        a BOOKMARK and what is already queued behind it), or `bound_s` in all, whichever comes first.
 
         Without `hold` the stream is closed after the slice. With it, the stream is kept for the
         next slice of the same watch, when that one starts where this one ended: it is read from

@@ -36,7 +36,7 @@ CLOSE_WAIT_S = 1.0
 
 @dataclass(frozen=True)
 class Slice:
-    """What one slice read: its events in order (the last may be a BOOKMARK); `expired` when
+    """What one slice read: its events in order (BOOKMARKs among them); `expired` when
     the server said the version is too old (410); `ended` when the stream is over (it ended, or
     broke off after some events) and cannot serve another slice."""
 
@@ -82,8 +82,12 @@ class WatchStream:
         return not self._over and not (self._closed.is_set() and self._items.empty())
 
     def slice(self, *, bound_s: float, quiet_s: float) -> Slice:
-        """The events received until a BOOKMARK, `quiet_s` without one (caught up), or `bound_s`
-        in all. Each event read moves `reached`.
+        """The events received until caught up: `quiet_s` without one, or a BOOKMARK and what is
+        already queued behind it; or `bound_s` in all. Each event read moves `reached`.
+
+        A BOOKMARK does not end the slice while events wait behind it: kube-apiserver sends one
+        2 s before a watch's timeout, and a slice that stopped there would leave the events of
+        those last 2 s for the next poll, a poll interval late.
 
         Raises:
             ApiUnavailable: the stream broke off before this slice read an event, or the server
@@ -115,7 +119,7 @@ class WatchStream:
             if version:
                 self.reached = str(version)
             if item.get("type") == "BOOKMARK":
-                break
+                quiet_s = 0.0  # caught up to it: only what is already queued behind it is read
         return Slice(events, expired=False, ended=False)
 
     def close(self) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import pytest
 from conftest import Api, job_manifest, raw_request, wait_for
@@ -88,6 +89,39 @@ def test_bookmarks_carry_a_resource_version(sim: Api) -> None:
     bookmark = next(e for e in events if e["type"] == "BOOKMARK")
     assert bookmark["object"]["metadata"]["annotations"] == {"k8s.io/initial-events-end": "true"}
     assert int(bookmark["object"]["metadata"]["resourceVersion"]) >= int(rv)
+
+
+def test_a_watch_gets_a_bookmark_about_two_seconds_before_its_timeout(sim: Api) -> None:
+    """As kube-apiserver's watch cache does while things change: a client resuming after the
+    timeout starts close to now, and the events after the bookmark still come on this watch."""
+    rv = sim.batch.list_namespaced_job(sim.namespace).metadata.resource_version
+    stop = threading.Event()
+
+    def churn() -> None:  # changes all along (kube-apiserver sends no bookmark while nothing changes)
+        for i in range(40):
+            if stop.wait(0.25):
+                return
+            sim.create_job(job_manifest(f"b{i}", annotations=HANG))
+
+    changer = threading.Thread(target=churn)
+    changer.start()
+    try:
+        opened = time.monotonic()
+        response = sim.batch.list_namespaced_job(
+            sim.namespace, watch=True, allow_watch_bookmarks=True, resource_version=rv, timeout_seconds=4,
+            _preload_content=False,
+        )  # fmt: skip
+        got = [(time.monotonic() - opened, json.loads(line)) for line in response if line.strip()]
+        ended = time.monotonic() - opened
+    finally:
+        stop.set()
+        changer.join()
+    types = [e["type"] for _, e in got]
+    assert "BOOKMARK" in types, types
+    at, bookmark = got[types.index("BOOKMARK")]
+    assert 1.0 <= at <= 3.5 and ended - at >= 0.5, (at, ended)  # before the end, not at it
+    assert int(bookmark["object"]["metadata"]["resourceVersion"]) >= int(rv)
+    assert "ADDED" in types[types.index("BOOKMARK") :], types  # the watch goes on after it
 
 
 def test_a_too_old_resource_version_is_a_410_error_event() -> None:
