@@ -554,8 +554,9 @@ async def _watch(request: web.Request, core: ClusterCore, target: paths.Target) 
             core.audit.watched(resource, 1)
             await response.write(_bookmark(resource, store.rv, initial_end=True))
         last_sent = loop.time()
-        # kube-apiserver's watch cache sends a bookmark this long before a watch's timeout,
-        # events or not (so that the client resumes close to now): so does this server
+        # kube-apiserver's watch cache sends a bookmark this long before a watch's timeout (so
+        # that the client resumes close to now; it sends none while nothing changed): so does
+        # this server, changes or not
         pre_timeout: float | None = deadline - PRE_TIMEOUT_BOOKMARK_S if bookmarks else None
         if pre_timeout is not None and pre_timeout <= loop.time():
             pre_timeout = None
