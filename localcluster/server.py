@@ -577,15 +577,14 @@ async def _watch(request: web.Request, core: ClusterCore, target: paths.Target) 
                 core.audit.watched(resource, len(out))
                 await response.write(b"".join(out))
                 last_sent = loop.time()
-            elif bookmarks and loop.time() - last_sent >= BOOKMARK_INTERVAL:
-                core.audit.watched(resource, 1)
-                await response.write(_bookmark(resource, store.rv))
-                last_sent = loop.time()
-            if pre_timeout is not None and loop.time() >= pre_timeout and not watcher.queue:
-                pre_timeout = None
-                core.audit.watched(resource, 1)
-                await response.write(_bookmark(resource, store.rv))
-                last_sent = loop.time()
+            else:
+                pre_timeout_due = pre_timeout is not None and loop.time() >= pre_timeout
+                if pre_timeout_due or (bookmarks and loop.time() - last_sent >= BOOKMARK_INTERVAL):
+                    if pre_timeout_due:
+                        pre_timeout = None
+                    core.audit.watched(resource, 1)
+                    await response.write(_bookmark(resource, store.rv))
+                    last_sent = loop.time()
         if watcher.overflowed:
             err = apierrors.gone("the watch fell too far behind; restart it from a new list")
             await response.write(_event_bytes("ERROR", dumps(err.status())))

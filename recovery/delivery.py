@@ -474,22 +474,22 @@ class _Batch:
         the Jobs from there on are retried, and a release done twice changes nothing."""
         rt = self.rt
         released = (CompleteOutcome.COMPLETED, CompleteOutcome.ALREADY_TERMINAL)
-        work = [
-            (context, job, self._pods.of(context.job_name))  # the Pod LIST here, once, not in the threads
-            for job, context, outcome in zip(self.jobs, contexts, decided, strict=True)
-            if context is not None and outcome in released
-        ]
 
-        def release(item: tuple[DeliveryContext, Mapping[str, Any], list[dict[str, Any]]]) -> None:
-            context, job, pods = item
+        def release(context: DeliveryContext, job: Mapping[str, Any], pods: list[dict[str, Any]]) -> None:
             release_pods(rt, context.namespace, pods)
             release_job(rt, context.namespace, context.job_name, snapshot=job)
 
-        with ThreadPoolExecutor(max_workers=max(1, min(RELEASE_CONCURRENCY, len(work)))) as pool:
-            futures = iter([pool.submit(release, item) for item in work])
-            for context, outcome in zip(contexts, decided, strict=True):
-                if context is not None and outcome in released:
-                    next(futures).result()  # raises the first failure, in the Jobs' order
+        with ThreadPoolExecutor(max_workers=max(1, min(RELEASE_CONCURRENCY, len(self.jobs)))) as pool:
+            pending = [
+                # the Pod LIST here, once, not in the threads
+                pool.submit(release, context, job, self._pods.of(context.job_name))
+                if context is not None and outcome in released
+                else None
+                for job, context, outcome in zip(self.jobs, contexts, decided, strict=True)
+            ]
+            for future, outcome in zip(pending, decided, strict=True):
+                if future is not None:
+                    future.result()  # raises the first failure, in the Jobs' order
                 self.outcomes.append(outcome)
 
     def _record(
