@@ -22,6 +22,7 @@ from aiohttp import web
 
 from k8s_dispatch.localcluster import kubeconfig as kubeconfig_file
 from k8s_dispatch.localcluster import tls
+from k8s_dispatch.localcluster.apierrors import ApiError
 from k8s_dispatch.localcluster.audit import RequestCount
 from k8s_dispatch.localcluster.core import ClusterCore
 from k8s_dispatch.localcluster.server import build_app
@@ -276,6 +277,12 @@ class LocalCluster:
     def request_counts(self) -> list[RequestCount]:
         """`apiserver_request_total` so far: (labels, response code, count) rows (see localcluster/audit.py)."""
         return self.call(lambda core: core.audit.request_counts())
+
+    def break_watches(self, code: int = 500, message: str = "injected watch error (localcluster)") -> int:
+        """End every open watch with an ERROR event of `code` after the events it has queued
+        (what a watch meets when the server's storage fails); how many it ended."""
+        status = ApiError(code, "InternalError", message).status()
+        return self.call(lambda core: core.store.break_watches(status))
 
     def set_faults(self, rate: float, latency_ms: int) -> None:
         """Change fault injection at runtime (raises ValueError for out-of-range values)."""

@@ -588,6 +588,8 @@ async def _watch(request: web.Request, core: ClusterCore, target: paths.Target) 
         if watcher.overflowed:
             err = apierrors.gone("the watch fell too far behind; restart it from a new list")
             await response.write(_event_bytes("ERROR", dumps(err.status())))
+        elif watcher.error is not None:  # broken off on purpose (`Store.break_watches`)
+            await response.write(_event_bytes("ERROR", dumps(watcher.error)))
     except ConnectionError:  # the client closed its watch (a bounded slice, a stopped informer): normal
         return response
     finally:

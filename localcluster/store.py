@@ -99,6 +99,8 @@ class Watcher:
         self.queue: deque[tuple[str, Entry]] = deque()
         self.closed = False
         self.overflowed = False
+        # Set by `Store.break_watches`: the watch sends it as an ERROR event after what it queued.
+        self.error: dict[str, Any] | None = None
         self._wakeup = asyncio.Event()
 
     def offer(self, event: Event) -> None:
@@ -302,6 +304,19 @@ class Store:
     def unwatch(self, watcher: Watcher) -> None:
         watcher.close()
         self._watchers.get(watcher.resource.plural, set()).discard(watcher)
+
+    def break_watches(self, status: dict[str, Any]) -> int:
+        """End every open watch with an ERROR event carrying `status` (a Status object), sent
+        after the events each has queued, as kube-apiserver does when a watch breaks off with
+        an error other than 410 (an etcd or storage failure). How many watches it ended."""
+        count = 0
+        for watchers in self._watchers.values():
+            for watcher in list(watchers):
+                if not watcher.closed:
+                    watcher.error = status
+                    watcher.close()
+                    count += 1
+        return count
 
     def close_watchers(self) -> None:
         for watchers in self._watchers.values():

@@ -60,8 +60,8 @@ class WatchStream:
     ) -> None:
         """Start reading `response` (a watch opened from `version`), each line an event by
         `decode` (the adapter's, raising ApiUnavailable for what is not a JSON object). The thread
-        stops reading once no slice has taken an event for `idle_s` (a stream nobody reads is
-        dropped, not buffered)."""
+        stops reading once no slice has read it for `idle_s` (a stream nobody reads is dropped,
+        not buffered; an idle namespace's stream, read by every poll, is kept past its bookmarks)."""
         self.what = what
         self._decode = decode
         self.reached = version
@@ -89,11 +89,15 @@ class WatchStream:
         2 s before a watch's timeout, and a slice that stopped there would leave the events of
         those last 2 s for the next poll, a poll interval late.
 
+        A stream that breaks off (an ERROR other than 410 included) after this slice read events
+        ends the slice with them (`ended`): they are past `reached` and must be handed on.
+
         Raises:
-            ApiUnavailable: the stream broke off before this slice read an event, or the server
-                sent an ERROR other than 410 (the stream is then over).
+            ApiUnavailable: the stream broke off, or the server sent an ERROR other than 410,
+                before this slice read an event (the stream is then over).
         """
         deadline = time.monotonic() + bound_s
+        self._taken_at = time.monotonic()  # read by a slice, even if nothing came: not idle
         events: list[JsonDict] = []
         while (left := deadline - time.monotonic()) > 0:
             try:
@@ -113,7 +117,13 @@ class WatchStream:
                 status = item.get("object") or {}
                 if status.get("code") == 410 or status.get("reason") in ("Expired", "Gone"):
                     return Slice(events, expired=True, ended=True)
-                raise ApiUnavailable(f"{self.what}: the watch broke off: {status.get('message') or status}")
+                message = status.get("message") or status
+                if not events:
+                    raise ApiUnavailable(f"{self.what}: the watch broke off: {message}")
+                # What was read stands, as when the stream breaks: `reached` has moved past these
+                # events, so a slice that dropped them would resume after them and lose them.
+                log.info("%s: the watch broke off after %d events (%s)", self.what, len(events), message)
+                return Slice(events, expired=False, ended=True)
             events.append(item)
             version = (item.get("object") or {}).get("metadata", {}).get("resourceVersion")
             if version:

@@ -483,3 +483,30 @@ def test_a_poll_reads_past_the_end_of_its_kept_stream_in_the_same_slice(
         assert not poll(kube, client, prefix, deployment, namespace, rec, hold_s=2).listed
         assert sorted(rec.handed) == sorted([before_end, after_end])  # both, in this one poll
         assert watches.sent == sent + 1
+
+
+def test_a_kept_stream_that_breaks_off_with_an_error_after_events_loses_none_of_them(
+    local_sim_cluster: ClusterHandle, client: redis.Redis, key_prefix: str, deployment: str
+) -> None:
+    """A kept stream received events, then the server broke it off with an ERROR (not 410): the
+    poll hands those events' Jobs off and goes on from a new stream, without a LIST."""
+    cluster = local_sim_cluster
+    namespace, prefix, rec = watched_namespace(cluster, client, key_prefix, deployment, "watch-broken")
+    watches = Watches()
+    with KubeClient(cluster.kubeconfig, on_request=watches) as kube:
+        assert poll(kube, client, prefix, deployment, namespace, rec, hold_s=30).listed
+        for _ in range(2):  # the second poll follows the first: its stream is kept
+            assert not poll(kube, client, prefix, deployment, namespace, rec, hold_s=30).listed
+        sent = watches.sent
+        names = [make_job(kube, namespace, deployment, ms=10) for _ in range(2)]
+        wait_finished(kube, namespace, names)
+        # The kept stream has the Jobs' events queued; an ERROR follows them.
+        assert cluster.backend.break_watches(500) >= 1
+        poll_until(lambda: kept_streams() == 0)  # the reader read the ERROR and the end
+        after = poll(kube, client, prefix, deployment, namespace, rec, hold_s=30)
+        assert not after.listed and sorted(rec.handed) == sorted(names)  # in this one poll
+        assert watches.sent == sent + 1  # the broken stream replaced by one new watch
+        late = make_job(kube, namespace, deployment, ms=10)
+        wait_finished(kube, namespace, [late])
+        poll_until_handed(kube, client, prefix, deployment, namespace, rec, [late], hold_s=30)
+        assert sorted(rec.handed) == sorted([*names, late])

@@ -10,8 +10,10 @@ import time
 from types import SimpleNamespace
 from typing import Any, cast
 
+import pytest
 import urllib3
 
+from k8s_dispatch.engine.errors import ApiUnavailable
 from k8s_dispatch.workers import kube, watch_stream
 
 
@@ -33,6 +35,12 @@ class Response:
             self._more.notify_all()
             self._more.wait_for(lambda: self._chunks or self._shut)
             return self._chunks.pop(0) if self._chunks else b""
+
+    def send(self, chunk: bytes) -> None:
+        """Hand over one more chunk (the server sent it)."""
+        with self._more:
+            self._chunks.append(chunk)
+            self._more.notify_all()
 
     def wait_reads(self, n: int) -> None:
         """Until the reader has asked for its n-th chunk: everything before it is queued."""
@@ -100,3 +108,53 @@ def test_a_slice_takes_the_events_before_the_end_and_says_it_ended() -> None:
     assert [e["object"]["metadata"]["name"] for e in got.events] == ["a"]
     assert got.ended and not stream.usable
     stream.close()
+
+
+def error(code: int) -> bytes:
+    status = {"kind": "Status", "status": "Failure", "code": code, "reason": "InternalError", "message": "etcd down"}
+    return json.dumps({"type": "ERROR", "object": status}).encode() + b"\n"
+
+
+def test_an_error_after_events_ends_the_slice_with_them() -> None:
+    """The slice has moved `reached` past the events it read: raising would drop them, and the
+    next stream, opened from `reached`, would never send them again."""
+    response = Response([event("MODIFIED", 2, "a") + event("MODIFIED", 3, "b") + error(500)])
+    stream = stream_of(response)
+    try:
+        response.wait_reads(2)
+        got = stream.slice(bound_s=5, quiet_s=1)
+        assert [e["object"]["metadata"]["name"] for e in got.events] == ["a", "b"]
+        assert got.ended and not got.expired and stream.reached == "3" and not stream.usable
+    finally:
+        stream.close()
+
+
+def test_an_error_before_any_event_still_fails_the_slice() -> None:
+    response = Response([error(500)])
+    stream = stream_of(response)
+    try:
+        response.wait_reads(2)
+        with pytest.raises(ApiUnavailable, match="etcd down"):
+            stream.slice(bound_s=5, quiet_s=1)
+        assert stream.reached == "1"
+    finally:
+        stream.close()
+
+
+def test_a_stream_every_slice_reads_is_not_idle_when_nothing_came() -> None:
+    """An idle namespace's kept stream: slices find nothing for longer than `idle_s`, then a
+    bookmark comes. The slices read it all along, so the reader keeps it open."""
+    response = Response([])
+    raw = cast(urllib3.BaseHTTPResponse, response)
+    stream = watch_stream.WatchStream(raw, what="watch jobs", version="1", idle_s=0.3, decode=kube._decoded)
+    try:
+        response.wait_reads(1)
+        started = time.monotonic()
+        while time.monotonic() - started < 0.8:
+            assert stream.slice(bound_s=0.05, quiet_s=0.05).events == []
+        response.send(event("BOOKMARK", 9))
+        response.wait_reads(2)
+        got = stream.slice(bound_s=1, quiet_s=0.2)
+        assert [e["type"] for e in got.events] == ["BOOKMARK"] and not got.ended and stream.usable
+    finally:
+        stream.close()
