@@ -12,7 +12,9 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
+from sqlalchemy import exc
 
+from k8s_dispatch.engine.database_errors import database_error
 from k8s_dispatch.engine.db import make_engine
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
@@ -28,8 +30,27 @@ def _config(url: str) -> Config:
 
 
 def upgrade(url: str, revision: str = "head") -> None:
-    """Bring the database at `url` up to `revision` (default: the newest)."""
+    """Bring the database at `url` up to `revision` (default: the newest).
+
+    Raises:
+        ConfigError: the database does not exist or refused the login (the message says what to do).
+        DatabaseUnavailable: the server could not be reached.
+    """
+    check_reachable(url)
     command.upgrade(_config(url), revision)
+
+
+def check_reachable(url: str) -> None:
+    """Connect once, so that a database that is missing or unreachable is one line saying what
+    to do, not a migration's traceback. A SQLite file is created here, as `upgrade` would."""
+    engine = make_engine(url, pool_size=1, max_overflow=0)
+    try:
+        with engine.connect():
+            pass
+    except (exc.OperationalError, exc.InterfaceError) as e:
+        raise database_error(url, e) from e
+    finally:
+        engine.dispose()
 
 
 def downgrade(url: str, revision: str = "base") -> None:

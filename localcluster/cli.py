@@ -213,6 +213,11 @@ async def _serve(server: Server) -> None:
     await server.start()
     tune_gc()
     click.echo(f"listening on {server.url}")
+    # The kubeconfig names the https listener (kubectl sends a token only over TLS): say which.
+    if server.https_url:
+        click.echo(f"https on {server.https_url}: the kubeconfig {server.kubeconfig_path} points here")
+    elif server.kubeconfig_path is not None:
+        click.echo(f"the kubeconfig {server.kubeconfig_path} points at {server.url}")
     sys.stdout.flush()
     if server.tls_error:
         click.echo(

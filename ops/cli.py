@@ -17,15 +17,18 @@ from k8s_dispatch.engine.limits import Limits
 
 if TYPE_CHECKING:
     from k8s_dispatch.engine.settings import Settings
+    from k8s_dispatch.recovery.runtime import Runtime
+    from k8s_dispatch.workers.resolver import CapabilityResolver
 
 # Exit codes scripts can rely on.
 EXIT_OK = 0
 EXIT_FAILED = 1  # the command ran and found a problem (a failed check, a lost dispatch)
 EXIT_USAGE = 2  # click's own code for bad arguments
-EXIT_CONFIG = 3  # invalid configuration or input: nothing was done
+EXIT_CONFIG = 3  # invalid configuration or input, or a service that cannot be used: nothing was done
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="k8s-dispatch", prog_name="k8s-dispatch", message="%(prog)s %(version)s")
 def cli() -> None:
     """k8s-dispatch: run an engine's work as Kubernetes Jobs, deliver each result exactly once."""
 
@@ -34,12 +37,13 @@ def cli() -> None:
 @click.option("--revision", default="head", show_default=True, help="Alembic revision to upgrade to.")
 def migrate(revision: str) -> None:
     """Create or upgrade the database schema (K8S_DISPATCH_DATABASE_URL)."""
+    from k8s_dispatch.engine.database_errors import redacted
     from k8s_dispatch.engine.migrate import upgrade
     from k8s_dispatch.engine.settings import get_settings
 
     settings = get_settings()
     upgrade(settings.database_url, revision)
-    click.echo(f"migrated {_redacted(settings.database_url)} to {revision}")
+    click.echo(f"migrated {redacted(settings.database_url)} to {revision}")
 
 
 @cli.command()
@@ -69,16 +73,14 @@ def schedule(
 
     from k8s_dispatch.engine import store
     from k8s_dispatch.engine.db import make_engine, make_sessionmaker, transaction
-    from k8s_dispatch.engine.settings import get_settings
     from k8s_dispatch.tasks.scheduling import schedule_in_session
-    from k8s_dispatch.workers.resolver import CapabilityResolver
 
     try:
         value = json.loads(input_json)
     except ValueError as e:
         raise click.BadParameter(f"not JSON: {e}", param_hint="--input") from e
-    settings = get_settings()
-    resolver = CapabilityResolver.from_settings(settings)
+    settings = _settings_with_database()
+    resolver = _resolver(settings)
     engine = make_engine(settings.database_url)
     try:
         with transaction(make_sessionmaker(engine)) as session:
@@ -120,10 +122,9 @@ def cancel(dispatch_id: str, reason: str, as_json: bool) -> None:
 
     from k8s_dispatch.engine import store
     from k8s_dispatch.engine.db import make_engine, make_sessionmaker, transaction
-    from k8s_dispatch.engine.settings import get_settings
     from k8s_dispatch.tasks.scheduling import cancel_in_session
 
-    engine = make_engine(get_settings().database_url)
+    engine = make_engine(_settings_with_database().database_url)
     try:
         with transaction(make_sessionmaker(engine)) as session:
             cancelled = cancel_in_session(session, dispatch_id, reason=reason)
@@ -148,13 +149,9 @@ def recover(dry_run: bool, as_json: bool) -> int:
     """
     import json
 
-    from k8s_dispatch.engine.settings import get_settings
     from k8s_dispatch.recovery.reconcile import run_sweep
-    from k8s_dispatch.recovery.runtime import Runtime
-    from k8s_dispatch.tasks.app import celery_notifier
 
-    settings = get_settings()
-    with Runtime.from_settings(settings, notifier=celery_notifier(settings)) as runtime:
+    with _checked_runtime(_settings_with_database()) as runtime:
         report = run_sweep(runtime, dry_run=dry_run)
     click.echo(json.dumps(report.to_dict(), indent=2) if as_json else report.table())
     return EXIT_FAILED if report.errors else EXIT_OK
@@ -170,10 +167,9 @@ def status(failures: int, as_json: bool) -> None:
     from rich.console import Console
 
     from k8s_dispatch.engine.db import database_now, make_engine, make_sessionmaker, transaction
-    from k8s_dispatch.engine.settings import get_settings
     from k8s_dispatch.ops.status import read_status, render
 
-    settings = get_settings()
+    settings = _settings_with_database()
     engine = make_engine(settings.database_url)
     try:
         with transaction(make_sessionmaker(engine)) as session:
@@ -197,10 +193,9 @@ def show(dispatch_id: str, as_json: bool) -> None:
     from rich.console import Console
 
     from k8s_dispatch.engine.db import make_engine, make_sessionmaker, transaction
-    from k8s_dispatch.engine.settings import get_settings
     from k8s_dispatch.ops.show import read_story, render
 
-    engine = make_engine(get_settings().database_url)
+    engine = make_engine(_settings_with_database().database_url)
     try:
         with transaction(make_sessionmaker(engine)) as session:
             story = read_story(session, dispatch_id)
@@ -323,11 +318,50 @@ def chaos(dispatches: int, workers: int, seed: int | None, mode: str, cluster: s
     return EXIT_OK if result.ok else EXIT_FAILED
 
 
-def _redacted(url: str) -> str:
-    """A URL safe to print: the password, if any, is hidden."""
-    from sqlalchemy.engine import make_url
+def _settings_with_database() -> Settings:
+    """The settings, once the database they name is there with our tables (a command that
+    reads never creates one). Raises: ConfigError, DatabaseUnavailable (saying what to do)."""
+    from k8s_dispatch.engine.settings import get_settings
+    from k8s_dispatch.ops.preflight import require_database
 
-    return make_url(url).render_as_string(hide_password=True)
+    settings = get_settings()
+    require_database(settings.database_url)
+    return settings
+
+
+def _resolver(settings: Settings) -> CapabilityResolver:
+    """The capabilities the settings name. Raises: ConfigError, first saying which file to fix."""
+    from k8s_dispatch.workers.resolver import CapabilityResolver
+
+    try:
+        return CapabilityResolver.from_settings(settings)
+    except ConfigError as e:
+        raise ConfigError(
+            f"fix the capabilities file {settings.capabilities} (K8S_DISPATCH_CAPABILITIES names it): {e}"
+        ) from e
+
+
+def _checked_runtime(settings: Settings) -> Runtime:
+    """A Runtime whose capabilities, Kubernetes config, Redis and API server were each tried
+    once, so that the first problem is one line saying what to fix, not a sweep's table of errors."""
+    from k8s_dispatch.ops.preflight import require_api, require_redis
+    from k8s_dispatch.recovery.runtime import Runtime
+    from k8s_dispatch.tasks.app import celery_notifier
+    from k8s_dispatch.workers.kube import KubeClient
+
+    resolver = _resolver(settings)
+    try:
+        kube = KubeClient.from_settings(settings)
+    except ConfigError as e:
+        raise ConfigError(f"set K8S_DISPATCH_KUBECONFIG to a kubeconfig for your cluster: {e}") from e
+    runtime = Runtime.from_settings(settings, notifier=celery_notifier(settings), resolver=resolver, kube=kube)
+    try:
+        require_redis(runtime.redis, settings.redis_url)
+        require_api(runtime.kube, settings.namespace, kubeconfig=settings.kubeconfig)
+    except BaseException:
+        runtime.close()
+        raise
+    return runtime
 
 
 def _limits(settings: Settings) -> Limits:

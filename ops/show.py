@@ -42,7 +42,7 @@ class Story:
     state: str
     reason: str | None
     job: str | None  # namespace/name
-    attempts: int
+    attempt: int  # the current Job's attempt, from 0: one more each time a lost Job is made again
     created_at: datetime
     job_created_at: datetime | None
     finished_at: datetime | None
@@ -51,6 +51,11 @@ class Story:
     priority: int = 0
     admitted_at: datetime | None = None  # a limit queued it until then
     place: int | None = None  # queued: its place in its tenancy's queue for its capability (1: next)
+
+    @property
+    def attempts(self) -> int:
+        """Jobs made for it so far: none before its first create, then one per attempt."""
+        return self.attempt + 1 if self.job else 0
 
     @property
     def disruptions(self) -> list[dict[str, Any]]:
@@ -94,6 +99,7 @@ class Story:
             "reason": self.reason,
             "job": self.job,
             "attempts": self.attempts,
+            "attempt": self.attempt,
             "created_at": when(self.created_at),
             "job_created_at": when(self.job_created_at),
             "finished_at": when(self.finished_at),
@@ -131,7 +137,7 @@ def read_story(session: Session, dispatch_id: str) -> Story:
         state=str(row.state.value if hasattr(row.state, "value") else row.state),
         reason=row.reason,
         job=f"{row.job_namespace}/{row.job_name}" if row.job_name else None,
-        attempts=row.attempts or 0,
+        attempt=row.attempts or 0,
         created_at=row.created_at,
         job_created_at=row.job_created_at,
         finished_at=row.finished_at,
@@ -156,8 +162,7 @@ def render(story: Story) -> Group:
     lines: list[Any] = [
         head,
         f"capability {story.capability}  tenancy={story.tenancy_id}  case={story.case_id}",
-        f"job {story.job or '-'}  attempts {story.attempts + 1 if story.job else 0}"
-        f"  disruptions {len(story.disruptions)}",
+        f"job {story.job or '-'}  attempts {story.attempts}  disruptions {len(story.disruptions)}",
     ]
     if story.place is not None:
         lines.append(

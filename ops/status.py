@@ -278,7 +278,7 @@ def _failure_messages(session: Session, dispatch_ids: list[str]) -> tuple[dict[s
         if event.dispatch_id is None:  # never: the query asks for these dispatches' events
             continue
         if event.type == EventType.WORKER_FAILED and isinstance(message, str) and message.strip():
-            found[event.dispatch_id] = _trim(message.strip())
+            found[event.dispatch_id] = headline(message)
         detail = event.payload.get("detail") if isinstance(event.payload, dict) else None
         if event.type == EventType.WORKER_FAILED and isinstance(detail, dict):
             details[event.dispatch_id] = detail
@@ -291,6 +291,25 @@ def _int(value: object) -> int | None:
 
 def _str(value: object) -> str | None:
     return value if isinstance(value, str) else None
+
+
+def headline(message: str) -> str:
+    """The part of a failure's message an operator needs first, on one line: for a Python
+    traceback (whole, or its end cut by the termination message's size), its last unindented
+    line, the exception and its text (`ValueError: ...`), not the top of the stack."""
+    lines = [line.rstrip() for line in message.splitlines() if line.strip()]
+    in_traceback = any(
+        line.startswith("Traceback (most recent call last)") or line.lstrip().startswith('File "') for line in lines
+    )
+    if in_traceback:
+        for line in reversed(lines):
+            if not line[0].isspace() and not line.startswith(_NOT_THE_EXCEPTION):
+                return _trim(line)
+    return _trim(message.strip())
+
+
+# Unindented lines of a traceback that are not its exception line.
+_NOT_THE_EXCEPTION = ("Traceback", "...", "During handling of the above exception", "The above exception")
 
 
 def _trim(text: str) -> str:

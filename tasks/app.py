@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 from celery import Celery, signals
 
+from k8s_dispatch.tasks import log_levels
+
 if TYPE_CHECKING:
     from k8s_dispatch.engine.settings import Settings
     from k8s_dispatch.recovery.runtime import Notifier, Runtime
@@ -27,6 +29,7 @@ EXIT_CONFIG = 3  # as the CLI's: invalid configuration, nothing was done
 
 app = Celery("k8s-dispatch", include=["k8s_dispatch.tasks.jobs", "k8s_dispatch.tasks.recovery_tasks"])
 app.config_from_object("k8s_dispatch.celeryconfig")
+log_levels.install()  # poll's and admit's routine lines at DEBUG: INFO is the work
 
 _runtime: Runtime | None = None
 _runtime_lock = threading.Lock()

@@ -88,6 +88,20 @@ def test_the_story_holds_events_disruptions_failure_and_timings(url: str) -> Non
         assert shown in text, text
 
 
+def test_text_and_json_count_the_same_attempts(url: str) -> None:
+    """One Job made: `attempts 1` in both (the row keeps the Job's attempt index, 0)."""
+    engine = make_engine(url)
+    try:
+        with transaction(make_sessionmaker(engine)) as session:
+            story = read_story(session, _failed_dispatch(url))
+    finally:
+        engine.dispose()
+    console = Console(width=200, record=True)
+    console.print(render(story))
+    assert (story.to_dict()["attempts"], story.to_dict()["attempt"]) == (1, 0)
+    assert "attempts 1 " in console.export_text()
+
+
 def test_the_command_exits_3_for_an_id_it_cannot_show(url: str) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("K8S_DISPATCH_")}
     env["K8S_DISPATCH_DATABASE_URL"] = url

@@ -149,7 +149,7 @@ def test_an_oom_kill_ends_oomkilled_with_exit_code_signal_and_log_tail(deploy, a
     d.wait_no_jobs()
 
     story = json.loads(_cli(d, "show", dispatch_id, "--json").stdout)
-    assert (story["state"], story["reason"], story["attempts"]) == ("FAILED", "OOMKilled", 0)
+    assert (story["state"], story["reason"], story["attempts"]) == ("FAILED", "OOMKilled", 1)
     assert [e["type"] for e in story["events"]] == [EventType.WORKER_SCHEDULED, EventType.WORKER_FAILED]
     assert story["failure"]["log_tail"] == detail["log_tail"] and story["disruptions"] == []
     assert story["timings"]["total_s"] >= story["timings"]["ran_s"] > 0
