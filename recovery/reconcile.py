@@ -165,21 +165,35 @@ def _namespaces(rt: Runtime, report: SweepReport) -> list[str]:
 
 def _list_due(rt: Runtime, namespace: str) -> bool:
     """Whether this sweep LISTs the namespace's Jobs: always in LIST mode or while poll's watch
-    of it is not healthy; otherwise once per `sweep_list_interval_s` (a Redis key's TTL, so the
-    replicas' sweeps share it and no clocks are compared). Redis unreachable: list."""
+    of it is not healthy; otherwise once per `sweep_list_interval_s` since the last LIST that
+    came whole (`_listed`: a Redis key's TTL, so the replicas' sweeps share it and no clocks are
+    compared). Redis unreachable: list."""
     settings = rt.settings
     if settings.poll_mode is not PollMode.WATCH:
         return True
     name = jobwatch.key(settings.key_prefix, settings.effective_deployment, namespace)
-    # A little under the interval, so that the sweep that falls due on it is not one late.
-    ttl_ms = max(1, int(1000 * (settings.sweep_list_interval_s - settings.sweep_interval_s / 2)))
     try:
         if not jobwatch.is_healthy(rt.redis, settings.key_prefix, settings.effective_deployment, namespace):
             return True
-        return bool(rt.redis.set(f"{name}:sweep-listed", 1, nx=True, px=ttl_ms))
+        return not rt.redis.exists(f"{name}:sweep-listed")
     except redis.RedisError as e:
         log.warning("sweep: cannot tell whether the watch of %s is healthy (%s); listing its jobs", namespace, e)
         return True
+
+
+def _listed(rt: Runtime, namespace: str) -> None:
+    """Note a LIST of the namespace's Jobs that came whole: the next is due `sweep_list_interval_s`
+    on (`_list_due`). Only then: a LIST that failed is due again at the next sweep."""
+    settings = rt.settings
+    if settings.poll_mode is not PollMode.WATCH:
+        return
+    name = jobwatch.key(settings.key_prefix, settings.effective_deployment, namespace)
+    # A little under the interval, so that the sweep that falls due on it is not one late.
+    ttl_ms = max(1, int(1000 * (settings.sweep_list_interval_s - settings.sweep_interval_s / 2)))
+    try:
+        rt.redis.set(f"{name}:sweep-listed", 1, px=ttl_ms)
+    except redis.RedisError as e:  # the next sweep lists again
+        log.warning("sweep: cannot note the LIST of jobs in %s (%s)", namespace, e)
 
 
 def _sweep_gone(rt: Runtime, namespace: str, act: Executor, *, now: datetime, policy: Policy) -> None:
@@ -239,6 +253,8 @@ def _sweep_jobs(rt: Runtime, namespace: str, act: Executor, *, now: datetime, po
             act.starts(namespace, startup.due(page, actions, views, now=now, policy_for=_start_policy(rt)))
             lost.page(page)
         lost.end()
+        if not act.dry_run:
+            _listed(rt, namespace)
     except DispatchError as e:  # the LIST, or the page's dispatches: the next sweep starts over
         log.warning("sweep: going through the jobs in %s stopped: %s: %s", namespace, e.reason, e)
         report.add_problem(f"jobs in {namespace}: {e.reason}: {e}")

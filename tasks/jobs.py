@@ -25,7 +25,7 @@ from k8s_dispatch.engine.db import transaction
 from k8s_dispatch.engine.errors import Transient
 from k8s_dispatch.engine.models import DispatchState, utcnow
 from k8s_dispatch.engine.settings import PollMode
-from k8s_dispatch.recovery import delivery, disruptions, handoff, jobwatch, statelog, supersede
+from k8s_dispatch.recovery import delivery, disruptions, handoff, jobwatch, lease, statelog, supersede
 from k8s_dispatch.recovery.crashpoints import Point, crashpoint
 from k8s_dispatch.recovery.metrics import METRICS, jobs_past_deadline, poll_lag_s
 from k8s_dispatch.recovery.runtime import Runtime
@@ -196,13 +196,28 @@ def poll() -> dict[str, int]:
     renewed instead: `recovery.handoff`).
 
     A poll that meets an unavailable API or Redis gives up: the next interval polls again. One
-    that another poll started shortly before is superseded by it and skips (`recovery.supersede`).
+    that another poll started shortly before is superseded by it and skips (`recovery.supersede`);
+    so is one that finds another still under way (`recovery.lease`): polls never pile up on the
+    worker threads.
     """
     rt = get_runtime()
     if not supersede.go_ahead(
         rt.redis, rt.settings.key_prefix, names.POLL_TASK, window_s=supersede.window_s(rt.settings.poll_interval_s)
     ):
         return {"seen": 0, "handed_off": 0, "superseded": 1}
+    running = lease.take(
+        rt.redis, rt.settings.key_prefix, names.POLL_TASK, ttl_s=lease.ttl_s(rt.settings.poll_interval_s)
+    )
+    if running is None:
+        return {"seen": 0, "handed_off": 0, "running": 1}
+    try:
+        return _poll(rt, running)
+    finally:
+        running.release()
+
+
+def _poll(rt: Runtime, running: lease.Lease) -> dict[str, int]:
+    """`poll`'s work, under its lease (renewed as it goes)."""
     ttl_s = handoff.ttl_s(rt.settings.poll_interval_s)
     seen = handed = waiting = overdue = 0
     lag_s = 0.0
@@ -210,9 +225,10 @@ def poll() -> dict[str, int]:
     renew = _queued(names.COMPLETE_QUEUE) > 0
     selector = job_labels.undelivered_selector(rt.settings.effective_deployment)  # never another deployment's
     if rt.settings.poll_mode is PollMode.WATCH:
-        return _poll_watch(rt, ttl_s=ttl_s, renew=renew)
+        return _poll_watch(rt, ttl_s=ttl_s, renew=renew, running=running)
     try:
         for namespace in rt.namespaces():
+            running.renew()
             for page in rt.kube.iter_jobs(namespace, label_selector=selector, page_size=rt.settings.poll_page_size):
                 seen += len(page)
                 finished = [job for job in page if job_state(job).terminal]
@@ -251,32 +267,39 @@ def cleanup() -> dict[str, int]:
     return {"disrupted_failed": failed, "deleted": deleted}
 
 
-def _poll_watch(rt: Runtime, *, ttl_s: float, renew: bool) -> dict[str, int]:
-    """Poll by resuming each namespace's watch (`recovery.jobwatch`): the events since the last
-    poll, not every Job; the finished Jobs not yet delivered are handed off as a LIST poll would."""
-    seen = handed = waiting = listed = 0
-    lag_s = 0.0
+def _poll_watch(rt: Runtime, *, ttl_s: float, renew: bool, running: lease.Lease) -> dict[str, int]:
+    """Poll by resuming the namespaces' watches side by side (`recovery.jobwatch`): the events
+    since the last poll, not every Job; the finished Jobs not yet delivered are handed off as a
+    LIST poll would. A namespace whose API or Redis failed is polled again by the next poll, from
+    the version stored; the others' positions stand."""
     settings = rt.settings
     try:
-        for namespace in rt.namespaces():
-            done = jobwatch.poll_namespace(
-                rt.kube, rt.redis, prefix=settings.key_prefix, deployment=settings.effective_deployment,
-                namespace=namespace, page_size=settings.poll_page_size, poll_interval_s=settings.poll_interval_s,
-                hold_s=settings.poll_watch_hold_s,
-                hand_off=partial(_hand_off, rt.redis, settings.key_prefix, namespace, ttl_s=ttl_s,
-                                 workers=settings.worker_concurrency, renew=renew),
-            )  # fmt: skip
-            seen, handed, listed = seen + done.seen, handed + done.handed_off, listed + done.listed
-            waiting, lag_s = waiting + len(done.finished), max(lag_s, poll_lag_s(done.finished, now=utcnow()))
-    except (Transient, redis.RedisError) as e:
-        log.warning("poll stopped early (%s); the next one resumes from the version stored", e)
+        polled = jobwatch.poll_namespaces(
+            rt.kube, rt.redis, prefix=settings.key_prefix, deployment=settings.effective_deployment,
+            namespaces=rt.namespaces(), page_size=settings.poll_page_size, poll_interval_s=settings.poll_interval_s,
+            hold_s=settings.poll_watch_hold_s, waiting=running.renew,
+            hand_off=partial(_hand_off, rt.redis, settings.key_prefix, ttl_s=ttl_s,
+                             workers=settings.worker_concurrency, renew=renew),
+        )  # fmt: skip
+    except redis.RedisError as e:
+        log.warning("poll stopped (%s); the next one resumes from the versions stored", e)
+        return {"seen": 0, "handed_off": 0, "listed": 0}
+    done = polled.done.values()
+    if polled.failed:
+        namespace, error = next(iter(sorted(polled.failed.items())))
+        log.warning("poll of %d namespaces failed (%s: %s); the next one resumes from the version stored",
+                    len(polled.failed), namespace, error)  # fmt: skip
     else:
         # Running Jobs are not read by a watch poll: the sweep sets the past-deadline gauge from
         # the database instead (`recovery.deadlines`).
-        METRICS.finished_jobs_waiting.set(waiting)
-        METRICS.poll_lag.set(lag_s)
+        METRICS.finished_jobs_waiting.set(sum(len(d.finished) for d in done))
+        METRICS.poll_lag.set(max((poll_lag_s(d.finished, now=utcnow()) for d in done), default=0.0))
         METRICS.last_poll.set(utcnow().timestamp())
-    return {"seen": seen, "handed_off": handed, "listed": listed}
+    return {
+        "seen": sum(d.seen for d in done),
+        "handed_off": sum(d.handed_off for d in done),
+        "listed": sum(d.listed for d in done),
+    }
 
 
 def _hand_off(
