@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test bench chaos chaos-short install tools clean lock lint fmt
+.PHONY: demo test bench chaos chaos-short install tools clean lock lint fmt dist
 
 # A virtualenv with exactly the locked dependencies (hashes checked) and the package, editable;
 # redone when pyproject.toml or the lock changes.
@@ -45,7 +45,7 @@ demo: $(STAMP)
 # their Go modules; checkov in a virtualenv of its own) in ~/.cache/k8s-dispatch/tools; a second
 # run finds them and does nothing.
 tools:
-	bash tools/build.sh etcd kube helm promtool kueue checkov >/dev/null
+	bash tools/build.sh etcd kube containerd helm promtool kueue checkov >/dev/null
 
 # Installs what it needs, starts PostgreSQL and Redis if needed, builds the tools, runs the tests.
 test: $(STAMP) tools lint
@@ -61,5 +61,14 @@ chaos: $(STAMP)
 	bash tests/services.sh
 	$(BIN)/k8s-dispatch chaos $(CHAOS_ARGS)
 
+# The release files in dist/, at the version setuptools-scm reads from the git tag (vX.Y.Z; between
+# tags X.Y.(Z+1).devN+gHASH): the sdist and the wheel, checked by twine (run by uv, not locked: a
+# check, not a dependency), and the Helm chart packaged at the same version (tools/release.py).
+dist: $(STAMP)
+	rm -rf dist
+	$(BIN)/uv build --quiet --out-dir dist .
+	$(BIN)/uv tool run --quiet --from 'twine==6.2.0' twine check --strict dist/*
+	$(BIN)/python tools/release.py chart dist
+
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache .hypothesis .mypy_cache .ruff_cache
+	rm -rf $(VENV) dist *.egg-info .pytest_cache .hypothesis .mypy_cache .ruff_cache
