@@ -264,6 +264,8 @@ class JobController:
                 self.registry.remove_finalizer(pod, TRACKING_FINALIZER)
         for view in plan.delete:
             self._delete_pod(view.namespace, view.name, view.uid)
+        for view in plan.uncount:
+            self._delete_pod(view.namespace, view.name, view.uid, uncounted=True)
         for _ in range(plan.create):
             self.registry.create_internal(PODS, pod_from_template(job))
         if plan.delete_job:
@@ -283,7 +285,19 @@ class JobController:
         if plan.finished and (job.obj.get("spec") or {}).get("ttlSecondsAfterFinished") is not None:
             self._mark(key)  # the finished Job's TTL sync follows; our write's event is not heard
 
-    def _delete_pod(self, namespace: str, name: str, uid: str) -> None:
+    def _delete_pod(self, namespace: str, name: str, uid: str, *, uncounted: bool = False) -> None:
+        """Delete a Pod the Job no longer wants. `uncounted` (suspended, past its parallelism): its
+        tracking finalizer first, as the Job controller's deleteJobPods does, so that the Pod's end
+        is not counted as a failure (a suspend, Kueue's preemption, costs no backoffLimit)."""
+        pod = self.store.get(PODS, namespace, name)
+        if (
+            uncounted
+            and pod is not None
+            and pod.uid == uid
+            and TRACKING_FINALIZER in (pod.meta.get("finalizers") or [])
+        ):
+            with contextlib.suppress(ApiError):
+                self.registry.remove_finalizer(pod, TRACKING_FINALIZER)
         with contextlib.suppress(ApiError):
             self.registry.delete(
                 PODS, namespace, name, DeleteOptions(propagation_policy="Background", preconditions={"uid": uid})

@@ -5,7 +5,8 @@ create, which to delete, whether the Job's TTL has run out and when to look agai
 Semantics follow pkg/controller/job (Kubernetes 1.31+): SuccessCriteriaMet then Complete;
 FailureTarget then Failed (BackoffLimitExceeded, DeadlineExceeded) once no Pod is terminating;
 backoffLimit counts failed Pods (and container restarts for restartPolicy OnFailure); pods are
-re-created after an exponential backoff; suspend deletes active Pods. A podFailurePolicy's rule
+re-created after an exponential backoff; suspend deletes active Pods, uncounted (their tracking
+finalizer comes off first, as deleteJobPods does: a suspend is not a failure). A podFailurePolicy's rule
 (localcluster/failurepolicy.py) leaves a failed Pod uncounted (Ignore: it is replaced, once it has
 failed, without counting against backoffLimit) or fails the Job at once (FailJob: reason
 PodFailurePolicy).
@@ -79,7 +80,10 @@ class Plan:
     status: dict[str, Any]
     count: list[PodView] = field(default_factory=list)  # terminal pods counted now: drop their finalizer
     create: int = 0
-    delete: list[PodView] = field(default_factory=list)
+    delete: list[PodView] = field(default_factory=list)  # their ends counted (a failed Job's, a finished one's)
+    # Deleted with their tracking finalizer off first (deleteJobPods: suspended, past the
+    # parallelism): their ends are never counted, so a suspend costs no backoffLimit.
+    uncount: list[PodView] = field(default_factory=list)
     new_failures: int = 0
     started: bool = False  # startTime was set now
     finished: bool = False  # a terminal condition was added now
@@ -194,7 +198,7 @@ def plan_job(
         return plan
 
     if spec.get("suspend"):
-        plan.delete = list(active)
+        plan.uncount = list(active)
         if not _has(conditions, "Suspended"):
             conditions = [c for c in conditions if c.get("type") != "Suspended"]
             conditions.append(condition("Suspended", "JobSuspended", "Job suspended", now))
@@ -269,6 +273,6 @@ def plan_job(
     if need > 0:
         plan.create = need
     elif need < 0:
-        plan.delete = sorted(active, key=lambda p: p.created, reverse=True)[:-need]
+        plan.uncount = sorted(active, key=lambda p: p.created, reverse=True)[:-need]
     write_counts(active, plan.create)
     return plan

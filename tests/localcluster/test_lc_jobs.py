@@ -134,6 +134,20 @@ def test_suspend_and_resume(sim: Api) -> None:
     assert (resumed.status, resumed.reason) == ("False", "JobResumed")
 
 
+def test_a_running_job_suspended_loses_its_pod_without_a_failure_and_completes_when_resumed(sim: Api) -> None:
+    """Kueue's preemption is a suspend: the Job controller deletes the Pod it no longer wants with
+    its tracking finalizer taken off first, so the Pod's end counts against no backoffLimit."""
+    sim.create_job(job_manifest("pre", annotations={SIM + "duration-ms": "3000"}, backoffLimit=0))
+    wait_for(lambda: [p for p in sim.pods_of("pre") if p.status.phase == "Running"], what="the pod running")
+    sim.batch.patch_namespaced_job("pre", sim.namespace, {"spec": {"suspend": True}})
+    wait_for(lambda: not sim.pods_of("pre"), timeout=30, what="the suspended job's pod gone")
+    job = sim.job("pre")
+    assert "Suspended" in condition_types(job) and not job.status.failed and not job.status.active
+    sim.batch.patch_namespaced_job("pre", sim.namespace, {"spec": {"suspend": False}})
+    job = sim.wait_job("pre", "Complete", timeout=30)
+    assert job.status.succeeded == 1 and not job.status.failed
+
+
 def test_ttl_deletes_a_finished_job_and_its_pods(sim: Api) -> None:
     sim.create_job(job_manifest("ttl", annotations={SIM + "duration-ms": "5"}, ttlSecondsAfterFinished=0))
     wait_for(lambda: sim.gone(lambda: sim.job("ttl")), what="ttl deletion")
