@@ -11,6 +11,7 @@ import time
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -164,28 +165,42 @@ def database_now(session: Session) -> datetime:
 
     Hosts' clocks may disagree by minutes; every timestamp that another process compares (a
     row's updated_at against the sweep's grace period, finished_at, notified_at, status ages)
-    is taken from here, so none of them depends on two hosts agreeing. This process's clock
-    plus its offset from PostgreSQL's, measured with one `SELECT statement_timestamp()` per
-    engine every DB_CLOCK_REFRESH_S (so a transaction pays no extra round trip); accurate to
-    about half that round trip. SQLite is embedded: its clock is this process's.
+    is taken from here, so none of them depends on two hosts agreeing. The last reading of
+    PostgreSQL's clock (one `SELECT statement_timestamp()` per engine every DB_CLOCK_REFRESH_S,
+    so a transaction pays no extra round trip) carried forward by this process's monotonic
+    clock: a step of this host's wall clock (NTP, a VM resumed) changes nothing, and a step of
+    the database's is followed at the next reading. Accurate to about half that round trip.
+    SQLite is embedded: its clock is this process's.
     """
     bind = session.get_bind()
     if bind.dialect.name == "sqlite":
         return datetime.now(UTC)
     engine = bind.engine if isinstance(bind, sa.Connection) else bind
-    measured = _DB_CLOCK_OFFSETS.get(engine)
-    if measured is None or time.monotonic() - measured[0] > DB_CLOCK_REFRESH_S:
-        before = datetime.now(UTC)
+    reading = _DB_CLOCK_READINGS.get(engine)
+    now = time.monotonic()
+    if reading is None or now - reading.monotonic_s > DB_CLOCK_REFRESH_S:
+        before = time.monotonic()
         theirs = session.execute(sa.select(sa.func.statement_timestamp())).scalar_one()
-        after = datetime.now(UTC)
-        measured = (time.monotonic(), theirs - (before + (after - before) / 2))
-        _DB_CLOCK_OFFSETS[engine] = measured
-    return datetime.now(UTC) + measured[1]
+        now = time.monotonic()
+        reading = DatabaseClockReading(monotonic_s=(before + now) / 2, database=theirs.astimezone(UTC))
+        _DB_CLOCK_READINGS[engine] = reading
+    return reading.at(now)
 
 
-DB_CLOCK_REFRESH_S = 60.0  # a clock stepped meanwhile (NTP) is measured again within this
-# engine -> (monotonic time of the measurement, the database's clock minus this process's)
-_DB_CLOCK_OFFSETS: weakref.WeakKeyDictionary[Engine, tuple[float, timedelta]] = weakref.WeakKeyDictionary()
+@dataclass(frozen=True)
+class DatabaseClockReading:
+    """The database's clock as read once, and this process's monotonic clock at that moment."""
+
+    monotonic_s: float  # time.monotonic() half-way through the round trip
+    database: datetime  # the database's clock then (aware)
+
+    def at(self, monotonic_s: float) -> datetime:
+        """The database's clock at `monotonic_s`, carried forward from this reading."""
+        return self.database + timedelta(seconds=monotonic_s - self.monotonic_s)
+
+
+DB_CLOCK_REFRESH_S = 60.0  # a step of the database's clock, or a drift of ours, is followed within this
+_DB_CLOCK_READINGS: weakref.WeakKeyDictionary[Engine, DatabaseClockReading] = weakref.WeakKeyDictionary()
 
 
 def _first_line(error: BaseException) -> str:
