@@ -29,7 +29,7 @@ from typing import Any, cast
 import orjson
 import redis
 
-from k8s_dispatch.engine.errors import ApiUnavailable, Transient
+from k8s_dispatch.engine.errors import ApiUnavailable, DispatchError
 from k8s_dispatch.recovery import delivery
 from k8s_dispatch.workers import labels as job_labels
 from k8s_dispatch.workers import pod_health
@@ -333,8 +333,8 @@ def poll_namespace(
     (`poll_namespaces` of one namespace).
 
     Raises:
-        Transient: the API (the LIST) is unavailable: nothing is stored, the next poll resumes
-            from the same version.
+        DispatchError: the API (the LIST) is unavailable (Transient) or refused it: nothing is
+            stored, the next poll resumes from the same version.
         redis.RedisError: Redis is unavailable (the same).
     """
     polled = poll_namespaces(
@@ -365,9 +365,11 @@ def poll_namespaces(
     quiet overlap. With `hold_s`, each watch's stream is kept for the next poll (`hold`).
     `waiting` is called about every poll interval while the slices run (a lease's renewal).
 
+    A namespace's own failure (its API unavailable or refusing, its hand-off's Redis) fails
+    that namespace alone (`Polled.failed`): the others' positions are stored.
+
     Raises:
-        redis.RedisError: Redis is unavailable when the positions are read or stored (a
-            namespace's own hand-off failing only fails that namespace: `Polled.failed`).
+        redis.RedisError: Redis is unavailable when the positions are read or stored.
     """
     names = [key(prefix, deployment, namespace) for namespace in namespaces]
     befores = dict(zip(namespaces, load_many(client, names), strict=True))
@@ -383,7 +385,7 @@ def poll_namespaces(
     if len(namespaces) == 1:  # nothing to wait for side by side: this thread reads it
         try:
             polled.done[namespaces[0]] = one(namespaces[0])
-        except (Transient, redis.RedisError) as e:
+        except (DispatchError, redis.RedisError) as e:
             polled.failed[namespaces[0]] = e
     else:
         futures = {_executor().submit(one, namespace): namespace for namespace in namespaces}
@@ -395,7 +397,7 @@ def poll_namespaces(
         for future, namespace in futures.items():
             try:
                 polled.done[namespace] = future.result()
-            except (Transient, redis.RedisError) as e:
+            except (DispatchError, redis.RedisError) as e:
                 polled.failed[namespace] = e
     for namespace, out in polled.done.items():
         for job in out.gone:
@@ -435,7 +437,7 @@ def _advance(
     position reached is in the result, not yet stored.
 
     Raises:
-        Transient: the API (the LIST) is unavailable.
+        DispatchError: the API (the LIST) is unavailable (Transient) or refused it.
         redis.RedisError: the hand-off's Redis is unavailable.
     """
     out = NamespacePoll()

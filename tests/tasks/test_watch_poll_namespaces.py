@@ -9,10 +9,11 @@ import re
 import time
 from datetime import datetime
 
+from k8s_dispatch import celeryconfig as names
 from k8s_dispatch.engine import store
 from k8s_dispatch.engine.db import transaction
 from k8s_dispatch.engine.models import EventType
-from k8s_dispatch.recovery import jobwatch
+from k8s_dispatch.recovery import jobwatch, lease
 
 SIM = "localcluster.k8s-dispatch.io/"
 NAMESPACES = 300
@@ -20,6 +21,8 @@ POLL_INTERVAL_S = 2.0
 POLL_P99_S = 0.5
 JOBS = 25
 POLL_DONE = re.compile(r"Task k8s-dispatch\.poll\[([^\]]*)\] succeeded in ([\d.]+)s")
+POLL_WORKED = re.compile(r"Task k8s-dispatch\.poll\[[^\]]*\] succeeded in [\d.]+s: \{'seen'(?![^}]*'running')")
+SKIPPED = "k8s-dispatch.poll skipped: the previous run is still under way"
 LOGGED_AT = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3})")  # Celery's "[%(asctime)s: ..."
 
 
@@ -84,3 +87,20 @@ def test_a_poll_of_300_namespaces_stays_short_and_a_short_job_ends_within_an_int
     )
     assert p99(polls) <= POLL_P99_S, sorted(polls)
     assert p99(latencies) <= POLL_INTERVAL_S + 1.0, sorted(latencies)
+
+
+def test_a_poll_under_way_makes_the_next_ones_skip_until_it_ends(deploy, sim_cluster):
+    """A poll's lease, held here as a long poll on another replica would hold it: the polls due
+    meanwhile skip at once (no worker thread kept), and polling goes on once it is released."""
+    d = deploy(sim_cluster, capabilities={"sim.quick": capabilities()["sim.quick"]}, poll_interval_s="0.2")
+    worker = d.start_worker("w1")
+    d.start_beat()
+    d.wait(lambda: POLL_DONE.search(worker.log()), what="a first poll")
+    name = lease.key(d.prefix, names.POLL_TASK)
+    d.wait(lambda: d.redis.set(name, "another-replica", nx=True, px=60_000), what="the lease held")
+    skipped = worker.log().count(SKIPPED)
+    d.wait(lambda: worker.log().count(SKIPPED) >= skipped + 3, what="3 polls skipped")
+    held = len(POLL_WORKED.findall(worker.log()))
+    d.redis.delete(name)
+    d.wait(lambda: len(POLL_WORKED.findall(worker.log())) >= held + 3, what="polls going on")
+    assert all(float(s) < 0.2 for s in re.findall(r"succeeded in ([\d.]+)s: \{[^}]*'running': 1", worker.log()))
