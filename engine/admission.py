@@ -25,7 +25,13 @@ from sqlalchemy.orm import Session
 
 from k8s_dispatch.engine.errors import ConfigError
 from k8s_dispatch.engine.limits import DEFAULT_TENANCY, Candidate, Limits, Pair, choose, free_slots
-from k8s_dispatch.engine.models import HOLDING_STATES, Dispatch, DispatchAdmission, DispatchState
+from k8s_dispatch.engine.models import (
+    HOLDING_STATES,
+    STOPPING_STATES,
+    Dispatch,
+    DispatchAdmission,
+    DispatchState,
+)
 
 # Queued dispatches admitted per pass at most where no limit bounds them (rows an engine wrote
 # itself as QUEUED, or a limit since removed): the next pass takes the next page.
@@ -93,16 +99,31 @@ def _take_turn(session: Session) -> None:
 
 
 def holding(session: Session, limits: Limits) -> dict[Pair, int]:
-    """(tenancy, capability) -> dispatches holding a slot, for the pairs a limit covers."""
+    """(tenancy, capability) -> dispatches holding a slot, for the pairs a limit covers: those
+    admitted and not ended, and those ended whose Job may still run (`stopping`)."""
     table = Dispatch.__table__
-    query = sa.select(table.c.tenancy_id, table.c.capability, sa.func.count()).where(
-        table.c.state.in_(sorted(HOLDING_STATES))
+    counts: dict[Pair, int] = {}
+    for where in (table.c.state.in_(sorted(HOLDING_STATES)), stopping(table)):
+        query = sa.select(table.c.tenancy_id, table.c.capability, sa.func.count()).where(where)
+        if DEFAULT_TENANCY not in limits.tenancies:  # else every tenancy is limited
+            named = sorted(limits.tenancies)
+            query = query.where(
+                sa.or_(table.c.tenancy_id.in_(named), table.c.capability.in_(sorted(limits.capabilities)))
+            )
+        for t, c, n in session.execute(query.group_by(table.c.tenancy_id, table.c.capability)):
+            counts[(t, c)] = counts.get((t, c), 0) + n
+    return counts
+
+
+def stopping(table: sa.Table) -> sa.ColumnElement[bool]:
+    """Ended, its Job not yet seen stopped, and it had (or may have had) a Job: admitted, or its
+    Job recorded. A dispatch cancelled while queued never held a slot. `ix_dispatches_stopping`
+    holds the rows of the first two terms."""
+    return sa.and_(
+        table.c.job_stopped_at.is_(None),
+        table.c.state.in_(sorted(STOPPING_STATES)),
+        sa.or_(table.c.admitted_at.is_not(None), table.c.job_created_at.is_not(None)),
     )
-    if DEFAULT_TENANCY not in limits.tenancies:  # else every tenancy is limited
-        named = sorted(limits.tenancies)
-        query = query.where(sa.or_(table.c.tenancy_id.in_(named), table.c.capability.in_(sorted(limits.capabilities))))
-    query = query.group_by(table.c.tenancy_id, table.c.capability)
-    return {(t, c): n for t, c, n in session.execute(query)}
 
 
 def queues_with_work(session: Session) -> list[Pair]:
@@ -158,17 +179,19 @@ class QueueSummary:
 
 def summary(session: Session) -> list[QueueSummary]:
     """Every (tenancy, capability) that holds or waits for a slot: one grouped read of the
-    open dispatches (an operator's view, O(open dispatches))."""
+    open dispatches and of the ended ones whose Job may still run (an operator's view,
+    O(open dispatches))."""
     table = Dispatch.__table__
+    holds = sa.or_(table.c.state.in_(sorted(HOLDING_STATES)), stopping(table))
     query = (
         sa.select(
             table.c.tenancy_id,
             table.c.capability,
-            sa.func.count().filter(table.c.state.in_(sorted(HOLDING_STATES))),
+            sa.func.count().filter(holds),
             sa.func.count().filter(table.c.state == DispatchState.QUEUED),
             sa.func.min(table.c.created_at).filter(table.c.state == DispatchState.QUEUED),
         )
-        .where(table.c.state.in_(sorted({*HOLDING_STATES, DispatchState.QUEUED})))
+        .where(sa.or_(table.c.state.in_(sorted({*HOLDING_STATES, DispatchState.QUEUED})), stopping(table)))
         .group_by(table.c.tenancy_id, table.c.capability)
         .order_by(table.c.tenancy_id, table.c.capability)
     )

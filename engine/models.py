@@ -66,6 +66,11 @@ TERMINAL_EVENT_PREDICATE = "type IN ('WORKER_COMPLETED', 'WORKER_FAILED', 'WORKE
 QUEUED_PREDICATE = "state = 'QUEUED'"
 HOLDING_PREDICATE = "state IN ('SCHEDULED', 'CREATED')"
 UNNOTIFIED_PREDICATE = "notified_at IS NULL AND state IN ('COMPLETED', 'FAILED', 'CANCELLED')"
+# Ended without their Job known stopped: a cancel or failure recorded while the Job may still
+# run. They keep their slot (engine/admission.py) until the sweep sees the Job finished or gone.
+STOPPING_STATES: frozenset[DispatchState] = frozenset({DispatchState.FAILED, DispatchState.CANCELLED})
+STOPPING_PREDICATE = "job_stopped_at IS NULL AND state IN ('FAILED', 'CANCELLED')"
+TAMPERED_PREDICATE = "job_tampered_at IS NOT NULL"
 
 
 def utcnow() -> datetime:
@@ -203,6 +208,20 @@ class Dispatch(Base):
             postgresql_where=sa.text(HOLDING_PREDICATE),
             sqlite_where=sa.text(HOLDING_PREDICATE),
         ),
+        # Ended dispatches whose Job may still run: what the sweep stops, and admission counts.
+        sa.Index(
+            "ix_dispatches_stopping",
+            "dispatch_id",
+            postgresql_where=sa.text(STOPPING_PREDICATE),
+            sqlite_where=sa.text(STOPPING_PREDICATE),
+        ),
+        # Dispatches whose Job the sweep found hand-edited: what it looks at again, by name.
+        sa.Index(
+            "ix_dispatches_tampered",
+            "dispatch_id",
+            postgresql_where=sa.text(TAMPERED_PREDICATE),
+            sqlite_where=sa.text(TAMPERED_PREDICATE),
+        ),
         # Terminal dispatches the engine was not told about yet: what the sweep re-notifies.
         sa.Index(
             "ix_dispatches_unnotified",
@@ -239,6 +258,12 @@ class Dispatch(Base):
     # matters.
     priority: Mapped[int] = mapped_column(default=0, server_default="0")
     admitted_at: Mapped[datetime | None] = mapped_column(nullable=True)  # QUEUED -> SCHEDULED
+    # When its Job was known to run no more (seen finished or gone), for a dispatch that ended
+    # FAILED or CANCELLED: until then it holds its slot (a COMPLETED one's Job has finished).
+    job_stopped_at: Mapped[datetime | None] = mapped_column(nullable=True)
+    # When the sweep first found its Job's labels or annotations disagreeing with the row (a
+    # hand edit): the clock after which it fails `JobTampered`; cleared if the Job agrees again.
+    job_tampered_at: Mapped[datetime | None] = mapped_column(nullable=True)
 
     @property
     def terminal(self) -> bool:

@@ -63,6 +63,9 @@ class Settings(BaseSettings):
     guard_lease_ms: int = Field(default=60_000, gt=0)
     max_job_attempts: int = Field(default=3, ge=1)
     orphan_policy: OrphanPolicy = OrphanPolicy.REPORT
+    # How long (the database's clock) a dispatch's Job may stay hand-edited (labels or
+    # annotations disagreeing with the row) before the dispatch fails `JobTampered`.
+    tampered_grace_s: float = Field(default=300.0, ge=0)
     notify_task: str = "engine.dispatch_finished"
     notify_queue: str = "engine"
     key_prefix: str = Field(default="k8s-dispatch", min_length=1, max_length=64)  # Redis keys and Celery queues

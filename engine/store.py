@@ -990,3 +990,66 @@ def dispatch_page(session: Session, query: sa.Select[Dispatch], *, after: str | 
     if after is not None:
         query = query.where(Dispatch.dispatch_id > after)
     return list(session.scalars(query).all())
+
+
+# --- the Jobs of ended dispatches, and hand-edited Jobs -----------------------------------
+
+# As engine.models.STOPPING_STATES: an end recorded before its Job stopped (a cancel, a failure).
+_STOPPING = sorted({DispatchState.FAILED, DispatchState.CANCELLED})
+_OPEN = sorted({DispatchState.SCHEDULED, DispatchState.CREATED})  # a Job of its own may exist
+
+
+def mark_jobs_stopped(session: Session, dispatch_ids: Iterable[str], *, now: datetime | None = None) -> set[str]:
+    """Record that these ended dispatches' Jobs run no more (seen finished or gone): their
+    fair-share slots are free from the commit on; the ids this call marked. A dispatch marked
+    before, or not ended FAILED or CANCELLED, is left unchanged (and not returned)."""
+    now = now or database_now(session)
+    marked: set[str] = set()
+    wanted = sorted(set(dispatch_ids))
+    for start in range(0, len(wanted), QUERY_BATCH):
+        marked.update(
+            session.scalars(
+                sa.update(Dispatch)
+                .where(
+                    Dispatch.dispatch_id.in_(wanted[start : start + QUERY_BATCH]),
+                    Dispatch.job_stopped_at.is_(None),
+                    Dispatch.state.in_(_STOPPING),
+                )
+                .values(job_stopped_at=now)
+                .returning(Dispatch.dispatch_id)
+                .execution_options(synchronize_session="fetch")
+            )
+        )
+    return marked
+
+
+def note_job_tampered(session: Session, dispatch_id: str, *, now: datetime | None = None) -> datetime | None:
+    """Record, once, when the dispatch's Job was first found hand-edited (the row still open,
+    SCHEDULED or CREATED); the time recorded (this call's or an earlier one's), None if the
+    dispatch is not open."""
+    now = now or database_now(session)
+    table = Dispatch.__table__
+    session.execute(
+        sa.update(table)
+        .where(
+            table.c.dispatch_id == dispatch_id,
+            table.c.state.in_(_OPEN),
+            table.c.job_tampered_at.is_(None),
+        )
+        .values(job_tampered_at=now)
+    )
+    return session.scalar(
+        sa.select(table.c.job_tampered_at).where(table.c.dispatch_id == dispatch_id, table.c.state.in_(_OPEN))
+    )
+
+
+def clear_job_tampered(session: Session, dispatch_id: str) -> bool:
+    """Forget that the dispatch's Job was found hand-edited (it agrees with the row again);
+    True if there was something to forget."""
+    table = Dispatch.__table__
+    result = session.execute(
+        sa.update(table)
+        .where(table.c.dispatch_id == dispatch_id, table.c.job_tampered_at.is_not(None))
+        .values(job_tampered_at=None)
+    )
+    return bool(_rowcount(result))

@@ -7,7 +7,10 @@ finished Pods, for 4 (those an ended dispatch left with our finalizer); then one
 the delivered Jobs per namespace; before that, Jobs made before the deployment label existed
 are given ours when their dispatch is in our database, and only reported otherwise.
 (B) pages of the other pending dispatches, checked with one `dispatch-id in (...)` LIST per
-chunk: 1 and 5; (C) terminal dispatches the engine was not told about. Actions run inline
+chunk: 1 and 5; (C) terminal dispatches the engine was not told about. (D) from the database, every sweep: the
+dispatches ended FAILED or CANCELLED whose Job is not yet known stopped (their Jobs deleted,
+their slots freed once gone), and those whose Job was found hand-edited (looked at by name
+until they end: `JobTampered` past the grace). Actions run inline
 through `recovery.delivery`; a page's finished Jobs are delivered together (one Pod LIST),
 except those poll has handed to a queued completion.
 """
@@ -20,7 +23,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from datetime import datetime
+from datetime import datetime, timedelta
 from enum import Enum
 from functools import partial
 from typing import Any, TypeVar
@@ -31,7 +34,7 @@ import sqlalchemy as sa
 from k8s_dispatch.engine import store
 from k8s_dispatch.engine.db import database_now, transaction
 from k8s_dispatch.engine.errors import DispatchError, NotFound
-from k8s_dispatch.engine.models import TERMINAL_STATES, Dispatch, DispatchState, EventType, utcnow
+from k8s_dispatch.engine.models import STOPPING_STATES, TERMINAL_STATES, Dispatch, DispatchState, EventType, utcnow
 from k8s_dispatch.engine.settings import OrphanPolicy, PollMode
 from k8s_dispatch.recovery import delivery, handoff, jobwatch, startup, statelog
 from k8s_dispatch.recovery.crashpoints import Point, crashpoint
@@ -40,6 +43,7 @@ from k8s_dispatch.recovery.reconstruct import DispatchRecord
 from k8s_dispatch.recovery.report import Counts, SweepReport
 from k8s_dispatch.recovery.runtime import Runtime
 from k8s_dispatch.recovery.sweep import (
+    JOB_TAMPERED_REASON,
     Action,
     Category,
     CleanUpJob,
@@ -53,12 +57,19 @@ from k8s_dispatch.recovery.sweep import (
     RecreateJob,
     ReportOrphan,
     ReportRunning,
+    StopStep,
+    TamperedJob,
+    TamperStep,
+    hidden,
+    name_dispatch_id,
     named_dispatch_ids,
     plan_dispatches,
     plan_jobs,
     plan_pods,
     present_jobs,
     refusal,
+    stop_step,
+    tamper_step,
 )
 from k8s_dispatch.workers import labels as job_labels
 from k8s_dispatch.workers.pod_health import StartPolicy, assess
@@ -121,6 +132,8 @@ def run_sweep(rt: Runtime, *, dry_run: bool = False, now: datetime | None = None
         for namespace in followed:
             _sweep_gone(rt, namespace, act, now=now, policy=policy)
         _sweep_dispatches(rt, act, now=now, policy=policy, matched=[*matched, *followed], followed=followed)
+        _sweep_tampered(rt, act)
+        _sweep_stopping(rt, act, now=now, policy=policy)
         _sweep_unnotified(rt, act, now=now, policy=policy)
     report.finished_at = utcnow()
     METRICS.sweep_done(report)
@@ -288,7 +301,9 @@ def _adopt_unlabelled(rt: Runtime, namespace: str, act: Executor, *, now: dateti
             report.jobs_listed += len(page)
             actions = plan_jobs(page, _views_for_jobs(rt, page), now=now, policy=report_only)
             act.all([a for a in actions if isinstance(a, ReportOrphan)])
-            ours = [job for job, a in zip(page, actions, strict=True) if not isinstance(a, ReportOrphan)]
+            # A refused Job under an open dispatch's name is not labelled either: `TamperedJob`
+            # finds it by name (category 5's look-up).
+            ours = [job for job, a in zip(page, actions, strict=True) if not isinstance(a, (ReportOrphan, TamperedJob))]
             act.label_all(namespace, ours)
     except DispatchError as e:  # the LIST, or the page's dispatches: the next sweep tries again
         log.warning("sweep: going through unlabelled jobs in %s stopped: %s: %s", namespace, e.reason, e)
@@ -376,8 +391,10 @@ class _LostJobs:
 
 def _views_for_jobs(rt: Runtime, jobs: Sequence[dict[str, Any]]) -> dict[str, DispatchView]:
     """The dispatches the Jobs' (or Pods') labels name, read with one query per page of them
-    (the labels are checked by the plan, which reports a Job whose labels do not hold up)."""
+    (the labels are checked by the plan, which reports a Job whose labels do not hold up), and
+    the dispatches the Jobs' names stand for (a Job hand-edited is still its dispatch's)."""
     ids = {dispatch_id for job in jobs for dispatch_id in named_dispatch_ids(job)}
+    ids |= {dispatch_id for job in jobs if (dispatch_id := name_dispatch_id(job)) is not None}
     with transaction(rt.sessions) as session:
         rows = store.dispatch_rows(session, ids)
         return {dispatch_id: _view(rt, row) for dispatch_id, row in rows.items()}
@@ -392,6 +409,9 @@ def _view(rt: Runtime, row: Dispatch | sa.Row[Any]) -> DispatchView:
         created_at=row.created_at,
         updated_at=row.updated_at,
         job_created_at=row.job_created_at,
+        finished_at=row.finished_at,
+        job_tampered_at=row.job_tampered_at,
+        reason=row.reason,
     )
 
 
@@ -449,7 +469,9 @@ def _sweep_dispatches(
 
 
 def _present_jobs(rt: Runtime, views: Sequence[DispatchView]) -> set[tuple[str, str]]:
-    """(namespace, name) of the Jobs that exist for these dispatches: one LIST per namespace and chunk."""
+    """(namespace, name) of the undelivered Jobs that exist for these dispatches: one LIST per
+    namespace and chunk. A Job labelled delivered by hand is out of poll's and the sweep's
+    selectors: its dispatch is then looked up by name (category 5's `TamperedJob`)."""
     by_namespace: dict[str, list[str]] = {}
     for view in views:
         by_namespace.setdefault(view.namespace, []).append(view.dispatch_id)
@@ -457,7 +479,7 @@ def _present_jobs(rt: Runtime, views: Sequence[DispatchView]) -> set[tuple[str, 
     for namespace, ids in sorted(by_namespace.items()):
         for start in range(0, len(ids), SELECTOR_CHUNK):
             chunk = ids[start : start + SELECTOR_CHUNK]
-            ours = job_labels.selector(rt.settings.effective_deployment)
+            ours = job_labels.undelivered_selector(rt.settings.effective_deployment)
             selector = f"{ours},{job_labels.DISPATCH_ID_KEY} in ({','.join(chunk)})"
             for page in rt.kube.iter_jobs(namespace, label_selector=selector, page_size=rt.settings.poll_page_size):
                 present |= present_jobs(page)
@@ -483,6 +505,98 @@ def _pages(
         if len(rows) < size:
             return
         after = rows[-1].dispatch_id
+
+
+# --- (D) from the database: ended dispatches' Jobs, hand-edited Jobs -------------------------
+
+
+def _sweep_stopping(rt: Runtime, act: Executor, *, now: datetime, policy: Policy) -> None:
+    """Category 7: the dispatches ended FAILED or CANCELLED whose Job is not yet known stopped
+    (`ix_dispatches_stopping`), each page's Jobs looked up with one LIST per namespace and chunk:
+    a Job still running (a lost `cancel`, a delete that met a 5xx) is deleted; one seen finished
+    or gone is recorded stopped, which frees its dispatch's slot. Every sweep, LIST or not."""
+    query = sa.select(Dispatch).where(Dispatch.job_stopped_at.is_(None), Dispatch.state.in_(sorted(STOPPING_STATES)))
+    try:
+        for views in _pages(rt, query, lambda row: _view(rt, row)):
+            act.stop_all(views, _ended_jobs(rt, views), now=now, grace=policy.grace)
+    except DispatchError as e:  # the database or a LIST: the next sweep starts over
+        log.warning("sweep: stopping the jobs of ended dispatches stopped: %s: %s", e.reason, e)
+        act.report.add_problem(f"jobs of ended dispatches: {e.reason}: {e}")
+
+
+def _ended_jobs(rt: Runtime, views: Sequence[DispatchView]) -> dict[tuple[str, str], Mapping[str, Any]]:
+    """(namespace, name) -> the Job, delivered or not, of each of these dispatches that has one:
+    one LIST per namespace and chunk by the dispatch-id label, and a GET by name for a dispatch
+    failed `JobTampered` (its labels may say anything)."""
+    by_namespace: dict[str, list[str]] = {}
+    for view in views:
+        by_namespace.setdefault(view.namespace, []).append(view.dispatch_id)
+    jobs: dict[tuple[str, str], Mapping[str, Any]] = {}
+    ours = job_labels.selector(rt.settings.effective_deployment)
+    for namespace, ids in sorted(by_namespace.items()):
+        for start in range(0, len(ids), SELECTOR_CHUNK):
+            selector = f"{ours},{job_labels.DISPATCH_ID_KEY} in ({','.join(ids[start : start + SELECTOR_CHUNK])})"
+            for page in rt.kube.iter_jobs(namespace, label_selector=selector, page_size=rt.settings.poll_page_size):
+                for job in page:
+                    metadata = job.get("metadata") or {}
+                    jobs[(metadata.get("namespace", namespace), metadata.get("name", ""))] = job
+    for view in views:
+        where = (view.namespace, view.job_name)
+        if view.reason == JOB_TAMPERED_REASON and where not in jobs:
+            found = _job_or_none(rt, *where)
+            if found is not None:
+                jobs[where] = found
+    return jobs
+
+
+def mark_stopped(rt: Runtime, dispatch_ids: Sequence[str]) -> set[str]:
+    """Of these dispatches, those ended FAILED or CANCELLED whose Job is seen finished or gone,
+    recorded stopped (their slots free); the ids marked. Nothing is deleted here: a Job still
+    running is the sweep's (category 7). What a worker runs right after recording ends, so that
+    a failure read from a finished Job frees its slot at once, not a sweep later.
+
+    Raises:
+        DispatchError: the database or the API failed (the sweep marks them later).
+    """
+    with transaction(rt.sessions) as session:
+        rows = store.dispatch_rows(session, dispatch_ids)
+        now = database_now(session)
+        views = [
+            _view(rt, row)
+            for row in rows.values()
+            if row.job_stopped_at is None and DispatchState(row.state) in STOPPING_STATES
+        ]
+    if not views:
+        return set()
+    jobs = _ended_jobs(rt, views)
+    grace = Policy.from_settings(rt.settings).grace
+    ids = [
+        v.dispatch_id
+        for v in views
+        if stop_step(v, jobs.get((v.namespace, v.job_name)), now=now, grace=grace) is StopStep.MARK
+    ]
+    if not ids:
+        return set()
+    with transaction(rt.sessions) as session:
+        return store.mark_jobs_stopped(session, ids)
+
+
+def _sweep_tampered(rt: Runtime, act: Executor) -> None:
+    """Category 8 from the database: the dispatches whose Job was found hand-edited before
+    (`ix_dispatches_tampered`), each looked at again by name until it ends or its Job agrees."""
+    query = sa.select(Dispatch).where(Dispatch.job_tampered_at.is_not(None))
+    try:
+        for views in _pages(rt, query, lambda row: _view(rt, row)):
+            act.all(
+                [
+                    TamperedJob(v.dispatch_id, v.namespace, v.job_name)
+                    for v in views
+                    if v.dispatch_id not in act.tampered
+                ]
+            )
+    except DispatchError as e:
+        log.warning("sweep: reading the dispatches of hand-edited jobs stopped: %s: %s", e.reason, e)
+        act.report.add_problem(f"dispatches of hand-edited jobs: {e.reason}: {e}")
 
 
 # --- (C) terminal dispatches the engine was not told about -----------------------------------
@@ -528,6 +642,9 @@ class Executor:
         # (namespace, name) of the recorded Jobs category 4 met (`CleanUpJob`): their own
         # clean-up (or a queued completion) frees their Pods, the pass over Pods leaves them.
         self.releasing: set[tuple[str, str]] = set()
+        # Dispatches whose hand-edited Job this sweep has looked at (found by the LIST, by name,
+        # or noted before): each is decided once per sweep.
+        self.tampered: set[str] = set()
 
     def __enter__(self) -> Executor:
         return self
@@ -566,6 +683,155 @@ class Executor:
         with self._lock:
             self.report.categories[Category.RUNNING].found += running
         self._run(calls)
+
+    def stop_all(
+        self,
+        views: Sequence[DispatchView],
+        jobs: Mapping[tuple[str, str], Mapping[str, Any]],
+        *,
+        now: datetime,
+        grace: timedelta,
+    ) -> None:
+        """Category 7 for a page of ended dispatches: each Job still there and running (or held
+        by our finalizer) released and deleted, on the pool; then every dispatch whose Job is
+        seen finished or gone (deleted just now included) recorded stopped in one transaction,
+        and admission told (`Runtime.on_ended`): their slots are free."""
+        counts = self.report.categories[Category.STOPPING]
+        steps = [(v, jobs.get((v.namespace, v.job_name))) for v in views]
+        decided = [(v, job, stop_step(v, job, now=now, grace=grace)) for v, job in steps]
+        acting = [(v, job, step) for v, job, step in decided if step is not StopStep.WAIT]
+        with self._lock:
+            counts.found += len(acting)
+        if self.dry_run or not acting:
+            return
+        gone = [v.dispatch_id for v, _, step in acting if step is StopStep.MARK]
+        stopping = [(v, job) for v, job, step in acting if step is StopStep.STOP and job is not None]
+
+        def stop(view: DispatchView, job: Mapping[str, Any]) -> _Outcome:
+            if self._stop(view, job):
+                with self._lock:
+                    gone.append(view.dispatch_id)
+                return _Outcome.NOTHING  # counted as acted once marked, below
+            return _Outcome.SKIPPED
+
+        self._run([partial(self._count, counts, view, partial(stop, view, job)) for view, job in stopping])
+        if not gone:
+            return
+        with transaction(self.rt.sessions) as session:
+            marked = store.mark_jobs_stopped(session, gone)
+        with self._lock:
+            counts.acted += len(marked)
+            counts.skipped += len(gone) - len(marked)
+        if marked and self.rt.on_ended is not None:
+            self.rt.on_ended(sorted(marked))  # their slots are free: admission may run
+
+    def _stop(self, view: DispatchView, job: Mapping[str, Any]) -> bool:
+        """Release and delete an ended dispatch's Job (exact by its uid), its Pods freed first;
+        True once a GET finds it gone. Released with the delivered label, so that a DELETE that
+        fails leaves it to the bulk delete."""
+        rt = self.rt
+        metadata = job.get("metadata") or {}
+        namespace, name = view.namespace, view.job_name
+        log.warning(
+            "dispatch %s ended %s (%s) while its job %s/%s may still run; deleting it",
+            view.dispatch_id, view.state, view.reason, namespace, name,
+        )  # fmt: skip
+        delivery.release_pods(rt, namespace, delivery.pods_by_job(rt, namespace, [name])[name])
+        delivery.release_job(rt, namespace, name, snapshot=job)
+        rt.kube.delete_job(namespace, name, propagation="Background", uid=metadata.get("uid"))
+        now = _job_or_none(rt, namespace, name)
+        return now is None or (now.get("metadata") or {}).get("uid") != metadata.get("uid")
+
+    def _tampered(self, action: TamperedJob) -> _Outcome:
+        """Category 8, decided by `tamper_step` under the dispatch's guard claim with its row read
+        again: the Job refused for a time past the tampered grace fails its dispatch `JobTampered`
+        and is removed; one only hidden is delivered once it has finished (the completion path
+        takes the claim itself, so after this one is let go); the refused Job of an ended
+        dispatch is removed. The first finding is recorded on the row (`job_tampered_at`): the
+        grace's origin, on the database's clock, and what has later sweeps look at it by name."""
+        rt = self.rt
+        with self._lock:
+            if action.dispatch_id in self.tampered:
+                return _Outcome.SKIPPED  # looked at already in this sweep
+            self.tampered.add(action.dispatch_id)
+        job = action.job if action.job is not None else _job_or_none(rt, action.namespace, action.job_name)
+        claim = rt.guard.claim(action.dispatch_id)
+        if claim is None:
+            return _Outcome.SKIPPED  # another replica is delivering it
+        try:
+            with transaction(rt.sessions) as session:
+                row = store.dispatch_rows(session, [action.dispatch_id]).get(action.dispatch_id)
+                now = database_now(session)
+            if row is None:
+                return _Outcome.SKIPPED
+            view = _view(rt, row)
+            refused = refusal(job, view) if job is not None else None
+            is_hidden = job is not None and hidden(job, rt.settings.effective_deployment)
+            grace = Policy.from_settings(rt.settings).tampered_grace
+            delete = rt.settings.orphan_policy is OrphanPolicy.DELETE
+            step = tamper_step(
+                view, job, refused=refused is not None, hidden=is_hidden, now=now, grace=grace, delete=delete
+            )
+            if step is TamperStep.FORGET:
+                if view.job_tampered_at is not None:
+                    with transaction(rt.sessions) as session:
+                        store.clear_job_tampered(session, view.dispatch_id)
+                return _Outcome.SKIPPED
+            assert job is not None  # every other step has a Job
+            if step in (TamperStep.CLEAN, TamperStep.DELETE):
+                if step is TamperStep.DELETE:
+                    log.warning(
+                        "dispatch %s: its job %s/%s was edited by hand (%s); deleting it (orphan policy), "
+                        "the dispatch gets a job of its own", view.dispatch_id, action.namespace, action.job_name,
+                        refused,
+                    )  # fmt: skip
+                self._remove(action.namespace, action.job_name, job)
+                return _Outcome.ACTED
+            noted = view.job_tampered_at is None
+            if noted:
+                with transaction(rt.sessions) as session:
+                    view = replace(view, job_tampered_at=store.note_job_tampered(session, view.dispatch_id, now=now))
+                why = f"{refused.reason}: {refused}" if refused is not None else "out of our selectors"
+                log.warning(
+                    "dispatch %s: its job %s/%s was edited by hand (%s); %s",
+                    view.dispatch_id, action.namespace, action.job_name, why,
+                    f"failing it JobTampered unless put right within {grace.total_seconds():.0f}s"
+                    if refused is not None else "delivering it once it finishes",
+                )  # fmt: skip
+                step = tamper_step(
+                    view, job, refused=refused is not None, hidden=is_hidden, now=now, grace=grace, delete=delete
+                )
+            if step is TamperStep.FAIL:
+                assert refused is not None
+                message = (
+                    f"job {action.namespace}/{action.job_name} was edited by hand and disagreed with the "
+                    f"dispatch for {(now - (view.job_tampered_at or now)).total_seconds():.0f}s: {refused}"
+                )
+                detail = {"namespace": action.namespace, "job": action.job_name, "refusal": refused.reason}
+                won = delivery.fail_dispatch(
+                    rt, view.dispatch_id, reason=JOB_TAMPERED_REASON, message=message, detail=detail
+                )
+                self._remove(action.namespace, action.job_name, job)
+                return _Outcome.ACTED if won else _Outcome.SKIPPED
+            if step is not TamperStep.DELIVER:
+                return _Outcome.ACTED if noted else _Outcome.NOTHING  # WAIT, RUNS
+        finally:
+            rt.guard.release(claim)
+        completed = delivery.complete_job(rt, action.namespace, action.job_name, snapshot=job, delete=False)
+        if completed is delivery.CompleteOutcome.COMPLETED and hidden(job, rt.settings.effective_deployment):
+            # Released; the bulk delete selects it only if it carries our deployment label.
+            metadata = job.get("metadata") or {}
+            if job_labels.deployment_of(metadata.get("labels")) != rt.settings.effective_deployment:
+                rt.kube.delete_job(action.namespace, action.job_name, uid=metadata.get("uid"))
+        return _Outcome.ACTED if completed in _COMPLETE_ACTED else _Outcome.SKIPPED
+
+    def _remove(self, namespace: str, name: str, job: Mapping[str, Any]) -> None:
+        """A hand-edited Job whose dispatch has ended: our finalizers off it and its Pods (no
+        delivered label: no selector of ours may select it), then deleted, exact by its uid."""
+        rt = self.rt
+        delivery.release_pods(self.rt, namespace, delivery.pods_by_job(rt, namespace, [name])[name])
+        delivery.release_job(rt, namespace, name, snapshot=job, delivered=False)
+        rt.kube.delete_job(namespace, name, propagation="Background", uid=(job.get("metadata") or {}).get("uid"))
 
     def starts(self, namespace: str, checks: Sequence[startup.StartCheck]) -> None:
         """Category 3's Jobs with no container started, past the grace: their Pending Pods read
@@ -770,7 +1036,13 @@ class Executor:
             freed = delivery.release_pods(rt, action.namespace, [action.pod])
             return _Outcome.ACTED if freed else _Outcome.SKIPPED
         if isinstance(action, (RecreateJob, FailJobLost)):
+            found = _job_or_none(rt, action.namespace, action.job_name)
+            if found is not None:
+                # Not under our selector, yet there by its name: hidden, or hand-edited.
+                return self._tampered(TamperedJob(action.dispatch_id, action.namespace, action.job_name, job=found))
             return self._job_lost(action)
+        if isinstance(action, TamperedJob):
+            return self._tampered(action)
         if isinstance(action, ReportOrphan):
             return self._delete_orphan(action) if action.delete else _Outcome.NOTHING
         raise AssertionError(f"unknown action {action!r}")
@@ -862,6 +1134,14 @@ def _snapshots(actions: Sequence[CompleteJob | CleanUpJob]) -> list[Mapping[str,
     if len(jobs) != len(actions):
         raise ValueError("a CompleteJob without the LIST's snapshot goes through Executor.one")
     return jobs
+
+
+def _job_or_none(rt: Runtime, namespace: str, name: str) -> Mapping[str, Any] | None:
+    """The Job of that name as a GET reads it now, or None if there is none."""
+    try:
+        return rt.kube.get_job(namespace, name)
+    except NotFound:
+        return None
 
 
 def _job_exists(rt: Runtime, namespace: str, name: str) -> bool:

@@ -65,7 +65,7 @@ class SweepReport:
         return (self.finished_at - self.started_at).total_seconds()
 
     def rows(self) -> list[tuple[str, Counts]]:
-        """(row name, counts) in table order: the six categories, then re-notifications."""
+        """(row name, counts) in table order: the categories, then re-notifications."""
         named = [(f"{c.value} {c.label}", counts) for c, counts in sorted(self.categories.items())]
         return [*named, (UNNOTIFIED_ROW, self.unnotified)]
 

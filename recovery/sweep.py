@@ -1,8 +1,10 @@
 """The recovery sweep's decisions (pure): what to do about each dispatch and each Job of ours.
 
-`plan(...)` maps Jobs (API dicts), dispatch snapshots and "now" to actions tagged with the six
+`plan(...)` maps Jobs (API dicts), dispatch snapshots and "now" to actions tagged with the
 categories. A Job is matched to its dispatch by the rule delivery uses (`recovery.reconstruct`),
-so the sweep never plans to deliver what the completion path would refuse.
+so the sweep never plans to deliver what the completion path would refuse. `stop_step` and
+`tamper_step` decide, from the database's side, about the Jobs of ended dispatches (which hold
+their slot until stopped) and about hand-edited Jobs (which must end their dispatch all the same).
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from enum import IntEnum
+from enum import Enum, IntEnum
 from typing import Any, ClassVar
 
 from k8s_dispatch.engine.errors import LabelMismatch, TenancyMismatch, UnknownDispatch
@@ -23,12 +25,15 @@ from k8s_dispatch.workers.job_status import job_state
 from k8s_dispatch.workers.manifest import FINALIZER, JOB_NAME_PREFIX, job_name
 
 JOB_LOST_REASON = "JobLost"
+# The failure of a dispatch whose Job stayed hand-edited (labels or annotations disagreeing with
+# the database) past the tampered grace: its result is never trusted, so never delivered.
+JOB_TAMPERED_REASON = "JobTampered"
 
 JobDict = Mapping[str, Any]
 
 
 class Category(IntEnum):
-    """The six findings of a sweep, numbered as in the design (issue 5)."""
+    """The findings of a sweep: the design's six, and two from the database's side."""
 
     SCHEDULED_WITHOUT_JOB = 1  # dispatch scheduled, no Job, older than the grace period
     FINISHED_UNRECORDED = 2  # Job finished, no terminal event yet
@@ -36,6 +41,8 @@ class Category(IntEnum):
     CLEANUP = 4  # terminal event recorded, Job or our finalizer (on it or its Pods) still there
     JOB_LOST = 5  # dispatch marked created, its Job gone without a result
     ORPHAN = 6  # Job of ours with no dispatch, or labels disagreeing with the DB
+    STOPPING = 7  # dispatch ended FAILED or CANCELLED, its Job not yet seen finished or gone
+    TAMPERED = 8  # an open dispatch's Job (by name) hand-edited: refused, or out of our selectors
 
     @property
     def label(self) -> str:
@@ -61,6 +68,9 @@ class DispatchView:
     created_at: datetime
     updated_at: datetime
     job_created_at: datetime | None = None  # when its Job was recorded created: the start clock's origin
+    finished_at: datetime | None = None  # when its end was recorded
+    job_tampered_at: datetime | None = None  # when its Job was first found hand-edited
+    reason: str | None = None  # its end's reason
 
     @property
     def dispatch_id(self) -> str:
@@ -86,6 +96,7 @@ class Policy:
     grace: timedelta
     max_job_attempts: int  # Jobs per dispatch, the first included
     orphan_policy: OrphanPolicy
+    tampered_grace: timedelta = timedelta(seconds=300)  # a hand-edited Job's, before JobTampered
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Policy:
@@ -93,6 +104,7 @@ class Policy:
             grace=timedelta(seconds=settings.sweep_grace_s),
             max_job_attempts=settings.max_job_attempts,
             orphan_policy=settings.orphan_policy,
+            tampered_grace=timedelta(seconds=settings.tampered_grace_s),
         )
 
 
@@ -203,7 +215,26 @@ class ReportOrphan:
     category: ClassVar[Category] = Category.ORPHAN
 
 
-Action = CreateJob | CompleteJob | ReportRunning | CleanUpJob | FreePod | RecreateJob | FailJobLost | ReportOrphan
+@dataclass(frozen=True)
+class TamperedJob:
+    """Category 8: the Job named for an open dispatch, in its namespace, is refused (its labels or
+    annotations disagree with the row) or hidden from our selectors (`delivered=true` or another
+    deployment label put on by hand); or a dispatch whose Job was found so before (`job` None:
+    look it up by name). The executor decides with `tamper_step` under the dispatch's claim.
+    Also the refused Job of an ended dispatch: only cleaned up."""
+
+    dispatch_id: str
+    namespace: str
+    job_name: str
+    job: JobDict | None = field(default=None, compare=False, repr=False)
+    detail: str = field(default="", compare=False)
+    category: ClassVar[Category] = Category.TAMPERED
+
+
+Action = (
+    CreateJob | CompleteJob | ReportRunning | CleanUpJob | FreePod | RecreateJob | FailJobLost | ReportOrphan
+    | TamperedJob
+)  # fmt: skip
 
 
 # --- decisions -------------------------------------------------------------------------
@@ -256,6 +287,33 @@ class NameOrder:
             if name.startswith(JOB_NAME_PREFIX) and is_dispatch_id(dispatch_id):
                 last_id = dispatch_id
         return NameOrder(last_name=last, last_id=last_id)
+
+
+def name_dispatch_id(job: JobDict) -> str | None:
+    """The dispatch id a Job's name (`kd-<dispatch id>`) stands for, whatever its labels say."""
+    name = _metadata(job).get("name")
+    if not isinstance(name, str) or not name.startswith(JOB_NAME_PREFIX):
+        return None
+    dispatch_id = name[len(JOB_NAME_PREFIX) :]
+    return dispatch_id if is_dispatch_id(dispatch_id) else None
+
+
+def owner_by_name(job: JobDict, dispatches: Mapping[str, DispatchView]) -> DispatchView | None:
+    """The dispatch whose Job this is by name and namespace (the database's word), if any."""
+    dispatch_id = name_dispatch_id(job)
+    view = dispatches.get(dispatch_id) if dispatch_id is not None else None
+    metadata = _metadata(job)
+    if view is None or (view.namespace, view.job_name) != (metadata.get("namespace"), metadata.get("name")):
+        return None
+    return view
+
+
+def hidden(job: JobDict, deployment: str) -> bool:
+    """Whether the Job is out of our undelivered selector while carrying our managed-by label:
+    `delivered=true`, or no or another deployment label (pure)."""
+    labels = _metadata(job).get("labels")
+    labels = labels if isinstance(labels, Mapping) else {}
+    return job_labels.is_delivered(labels) or job_labels.deployment_of(labels) != deployment
 
 
 def named_dispatch_ids(job: JobDict) -> list[str]:
@@ -367,6 +425,10 @@ def _decide_job(job: JobDict, dispatches: Mapping[str, DispatchView], *, policy:
     dispatch = next((dispatches[i] for i in named_dispatch_ids(job) if i in dispatches), None)
     refused = refusal(job, dispatch)
     if refused is not None:
+        owner = owner_by_name(job, dispatches)
+        if owner is not None:
+            # Where this dispatch's Job belongs, under its name: the dispatch's own, hand-edited.
+            return TamperedJob(owner.dispatch_id, namespace, name, job=job, detail=str(refused))
         try:
             dispatch_id: str | None = job_labels.decode(metadata.get("labels"), metadata.get("annotations")).dispatch_id
         except LabelMismatch:
@@ -411,6 +473,72 @@ def out_of_attempts(attempts: int, max_job_attempts: int) -> bool:
     """Whether a dispatch whose Job of attempt `attempts` (re-creations before it) was lost, or
     lost its result, fails `JobLost` rather than runs again: `max_job_attempts` counts Jobs."""
     return attempts + 1 >= max_job_attempts
+
+
+class StopStep(Enum):
+    """What the sweep does about the Job of a dispatch ended FAILED or CANCELLED (`stop_step`)."""
+
+    MARK = "mark"  # the Job runs no more: record it, the dispatch's slot is free
+    STOP = "stop"  # the Job may run: release it and its Pods and delete it, then look again
+    WAIT = "wait"  # no Job, but a create that started before the end may yet make one
+
+
+def stop_step(view: DispatchView, job: JobDict | None, *, now: datetime, grace: timedelta) -> StopStep:
+    """Pure: `job` is the dispatch's Job as just read (None: there is none).
+
+    A Job that finished and was released (our finalizer off) is stopped; one that still runs,
+    or holds our finalizer (a deleted Job's Pods are not collected while it does), is stopped
+    by deleting it. No Job: stopped, unless none was ever recorded and the end is younger than
+    the grace period (a create that read the row before the end may still make one).
+    """
+    if job is not None:
+        finished = job_state(job).terminal and not _metadata(job).get("deletionTimestamp")
+        released = FINALIZER not in (_metadata(job).get("finalizers") or [])
+        return StopStep.MARK if finished and released else StopStep.STOP
+    if view.job_created_at is not None or view.finished_at is None or now - view.finished_at >= grace:
+        return StopStep.MARK
+    return StopStep.WAIT
+
+
+class TamperStep(Enum):
+    """What the sweep does about a dispatch whose Job was found hand-edited (`tamper_step`)."""
+
+    WAIT = "wait"  # refused, inside the tampered grace: a hand may yet put it right
+    FAIL = "fail"  # refused past the grace: WORKER_FAILED JobTampered, then clean up the Job
+    DELETE = "delete"  # refused, and the orphan policy deletes: removed now, the dispatch runs again
+    DELIVER = "deliver"  # only hidden (its labels agree) and finished: deliver it, as poll would
+    RUNS = "runs"  # only hidden and still running: it is ours; looked at by name every sweep
+    CLEAN = "clean"  # the dispatch has ended, its Job refused: release and delete the Job
+    FORGET = "forget"  # no Job (category 5's), or nothing wrong any more: clear the note
+
+
+def tamper_step(
+    view: DispatchView,
+    job: JobDict | None,
+    *,
+    refused: bool,
+    hidden: bool,
+    now: datetime,
+    grace: timedelta,
+    delete: bool = False,
+) -> TamperStep:
+    """Pure: `job` is the dispatch's Job by name (None: absent); `refused` whether delivery would
+    refuse it for this dispatch (`refusal`); `hidden` whether it is out of our selectors. The
+    grace counts from `view.job_tampered_at` (the database's clock; None: not noted yet).
+    `delete` (ORPHAN_POLICY=delete): a refused Job is removed at once, and its dispatch gets a
+    Job of its own as any whose Job is missing (category 1, or 5 within its attempts)."""
+    if view.terminal:
+        # Refused: no clean-up of the normal path selects it. Only hidden: released as usual.
+        return TamperStep.CLEAN if job is not None and refused else TamperStep.FORGET
+    if job is None or not (refused or hidden):
+        return TamperStep.FORGET
+    if not refused:
+        return TamperStep.DELIVER if job_state(job).terminal else TamperStep.RUNS
+    if delete:
+        return TamperStep.DELETE
+    if view.job_tampered_at is not None and now - view.job_tampered_at >= grace:
+        return TamperStep.FAIL
+    return TamperStep.WAIT
 
 
 def by_category(actions: Sequence[Action]) -> dict[Category, list[Action]]:

@@ -2,7 +2,7 @@
 `create_jobs`; when to run one.
 
 Passes run when a dispatch is queued (the `admit` task, sent after the schedule commits), when
-dispatches end (inline, in the worker that recorded the end: `Runtime.on_ended`), and every
+dispatches end or their Jobs stop (inline, in the worker that recorded it: `Runtime.on_ended`), and every
 poll interval from beat (the net under lost messages and crashed workers). The triggered ones
 are coalesced through Redis (a burst of 10,000 queued schedules runs a few passes, not 10,000);
 beat's runs regardless. Correctness never rests on Redis: the database's admission turn makes
@@ -23,7 +23,7 @@ from k8s_dispatch.engine import admission
 from k8s_dispatch.engine.db import database_now, transaction
 from k8s_dispatch.engine.errors import DispatchError
 from k8s_dispatch.engine.models import DispatchState
-from k8s_dispatch.recovery import statelog
+from k8s_dispatch.recovery import reconcile, statelog
 from k8s_dispatch.recovery.crashpoints import Point, crashpoint
 from k8s_dispatch.recovery.metrics import METRICS
 from k8s_dispatch.recovery.runtime import Runtime
@@ -89,10 +89,17 @@ def run_coalesced(rt: Runtime, sender: Celery) -> int:
 
 
 def on_ended(rt: Runtime, sender: Celery, dispatch_ids: Sequence[str]) -> None:
-    """`Runtime.on_ended`: the slots of ended dispatches are free, so run admission (if limits
-    are configured). Never raises: the end is recorded, and beat's next pass admits."""
+    """`Runtime.on_ended`: dispatches ended, so run admission (if limits are configured). A slot
+    frees once its Job runs no more: a completion's at once; a failure's or a cancel's once its
+    Job is seen finished or gone, recorded here first (`reconcile.mark_stopped`: a failure read
+    from a finished Job frees its slot now; a Job still running keeps it until the sweep has
+    deleted it). Never raises: the end is recorded, and the sweep and beat's next pass follow."""
     if not rt.resolver.limits:
         return
+    try:
+        reconcile.mark_stopped(rt, dispatch_ids)
+    except DispatchError as e:
+        log.info("checking the jobs of %d ended dispatches failed (%s); the sweep does", len(dispatch_ids), e)
     try:
         run_coalesced(rt, sender)
     except DispatchError as e:

@@ -98,8 +98,29 @@ def test_a_limit_queues_a_pass_admits_up_to_it_in_order_and_an_end_frees_a_slot(
     end(sm, first[:1])
     assert len(admit(sm, LIMITS)) == 1
     end(sm, first[1:], EventType.WORKER_FAILED)
+    assert admit(sm, LIMITS) == []  # a failure's slot is held while its Job may still run
+    with transaction(sm) as session:
+        assert store.mark_jobs_stopped(session, first[1:]) == set(first[1:])  # the sweep saw it gone
     assert len(admit(sm, LIMITS)) == 1
     assert states(sm, ids).count(DispatchState.QUEUED) == 1
+
+
+def test_a_cancel_holds_its_slot_until_its_job_is_seen_stopped_and_only_once(sm) -> None:
+    limits = Limits(tenancies={"acme": TenancyLimit(1)})
+    ids = schedule(sm, LimitedRouter(limits), "acme", 3)
+    (first,) = admit(sm, limits)
+    end(sm, [first], EventType.WORKER_CANCELLED)  # the cancel's message lost: its Job may run on
+    assert admit(sm, limits) == []
+    with transaction(sm) as session:
+        (summary,) = admission.summary(session)
+        assert (summary.running, summary.queued) == (1, 2)
+        assert store.mark_jobs_stopped(session, [first]) == {first}
+    with transaction(sm) as session:
+        assert store.mark_jobs_stopped(session, [first]) == set()  # once
+    (second,) = admit(sm, limits)
+    end(sm, [second])  # a completion is read from a finished Job: its slot frees at once
+    assert len(admit(sm, limits)) == 1
+    assert states(sm, ids).count(DispatchState.QUEUED) == 0
 
 
 def test_a_queued_dispatch_can_be_cancelled_and_holds_no_slot(sm) -> None:

@@ -241,7 +241,12 @@ def test_jobs_whose_end_is_recorded_are_cleaned_up_including_a_cancelled_running
 
     cluster.audit(clear=True)
     report = run_sweep(rt)
-    assert counts(report, C4) == (2, 2, 0, 0) and found(report) == {4: 2}
+    assert counts(report, C4) == (2, 2, 0, 0) and found(report) == {4: 2, 7: 1}
+    # The cancelled one's Job, deleted above, is then seen gone: its slot is free (the completed one never held it).
+    assert counts(report, Category.STOPPING) == (1, 1, 0, 0)
+    with transaction(rt.sessions) as session:
+        stopped = {d: store.get_dispatch(session, d).job_stopped_at for d in (done, running)}
+    assert stopped[done] is None and stopped[running] is not None
     wait_until(lambda: not jobs(rt), what="both jobs deleted", timeout=15.0)
     # Released from the LIST's snapshots (a patch each, their Pods listed once and a patch each),
     # removed by one bulk delete, the running one too; and no Pod is kept by our finalizer.
@@ -368,9 +373,12 @@ def test_forged_and_tenancy_mismatched_jobs_are_reported_and_never_delivered(rt,
     before = rt.stats.get(ORPHANS_REPORTED)
     for sweep in (1, 2):
         report = run_sweep(rt)
-        assert found(report) == {6: 2}, report.to_dict()
-        assert counts(report, C6) == (2, 0, 0, 0)
-        assert rt.stats.get(ORPHANS_REPORTED) == before + 2 * sweep
+        # The forged Job is an orphan; the mismatched one, under the victim's name, is its Job
+        # hand-edited (category 8): noted at the first sweep, within its grace at the second.
+        assert found(report) == {6: 1, 8: 1}, report.to_dict()
+        assert counts(report, C6) == (1, 0, 0, 0)
+        assert counts(report, Category.TAMPERED) == ((1, 1, 0, 0) if sweep == 1 else (1, 0, 0, 0))
+        assert rt.stats.get(ORPHANS_REPORTED) == before + sweep
     assert terminal_events(rt, victim) == [] and record(rt, victim).state is SCHEDULED
     with transaction(rt.sessions) as session:
         assert store.events_for(session, forged_id) == []
@@ -382,7 +390,8 @@ def test_with_the_delete_policy_orphans_are_deleted_and_the_victim_then_gets_its
     rt = make_runtime(notifier=notified, orphan_policy="delete")
     forged_id, forged, victim = mismatched(rt)
     report = run_sweep(rt)
-    assert counts(report, C6) == (2, 2, 0, 0)
+    assert counts(report, C6) == (1, 1, 0, 0)  # the forged one
+    assert counts(report, Category.TAMPERED) == (1, 1, 0, 0)  # the victim's, hand-edited
     # With the mismatched Job gone, the same sweep found the victim without one and created its own.
     assert counts(report, C1) == (1, 1, 0, 0)
     assert terminal_events(rt, victim) == []
@@ -411,7 +420,7 @@ def test_a_dry_run_counts_everything_and_changes_nothing(make_runtime, notified)
     report = run_sweep(rt, dry_run=True)
     assert report.dry_run
     # The victim has a (mismatched) Job under its name, so only `scheduled` lacks one.
-    assert found(report) == {1: 1, 2: 1, 6: 2}
+    assert found(report) == {1: 1, 2: 1, 6: 1, 8: 1}
     assert all(c.acted == c.skipped == c.errors == 0 for c in report.categories.values())
     assert jobs(rt).keys() == before.keys()
     assert record(rt, scheduled).state is SCHEDULED and terminal_events(rt, finished) == []

@@ -52,12 +52,15 @@ def test_json_has_every_category_and_round_trips() -> None:
 def test_table_has_a_row_per_category_with_aligned_counts() -> None:
     lines = report_with_counts().table().splitlines()
     assert lines[0].split() == ["category", "found", "acted", "skipped", "errors"]
-    rows = {line.split()[1] if line[0].isdigit() else line.split()[0]: line.split()[-4:] for line in lines[1:8]}
+    n = len(Category) + 1  # a row per category, then re-notifications
+    rows = {line.split()[1] if line[0].isdigit() else line.split()[0]: line.split()[-4:] for line in lines[1 : n + 1]}
+    assert list(rows) == [c.label for c in Category] + ["unnotified"]
     assert rows["finished_unrecorded"] == ["5", "4", "1", "0"]
     assert rows["orphan"] == ["2", "0", "0", "0"]
+    assert rows["stopping"] == rows["tampered"] == ["0", "0", "0", "0"]
     assert rows["unnotified"] == ["1", "0", "0", "1"]
-    assert len({len(line) for line in lines[1:8]}) == 1  # right-aligned columns
-    assert "12 jobs listed in 2 namespace(s)" in lines[8] and "1 error(s)" in lines[8]
+    assert len({len(line) for line in lines[1 : n + 1]}) == 1  # right-aligned columns
+    assert "12 jobs listed in 2 namespace(s)" in lines[n + 1] and "1 error(s)" in lines[n + 1]
 
 
 def test_summary_is_one_line_with_every_row() -> None:

@@ -23,6 +23,7 @@ from k8s_dispatch.recovery.sweep import (
     RecreateJob,
     ReportOrphan,
     ReportRunning,
+    TamperedJob,
     by_category,
     plan,
     plan_dispatches,
@@ -53,6 +54,7 @@ REF = DispatchRef(
     idempotency_key="key-1",  # type: ignore[arg-type]
 )
 WHERE = dict(dispatch_id=DID, namespace=NS, job_name=NAME)
+OTHER = "3f2b8a4e-0000-4000-8000-000000000002"
 
 
 def ref_for(dispatch_id: str) -> DispatchRef:
@@ -206,36 +208,46 @@ CASES = [
      [], [{"metadata": {"name": "x", "namespace": NS,
                                   "labels": {job_labels.MANAGED_BY_LABEL: job_labels.MANAGED_BY}}}], POLICY,
      [orphan("LabelMismatch", name="x", dispatch_id=None)]),
-    ("6 label and annotation disagree",
+    # --- 8: the dispatch's own Job (its name, its namespace), hand-edited: never completed ---
+    ("8 label and annotation disagree",
      [dispatch()], [job(condition="Complete", annotations={job_labels.CASE_ID_KEY: "case-9"})], POLICY,
-     [orphan("LabelMismatch", dispatch_id=None)]),
-    ("6 tenancy mismatch: a finished job is never completed",
+     [TamperedJob(**WHERE)]),
+    ("8 tenancy mismatch: a finished job is never completed",
      [dispatch()], [job(replace(REF, tenancy_id="tenant-b"), condition="Complete")], POLICY,  # type: ignore[arg-type]
-     [orphan("TenancyMismatch")]),
-    ("6 tenancy differing only in letter case is a mismatch",
+     [TamperedJob(**WHERE)]),
+    ("8 tenancy differing only in letter case is a mismatch",
      [dispatch()], [job(replace(REF, tenancy_id="Tenant-A"), condition="Complete")], POLICY,  # type: ignore[arg-type]
-     [orphan("TenancyMismatch")]),
-    ("6 case id mismatch",
+     [TamperedJob(**WHERE)]),
+    ("8 case id mismatch",
      [dispatch()], [job(replace(REF, case_id="case-2"), condition="Complete")], POLICY,  # type: ignore[arg-type]
-     [orphan("LabelMismatch")]),
-    ("6 case id differing only in letter case is a mismatch",
+     [TamperedJob(**WHERE)]),
+    ("8 case id differing only in letter case is a mismatch",
      [dispatch()], [job(replace(REF, case_id="CASE-1"), condition="Complete")], POLICY,  # type: ignore[arg-type]
-     [orphan("LabelMismatch")]),
-    ("6 capability mismatch",
+     [TamperedJob(**WHERE)]),
+    ("8 capability mismatch",
      [dispatch()], [job(replace(REF, capability="other"), condition="Complete")], POLICY,  # type: ignore[arg-type]
-     [orphan("LabelMismatch")]),
-    ("6 worker mismatch",
+     [TamperedJob(**WHERE)]),
+    ("8 worker mismatch",
      [dispatch()], [job(replace(REF, worker_name="other"), condition="Complete")], POLICY,  # type: ignore[arg-type]
-     [orphan("LabelMismatch")]),
-    ("6 idempotency key mismatch",
+     [TamperedJob(**WHERE)]),
+    ("8 idempotency key mismatch",
      [dispatch()], [job(replace(REF, idempotency_key="key-2"), condition="Complete")], POLICY,  # type: ignore[arg-type]
-     [orphan("LabelMismatch")]),
-    ("6 mismatched job of a terminal dispatch is not cleaned up as ours; delete policy deletes it",
+     [TamperedJob(**WHERE)]),
+    ("8 malformed attempt annotation",
+     [dispatch()], [job(condition="Complete", annotations={job_labels.ATTEMPT_KEY: "one"})], POLICY,
+     [TamperedJob(**WHERE)]),
+    ("8 dispatch-id label naming another dispatch: still the one its name says",
+     [dispatch(), dispatch(ref=ref_for(OTHER))], [job(ref_for(OTHER), name=NAME, condition="Complete")], POLICY,
+     [TamperedJob(**WHERE), RecreateJob(dispatch_id=OTHER, namespace=NS, job_name=job_name(OTHER), attempts=0)]),
+    ("8 mismatched job of a terminal dispatch: its own, removed whatever the orphan policy",
      [dispatch(COMPLETED)], [job(replace(REF, tenancy_id="tenant-b"), condition="Complete")],  # type: ignore[arg-type]
-     DELETE_POLICY, [orphan("TenancyMismatch", delete=True)]),
-    ("6 a mismatched job under our name counts as present: nothing is created over it",
+     POLICY, [TamperedJob(**WHERE)]),
+    ("8 a mismatched job under our name counts as present: nothing is created over it",
      [dispatch()], [job(replace(REF, tenancy_id="tenant-b"))], POLICY,  # type: ignore[arg-type]
-     [orphan("TenancyMismatch")]),
+     [TamperedJob(**WHERE)]),
+    ("6 a mismatched job under a name of no dispatch is an orphan",
+     [], [job(replace(REF, tenancy_id="tenant-b"))], POLICY,  # type: ignore[arg-type]
+     [orphan("UnknownDispatch")]),
     ("6 copy in another namespace of a created dispatch's job -> orphan; the real one completes",
      [dispatch()], [job(condition="Complete"), job(condition="Complete", namespace="elsewhere")], POLICY,
      [CompleteJob(**WHERE), orphan("LabelMismatch", namespace="elsewhere")]),
@@ -258,13 +270,18 @@ def test_every_category_is_covered_by_the_table() -> None:
         for _, dispatches, jobs, policy, _expected in CASES
         for action in plan(dispatches, jobs, now=NOW, policy=policy)
     }
-    assert seen == set(Category)
+    # Category 7 is decided from the database's side alone (`stop_step`, tests/recovery/test_sweep_stopping.py).
+    assert seen == set(Category) - {Category.STOPPING}
 
 
-def test_orphans_say_what_disagreed() -> None:
+def test_orphans_and_tampered_jobs_say_what_disagreed() -> None:
     (action,) = plan([dispatch()], [job(replace(REF, tenancy_id="Tenant-A"))], now=NOW, policy=POLICY)  # type: ignore[arg-type]
-    assert isinstance(action, ReportOrphan)
+    assert isinstance(action, TamperedJob)
     assert "'Tenant-A'" in action.detail and "'tenant-a'" in action.detail
+    copy = job(replace(REF, tenancy_id="Tenant-A"), namespace="elsewhere")  # type: ignore[arg-type]
+    (action,) = plan([dispatch()], [copy, job()], now=NOW, policy=POLICY)[:1]
+    assert isinstance(action, ReportOrphan)
+    assert "elsewhere" in action.detail
 
 
 def test_categories_of_actions() -> None:
