@@ -34,6 +34,33 @@ def build(name: str) -> Path:
     return Path(lines[-1])
 
 
+@dataclass(frozen=True)
+class NodeBinaries:
+    """A kubelet node's programs: the kubelet (the kube wrapper), containerd, its runc shim, ctr
+    and our pause (the containerd wrapper)."""
+
+    kubelet: Path
+    containerd: Path
+    shim: Path
+    ctr: Path
+    pause: Path
+
+
 def control_plane() -> Binaries:
     etcd, kube = build("etcd"), build("kube")
     return Binaries(etcd / "etcd", kube / "kube-apiserver", kube / "kube-controller-manager")
+
+
+def kube_scheduler() -> Path:
+    return build("kube") / "kube-scheduler"
+
+
+def node() -> NodeBinaries:
+    kube, containerd = build("kube"), build("containerd")
+    return NodeBinaries(
+        kube / "kubelet",
+        containerd / "containerd",
+        containerd / "containerd-shim-runc-v2",
+        containerd / "ctr",
+        containerd / "pause",
+    )

@@ -31,17 +31,31 @@ def realcluster() -> None:
     type=click.Choice(["exec", "simulate", "none"]),
     default="exec",
     show_default=True,
-    help="How the node agent runs Pods (none: no node, Pods stay Pending).",
+    help="How the node agent runs Pods (none: no node, Pods stay Pending). Ignored with --node kubelet.",
 )
-def serve(kubeconfig_path: Path, mode: str) -> None:
-    """Start etcd, kube-apiserver, kube-controller-manager and a node agent; serve until stopped."""
+@click.option(
+    "--node",
+    type=click.Choice(controlplane.NODE_KINDS),
+    default="agent",
+    show_default=True,
+    help="agent: localcluster's node agent runs the Pods; kubelet: kube-scheduler, the kubelet and containerd "
+    "run them in real containers (root; runc, CNI plugins and busybox-static from Debian).",
+)
+def serve(kubeconfig_path: Path, mode: str, node: str) -> None:
+    """Start etcd, kube-apiserver, kube-controller-manager and a node; serve until stopped."""
     directory = Path(tempfile.mkdtemp(prefix="realcluster-"))
-    sys.exit(controlplane.serve(directory, kubeconfig=kubeconfig_path, mode=mode))
+    sys.exit(controlplane.serve(directory, kubeconfig=kubeconfig_path, mode=mode, node=node))
 
 
 @realcluster.command()
-def build() -> None:
-    """Build (or find in the tool cache) etcd, kube-apiserver and kube-controller-manager."""
+@click.option("--node", type=click.Choice(controlplane.NODE_KINDS), default="agent", show_default=True)
+def build(node: str) -> None:
+    """Build (or find in the tool cache) etcd, kube-apiserver and kube-controller-manager, and with
+    `--node kubelet` kube-scheduler, the kubelet, containerd, its shim, ctr and pause."""
     bins = binaries.control_plane()
     for path in (bins.etcd, bins.kube_apiserver, bins.kube_controller_manager):
         click.echo(str(path))
+    if node == "kubelet":
+        nb = binaries.node()
+        for path in (binaries.kube_scheduler(), nb.kubelet, nb.containerd, nb.shim, nb.ctr, nb.pause):
+            click.echo(str(path))

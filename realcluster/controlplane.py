@@ -1,7 +1,9 @@
 """Start, restart and stop a real control plane on loopback: etcd, kube-apiserver (TLS from our own
 CA, static-token authentication, RBAC authorization) and kube-controller-manager with the Job,
-garbage-collector, TTL-after-finished, ServiceAccount, namespace and Pod-GC controllers, plus
-localcluster's node agent to run the Pods (no scheduler: the agent binds them).
+garbage-collector, TTL-after-finished, ServiceAccount, namespace and Pod-GC controllers, plus a node:
+localcluster's node agent (`node="agent"`, the default: no scheduler, the agent binds the Pods), or
+a real one (`node="kubelet"`: kube-scheduler, the kubelet and containerd, `realcluster/node.py`,
+with the node lifecycle and root-CA publisher controllers a kubelet's Pods need).
 
     with ControlPlane(directory=tmp, mode="simulate") as cp:
         config.load_kube_config(config_file=str(cp.kubeconfig))
@@ -28,11 +30,17 @@ import yaml
 
 from k8s_dispatch.ops.processes import ManagedProcess, free_port, project_env, wait_until
 from k8s_dispatch.realcluster import binaries, pki
+from k8s_dispatch.realcluster.node import Node
 
 CONTEXT = "realcluster"
 NODE_NAME = "k8s-dispatch-node"
 SERVICE_CIDR = "10.96.0.0/24"  # only a setting: nothing is ever sent to it
 CONTROLLERS = "job,garbagecollector,ttl-after-finished,serviceaccount,serviceaccount-token,namespace,podgc"
+# A kubelet's node also needs its not-ready taint lifted and `kube-root-ca.crt` in every namespace
+# (a ServiceAccount token volume mounts it).
+KUBELET_CONTROLLERS = CONTROLLERS + ",nodelifecycle,root-ca-cert-publisher"
+NODE_KINDS = ("agent", "kubelet")
+UNINITIALIZED_TAINT = "node.cloudprovider.kubernetes.io/uninitialized"  # the kubelet's, with an external cloud provider
 
 
 class ControlPlaneFailed(RuntimeError):
@@ -66,6 +74,7 @@ def token_file_text(users: list[User]) -> str:
 class ControlPlane:
     directory: Path
     mode: str = "simulate"  # the node agent's: exec | simulate | none (no node: Pods stay Pending)
+    node: str = "agent"  # agent | kubelet (kube-scheduler, the kubelet and containerd: real containers)
     pod_gc_threshold: int = 12500  # --terminated-pod-gc-threshold (Kubernetes' default)
     kube_api_qps: int = 400  # the controller manager's client budget: the Job controller creates Pods with it
     apiserver_args: tuple[str, ...] = ()
@@ -79,6 +88,9 @@ class ControlPlane:
         self.kubeconfig = self.directory / "admin.kubeconfig"
         self._ports: dict[str, int] = {}
         self._ctx: ssl.SSLContext | None = None
+        self.kubelet_node: Node | None = None
+        if self.node not in NODE_KINDS:
+            raise ValueError(f"node must be one of {NODE_KINDS}, not {self.node!r}")
 
     # --- the public surface ----------------------------------------------------------------
 
@@ -106,7 +118,8 @@ class ControlPlane:
         self._ports = {"etcd": free_port(), "etcd_peer": free_port(), "apiserver": free_port()}
         controller_manager = User("system:kube-controller-manager", secrets.token_urlsafe(24))
         node = User(f"system:node:{NODE_NAME}", secrets.token_urlsafe(24), ("system:nodes", "system:masters"))
-        (self.directory / "tokens.csv").write_text(token_file_text([self.admin, controller_manager, node]))
+        scheduler = User("system:kube-scheduler", secrets.token_urlsafe(24))
+        (self.directory / "tokens.csv").write_text(token_file_text([self.admin, controller_manager, node, scheduler]))
         self._write_kubeconfig(self.kubeconfig, keys, self.admin)
         cm_kubeconfig = self._write_kubeconfig(
             self.directory / "controller-manager.kubeconfig", keys, controller_manager
@@ -116,7 +129,10 @@ class ControlPlane:
             self._start_etcd(bins)
             self._start_apiserver(bins, keys)
             self._start_controller_manager(bins, keys, cm_kubeconfig)
-            if self.mode != "none":
+            if self.node == "kubelet":
+                self._start_scheduler(self._write_kubeconfig(self.directory / "scheduler.kubeconfig", keys, scheduler))
+                self._start_kubelet_node(keys, node_kubeconfig)
+            elif self.mode != "none":
                 self._start_node(node_kubeconfig)
         except BaseException:
             self.stop()
@@ -137,18 +153,34 @@ class ControlPlane:
         proc.start()
 
     def stop(self) -> None:
-        """Stop every component, the node agent first (it stops its containers), etcd last."""
-        for name in ("node", "kube-controller-manager", "kube-apiserver", "etcd"):
+        """Stop every component, the node first (it stops its containers), etcd last."""
+        if self.kubelet_node is not None:
+            self.kubelet_node.stop()
+            self.kubelet_node = None
+        for name in ("node", "kube-scheduler", "kube-controller-manager", "kube-apiserver", "etcd"):
             proc = self.processes.pop(name, None)
             if proc is not None:
                 proc.stop(timeout=20)
 
+    def all_processes(self) -> dict[str, ManagedProcess]:
+        """Every running component, the kubelet node's containerd and kubelet included."""
+        node = self.kubelet_node.processes if self.kubelet_node is not None else {}
+        return {**self.processes, **node}
+
     def logs_tail(self, lines: int = 30) -> str:
-        return "\n".join(f"--- {name}\n{p.log_tail(lines)}" for name, p in self.processes.items())
+        return "\n".join(f"--- {name}\n{p.log_tail(lines)}" for name, p in self.all_processes().items())
 
     def get(self, path: str, *, timeout: float = 5.0) -> tuple[int, bytes]:
         """An authenticated GET as the admin: (status, body). For readiness checks and tests."""
-        req = urllib.request.Request(self.url + path, headers={"Authorization": f"Bearer {self.admin.token}"})
+        return self.request("GET", path, timeout=timeout)
+
+    def request(
+        self, method: str, path: str, body: Any = None, *, content_type: str = "application/json", timeout: float = 5.0
+    ) -> tuple[int, bytes]:
+        """One authenticated request as the admin, `body` sent as JSON: (status, body); 0 when unreachable."""
+        headers = {"Authorization": f"Bearer {self.admin.token}", "Content-Type": content_type}
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, headers=headers, method=method)
         try:
             with urllib.request.urlopen(req, timeout=timeout, context=self._ctx) as resp:
                 return resp.status, resp.read()
@@ -198,6 +230,11 @@ class ControlPlane:
         self._wait(proc, healthy, "etcd /health")
 
     def _start_apiserver(self, bins: binaries.Binaries, keys: pki.Pki) -> None:
+        kubelet_client: list[str] = []
+        if self.node == "kubelet":  # pods/log, exec and port-forward are forwarded to the kubelet
+            cert, key = pki.client_cert(keys, "apiserver-kubelet-client", common_name="kube-apiserver-kubelet-client",
+                                        organization="system:masters")  # fmt: skip
+            kubelet_client = [f"--kubelet-client-certificate={cert}", f"--kubelet-client-key={key}"]
         proc = self._spawn("kube-apiserver", [
             str(bins.kube_apiserver),
             f"--etcd-servers=http://127.0.0.1:{self._ports['etcd']}",
@@ -214,6 +251,7 @@ class ControlPlane:
             # on SIGTERM it would wait for open watches with no limit: a restart would take 20 s
             "--shutdown-watch-termination-grace-period=2s",
             f"--cert-dir={self.directory / 'apiserver-certs'}",
+            *kubelet_client,
             *self.apiserver_args,
         ])  # fmt: skip
         self._wait_ready(proc)
@@ -226,7 +264,8 @@ class ControlPlane:
             str(bins.kube_controller_manager),
             f"--kubeconfig={kubeconfig}", f"--authentication-kubeconfig={kubeconfig}",
             f"--authorization-kubeconfig={kubeconfig}",
-            f"--controllers={CONTROLLERS}", "--use-service-account-credentials=true",
+            f"--controllers={KUBELET_CONTROLLERS if self.node == 'kubelet' else CONTROLLERS}",
+            "--use-service-account-credentials=true",
             f"--service-account-private-key-file={keys.sa_key}", f"--root-ca-file={keys.ca_cert}",
             "--leader-elect=false", "--bind-address=127.0.0.1", "--secure-port=0",
             f"--terminated-pod-gc-threshold={self.pod_gc_threshold}",
@@ -240,6 +279,54 @@ class ControlPlane:
             lambda: self.get("/api/v1/namespaces/default/serviceaccounts/default")[0] == 200,
             "the default ServiceAccount (kube-controller-manager running)",
         )
+
+    def _start_scheduler(self, kubeconfig: Path) -> None:
+        """kube-scheduler, no leader election, no port: the kubelet node's Pods are bound by it."""
+        self._spawn("kube-scheduler", [
+            str(binaries.kube_scheduler()), f"--kubeconfig={kubeconfig}", "--leader-elect=false", "--secure-port=0",
+        ])  # fmt: skip
+
+    def _start_kubelet_node(self, keys: pki.Pki, kubeconfig: Path) -> None:
+        self.kubelet_node = Node(
+            directory=self.directory / "node", name=NODE_NAME, kubeconfig=kubeconfig, ca_cert=keys.ca_cert,
+            bins=binaries.node(), node_ready=self._node_schedulable, ready_timeout=self.ready_timeout,
+        )  # fmt: skip
+        self.kubelet_node.start()
+
+    def _node_schedulable(self) -> bool:
+        """Ready, initialised, and the node lifecycle controller has lifted the not-ready taint:
+        Pods can land (polled; initialises the Node when it sees it uninitialised)."""
+        status, body = self.get(f"/api/v1/nodes/{NODE_NAME}")
+        if status != 200:
+            return False
+        node = json.loads(body)
+        if self._initialize_node(node):
+            return False  # look again at what the patch made
+        conditions = node.get("status", {}).get("conditions") or []
+        ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+        return ready and not node.get("spec", {}).get("taints")
+
+    def _initialize_node(self, node: dict[str, Any]) -> bool:
+        """What a cloud node controller does for a kubelet run with `--cloud-provider=external`: the
+        kubelet refuses a loopback `--node-ip`, and kube-apiserver reaches a kubelet (pods/log) only
+        at a Node address, so we set InternalIP 127.0.0.1, then lift the `uninitialized` taint.
+        Each patch carries the resourceVersion read (a 409 is retried by the next poll). True if
+        it patched."""
+        path = f"/api/v1/nodes/{NODE_NAME}"
+        rv = node["metadata"]["resourceVersion"]
+        addresses = node.get("status", {}).get("addresses") or []
+        if not any(a.get("type") == "InternalIP" for a in addresses):
+            wanted = [{"type": "InternalIP", "address": "127.0.0.1"}, {"type": "Hostname", "address": NODE_NAME}]
+            patch = {"metadata": {"resourceVersion": rv}, "status": {"addresses": wanted}}
+            self.request("PATCH", path + "/status", patch, content_type="application/merge-patch+json")
+            return True
+        taints = node.get("spec", {}).get("taints") or []
+        kept = [t for t in taints if t.get("key") != UNINITIALIZED_TAINT]
+        if len(kept) != len(taints):
+            patch = {"metadata": {"resourceVersion": rv}, "spec": {"taints": kept or None}}
+            self.request("PATCH", path, patch, content_type="application/merge-patch+json")
+            return True
+        return False
 
     def _start_node(self, kubeconfig: Path) -> None:
         workdir = self.directory / "node"
@@ -268,7 +355,7 @@ def remove(directory: Path) -> None:
     shutil.rmtree(directory, ignore_errors=True)
 
 
-def serve(directory: Path, *, kubeconfig: Path | None, mode: str) -> int:
+def serve(directory: Path, *, kubeconfig: Path | None, mode: str, node: str = "agent") -> int:
     """`realcluster serve`: start, copy the admin kubeconfig, wait for a signal, stop, clean up."""
     import signal
 
@@ -279,7 +366,7 @@ def serve(directory: Path, *, kubeconfig: Path | None, mode: str) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    cp = ControlPlane(directory=directory, mode=mode)
+    cp = ControlPlane(directory=directory, mode=mode, node=node)
     try:
         cp.start()
         if kubeconfig is not None:
@@ -288,9 +375,9 @@ def serve(directory: Path, *, kubeconfig: Path | None, mode: str) -> int:
         print(
             f"realcluster: kube-apiserver listening on {cp.url} (kubeconfig {kubeconfig or cp.kubeconfig})", flush=True
         )
-        while not stop["now"] and all(p.alive for p in cp.processes.values()):
+        while not stop["now"] and all(p.alive for p in cp.all_processes().values()):
             time.sleep(0.2)
-        dead = [n for n, p in cp.processes.items() if not p.alive]
+        dead = [n for n, p in cp.all_processes().items() if not p.alive]
         if dead:
             print(f"realcluster: {', '.join(dead)} exited:\n{cp.logs_tail()}", file=sys.stderr)
             return 1

@@ -95,3 +95,21 @@ def make(directory: Path) -> Pki:
     for key in (pki.ca_key, pki.server_key, pki.sa_key):
         key.chmod(0o600)
     return pki
+
+
+def client_cert(pki: Pki, name: str, *, common_name: str, organization: str = "") -> tuple[Path, Path]:
+    """A client certificate `name`.crt/.key beside the CA, signed by it (kept if there): what
+    kube-apiserver shows the kubelet when it forwards `pods/log`, exec or port-forward."""
+    d = pki.ca_cert.parent
+    cert, key = d / f"{name}.crt", d / f"{name}.key"
+    if cert.exists() and key.exists():
+        return cert, key
+    subject = f"/CN={common_name}" + (f"/O={organization}" if organization else "")
+    csr, ext = d / f"{name}.csr", d / f"{name}.ext"
+    _openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", str(key),
+             "-out", str(csr), "-subj", subject)  # fmt: skip
+    ext.write_text("extendedKeyUsage=clientAuth\nkeyUsage=critical,digitalSignature\n")
+    _openssl("x509", "-req", "-in", str(csr), "-CA", str(pki.ca_cert), "-CAkey", str(pki.ca_key), "-CAcreateserial",
+             "-out", str(cert), "-days", "3650", "-extfile", str(ext))  # fmt: skip
+    key.chmod(0o600)
+    return cert, key

@@ -1,6 +1,8 @@
 """The two clusters every end-to-end suite runs on, behind one small handle: localcluster (our own
 API server) and the real control plane (kube-apiserver, etcd, the real Job controller, our node
-agent). A test asks for `cluster_under_test` and gets each in turn.
+agent). A test asks for `cluster_under_test` and gets each in turn. A third, the same control plane
+with a real node (kube-scheduler, the kubelet, containerd: KUBELET), is the one for what only a
+kubelet decides (tests/realcluster/conftest.py's `kubelet_cluster`).
 
 The handle carries what a test needs of either: the kubeconfig, the kind (for a divergence that is
 deliberate and documented), a namespace made ready (a real API server refuses objects in a
@@ -21,6 +23,7 @@ from typing import Any
 from kubernetes import client, config
 
 LOCAL, REAL = "localcluster", "realcluster"
+KUBELET = "realcluster-kubelet"  # the real control plane with a kubelet node: real containers
 
 
 @dataclass
@@ -35,7 +38,8 @@ class ClusterHandle:
 
     @property
     def is_real(self) -> bool:
-        return self.kind == REAL
+        """A real kube-apiserver (with our node agent or a kubelet)."""
+        return self.kind in (REAL, KUBELET)
 
     def api_client(self) -> client.ApiClient:
         return config.new_client_from_config(config_file=str(self.kubeconfig))
@@ -145,6 +149,7 @@ def local_handle(cluster: Any) -> ClusterHandle:
 
 
 def real_handle(plane: Any) -> ClusterHandle:
+    kind = KUBELET if getattr(plane, "node", "agent") == "kubelet" else REAL
     return ClusterHandle(
-        REAL, plane.kubeconfig, plane.url, plane.token, ca_file=plane.directory / "pki" / "ca.crt", backend=plane
+        kind, plane.kubeconfig, plane.url, plane.token, ca_file=plane.directory / "pki" / "ca.crt", backend=plane
     )

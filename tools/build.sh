@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# Build the Go tools the tests need (kube-apiserver, kube-controller-manager, etcd, helm, promtool, kueue) from
-# the wrapper modules beside this script into a cache outside the repository, keyed by the
-# wrapper's go.mod and go.sum: a second run with nothing changed does nothing. A folder with a
-# requirements.txt instead (checkov) is a Python tool, installed into a virtualenv of its own.
-#   tools/build.sh [--print-dir] NAME...   NAME: kube | etcd | helm | promtool | kueue | checkov | <any folder here>
+# Build the Go tools the tests need (kube-apiserver, kube-controller-manager, kube-scheduler, kubelet,
+# etcd, containerd, helm, promtool, kueue) from the wrapper modules beside this script into a cache
+# outside the repository, keyed by the wrapper's files: a second run with nothing changed does
+# nothing. A wrapper's programs are built by one `go build`, so what they share is compiled once.
+# A folder with a requirements.txt instead (checkov) is a Python tool, installed into a virtualenv
+# of its own. A wrapper's debian-packages file names what it needs from Debian (containerd: runc,
+# the CNI plugins, busybox-static for the node's images); they are installed when missing (root).
+#   tools/build.sh NAME...   NAME: kube | etcd | containerd | helm | promtool | kueue | checkov | <any folder here>
 # The cache is $K8S_DISPATCH_TOOLS (default ~/.cache/k8s-dispatch/tools); prints where each
 # tool's binaries are.
 set -euo pipefail
@@ -16,11 +19,20 @@ log() { echo "tools: $*" >&2; }
 # Which programs each wrapper builds, and the ldflags that set their version strings.
 programs() {
     case $1 in
-        kube) echo "k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager" ;;
+        kube) echo "k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kubelet" ;;
+        containerd) echo "github.com/containerd/containerd/v2/cmd/containerd github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2 github.com/containerd/containerd/v2/cmd/ctr ./pause" ;;
         promtool) echo "github.com/prometheus/prometheus/cmd/promtool" ;;
         helm) echo "helm.sh/helm/v3/cmd/helm" ;;
         kueue) echo "sigs.k8s.io/kueue/cmd/kueue" ;;
         *) echo "." ;;
+    esac
+}
+
+# Build tags: containerd's snapshotters for btrfs, devmapper and ZFS need C headers and are not used.
+tags() {
+    case $1 in
+        containerd) echo "no_btrfs no_devmapper no_zfs" ;;
+        *) ;;
     esac
 }
 
@@ -47,6 +59,9 @@ ldflags() {
         helm) printf -- '-X helm.sh/helm/v3/internal/version.version=%s -X helm.sh/helm/v3/internal/version.gitTreeState=clean' \
             "$(module_version helm helm.sh/helm/v3)" ;;
         kueue) printf -- '-X sigs.k8s.io/kueue/pkg/version.GitVersion=%s' "$(module_version kueue sigs.k8s.io/kueue)" ;;
+        containerd) # the CRI reports this version to the kubelet, which requires 2.0 or newer
+            local v; v=$(module_version containerd github.com/containerd/containerd/v2)
+            printf -- '-X github.com/containerd/containerd/v2/version.Version=%s -X github.com/containerd/containerd/v2/version.Revision=%s' "$v" "$v" ;;
         *) ;;
     esac
 }
@@ -68,26 +83,45 @@ build_python() {
     echo "$out"
 }
 
+# Installs the Debian packages named in $1 (one a line, # comments) that are not installed yet.
+install_debian() {
+    local wanted; wanted=$(sed -e 's/#.*//' "$1" | xargs)
+    [ -n "$wanted" ] || return 0
+    local missing=() p
+    for p in $wanted; do dpkg-query -W -f '${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p"); done
+    [ ${#missing[@]} -eq 0 ] && return 0
+    log "installing Debian packages: ${missing[*]}"
+    local sudo=(); [ "$(id -u)" = 0 ] || sudo=(sudo -n)
+    "${sudo[@]}" apt-get update -qq >&2
+    DEBIAN_FRONTEND=noninteractive "${sudo[@]}" apt-get install -y -qq "${missing[@]}" >&2
+}
+
 build_one() {
     local name=$1 dir=$here/$1
     if [ -f "$dir/requirements.txt" ]; then build_python "$name"; return; fi
     [ -f "$dir/go.mod" ] || { log "no wrapper module $dir"; exit 2; }
+    if [ -f "$dir/debian-packages" ]; then install_debian "$dir/debian-packages"; fi
     # Keyed by what goes into the build: the wrapper's files, the packages, the flags and Go's
     # version (not this whole script: adding a tool here must not rebuild the others).
     local flags; flags=$(ldflags "$name")
-    local key; key=$( { cat "$dir"/go.mod "$dir"/go.sum "$dir"/*.go 2>/dev/null; programs "$name"; echo "$flags"; go env GOVERSION; } | sha256sum | cut -c1-16)
+    local buildtags; buildtags=$(tags "$name")
+    local key; key=$( {
+        cat "$dir"/go.mod "$dir"/go.sum "$dir"/*.go 2>/dev/null; cat "$dir"/*/*.go 2>/dev/null || true
+        programs "$name"; echo "$flags"; [ -z "$buildtags" ] || echo "tags $buildtags"; go env GOVERSION
+    } | sha256sum | cut -c1-16)
     local out=$cache/$name-$key
     if [ -f "$out/.complete" ]; then echo "$out"; return; fi
     mkdir -p "$out"
     local start=$SECONDS
     log "building $name into $out (cold on 2 cores: several minutes; go's build cache makes the next one quick)"
-    local pkg
-    for pkg in $(programs "$name"); do
-        local bin; bin=$(basename "$pkg"); [ "$pkg" = . ] && bin=$name
-        log "  go build $pkg"
-        (cd "$dir" && CGO_ENABLED=0 go build -trimpath -ldflags "-s -w $flags" -o "$out/$bin" "$pkg")
-        log "  $bin done after $((SECONDS - start)) s"
-    done
+    local pkgs; pkgs=$(programs "$name")
+    log "  go build $pkgs"
+    if [ "$pkgs" = . ]; then
+        (cd "$dir" && CGO_ENABLED=0 go build -trimpath -tags "$buildtags" -ldflags "-s -w $flags" -o "$out/$name" .)
+    else
+        # shellcheck disable=SC2086 # one word per package
+        (cd "$dir" && CGO_ENABLED=0 go build -trimpath -tags "$buildtags" -ldflags "-s -w $flags" -o "$out/" $pkgs)
+    fi
     touch "$out/.complete"
     log "$name built in $((SECONDS - start)) s"
     echo "$out"

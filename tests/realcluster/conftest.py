@@ -1,0 +1,26 @@
+"""The kubelet cluster of this test session: the real control plane with a real node (kube-scheduler,
+the kubelet, containerd and runc; our own images imported), started on first use, stopped (and
+every container, mount and cgroup it made removed) at the end. Root, runc, the CNI plugins and
+busybox-static are needed; `make tools` builds and installs them. A node that cannot start fails
+the tests with its logs: nothing falls back to the node agent."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from clusters import ClusterHandle, real_handle
+
+from tests.tasks.conftest import deploy  # noqa: F401  (the fixture: real worker and beat processes, for the kubelet node)
+
+
+@pytest.fixture(scope="session")
+def kubelet_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterHandle]:
+    from k8s_dispatch.realcluster.controlplane import ControlPlane
+
+    plane = ControlPlane(directory=tmp_path_factory.mktemp("kubelet"), node="kubelet")
+    plane.start()
+    try:
+        yield real_handle(plane)
+    finally:
+        plane.stop()
