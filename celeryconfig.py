@@ -104,8 +104,10 @@ def config(settings: Settings) -> dict[str, Any]:
         # worker a few seconds ahead would drop every message. A backlog of polls or sweeps
         # (workers busy or down) is superseded by the task itself instead: each run skips if
         # another started within half its interval, by a Redis key's TTL (`recovery.supersede`).
-        # Celery's in-memory scheduler, touching a heartbeat file per tick for beat's liveness probe.
-        "beat_scheduler": "k8s_dispatch.tasks.heartbeat:HeartbeatScheduler",
+        # Celery's in-memory scheduler with its intervals on the monotonic clock (a step of beat's
+        # wall clock neither stops nor bursts the schedule), writing beat's liveness heartbeat for
+        # each task it sends (tasks/beat_scheduler.py).
+        "beat_scheduler": "k8s_dispatch.tasks.beat_scheduler:MonotonicScheduler",
         "beat_schedule": {
             "poll": {
                 "task": POLL_TASK,
