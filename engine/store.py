@@ -842,6 +842,14 @@ def dispatch_rows(session: Session, ids: Iterable[str]) -> dict[str, sa.Row[Any]
     return {row.dispatch_id: row for row in _by_ids(session, ids, session.execute, _DISPATCH_ROWS)}
 
 
+def lock_dispatch_rows(session: Session, ids: Iterable[str]) -> dict[str, sa.Row[Any]]:
+    """As `dispatch_rows`, each row locked until the transaction ends (PostgreSQL's `FOR NO KEY
+    UPDATE`, in id order as every writer takes rows; SQLite's transactions hold its one write
+    lock from `BEGIN IMMEDIATE`): nothing can end these dispatches, or count their attempts,
+    until the caller commits. What makes a Job's create exactly once (`recovery.delivery`)."""
+    return {row.dispatch_id: row for row in _by_ids(session, ids, session.execute, _LOCKED_DISPATCH_ROWS)}
+
+
 def _by_ids(session: Session, ids: Iterable[str], run: Any, query: sa.Select[*tuple[Any, ...]]) -> Iterator[Any]:
     """`query`'s rows among `ids`, QUERY_BATCH ids per IN (...); `query` is one of `_among_ids`'s,
     built once per process, so SQLAlchemy reuses its cache key and compiled form."""
@@ -867,6 +875,9 @@ _IDS_IN_USE = _among_ids(sa.select(Dispatch.dispatch_id))
 _CREATED_AMONG = _among_ids(sa.select(Dispatch.dispatch_id).where(Dispatch.state == DispatchState.CREATED))
 _DISPATCHES = _among_ids(sa.select(Dispatch))
 _DISPATCH_ROWS = _among_ids(sa.select(Dispatch.__table__))
+_LOCKED_DISPATCH_ROWS = (
+    _among_ids(sa.select(Dispatch.__table__)).order_by(Dispatch.dispatch_id).with_for_update(key_share=True)
+)
 _CASE_OF = _among_ids(sa.select(Dispatch.dispatch_id, Dispatch.case_id))
 _NAMESPACE_OF = _among_ids(sa.select(Dispatch.dispatch_id, Dispatch.job_namespace))
 

@@ -17,7 +17,6 @@ batch's Pods show are recorded first (`recovery.disruptions`).
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -26,6 +25,7 @@ from typing import Any
 
 import redis
 from sqlalchemy.exc import DBAPIError
+from sqlalchemy.orm import Session
 
 from k8s_dispatch.engine import store
 from k8s_dispatch.engine.db import transaction
@@ -135,98 +135,161 @@ def create_job_for(rt: Runtime, dispatch_id: str) -> CreateOutcome:
     return outcome
 
 
-# A batch older than this reads its remaining rows again before the next create (and marks what
-# it made): a row read is trusted for about as long as one create takes under API faults.
-RECHECK_S = 1.0
+@dataclass(frozen=True)
+class Rerun:
+    """Create attempt `attempt` of a dispatch's Job only if its row still counts `counted`
+    attempts: a Job lost, or a result lost with its Pod, is run again once, however many sweeps
+    or batches decide it, and the attempt is counted only by the Job it made (or adopted)."""
+
+    counted: int
+    attempt: int
 
 
-def create_jobs_for(rt: Runtime, dispatch_ids: Sequence[str]) -> dict[str, CreateOutcome]:
-    """Create the dispatches' Jobs (or adopt those there), one after the other: the rows read
-    with one query, the created Jobs marked with one transaction. An outcome per dispatch, by
-    id; an id with no dispatch is logged and left out.
+@dataclass(frozen=True)
+class _Made:
+    """A dispatch's Job that exists now (created or adopted): marked created with its attempt."""
 
-    A batch slowed past RECHECK_S marks what it made and reads its remaining rows again, so
-    that a dispatch that ended meanwhile (its Job delivered and deleted already) is not run a
-    second time.
+    record: DispatchRecord
+    outcome: CreateOutcome
+    namespace: str
+    name: str
+    attempt: int
 
-    Per Job as for one: a terminal dispatch is skipped, a Job that exists is adopted (if its
-    labels say it is this dispatch's), a permanent refusal fails that dispatch only. A
-    Transient error (a 403 "exceeded quota" is one: `QuotaExceeded`) stops the batch, but the
-    Jobs created before it are marked first, and the error is recorded on the row it stopped at
-    (`status` shows it); the retry runs the whole batch again, and adopts those (AlreadyExists).
+
+@dataclass(frozen=True)
+class _Step:
+    """What one create came to: its outcome, the Job to mark, or the failure to record."""
+
+    outcome: CreateOutcome
+    made: _Made | None = None
+    failure: tuple[str, str] | None = None  # the reason and message of a WORKER_FAILED
+
+
+def _failed(error: Permanent) -> _Step:
+    return _Step(CreateOutcome.FAILED, failure=(error.reason, str(error)))
+
+
+def create_jobs_for(
+    rt: Runtime, dispatch_ids: Sequence[str], *, reruns: Mapping[str, Rerun] | None = None
+) -> dict[str, CreateOutcome]:
+    """Create the dispatches' Jobs (or adopt those there), one after the other, in ONE
+    transaction that holds their rows locked (`store.lock_dispatch_rows`) from the read that
+    decides each create until what was made is marked. An outcome per dispatch, by id; an id
+    with no dispatch is logged and left out.
+
+    One Job per attempt, by construction: a terminal event is written only with its dispatch's
+    row lock (`store.record_terminals` updates the row), so no dispatch read here can end, and
+    have its Job delivered and bulk-deleted, before the POST that follows the read: the create
+    sees an ended dispatch and makes nothing, or it makes (or adopts, on 409) the Job before the
+    end can be recorded. Whatever slows a POST (429 pauses, retries) widens no window.
+
+    Per Job: a terminal dispatch is skipped, a queued one waits for admission, a Job that exists
+    is adopted (if its labels say it is this dispatch's), a permanent refusal fails that dispatch
+    only (WORKER_FAILED, in the same transaction; the engine told after commit). `reruns` names
+    the dispatches to create as a later attempt (`Rerun`): skipped if their count moved since. A
+    Transient error (a 403 "exceeded quota" is one: `QuotaExceeded`) stops the batch; so does
+    any other error. Either way the Jobs made before it are marked first (the retry adopts them,
+    409), a Transient is recorded on the row it stopped at (`status` shows it), and nothing is
+    counted for a Job that was not made.
 
     Raises:
         InvalidId: one of `dispatch_ids` is not a UUID (before anything is done).
         Transient: the API, database or broker is unavailable; the same call may be retried.
     """
     ids = [check_dispatch_id(d) for d in dict.fromkeys(dispatch_ids)]
-    records = _with_namespaces(rt, load_records(rt, ids))
-    read_at = time.monotonic()
+    reruns = reruns or {}
     outcomes: dict[str, CreateOutcome] = {}
-    made: list[tuple[DispatchRecord, CreateOutcome, str, str]] = []
-    record: DispatchRecord | None = None
-    try:
-        for i, dispatch_id in enumerate(ids):
-            if time.monotonic() - read_at > RECHECK_S:
-                # A slow batch (API faults, 429 pauses): what it read may have ended since, and
-                # had its Job delivered and deleted; a create now would run the work again. Mark
-                # what was made (deleting the Jobs of those that ended) and read the rest again.
-                _mark_created(rt, made)
-                made = []
-                records = _with_namespaces(rt, load_records(rt, ids[i:]))
-                read_at = time.monotonic()
+    made: list[_Made] = []
+    failed: dict[str, tuple[DispatchRecord, tuple[str, str]]] = {}
+    stopped: Exception | None = None
+    with transaction(rt.sessions) as session:
+        rows = store.lock_dispatch_rows(session, ids)
+        records = _with_namespaces(rt, session, {d: DispatchRecord.from_row(row) for d, row in rows.items()})
+        for dispatch_id in ids:
             record = records.get(dispatch_id)
             if record is None:
                 log.warning("no dispatch %s: no Job to create", dispatch_id)
                 continue
             try:
-                outcome, where = _create(rt, record)
+                step = _create(rt, record, reruns.get(dispatch_id))
             except startup.QUEUE_WAITS as e:
-                if not _queue_timed_out(rt, record, e):
-                    raise
-                outcomes[dispatch_id] = CreateOutcome.FAILED  # the batch goes on: its others may fit
-                continue
-            outcomes[dispatch_id] = outcome
-            if where is not None:
-                made.append((record, outcome, *where))
-    except Transient as e:
-        _mark_created(rt, made)
-        if record is not None:
-            _note_create_error(rt, record, e)
-        raise
-    _mark_created(rt, made)
+                if not _queue_timed_out(rt, session, record):
+                    _note_create_error(session, record, e)
+                    stopped = e
+                    break
+                step = _Step(CreateOutcome.FAILED, failure=(QUEUE_TIMEOUT, _queue_message(rt, record, e)))
+            except Transient as e:
+                _note_create_error(session, record, e)
+                stopped = e
+                break
+            except Exception as e:  # a bug or an unforeseen error: what was made is still marked
+                log.exception("dispatch %s: creating its job failed unexpectedly", dispatch_id)
+                stopped = e
+                break
+            outcomes[dispatch_id] = step.outcome
+            if step.made is not None:
+                made.append(step.made)
+            if step.failure is not None:
+                failed[dispatch_id] = (record, step.failure)
+        marked = store.mark_created_many(
+            session, [store.CreatedJob(m.record.dispatch_id, m.name, m.namespace, m.attempt) for m in made]
+        )
+        ended = store.record_terminals(
+            session,
+            [
+                store.TerminalEvent(d, EventType.WORKER_FAILED, {"reason": reason, "message": message})
+                for d, (_, (reason, message)) in sorted(failed.items())
+            ],
+        )
+    _after_creates(rt, made, marked, {d: failed[d] for d in ended})
+    if stopped is not None:
+        raise stopped
     return outcomes
 
 
-def _queue_timed_out(rt: Runtime, record: DispatchRecord, error: Transient) -> bool:
-    """The queue clock: a dispatch whose first Job still cannot be made (`error`) longer than its
-    capability's `queueTimeoutSeconds` after its scheduling fails `QueueTimeout`, with the error
-    as its message; True if it did (or had ended meanwhile)."""
+def _after_creates(
+    rt: Runtime, made: list[_Made], marked: set[str], ended: Mapping[str, tuple[DispatchRecord, tuple[str, str]]]
+) -> None:
+    """After the create transaction committed: log the state changes, tell the engine of the
+    dispatches it failed. A made Job whose row was not marked (it cannot end while locked, so
+    only a row gone meanwhile) is deleted: nothing would deliver it."""
+    for m in made:
+        if m.record.dispatch_id not in marked:
+            cleanup_job(rt, m.namespace, m.name)
+        elif m.record.state is DispatchState.SCHEDULED or m.outcome is CreateOutcome.CREATED:
+            statelog.dispatch_changed(m.record, DispatchState.CREATED, job=f"{m.namespace}/{m.name}", attempt=m.attempt)
+    for record, (reason, message) in ended.values():
+        log.warning("dispatch %s failed before its job ran: %s: %s", record.dispatch_id, reason, message)
+        statelog.dispatch_changed(record, DispatchState.FAILED, reason=reason)
+    if ended:
+        notify_engines(rt, sorted(ended))
+
+
+def _queue_timed_out(rt: Runtime, session: Session, record: DispatchRecord) -> bool:
+    """The queue clock: a dispatch whose first Job still cannot be made longer than its
+    capability's `queueTimeoutSeconds` after its scheduling fails `QueueTimeout`."""
     if record.state is not DispatchState.SCHEDULED or record.capability not in rt.resolver:
         return False
     timeout_s = rt.resolver.spec(record.capability).queue_timeout_seconds
-    if timeout_s is None or not startup.queue_expired(rt.sessions, record.dispatch_id, timeout_s=timeout_s):
-        return False
-    message = startup.queue_message(timeout_s, error)
-    log.warning("dispatch %s: %s", record.dispatch_id, message)
-    fail_dispatch(rt, record.dispatch_id, reason=QUEUE_TIMEOUT, message=message)
-    return True
+    return timeout_s is not None and startup.queue_expired_in(session, record.dispatch_id, timeout_s=timeout_s)
 
 
-def _note_create_error(rt: Runtime, record: DispatchRecord, error: Transient) -> None:
+def _queue_message(rt: Runtime, record: DispatchRecord, error: Transient) -> str:
+    timeout_s = rt.resolver.spec(record.capability).queue_timeout_seconds
+    assert timeout_s is not None  # `_queue_timed_out` said it expired
+    return startup.queue_message(timeout_s, error)
+
+
+def _note_create_error(session: Session, record: DispatchRecord, error: Transient) -> None:
     """Record on the row why its create must wait (403 exceeded quota, ...), for `status`; the
-    dispatch stays as it is and the create is retried. Best effort: the database may be down too."""
+    dispatch stays as it is and the create is retried."""
     log.warning("dispatch %s: its job cannot be created yet (%s): %s", record.dispatch_id, error.reason, error)
-    try:
-        with transaction(rt.sessions) as session:
-            store.record_create_error(session, record.dispatch_id, message=f"{error.reason}: {error}")
-    except Transient as e:
-        log.warning("dispatch %s: could not record the create error (%s)", record.dispatch_id, e)
+    store.record_create_error(session, record.dispatch_id, message=f"{error.reason}: {error}")
 
 
-def _with_namespaces(rt: Runtime, records: dict[str, DispatchRecord]) -> dict[str, DispatchRecord]:
+def _with_namespaces(rt: Runtime, session: Session, records: dict[str, DispatchRecord]) -> dict[str, DispatchRecord]:
     """`records`, each with its Job namespace fixed: a row an engine wrote itself records none,
-    and gets its capability's now, by compare-and-set (one transaction for them all), so that
+    and gets its capability's now, by compare-and-set in the caller's transaction, so that
     every worker creating it, now or later, under any config, uses the same one."""
     wanted: dict[str, str] = {}
     for dispatch_id, record in records.items():
@@ -237,21 +300,25 @@ def _with_namespaces(rt: Runtime, records: dict[str, DispatchRecord]) -> dict[st
                 continue  # `_create` fails it, with that reason
     if not wanted:
         return records
-    with transaction(rt.sessions) as session:
-        fixed = store.fix_job_namespaces(session, wanted)
+    fixed = store.fix_job_namespaces(session, wanted)
     return {
         d: replace(record, job_namespace=fixed[d]) if d in fixed and fixed[d] is not None else record
         for d, record in records.items()
     }
 
 
-def _create(rt: Runtime, record: DispatchRecord) -> tuple[CreateOutcome, tuple[str, str] | None]:
-    """Create (or adopt) one dispatch's Job, in the namespace its row records; the outcome,
-    and where the Job is if it is to be marked created."""
+def _create(rt: Runtime, record: DispatchRecord, rerun: Rerun | None = None) -> _Step:
+    """Create (or adopt) one dispatch's Job, in the namespace its row records; called with its
+    row locked, writes nothing to the database (the caller records what it returns)."""
     if record.terminal:
-        return CreateOutcome.SKIPPED, None
+        return _Step(CreateOutcome.SKIPPED)
     if record.state is DispatchState.QUEUED:  # a create sent before admission would exceed its limit
-        return CreateOutcome.QUEUED, None
+        return _Step(CreateOutcome.QUEUED)
+    attempt = record.attempts
+    if rerun is not None:
+        if record.attempts != rerun.counted:
+            return _Step(CreateOutcome.SKIPPED)  # run again (or given up) by another caller already
+        attempt = rerun.attempt
     try:
         spec = rt.resolver.spec(record.capability)
         if record.job_namespace is not None:  # fixed when scheduled: the config may have moved since
@@ -262,7 +329,7 @@ def _create(rt: Runtime, record: DispatchRecord) -> tuple[CreateOutcome, tuple[s
             spec=spec,
             namespace=rt.settings.namespace,
             deployment=rt.settings.effective_deployment,
-            attempt=record.attempts,
+            attempt=attempt,
         )
     except UnknownCapability as e:
         # Removed from the config since scheduling: a Job made before still runs and is
@@ -270,61 +337,38 @@ def _create(rt: Runtime, record: DispatchRecord) -> tuple[CreateOutcome, tuple[s
         return _adopt_or_fail(rt, record, e)
     except (InvalidManifest, InvalidInput) as e:
         # The config changed since scheduling, or the row holds what no Job can carry.
-        return _fail(rt, record, e), None
+        return _failed(e)
     namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
 
     crashpoint(Point.BEFORE_JOB_CREATE)
-    outcome = CreateOutcome.CREATED
     try:
         rt.kube.create_job(namespace, body)
     except AlreadyExists:
-        outcome = _adopt(rt, record, namespace=namespace, name=name)
-        if outcome is CreateOutcome.FAILED:
-            return outcome, None
+        return _adopt(rt, record, namespace=namespace, name=name, attempt=attempt)
     except (ApiRejected, InvalidManifest, NotFound) as e:
         # 400/403/422 (and 404: the namespace does not exist): the API's reason and message.
-        return _fail(rt, record, e), None
+        return _failed(e)
     crashpoint(Point.AFTER_JOB_CREATE)
-    return outcome, (namespace, name)
+    return _Step(CreateOutcome.CREATED, _Made(record, CreateOutcome.CREATED, namespace, name, attempt))
 
 
-def _mark_created(rt: Runtime, made: list[tuple[DispatchRecord, CreateOutcome, str, str]]) -> None:
-    """Mark the dispatches whose Jobs exist as CREATED, in one transaction; delete the Jobs of
-    those that ended (were cancelled) meanwhile."""
-    if not made:
-        return
-    jobs = [
-        store.CreatedJob(record.dispatch_id, name, namespace, record.attempts) for record, _, namespace, name in made
-    ]
-    with transaction(rt.sessions) as session:
-        marked = store.mark_created_many(session, jobs)
-    for record, outcome, namespace, name in made:
-        if record.dispatch_id not in marked:
-            # Ended (cancelled) while we were creating: the Job is not wanted, and nothing else
-            # would delete a Job that is still running.
-            cleanup_job(rt, namespace, name)
-        elif record.state is DispatchState.SCHEDULED or outcome is CreateOutcome.CREATED:
-            statelog.dispatch_changed(record, DispatchState.CREATED, job=f"{namespace}/{name}", attempt=record.attempts)
-
-
-def _adopt_or_fail(
-    rt: Runtime, record: DispatchRecord, error: UnknownCapability
-) -> tuple[CreateOutcome, tuple[str, str] | None]:
+def _adopt_or_fail(rt: Runtime, record: DispatchRecord, error: UnknownCapability) -> _Step:
     """The capability is gone from the config: adopt the dispatch's Job if one was made where
     its row records, else fail the dispatch with `error`'s reason."""
     if record.job_namespace is None:
-        return _fail(rt, record, error), None
-    namespace, name = record.job_namespace, job_name(record.dispatch_id)
+        return _failed(error)
     try:
-        outcome = _adopt(rt, record, namespace=namespace, name=name)
+        return _adopt(
+            rt, record, namespace=record.job_namespace, name=job_name(record.dispatch_id), attempt=record.attempts
+        )
     except Conflict:  # no such Job: nothing runs it, and no config says how to
-        return _fail(rt, record, error), None
-    return outcome, (None if outcome is CreateOutcome.FAILED else (namespace, name))
+        return _failed(error)
 
 
-def _adopt(rt: Runtime, record: DispatchRecord, *, namespace: str, name: str) -> CreateOutcome:
+def _adopt(rt: Runtime, record: DispatchRecord, *, namespace: str, name: str, attempt: int) -> _Step:
     """A Job with the dispatch's name exists: adopt it if its labels say it is this dispatch's
-    (one made before the deployment label existed gets ours: it is this deployment's Job)."""
+    (one made before the deployment label existed gets ours: it is this deployment's Job), at
+    the attempt its labels say (a re-run that found its Job there counts nothing more)."""
     try:
         job = rt.kube.get_job(namespace, name)
     except NotFound as e:
@@ -334,22 +378,16 @@ def _adopt(rt: Runtime, record: DispatchRecord, *, namespace: str, name: str) ->
         context = context_from_job(job, record, expected_namespace=namespace)
     except (LabelMismatch, TenancyMismatch, UnknownDispatch) as e:
         _refuse(rt, job, e)
-        return _fail(rt, record, LabelMismatch(f"a Job named {name} exists but is not this dispatch's: {e}"))
+        return _failed(LabelMismatch(f"a Job named {name} exists but is not this dispatch's: {e}"))
     if job_labels.deployment_of((job.get("metadata") or {}).get("labels")) is None:
         label_deployment(rt, namespace, name, snapshot=job)
-    if context.deleting and context.attempt < record.attempts:
+    if context.deleting and context.attempt < attempt:
         # An earlier attempt's Job on its way out (a lost result's re-run deleted it): adopting
         # it would count an attempt that never ran. Create this one once that one is gone.
         raise Conflict(f"job {namespace}/{name} of attempt {context.attempt} is being deleted; "
-                       f"attempt {record.attempts} is created once it is gone")  # fmt: skip
+                       f"attempt {attempt} is created once it is gone")  # fmt: skip
     log.info("adopted existing job %s/%s for dispatch %s", namespace, name, record.dispatch_id)
-    return CreateOutcome.ADOPTED
-
-
-def _fail(rt: Runtime, record: DispatchRecord, error: Permanent) -> CreateOutcome:
-    log.warning("dispatch %s failed before its job ran: %s: %s", record.dispatch_id, error.reason, error)
-    fail_dispatch(rt, record.dispatch_id, reason=error.reason, message=str(error))
-    return CreateOutcome.FAILED
+    return _Step(CreateOutcome.ADOPTED, _Made(record, CreateOutcome.ADOPTED, namespace, name, context.attempt))
 
 
 # --- complete ---------------------------------------------------------------------------
@@ -827,9 +865,7 @@ def rerun_lost(
     release_pods(rt, namespace, [pod for pod in pods if _controller_uids(pod) <= {uid}])  # not a newer attempt's
     release_job(rt, namespace, name, snapshot=snapshot, delivered=False)
     rt.kube.delete_job(namespace, name, propagation="Background", uid=uid)
-    outcome, where = _create(rt, again)
-    if where is not None:
-        _mark_created(rt, [(again, outcome, *where)])
+    create_jobs_for(rt, [record.dispatch_id], reruns={record.dispatch_id: Rerun(record.attempts, again.attempts)})
     return CompleteOutcome.RERUN
 
 

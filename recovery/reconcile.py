@@ -87,6 +87,7 @@ SWEEPS_RUN = "sweeps_run"
 
 # What a completion did that counts as the sweep acting: a terminal event, or a lost result run again.
 _COMPLETE_ACTED = (delivery.CompleteOutcome.COMPLETED, delivery.CompleteOutcome.RERUN)
+_CREATE_ACTED = (delivery.CreateOutcome.CREATED, delivery.CreateOutcome.ADOPTED, delivery.CreateOutcome.FAILED)
 
 T = TypeVar("T")
 Deferrable = TypeVar("Deferrable", CompleteJob, CleanUpJob)  # a Job a queued completion may be handling
@@ -1067,14 +1068,16 @@ class Executor:
             ):
                 return _Outcome.SKIPPED
             if isinstance(action, RecreateJob):
-                with transaction(rt.sessions) as session:
-                    attempt = store.record_attempt(session, action.dispatch_id)
+                # Counted only by the Job it makes: a refused create (quota, 429, 5xx) or a crash
+                # before the POST spends nothing, and the next sweep tries again.
+                attempt = action.attempts + 1
                 log.warning(
                     "dispatch %s: job %s/%s vanished without a result; creating it again (attempt %d)",
                     action.dispatch_id, action.namespace, action.job_name, attempt,
                 )  # fmt: skip
-                delivery.create_job_for(rt, action.dispatch_id)
-                return _Outcome.ACTED
+                rerun = {action.dispatch_id: delivery.Rerun(action.attempts, attempt)}
+                outcome = delivery.create_jobs_for(rt, [action.dispatch_id], reruns=rerun).get(action.dispatch_id)
+                return _Outcome.ACTED if outcome in _CREATE_ACTED else _Outcome.SKIPPED
             payload = {
                 "reason": action.reason,
                 "message": f"job {action.namespace}/{action.job_name} vanished without a result "

@@ -18,6 +18,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.orm import Session
 
 from k8s_dispatch.engine.db import database_now, transaction
 from k8s_dispatch.engine.errors import ApiUnavailable, AuthorizationNotReady, QuotaExceeded, Transient
@@ -93,14 +94,19 @@ def queue_expired(sessions: Any, dispatch_id: str, *, timeout_s: int | None) -> 
     if timeout_s is None:
         return False
     with transaction(sessions) as session:
-        created = session.scalar(
-            sa.select(sa.func.coalesce(Dispatch.admitted_at, Dispatch.created_at)).where(
-                Dispatch.dispatch_id == dispatch_id, Dispatch.state == DispatchState.SCHEDULED
-            )
+        return queue_expired_in(session, dispatch_id, timeout_s=timeout_s)
+
+
+def queue_expired_in(session: Session, dispatch_id: str, *, timeout_s: int) -> bool:
+    """`queue_expired` inside the caller's transaction (one that holds the dispatch's row lock)."""
+    created = session.scalar(
+        sa.select(sa.func.coalesce(Dispatch.admitted_at, Dispatch.created_at)).where(
+            Dispatch.dispatch_id == dispatch_id, Dispatch.state == DispatchState.SCHEDULED
         )
-        if created is None:
-            return False
-        return bool(database_now(session) - created >= timedelta(seconds=timeout_s))
+    )
+    if created is None:
+        return False
+    return bool(database_now(session) - created >= timedelta(seconds=timeout_s))
 
 
 def queue_message(timeout_s: int, error: Transient) -> str:

@@ -22,7 +22,7 @@ from kombu.exceptions import ChannelError, LimitExceeded, OperationalError
 from k8s_dispatch import celeryconfig as names
 from k8s_dispatch.engine import store
 from k8s_dispatch.engine.db import transaction
-from k8s_dispatch.engine.errors import Transient
+from k8s_dispatch.engine.errors import Permanent, Transient
 from k8s_dispatch.engine.models import DispatchState, utcnow
 from k8s_dispatch.engine.settings import PollMode
 from k8s_dispatch.recovery import delivery, disruptions, handoff, jobwatch, lease, statelog, supersede
@@ -43,6 +43,7 @@ class RetryOptions(TypedDict):
     its parameters)."""
 
     autoretry_for: tuple[type[BaseException], ...]
+    dont_autoretry_for: tuple[type[BaseException], ...]
     retry_backoff: int
     retry_backoff_max: int
     retry_jitter: bool
@@ -50,9 +51,12 @@ class RetryOptions(TypedDict):
 
 
 # Retried with exponential backoff (1 s, 2 s, 4 s ... at most 60 s, jittered). After the last
-# retry the dispatch is still safe in the database: the recovery sweep picks it up.
+# retry the dispatch is still safe in the database: the recovery sweep picks it up. Every error
+# but a Permanent one is retried: an unforeseen one (a bug, an OSError from a library) must not
+# end a task whose work is still to do, and Celery logs each retry with its exception.
 RETRY: RetryOptions = {
-    "autoretry_for": (Transient,),
+    "autoretry_for": (Exception,),
+    "dont_autoretry_for": (Permanent,),
     "retry_backoff": 1,
     "retry_backoff_max": 60,
     "retry_jitter": True,

@@ -26,11 +26,11 @@ class Budget:
         burst: int,
         *,
         clock: Callable[[], float] = time.monotonic,
-        sleep: Callable[[float], None] = time.sleep,
+        sleep: Callable[[float], None] | None = None,
     ) -> None:
         if qps < 0 or burst < 1:
             raise ValueError(f"a budget needs qps >= 0 and burst >= 1, got qps={qps} burst={burst}")
-        self._clock, self._sleep = clock, sleep
+        self._clock, self._sleep = clock, sleep or _wait
         self._lock = threading.Lock()
         self._qps, self._burst = float(qps), burst
         self._tokens = float(burst)  # may go below 0: the requests already promised a later time
@@ -97,6 +97,15 @@ class Budget:
             self._tokens = min(float(self._burst), self._tokens + (now - self._at) * self._qps)
             self._at = now
 
+
+def _wait(seconds: float) -> None:
+    """Sleep on an Event that is never set, not `time.sleep`: Python's `time.sleep` sleeps to an
+    absolute monotonic deadline (`clock_nanosleep`), which a process run off the true clock by
+    libfaketime (the clock-skew tests and the chaos run) fails with EINVAL."""
+    _NEVER.wait(seconds)
+
+
+_NEVER = threading.Event()
 
 # K8S_DISPATCH_KUBE_QPS and _BURST's defaults (engine/settings.py; README says why these).
 DEFAULT_QPS = 300.0

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import glob
+import os
+import subprocess
+import sys
+
 import pytest
 
 from k8s_dispatch.engine.errors import ConfigError
@@ -151,3 +156,27 @@ def test_a_bad_budget_setting_stops_the_process_naming_it(variable, value):
 )
 def test_what_a_retry_after_asks(status, headers, expected):
     assert retry_after_s(status, headers) == expected
+
+
+# --- the real wait ---------------------------------------------------------------------------
+
+
+def test_a_retry_after_pause_is_waited_out_in_a_process_off_the_true_clock():
+    """A worker run off the true clock (libfaketime, as the chaos run and the clock-skew tests
+    run one) waits out a 429's pause: `time.sleep` fails there with EINVAL (its absolute
+    monotonic deadline), which escaped a task as an unexpected OSError."""
+    found = sorted(glob.glob("/usr/lib/*/faketime/libfaketimeMT.so.1"))
+    assert found, "libfaketime is not installed: run tests/services.sh (apt-get install faketime)"
+    env = {**os.environ, "LD_PRELOAD": found[0], "FAKETIME": "+600s", "DONT_FAKE_MONOTONIC": "1"}
+    program = (
+        "import time\n"
+        "from k8s_dispatch.workers.budget import Budget\n"
+        "b = Budget(100, 1)\n"
+        "b.pause(0.2)\n"
+        "start = time.monotonic()\n"
+        "b.acquire()\n"
+        "print(round(time.monotonic() - start, 2))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", program], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert 0.15 <= float(done.stdout) < 5
