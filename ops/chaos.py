@@ -1,13 +1,16 @@
 """The chaos run: the whole system abused on a seeded schedule, then checked for anything lost,
 doubled, wrong or left over (`k8s-dispatch chaos`, `make chaos`).
 
-`run(options)` creates a PostgreSQL database and a Redis key prefix of its own, starts the
-cluster (`localcluster serve`, or the real control plane behind a fault proxy:
-`ops.chaos_cluster`), W `celery -A k8s_dispatch.tasks worker` processes and `celery -A k8s_dispatch.tasks beat` as a
-user would, and feeds N dispatches at a steady rate while `ops.fault_plan` kills processes,
-flushes the broker, breaks and restarts the API server and kills database connections. Then
-it stops the faults, waits for convergence and judges the end state (`ops.chaos_checks`).
-Every process, the database and the keys are removed at the end, whatever happened.
+`run(options)` starts a PostgreSQL instance and a redis-server of its own (`ops.chaos_services`:
+restarting them hurts no one else), the cluster (`localcluster serve`, or the real control plane
+behind a fault proxy: `ops.chaos_cluster`), W `celery -A k8s_dispatch.tasks worker` processes and
+`celery -A k8s_dispatch.tasks beat` as a user would (from the previous release when the run rehearses
+a rolling upgrade: `ops.chaos_upgrade`), and feeds N dispatches at a steady rate while
+`ops.fault_plan` kills processes, flushes and restarts the broker, breaks and restarts the API
+server, kills database connections and restarts the database, steps clocks, loses cancels and
+edits Jobs by hand (`ops.chaos_edits`). Then it stops the faults, waits for convergence and judges
+the end state (`ops.chaos_checks`). Every process, server, worktree and temp dir is removed at the
+end, whatever happened.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,24 +39,39 @@ from sqlalchemy.engine import make_url
 
 from k8s_dispatch.engine.errors import DispatchError
 from k8s_dispatch.engine.models import TERMINAL_EVENT_TYPES, CaseEvent, Dispatch
-from k8s_dispatch.ops import chaos_cluster, interrupts
+from k8s_dispatch.ops import chaos_cluster, chaos_edits, interrupts
 from k8s_dispatch.ops.chaos_checks import RowSnapshot, TerminalEvent, Verdict, judge, limit_peaks
 from k8s_dispatch.ops.chaos_cluster import CLUSTERS, LOCALCLUSTER, ChaosCluster
-from k8s_dispatch.ops.chaos_workload import TENANCIES, Expected, Planned, capabilities_config, expected, workload
+from k8s_dispatch.ops.chaos_services import OwnPostgres, OwnRedis, SteppedClock, build_sleep_shim
+from k8s_dispatch.ops.chaos_upgrade import PreviousRelease, migrate_to_head
+from k8s_dispatch.ops.chaos_workload import (
+    LIMITED_CAPABILITY,
+    TENANCIES,
+    Expected,
+    Planned,
+    capabilities_config,
+    expected,
+    idle_namespaces,
+    workload,
+)
 from k8s_dispatch.ops.fault_plan import BEAT, Fault, FaultKind, FaultPlan, make_plan, worker_names
 from k8s_dispatch.ops.kubeclient import opened
 from k8s_dispatch.ops.processes import ManagedProcess, WaitTimeout, celery_beat, celery_worker, wait_for_log, wait_until
+from k8s_dispatch.workers.labels import DEPLOYMENT_LABEL
 from k8s_dispatch.workers.manifest import FINALIZER
 
 log = logging.getLogger(__name__)
 
-DEFAULT_ADMIN_URL = os.environ.get("K8S_DISPATCH_CHAOS_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
-DEFAULT_REDIS_URL = os.environ.get("K8S_DISPATCH_REDIS_URL", "redis://127.0.0.1:6379/0")
 NAMESPACE = "chaos"
 # Where the capabilities move at the NAMESPACE_CHANGE fault: work scheduled before stays where it was.
 MOVED_NAMESPACE = "chaos-moved"
-NAMESPACES = (NAMESPACE, MOVED_NAMESPACE)
-SKEW = "+60s"  # the clock of the first worker (faketime), against every other host's
+NAMESPACES = (NAMESPACE, MOVED_NAMESPACE)  # where the work runs; the idle namespaces come on top
+SKEW_S = 60.0  # the clock of the first worker (faketime), against every other host's
+CLOCK_STEP_S = 600.0  # the last worker's clock steps forward by this much, beat's back
+# The previous release the rolling upgrade starts from (a commit-ish of this clone).
+DEFAULT_UPGRADE_FROM = "HEAD~1"
+CANCELS_PER_FAULT = 3  # running dispatches one LOST_CANCEL cancels
+OUTAGE_S = 2.0  # how long a restarted Redis or PostgreSQL stays down
 # The application_name of the workers' database connections: what the DB_KILL fault kills.
 WORKER_DB_APP = "k8s-dispatch-worker"
 HARNESS_DB_APP = "k8s-dispatch-chaos"
@@ -71,7 +89,7 @@ DEPLOYMENT_SETTINGS = {
     # to this one (and the other way round), its running work would end JobLost.
     "ORPHAN_POLICY": "delete",
 }
-START_TIMEOUT_S = 90.0  # a process's start on a busy 2-core machine
+START_TIMEOUT_S = 180.0  # a process's start on a busy 2-core machine (seen: 95 s, at a load of 34)
 # The engine's side of the `schedule` task: a call whose dispatch is not in the database after
 # this long is sent again (same dispatch id and idempotency key), as a broker may lose it; the
 # wait doubles with each send, so a slow queue is not flooded with copies.
@@ -81,6 +99,8 @@ THREAD_JOIN_S = 60.0
 PROGRESS_EVERY_S = 10.0
 QUEUE_COUNT_S = 1.0
 POD_DELETE_TRIES = 30  # a second apart: through an API server restart
+# A lost cancel or a hand edit waits this long for a running dispatch to hit (one a second).
+TARGET_WAIT_S = 60.0
 ID_CHUNK = 500
 
 
@@ -92,7 +112,7 @@ class ChaosOptions:
     mode: str = "simulate"
     cluster: str = LOCALCLUSTER  # or "realcluster": kube-apiserver, etcd, the real Job controller
     api_ready_gate: bool = True  # realcluster: the fault proxy forwards only while kube-apiserver is ready
-    skewed_workers: int = 1  # workers run under faketime, SKEW off the true clock
+    skewed_workers: int = 1  # workers run under faketime, SKEW_S off the true clock
     neighbour_share: float = 0.1  # the second deployment's dispatches, as a share of the first's (0: none)
     rate: float = 10.0  # dispatches per second from the feeder
     kills: int = 20
@@ -100,9 +120,16 @@ class ChaosOptions:
     broker_flushes: int = 1
     api_fault_rate: float = 0.05
     api_latency_ms: int = 20
+    redis_restarts: int = 1  # of the run's own redis-server (none with `redis_url`)
+    pg_restarts: int = 1  # of the run's own PostgreSQL (none with `admin_database_url`)
+    lost_cancels: int = 1  # faults, each cancelling CANCELS_PER_FAULT running dispatches
+    label_edits: int = 1  # faults, each editing one Job per kind of edit (ops.chaos_edits)
+    clock_step_s: float = CLOCK_STEP_S  # 0: no step
+    idle_namespaces: int = 48  # capabilities in namespaces no dispatch uses, beside the run's two
+    upgrade_from: str | None = DEFAULT_UPGRADE_FROM  # the previous release's ref; None: no upgrade
     database_url: str | None = None  # use this database (not dropped); default: a fresh one
-    admin_database_url: str = DEFAULT_ADMIN_URL  # where the fresh database is created
-    redis_url: str = DEFAULT_REDIS_URL
+    admin_database_url: str | None = None  # where the fresh database is created; default: our own server
+    redis_url: str | None = None  # default: a redis-server of the run's own
     work_dir: Path | None = None  # logs and cluster state; default: a temp dir, kept if the run fails
 
     @property
@@ -143,6 +170,10 @@ class ChaosResult:
     samples: int = 0  # the observer's samples of the running Jobs (every 100 ms)
     queued_peak: dict[str, int] = field(default_factory=dict)  # tenancy -> most QUEUED at once (database, 1/s)
     by_namespace: dict[str, int] = field(default_factory=dict)  # dispatches by recorded namespace
+    edited: dict[str, str] = field(default_factory=dict)  # dispatch id -> the hand edit of its Job
+    cancelled: list[str] = field(default_factory=list)  # dispatches cancelled with the follow-up lost
+    release: str = ""  # the previous release's commit (a rolling upgrade), or ""
+    temp_dirs: list[str] = field(default_factory=list)  # outside the work dir, removed at the end
 
     def count_done(self, kind: FaultKind) -> int:
         return sum(1 for d in self.done if d.fault.kind is kind and d.ok)
@@ -196,6 +227,14 @@ class ChaosResult:
             "api_faults_by_kind": self.api_faults_by_kind,
             "api_restarts": self.count_done(FaultKind.API_RESTART),
             "db_kills": self.count_done(FaultKind.DB_KILL),
+            "redis_restarts": self.count_done(FaultKind.REDIS_RESTART),
+            "pg_restarts": self.count_done(FaultKind.PG_RESTART),
+            "clock_steps": self.count_done(FaultKind.CLOCK_STEP),
+            "rolling_upgrades": self.count_done(FaultKind.ROLLING_UPGRADE),
+            "release": self.release,
+            "hand_edited": self.edited,
+            "cancels_lost": self.cancelled,
+            "temp_dirs": self.temp_dirs,
             "db_connections_killed": self.db_connections_killed,
             "converged_s": round(self.converged_s, 1) if self.converged_s is not None else None,
             "seed": self.options.seed,
@@ -241,6 +280,7 @@ class ChaosResult:
 
 def fault_plan(options: ChaosOptions) -> FaultPlan:
     """The run's fault schedule: a function of the seed and the options alone."""
+    step = options.clock_step_s
     return make_plan(
         options.seed,
         window_s=options.window_s,
@@ -249,7 +289,24 @@ def fault_plan(options: ChaosOptions) -> FaultPlan:
         broker_flushes=options.broker_flushes,
         api_fault_rate=options.api_fault_rate,
         api_latency_ms=options.api_latency_ms,
+        redis_restarts=options.redis_restarts if options.redis_url is None else 0,
+        pg_restarts=options.pg_restarts if options.admin_database_url is None and options.database_url is None else 0,
+        lost_cancels=options.lost_cancels,
+        label_edits=options.label_edits,
+        rolling_upgrades=1 if options.upgrade_from else 0,
+        clock_steps=[(stepped_worker(options.workers), step), (BEAT, -step)] if step else [],
     )
+
+
+def stepped_worker(workers: int) -> str:
+    """The worker whose clock the run steps: the last (the first runs SKEW_S off already)."""
+    return worker_names(workers)[-1]
+
+
+# Faults that may take long (a restart, a migration and the replacement of every process): they
+# run beside the others, which go on on schedule.
+LONG_FAULTS = (FaultKind.API_RESTART, FaultKind.POD_DELETE, FaultKind.ROLLING_UPGRADE, FaultKind.LOST_CANCEL,
+               FaultKind.LABEL_EDIT)  # fmt: skip
 
 
 class _Stop(Exception):
@@ -311,6 +368,11 @@ class _Run:
         self.sent_at: dict[str, float] = {}  # dispatch id -> last `schedule` task send (task path)
         self.sends: Counter[str] = Counter()  # dispatch id -> `schedule` task sends
         self.recorded: set[str] = set()  # task-path dispatch ids seen in the database
+        self.by_task: dict[str, Planned] = {}  # dispatch id -> its planned dispatch, sent as the task
+        self.old_schema = False  # the previous release's schema: before the rolling upgrade's migrate
+        self.clocks: dict[str, SteppedClock] = {}
+        self.shim: Path | None = None
+        self.edited_ids: set[str] = set()  # dispatches cancelled or whose Job was edited by hand
         self.ids_lock = threading.Lock()
         self.cluster: ChaosCluster | None = None
         self.neighbour: Any = None  # ops.chaos_neighbour.Neighbour, when the run has one
@@ -347,26 +409,54 @@ class _Run:
         from k8s_dispatch.workers.resolver import CapabilityResolver
 
         options = self.options
-        self.redis = redis.Redis.from_url(options.redis_url, socket_timeout=10, socket_connect_timeout=10)
+        base_env = {k: v for k, v in os.environ.items() if not k.startswith("K8S_DISPATCH_")}
+        # Our servers carry the work dir in their environment: what is left of a run can be found.
+        server_env = base_env | {"K8S_DISPATCH_CHAOS_WORK_DIR": str(self.dir)}
+        self.own_pg: OwnPostgres | None = None
+        self.own_redis: OwnRedis | None = None
+        if options.admin_database_url is None:
+            self.own_pg = OwnPostgres(log_dir=self.dir, env=server_env)
+            self.result.temp_dirs.append(str(self.own_pg.data))
+            self.stack.callback(self.own_pg.stop)
+            self.own_pg.start()
+        self.admin_url = options.admin_database_url or (self.own_pg.admin_url if self.own_pg else "")
+        if options.redis_url is None:
+            self.own_redis = OwnRedis(directory=self.dir / "redis", log_dir=self.dir, env=server_env)
+            self.stack.callback(self.own_redis.stop)
+            self.own_redis.start()
+        self.redis_url = options.redis_url or (self.own_redis.url if self.own_redis else "")
+        self.redis = redis.Redis.from_url(self.redis_url, socket_timeout=10, socket_connect_timeout=10)
         self.stack.callback(self.redis.close)
         self.stack.callback(self._delete_keys)
         self.redis.ping()
 
+        self.release: PreviousRelease | None = None
+        if options.upgrade_from:
+            self.release = PreviousRelease(options.upgrade_from)
+            self.result.temp_dirs.append(str(self.release.root.parent))
+            self.stack.callback(self.release.remove)
+            self.result.release = self.release.check_out()
         self.db_url = options.database_url or self._create_database()
         self.result.database = make_url(self.db_url).database or ""
-        upgrade(self.db_url)
+        if self.release is not None:  # the old fleet runs on the old schema until ROLLING_UPGRADE
+            self.release.migrate(self.db_url, env=base_env)
+        else:
+            upgrade(self.db_url)
+        self.old_schema = self.release is not None
 
+        self.idle = idle_namespaces(options.idle_namespaces)
+        self.all_namespaces = (*NAMESPACES, *self.idle)
         caps_path = self.dir / "capabilities.yaml"
-        caps_path.write_text(yaml.safe_dump(capabilities_config(options.mode)))
-        base_env = {k: v for k, v in os.environ.items() if not k.startswith("K8S_DISPATCH_")}
-        cluster = chaos_cluster.make(options.cluster, directory=self.dir, mode=options.mode, namespaces=NAMESPACES,
-                                     env=base_env, ready_gate=options.api_ready_gate)  # fmt: skip
+        caps_path.write_text(yaml.safe_dump(capabilities_config(options.mode, idle=self.idle)))
+        cluster = chaos_cluster.make(options.cluster, directory=self.dir, mode=options.mode,
+                                     namespaces=self.all_namespaces, env=base_env,
+                                     ready_gate=options.api_ready_gate)  # fmt: skip
         self.stack.callback(cluster.stop)
         cluster.start()
         self.cluster = cluster
         values = {
             "K8S_DISPATCH_DATABASE_URL": _with_app_name(self.db_url, WORKER_DB_APP),
-            "K8S_DISPATCH_REDIS_URL": options.redis_url,
+            "K8S_DISPATCH_REDIS_URL": self.redis_url,
             "K8S_DISPATCH_KEY_PREFIX": self.prefix,
             "K8S_DISPATCH_NAMESPACE": NAMESPACE,
             "K8S_DISPATCH_CAPABILITIES": str(caps_path),
@@ -382,12 +472,17 @@ class _Run:
         self.stack.callback(self.kube.close)
 
         self._create_engine_side()
-        skewed = set(worker_names(options.workers)[: options.skewed_workers])
-        skew_env = _faketime_env(SKEW) if skewed else {}
-        for name in worker_names(options.workers):
-            env = self.env | (skew_env if name in skewed else {})
-            self._add(celery_worker(name, env=env, log_dir=self.dir, concurrency=self.settings.worker_concurrency))
-        self._add(celery_beat(env=self.env, log_dir=self.dir, name=BEAT))
+        # Faked clocks: the first workers SKEW_S off from the start; the stepped worker and beat
+        # on a clock the CLOCK_STEP faults move while they run.
+        names = worker_names(options.workers)
+        offsets = {name: SKEW_S for name in names[: options.skewed_workers]}
+        if options.clock_step_s:
+            offsets.setdefault(stepped_worker(options.workers), 0.0)
+            offsets.setdefault(BEAT, 0.0)
+        self.clocks = {name: SteppedClock(self.dir / f"clock-{name}", offset) for name, offset in offsets.items()}
+        self.shim = build_sleep_shim(self.dir / "shim") if self.clocks else None
+        for name in [*names, BEAT]:
+            self._add(self._process(name, shim=self.shim, old=self.release is not None))
         for proc in self.procs.values():
             proc.start()
         for name, proc in self.procs.items():
@@ -395,8 +490,9 @@ class _Run:
         if options.neighbour_share > 0:
             from k8s_dispatch.ops.chaos_neighbour import Neighbour
 
+            servers = replace(options, redis_url=self.redis_url, admin_database_url=self.admin_url)
             self.neighbour = Neighbour(
-                options, tag=self.tag, directory=self.dir / "neighbour", env=base_env, values=values,
+                servers, tag=self.tag, directory=self.dir / "neighbour", env=base_env, values=values,
                 count=max(10, round(options.dispatches * options.neighbour_share)), stack=self.stack,
             )  # fmt: skip
             self.neighbour.start()
@@ -405,11 +501,28 @@ class _Run:
         self.observer = JobObserver(cluster.harness_kubeconfig)
         self.stack.callback(self.observer.stop)
         self.observer.start()
+        skewed = ", ".join(f"{n} {c.offset_s:+g}s" for n, c in self.clocks.items())
+        release = f" of {options.upgrade_from} ({self.result.release[:12]})" if self.release else ""
         self.progress(
-            f"chaos: {options.workers} workers ({len(skewed)} at {SKEW} under faketime), beat, "
-            f"{'a second deployment, ' if self.neighbour else ''}{options.cluster} ({options.mode}) up; "
-            f"database {self.result.database}, prefix {self.prefix}, logs in {self.dir}"
+            f"chaos: {options.workers} workers and beat{release} (faketime: {skewed or 'none'}), "
+            f"{'a second deployment, ' if self.neighbour else ''}{options.cluster} ({options.mode}) up, "
+            f"{len(self.all_namespaces)} namespaces; database {self.result.database}, prefix {self.prefix}, "
+            f"logs in {self.dir}, temp dirs {' '.join(self.result.temp_dirs) or 'none'}"
         )
+
+    def _process(self, name: str, *, shim: Path | None, old: bool) -> ManagedProcess:
+        """Worker `name` or beat, of this release or (`old`) the previous one, on its clock."""
+        clock = self.clocks.get(name)
+        env = self.env | {"K8S_DISPATCH_CAPABILITIES": str(self.caps_now)}
+        env |= clock.env(shim) if clock is not None and shim is not None else {}
+        if old:
+            assert self.release is not None
+            if name == BEAT:
+                return self.release.beat(env=env, log_dir=self.dir, name=BEAT)
+            return self.release.worker(name, env=env, log_dir=self.dir, concurrency=self.settings.worker_concurrency)
+        if name == BEAT:
+            return celery_beat(env=env, log_dir=self.dir, name=BEAT)
+        return celery_worker(name, env=env, log_dir=self.dir, concurrency=self.settings.worker_concurrency)
 
     def _add(self, proc: ManagedProcess) -> None:
         self.procs[proc.name] = proc
@@ -417,7 +530,7 @@ class _Run:
 
     def _create_database(self) -> str:
         name = f"k8s_dispatch_chaos_{self.tag}"
-        admin_url = self.options.admin_database_url
+        admin_url = self.admin_url
         with psycopg.connect(_conninfo(admin_url), autocommit=True, connect_timeout=10) as admin:
             admin.execute(f'CREATE DATABASE "{name}"')
         self.stack.callback(_drop_database, admin_url, name)
@@ -524,7 +637,7 @@ class _Run:
         from k8s_dispatch.engine import admission
         from k8s_dispatch.engine.db import transaction
 
-        if time.monotonic() < self.next_queue_count or not hasattr(self, "sessions"):
+        if time.monotonic() < self.next_queue_count or not hasattr(self, "sessions") or self.old_schema:
             return
         self.next_queue_count = time.monotonic() + QUEUE_COUNT_S
         try:
@@ -557,10 +670,13 @@ class _Run:
         from k8s_dispatch.tasks.scheduling import schedule_many_in_session
         from k8s_dispatch.workers.resolver import CapabilityResolver
 
-        if planned.via_task:
+        # While the previous release runs on its schema, the engine sends the `schedule` task
+        # (its workers write the rows), as an engine whose library is not upgraded yet would.
+        if planned.via_task or self.old_schema:
             dispatch_id = str(uuid.uuid4())
             with self.ids_lock:
                 self.ids[planned.index] = dispatch_id
+                self.by_task[dispatch_id] = planned
             try:
                 self._send_schedule(planned, dispatch_id)
             except OperationalError as e:
@@ -600,11 +716,7 @@ class _Run:
 
         now = time.monotonic()
         with self.ids_lock:
-            waiting = {
-                self.ids[p.index]: p
-                for p in self.planned
-                if p.via_task and p.index in self.ids and self.ids[p.index] not in self.recorded
-            }
+            waiting = {d: p for d, p in self.by_task.items() if d not in self.recorded}
         due = {
             d: p
             for d, p in waiting.items()
@@ -635,7 +747,7 @@ class _Run:
             for fault in self.result.plan.faults:
                 if not self._sleep_until(self.t0 + fault.at_s):
                     return
-                if fault.kind in (FaultKind.API_RESTART, FaultKind.POD_DELETE):  # may take long: beside the others
+                if fault.kind in LONG_FAULTS:  # beside the others
                     restarts.append(threading.Thread(target=self._do, args=(fault,), name="chaos-restart", daemon=True))
                     restarts[-1].start()
                 elif not self._do(fault):
@@ -693,7 +805,107 @@ class _Run:
             return self._delete_finished_pods()
         if kind is FaultKind.NAMESPACE_CHANGE:
             return self._change_namespace()
+        if kind is FaultKind.REDIS_RESTART:
+            return self._restart_server(self.own_redis)
+        if kind is FaultKind.PG_RESTART:
+            return self._restart_server(self.own_pg)
+        if kind is FaultKind.CLOCK_STEP:
+            clock = self.clocks[fault.target or ""]
+            offset = clock.step(fault.step_s)
+            return f"{fault.target}'s wall clock stepped {fault.step_s:+g}s (now {offset:+g}s off)"
+        if kind is FaultKind.LOST_CANCEL:
+            return self._cancel_losing_follow_up()
+        if kind is FaultKind.LABEL_EDIT:
+            return self._edit_jobs()
+        if kind is FaultKind.ROLLING_UPGRADE:
+            return self._rolling_upgrade()
         raise AssertionError(f"unknown fault {fault!r}")
+
+    def _restart_server(self, server: OwnRedis | OwnPostgres | None) -> str:
+        """SIGKILL one of the run's own servers, leave it down OUTAGE_S, start it again."""
+        if server is None:
+            raise RuntimeError("the run uses a server it was given, not its own: not restarted")
+        with self.proc_lock:
+            if self.stop.is_set():
+                raise _Stop
+            pid = server.proc.pid
+            server.proc.kill(signal.SIGKILL)
+            self.stop.wait(OUTAGE_S)  # down for a while even when stopping: start it again below
+            server.start()
+        return f"{server.proc.name} (pid {pid}) SIGKILLed, down {OUTAGE_S:g}s, started again (pid {server.proc.pid})"
+
+    def _cancel_losing_follow_up(self) -> str:
+        """The engine cancels a few running dispatches; the broker loses every `cancel` message."""
+        deadline = time.monotonic() + TARGET_WAIT_S
+        while True:
+            with self.ids_lock:
+                ids = [d for d in self.ids.values() if d not in self.edited_ids]
+            chosen = chaos_edits.running_dispatches(self.sessions, ids, capability=LIMITED_CAPABILITY,
+                                                    limit=CANCELS_PER_FAULT)  # fmt: skip
+            if chosen or time.monotonic() >= deadline or self.stop.wait(1.0):
+                break
+        self.edited_ids.update(chosen)  # whatever the cancel found, these are judged as cancelled
+        ended = chaos_edits.cancel_losing_follow_up(self.sessions, chosen)
+        self.result.cancelled += chosen
+        return f"cancelled {len(ended)} of {len(chosen)} running dispatches, their cancel messages lost"
+
+    def _edit_jobs(self) -> str:
+        """Hand edits of running Jobs (ops.chaos_edits.EDITS), each on another Job, waiting up to
+        TARGET_WAIT_S for Jobs to edit; tried again through API errors and restarts."""
+        import urllib3
+        from kubernetes import client
+
+        left = list(chaos_edits.EDITS)
+        done: list[tuple[chaos_edits.Target, str]] = []
+        deadline, failures = time.monotonic() + TARGET_WAIT_S, 0
+        selector = f"{DEPLOYMENT_LABEL}={self.settings.effective_deployment}"
+        while True:
+            try:
+                with opened(self._cluster.harness_kubeconfig) as api:
+                    listed = client.BatchV1Api(api).list_job_for_all_namespaces(label_selector=selector,
+                                                                                _request_timeout=10)  # fmt: skip
+                    found = [api.sanitize_for_serialization(job) for job in listed.items]
+                    targets = chaos_edits.running_targets(found, capability=LIMITED_CAPABILITY, skip=self.edited_ids)
+                    targets = targets[: len(left)]
+                    self.edited_ids.update(t.dispatch_id for t in targets)  # judged as edited, done or not
+                    now_done = chaos_edits.edit_jobs(api, targets, edits=left)
+            except (client.ApiException, urllib3.exceptions.HTTPError) as e:
+                failures += 1
+                if failures >= POD_DELETE_TRIES:
+                    raise RuntimeError(f"editing jobs: {e.__class__.__name__}: {e}") from e
+                now_done = []
+            for target, what in now_done:
+                self.result.edited[target.dispatch_id] = what
+            done += now_done
+            left = [edit for edit in left if edit[0] not in {what for _, what in now_done}]
+            if not left or time.monotonic() >= deadline or self.stop.wait(1.0):
+                break
+        return "; ".join(f"{t.namespace}/{t.name}: {what}" for t, what in done) or "no running Job to edit"
+
+    def _rolling_upgrade(self) -> str:
+        """`k8s-dispatch migrate` to head while the previous release's workers and beat run, then
+        each replaced by this release's in turn (SIGTERM: a warm shutdown; kills go on meanwhile)."""
+        if self.release is None:
+            raise RuntimeError("no previous release checked out")
+        began = time.monotonic()
+        migrate_to_head(self.db_url, env=self.env)
+        self.old_schema = False
+        migrated = time.monotonic() - began
+        replaced = []
+        for name in [*worker_names(self.options.workers), BEAT]:
+            with self.proc_lock:  # the new one takes the name (kills and revivals hit it), then starts
+                if self.stop.is_set():
+                    raise _Stop
+                old = self.procs[name]
+                new = self._process(name, shim=self.shim, old=False)
+                new.starts = old.starts  # one log, numbered on
+                self.procs[name] = new
+                self.stack.callback(new.stop)
+                new.start()
+            old.stop()  # a warm shutdown beside its successor, as a rolling update's surge does
+            replaced.append(name)
+        return (f"migrated to head in {migrated:.1f}s under the previous release ({self.result.release[:12]}); "
+                f"replaced {', '.join(replaced)} in turn")  # fmt: skip
 
     def _delete_finished_pods(self) -> str:
         """`kubectl delete pod` of every finished Pod of ours, delivered or not: our finalizer must
@@ -750,9 +962,9 @@ class _Run:
         from k8s_dispatch.engine.settings import load_settings
         from k8s_dispatch.workers.resolver import CapabilityResolver
 
-        config = capabilities_config(self.options.mode)
+        config = capabilities_config(self.options.mode, idle=self.idle)
         for spec in config["capabilities"].values():
-            spec["namespace"] = MOVED_NAMESPACE
+            spec.setdefault("namespace", MOVED_NAMESPACE)  # the idle ones stay where they are
         moved = self.dir / "capabilities-moved.yaml"
         moved.write_text(yaml.safe_dump(config))
         settings = load_settings(self.values | {"K8S_DISPATCH_CAPABILITIES": str(moved)})
@@ -785,7 +997,7 @@ class _Run:
         return f"deleted {deleted} keys: {queued} queued and {unacked} unacknowledged messages lost"
 
     def _kill_db_connections(self) -> int:
-        with psycopg.connect(_conninfo(self.options.admin_database_url), autocommit=True, connect_timeout=10) as admin:
+        with psycopg.connect(_conninfo(self.admin_url), autocommit=True, connect_timeout=10) as admin:
             rows = admin.execute(
                 "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s AND application_name = %s",
                 (self.result.database, WORKER_DB_APP),
@@ -847,6 +1059,11 @@ class _Run:
             for planned in self.planned:
                 dispatch_id = self.ids.get(planned.index, f"never-scheduled-{planned.index}")
                 wanted[dispatch_id] = expected(planned.kind, planned.input, mode=mode)
+            for dispatch_id in self.edited_ids & set(wanted):
+                # Cancelled, or its Job edited by hand: any end will do, one, and no Job left;
+                # an edited Job's dispatch may be re-run (a second Job), a cancelled one never.
+                wanted[dispatch_id] = replace(wanted[dispatch_id], any_end=True,
+                                              rerun_allowed=dispatch_id not in self.result.cancelled)  # fmt: skip
         seen = self.observer.seen() if self.observer is not None else {}
         peaks = self.observer.peaks() if self.observer is not None else {}
         result.samples = self.observer.samples if self.observer is not None else 0
@@ -942,21 +1159,6 @@ def pending(sessions: Any, ids: list[str], *, planned: int) -> int:
     except DispatchError:
         return planned
     return planned - done
-
-
-def _faketime_env(offset: str) -> dict[str, str]:
-    """What runs a process `offset` off the true clock: libfaketime's multithreaded variant
-    preloaded, the monotonic clocks left true (every timeout and sleep would misbehave otherwise).
-
-    Raises:
-        RuntimeError: faketime is not installed (tests/services.sh installs it).
-    """
-    import glob
-
-    found = sorted(glob.glob("/usr/lib/*/faketime/libfaketimeMT.so.1"))
-    if not found:
-        raise RuntimeError("libfaketime is not installed: run tests/services.sh (apt-get install faketime)")
-    return {"LD_PRELOAD": found[0], "FAKETIME": offset, "DONT_FAKE_MONOTONIC": "1"}
 
 
 # --- helpers at the edges ------------------------------------------------------------------------

@@ -177,7 +177,7 @@ def judge(
     for dispatch_id, seen in (jobs_seen or {}).items():
         if dispatch_id not in expected:
             continue  # another deployment's
-        if len({uid for _, uid in seen}) > 1:
+        if len({uid for _, uid in seen}) > 1 and not expected[dispatch_id].rerun_allowed:
             verdict.second_jobs += 1
             problem("second job", f"{dispatch_id}: {len(seen)} Jobs: {sorted(seen)}")
         recorded = (namespaces or {}).get(dispatch_id)
@@ -215,15 +215,23 @@ def judge(
 def mismatch(want: Expected, event: TerminalEvent, row: RowSnapshot | None) -> str | None:
     """Why `event` (and the row) is not the expected end, or None when it is."""
     payload = event.payload or {}
+    if want.any_end:
+        return _row_disagrees(event, row)
     if event.type != want.event.value:
         return f"{event.type} {payload.get('reason') or ''} where {want.event.value} {want.reason or ''} was expected".strip()
     if want.event is EventType.WORKER_COMPLETED and payload.get("output") != want.output:
         return f"output {payload.get('output')!r}, expected {want.output!r}"
     if want.event is EventType.WORKER_FAILED and payload.get("reason") not in {want.reason, *want.also}:
         return f"reason {payload.get('reason')!r}, expected {want.reason!r}"
+    return _row_disagrees(event, row)
+
+
+def _row_disagrees(event: TerminalEvent, row: RowSnapshot | None) -> str | None:
+    """Why the row does not say what its terminal event says, or None when it does."""
+    payload = event.payload or {}
     if row is None:
         return "a terminal event but no dispatch row"
-    if row.state != STATE_FOR_TERMINAL_EVENT[want.event].value:
+    if row.state != STATE_FOR_TERMINAL_EVENT[EventType(event.type)].value:
         return f"row state {row.state} disagrees with its event {event.type}"
     if row.output != payload.get("output") or row.reason != payload.get("reason"):
         return f"row (output {row.output!r}, reason {row.reason!r}) disagrees with its event"

@@ -87,6 +87,8 @@ class Expected:
     output: Any = None  # WORKER_COMPLETED: the exact output
     reason: str | None = None  # WORKER_FAILED: the reason
     also: frozenset[str] = frozenset()  # WORKER_FAILED: other reasons the Job controller may give
+    any_end: bool = False  # cancelled or edited by hand: any one terminal event will do
+    rerun_allowed: bool = False  # a second Job is no fault (a Job edited by hand may be re-run)
 
 
 @dataclass(frozen=True)
@@ -114,9 +116,20 @@ def cases(tag: str) -> list[tuple[str, str]]:
     return [(f"chaos-{tag}-{t}-{c}", t) for t in TENANCIES for c in range(CASES_PER_TENANCY)]
 
 
-def capabilities_config(mode: str, *, python: str = "python", limits: bool = True) -> dict[str, Any]:
+IDLE_PREFIX = "chaos-idle-"
+
+
+def idle_namespaces(count: int) -> tuple[str, ...]:
+    """The namespaces of capabilities no dispatch of the run uses (what most of a large
+    deployment's namespaces are at any moment): each still watched by every poll."""
+    return tuple(f"{IDLE_PREFIX}{i:02d}" for i in range(1, count + 1))
+
+
+def capabilities_config(
+    mode: str, *, python: str = "python", limits: bool = True, idle: tuple[str, ...] = ()
+) -> dict[str, Any]:
     """The capability file's content for `mode` ("simulate" or "exec"), with `LIMITS` unless
-    `limits` is False."""
+    `limits` is False, and one capability in each of the `idle` namespaces (never dispatched)."""
     if mode not in ("simulate", "exec"):
         raise ValueError(f"mode must be simulate or exec, got {mode!r}")
     functions = {Kind.QUICK: "echo", Kind.SLOW: "sleep", Kind.FAIL: "fail", Kind.TIMEOUT: "sleep"}
@@ -145,6 +158,10 @@ def capabilities_config(mode: str, *, python: str = "python", limits: bool = Tru
         table[Kind.TIMEOUT]["annotations"] = {SIM + "outcome": "hang"}
     table[Kind.TIMEOUT]["activeDeadlineSeconds"] = TIMEOUT_DEADLINE_S
     config: dict[str, Any] = {"capabilities": {capability(kind): fields for kind, fields in table.items()}}
+    for namespace in idle:
+        config["capabilities"][f"chaos.{namespace}"] = {
+            "worker": namespace, "image": IMAGE, "namespace": namespace, "backoffLimit": 0,
+        }  # fmt: skip
     if limits:
         config["limits"] = copy.deepcopy(LIMITS)
     return config

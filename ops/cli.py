@@ -286,10 +286,17 @@ def demo(count: int, broker: str, timeout_s: float, keep: bool) -> int:
     default=None,
     help="Keep logs and cluster state here (default: a temp dir, kept only if the run fails).",
 )
+@click.option(
+    "--upgrade-from",
+    default="HEAD~1",
+    show_default=True,
+    help="Start the workers and beat from this commit (a git worktree), migrate under them, then replace "
+    "them (a rolling upgrade); 'none' for no upgrade.",
+)
 @click.option("--show-plan", is_flag=True, help="Print the seed's fault schedule and exit; run nothing.")
 def chaos(dispatches: int, workers: int, seed: int | None, mode: str, cluster: str, no_ready_gate: bool,
           rate: float, kills: int, deadline: float, json_out: Path | None, database_url: str | None,
-          work_dir: Path | None, show_plan: bool) -> int:  # fmt: skip
+          work_dir: Path | None, upgrade_from: str, show_plan: bool) -> int:  # fmt: skip
     """Run the system under abuse (kills, a broker flush, API faults and restart, a DB connection
     kill) against real PostgreSQL, Redis and a cluster (localcluster or the real control plane);
     check nothing is lost, doubled, wrong or left over. Ends with one `chaos: ...` line; exits 1 if
@@ -304,7 +311,7 @@ def chaos(dispatches: int, workers: int, seed: int | None, mode: str, cluster: s
     options = ChaosOptions(
         dispatches=dispatches, workers=workers, seed=seed if seed is not None else random.SystemRandom().randrange(10**6),
         mode=mode, cluster=cluster, api_ready_gate=not no_ready_gate, rate=rate, kills=kills, deadline_s=deadline,
-        database_url=database_url, work_dir=work_dir,
+        database_url=database_url, work_dir=work_dir, upgrade_from=None if upgrade_from == "none" else upgrade_from,
     )  # fmt: skip
     if show_plan:
         click.echo(f"seed {options.seed}: faults over {options.window_s:g}s\n{fault_plan(options).describe()}")

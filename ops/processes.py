@@ -62,6 +62,7 @@ class ManagedProcess:
     env: dict[str, str]
     log_path: Path
     cwd: Path | None = None
+    user: str | None = None  # run as this user (we are root: PostgreSQL refuses to run as root)
     popen: subprocess.Popen[bytes] | None = field(default=None, repr=False)
     starts: int = 0
 
@@ -80,6 +81,7 @@ class ManagedProcess:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                user=self.user,
             )
         self.starts += 1
         return self

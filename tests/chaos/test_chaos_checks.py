@@ -310,3 +310,58 @@ def verdict_with(limits, *, open_slots=(0, 0)):
         {"a": DONE, "b": FAILS}, rows={"a": GOOD_ROW, "b": FAIL_ROW}, events={"a": [GOOD_EVENT], "b": [FAIL_EVENT]},
         jobs=(), claims=(), limits=limits, open_slots=open_slots,
     )  # fmt: skip
+
+
+CANCEL_EVENT = TerminalEvent("WORKER_CANCELLED", {"reason": "Cancelled"})
+CANCEL_ROW = RowSnapshot("CANCELLED", reason="Cancelled")
+ANY = Expected(EventType.WORKER_COMPLETED, output={"x": 1}, any_end=True)
+
+
+@pytest.mark.parametrize(
+    "event, row",
+    [
+        (CANCEL_EVENT, CANCEL_ROW),
+        (FAIL_EVENT, FAIL_ROW),
+        (completed({"other": 2}), RowSnapshot("COMPLETED", output={"other": 2})),
+    ],
+)
+def test_a_cancelled_or_edited_dispatch_may_end_in_any_terminal_event(event, row):
+    assert mismatch(ANY, event, row) is None
+    assert mismatch(DONE, CANCEL_EVENT, CANCEL_ROW) is not None  # a dispatch nobody touched may not
+
+
+def test_a_cancelled_or_edited_dispatch_still_needs_its_row_to_agree_and_one_end_only():
+    assert mismatch(ANY, CANCEL_EVENT, FAIL_ROW) is not None
+    assert mismatch(ANY, CANCEL_EVENT, None) is not None
+    result = verdict(expected={"a": ANY}, rows={"a": CANCEL_ROW}, events={"a": [CANCEL_EVENT, FAIL_EVENT]})
+    assert result.duplicates == 1
+    result = verdict(expected={"a": ANY}, rows={}, events={})
+    assert result.lost == 1
+
+
+def test_a_second_job_is_no_fault_only_for_a_dispatch_whose_job_was_edited_by_hand():
+    from dataclasses import replace
+
+    seen = {"a": {("chaos", "uid-1"), ("chaos", "uid-2")}}
+    for want, second_jobs in ((ANY, 1), (replace(ANY, rerun_allowed=True), 0), (DONE, 1)):
+        result = judge({"a": want}, rows={"a": GOOD_ROW}, events={"a": [GOOD_EVENT]}, jobs=(), claims=(),
+                       jobs_seen=seen)  # fmt: skip
+        assert result.second_jobs == second_jobs, want
+
+
+def test_idle_namespaces_each_get_a_capability_that_the_resolver_watches(tmp_path):
+    import yaml
+
+    from k8s_dispatch.engine.settings import load_settings
+    from k8s_dispatch.ops.chaos_workload import idle_namespaces
+
+    idle = idle_namespaces(48)
+    assert len(set(idle)) == 48 and "chaos" not in idle and "chaos-moved" not in idle
+    config = capabilities_config("simulate", idle=idle)
+    assert sorted(spec["namespace"] for spec in config["capabilities"].values() if "namespace" in spec) == sorted(idle)
+    path = tmp_path / "capabilities.yaml"
+    path.write_text(yaml.safe_dump(config))
+    resolver = CapabilityResolver.from_settings(
+        load_settings({"K8S_DISPATCH_CAPABILITIES": str(path), "K8S_DISPATCH_NAMESPACE": "chaos"})
+    )
+    assert resolver.namespaces("chaos") == {"chaos", *idle}  # 49 here, the moved file adds chaos-moved

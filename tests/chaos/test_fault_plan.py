@@ -79,7 +79,41 @@ def test_faults_are_sorted_and_inside_their_part_of_the_window(seed):
             assert fault.at_s <= 6.0
         if fault.kind is FaultKind.API_FAULTS_OFF:
             assert fault.at_s == 60.0
-        assert (fault.target is not None) == (fault.kind is FaultKind.KILL)
+        assert (fault.target is not None) == (fault.kind in (FaultKind.KILL, FaultKind.CLOCK_STEP))
+
+
+NEW_KINDS = {"redis_restarts": FaultKind.REDIS_RESTART, "pg_restarts": FaultKind.PG_RESTART,
+             "lost_cancels": FaultKind.LOST_CANCEL, "label_edits": FaultKind.LABEL_EDIT,
+             "rolling_upgrades": FaultKind.ROLLING_UPGRADE}  # fmt: skip
+
+
+def test_the_server_restarts_edits_lost_cancels_and_upgrade_are_planned_only_when_asked():
+    assert all(plan().count(kind) == 0 for kind in NEW_KINDS.values())
+    asked = plan(**{option: 2 for option in NEW_KINDS})
+    assert all(asked.count(kind) == 2 for kind in NEW_KINDS.values())
+    assert plan(**{option: 2 for option in NEW_KINDS}) == asked  # still a function of the seed
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_upgrade_comes_early_the_clock_steps_after_it_and_the_restarts_while_work_is_in_flight(seed):
+    steps = [("worker-3", 600.0), (BEAT, -600.0)]
+    result = plan(seed, window_s=100.0, redis_restarts=1, pg_restarts=1, lost_cancels=1, label_edits=1,
+                  rolling_upgrades=1, clock_steps=steps)  # fmt: skip
+    (upgrade,) = [f for f in result.faults if f.kind is FaultKind.ROLLING_UPGRADE]
+    assert 8.0 <= upgrade.at_s <= 20.0
+    stepped = [f for f in result.faults if f.kind is FaultKind.CLOCK_STEP]
+    assert sorted((f.target, f.step_s) for f in stepped) == sorted(steps)
+    assert all(25.0 <= f.at_s <= 60.0 and f.at_s > upgrade.at_s for f in stepped)
+    for kind in (FaultKind.REDIS_RESTART, FaultKind.PG_RESTART, FaultKind.LOST_CANCEL, FaultKind.LABEL_EDIT):
+        (fault,) = [f for f in result.faults if f.kind is kind]
+        assert 20.0 <= fault.at_s <= 80.0, fault
+    assert any("clock_step beat -600s" in line for line in result.describe().splitlines())
+
+
+@pytest.mark.parametrize("option", sorted(NEW_KINDS))
+def test_a_negative_count_of_a_new_fault_is_refused(option):
+    with pytest.raises(ValueError):
+        plan(**{option: -1})
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -139,3 +173,9 @@ def test_the_cli_shows_a_seeds_plan_without_running_anything(capsys):
     assert lines[0] == "seed 3: faults over 100s"
     assert sum(" kill " in line for line in lines) == 20
     assert sum("broker_flush" in line for line in lines) == 1
+    # the default run: its own servers restarted, a rolling upgrade, a worker's clock and beat's stepped
+    for kind in ("redis_restart", "pg_restart", "rolling_upgrade", "lost_cancel", "label_edit"):
+        assert sum(f" {kind}" in line for line in lines) == 1, kind
+    assert sum("clock_step worker-3 +600s" in line or "clock_step beat -600s" in line for line in lines) == 2
+    assert main(["chaos", "--seed", "3", "--upgrade-from", "none", "--show-plan"]) == 0
+    assert "rolling_upgrade" not in capsys.readouterr().out
