@@ -56,7 +56,7 @@ HOLD_IDLE_INTERVALS = 2
 HOLD_SPREAD = 0.5
 # How many namespaces' watches (or LISTs) a poll reads at once. A slice mostly waits (for quiet,
 # for the server): side by side, 300 namespaces' kept streams are read in a few slices' time.
-WATCH_CONCURRENCY = 64
+WATCH_CONCURRENCY = 256
 _RV = b"rv"
 _JOB = "j:"
 _UNSTARTED = "u:"
@@ -207,6 +207,24 @@ redis.call('SET', KEYS[2], '1', 'PX', ARGV[2])
 return 1
 """
 
+# `_STORE` of positions that did not change and noted nothing, many in one call: each one's
+# healthy mark, if its version is still the one expected. KEYS: position, healthy key, in pairs;
+# ARGV: the mark's ms, then the versions expected, as `_STORE`'s. A 1 or 0 for each pair.
+_MARK = """
+local out = {}
+for j = 1, #KEYS / 2 do
+    local current = redis.call('HGET', KEYS[2 * j - 1], 'rv')
+    local expected = ARGV[j + 1]
+    if (current == false and expected == '') or (current ~= false and expected == '=' .. current) then
+        redis.call('SET', KEYS[2 * j], '1', 'PX', ARGV[1])
+        out[j] = 1
+    else
+        out[j] = 0
+    end
+end
+return out
+"""
+
 
 @dataclass(frozen=True)
 class Write:
@@ -247,9 +265,15 @@ def store_many(client: redis.Redis, writes: Sequence[Write], *, healthy_ms: int)
         return []
     script = client.register_script(_STORE)
     pipe = client.pipeline(transaction=False)
-    for w in writes:
+    # The many unchanged positions of an idle poll: one script call marks them all healthy.
+    idle = [i for i, w in enumerate(writes) if not w.changed and not w.gone]
+    if idle:
+        keys = [k for i in idle for k in (writes[i].name, healthy_key(writes[i].name))]
+        expected = [_expected(writes[i].expected) for i in idle]
+        client.register_script(_MARK)(keys=keys, args=[healthy_ms, *expected], client=pipe)
+    for w in (w for w in writes if w.changed or w.gone):
         ids = _gone_ids(w.gone)
-        args: list[bytes | str | int] = ["" if w.expected is None else "=" + w.expected, healthy_ms]
+        args: list[bytes | str | int] = [_expected(w.expected), healthy_ms]
         args += ["1" if w.changed else "0", len(ids), *ids]
         if w.changed:
             args += [_RV.decode(), (w.position.version or "").encode()]
@@ -258,7 +282,15 @@ def store_many(client: redis.Redis, writes: Sequence[Write], *, healthy_ms: int)
             for n, job in w.position.unstarted.items():
                 args += [_UNSTARTED + n, orjson.dumps(job)]
         script(keys=[w.name, healthy_key(w.name), gone_key(w.name)], args=args, client=pipe)
-    return [bool(stored) for stored in pipe.execute()]
+    replies = pipe.execute()
+    marked = iter(replies[0] if idle else [])
+    stored = iter(replies[1:] if idle else replies)
+    return [bool(next(marked) if not w.changed and not w.gone else next(stored)) for w in writes]
+
+
+def _expected(version: str | None) -> str:
+    """A version expected, as the scripts compare it: "" for none stored (pure)."""
+    return "" if version is None else "=" + version
 
 
 def is_healthy(client: redis.Redis, prefix: str, deployment: str, namespace: str) -> bool:
@@ -380,6 +412,7 @@ def poll_namespaces(
         return _advance(
             kube, namespace, befores[namespace], selector=selector, page_size=page_size,
             poll_interval_s=poll_interval_s, hand_off=lambda jobs: hand_off(namespace, jobs), hold_s=hold_s,
+            spread=len(namespaces) > 1,
         )  # fmt: skip
 
     if len(namespaces) == 1:  # nothing to wait for side by side: this thread reads it
@@ -432,9 +465,11 @@ def _advance(
     poll_interval_s: float,
     hand_off: HandOff,
     hold_s: float,
+    spread: bool,
 ) -> NamespacePoll:
     """One namespace's watch slice from `before` (or its LIST), its finished Jobs handed off; the
-    position reached is in the result, not yet stored.
+    position reached is in the result, not yet stored. `spread`: its kept stream's life is cut by
+    its namespace's share (`hold`), so that many namespaces' streams do not all end in one poll.
 
     Raises:
         DispatchError: the API (the LIST) is unavailable (Transient) or refused it.
@@ -448,7 +483,7 @@ def _advance(
                 label_selector=selector,
                 resource_version=before.version,
                 bound_s=bound_s(poll_interval_s),
-                hold=hold(hold_s, poll_interval_s, namespace),
+                hold=hold(hold_s, poll_interval_s, namespace if spread else ""),
             )
         except ApiUnavailable as e:
             log.info("poll: the watch of jobs in %s failed (%s); listing them", namespace, e)

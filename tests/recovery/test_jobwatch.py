@@ -103,6 +103,15 @@ def test_a_slice_reads_well_under_the_interval(interval: float, bound: float) ->
     assert jobwatch.bound_s(interval) == pytest.approx(bound)
 
 
+def test_kept_streams_of_many_namespaces_live_spread_out_and_one_lives_its_hold() -> None:
+    assert jobwatch.hold(0, 2.0, "ns") is None
+    assert jobwatch.hold(30, 2.0) == jobwatch.Hold(lifetime_s=30, idle_s=4.0)  # one namespace: all of it
+    lives = [h.lifetime_s for i in range(300) if (h := jobwatch.hold(30, 2.0, f"idle-{i:03d}")) is not None]
+    assert all(15 <= life <= 30 for life in lives)
+    assert max(lives) - min(lives) > 12  # they end spread over the hold's last half, not in one poll
+    assert lives == [h.lifetime_s for i in range(300) if (h := jobwatch.hold(30, 2.0, f"idle-{i:03d}"))]  # pure
+
+
 # --- against the clusters -------------------------------------------------------------------
 
 

@@ -49,25 +49,24 @@ def test_a_stored_position_carries_its_gone_note_in_the_same_write(client: redis
 
 
 def test_many_positions_are_stored_in_one_round_trip_each_on_its_own_version(client: redis.Redis, prefix: str) -> None:
-    names = [jobwatch.key(prefix, "d", f"ns{i}") for i in range(3)]
+    names = [jobwatch.key(prefix, "d", f"ns{i}") for i in range(4)]
     finished = {"j1": {"metadata": {"name": "j1"}}}
-    assert jobwatch.store_many(client, [Write(n, None, Position("3", finished)) for n in names], healthy_ms=10_000) == [
-        True,
-        True,
-        True,
-    ]
+    first = jobwatch.store_many(client, [Write(n, None, Position("3", finished)) for n in names], healthy_ms=10_000)
+    assert first == [True] * 4
+    for n in names:
+        client.delete(jobwatch.healthy_key(n))
     writes = [
         Write(names[0], "3", Position("4"), gone=[gone_job("x")]),  # as expected: stored, with its note
         Write(names[1], "2", Position("4"), gone=[gone_job("y")]),  # another poll's version: neither
         Write(names[2], "3", Position("3", finished), changed=False),  # unchanged: only the healthy mark
+        Write(names[3], "2", Position("2"), changed=False),  # unchanged, but another poll stored since
     ]
-    client.delete(jobwatch.healthy_key(names[2]))
-    assert jobwatch.store_many(client, writes, healthy_ms=10_000) == [True, False, True]
+    assert jobwatch.store_many(client, writes, healthy_ms=10_000) == [True, False, True, False]
     loaded = jobwatch.load_many(client, names)
-    assert [p.version for p in loaded] == ["4", "3", "3"]
+    assert [p.version for p in loaded] == ["4", "3", "3", "3"]
     assert loaded[0].finished == {} and loaded[2].finished == finished
-    assert [jobwatch.gone(client, n) for n in names] == [{"x"}, set(), set()]
-    assert client.exists(jobwatch.healthy_key(names[2]))
+    assert [jobwatch.gone(client, n) for n in names] == [{"x"}, set(), set(), set()]
+    assert [bool(client.exists(jobwatch.healthy_key(n))) for n in names] == [True, False, True, False]
 
 
 # --- the sweep's LIST interval ---------------------------------------------------------------
