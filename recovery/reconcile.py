@@ -212,19 +212,28 @@ def _listed(rt: Runtime, namespace: str) -> None:
 
 def _sweep_gone(rt: Runtime, namespace: str, act: Executor, *, now: datetime, policy: Policy) -> None:
     """Where the watch is followed: the start checks of the Jobs poll's position holds as not
-    started (their snapshots, as (A) would list them), and category 5 for the created
+    started (their snapshots, as (A) would list them), category 8 for the finished ones it holds
+    undelivered (a hand-edited Job is refused by every completion), and category 5 for the created
     dispatches whose Job the watch saw leave without being delivered (`jobwatch.gone`), each
     checked as (B) checks one (its Job looked up by label), forgotten once checked past the
     grace period, or ended."""
     settings = rt.settings
     name = jobwatch.key(settings.key_prefix, settings.effective_deployment, namespace)
     try:
-        unstarted = list(jobwatch.load(rt.redis, name).unstarted.values())
+        position = jobwatch.load(rt.redis, name)
+        unstarted = list(position.unstarted.values())
         for start in range(0, len(unstarted), settings.poll_page_size):
             page = unstarted[start : start + settings.poll_page_size]
             known = _views_for_jobs(rt, page)
             actions = plan_jobs(page, known, now=now, policy=policy)
             act.starts(namespace, startup.due(page, actions, known, now=now, policy_for=_start_policy(rt)))
+        # Finished Jobs poll keeps handing off: one hand-edited under an open dispatch's name is
+        # refused by every completion, so category 8 takes it from here, not from the next LIST.
+        finished = list(position.finished.values())
+        for start in range(0, len(finished), settings.poll_page_size):
+            page = finished[start : start + settings.poll_page_size]
+            actions = plan_jobs(page, _views_for_jobs(rt, page), now=now, policy=policy)
+            act.all([a for a in actions if isinstance(a, TamperedJob)])
         ids = jobwatch.gone(rt.redis, name)
         if not ids:
             return
@@ -819,10 +828,13 @@ class Executor:
         finally:
             rt.guard.release(claim)
         completed = delivery.complete_job(rt, action.namespace, action.job_name, snapshot=job, delete=False)
-        if completed is delivery.CompleteOutcome.COMPLETED and hidden(job, rt.settings.effective_deployment):
-            # Released; the bulk delete selects it only if it carries our deployment label.
+        if completed is delivery.CompleteOutcome.COMPLETED:
+            # Released; the next cleanup's bulk delete removes it, if it carries our deployment
+            # label (the selector names it); else it is deleted here.
             metadata = job.get("metadata") or {}
-            if job_labels.deployment_of(metadata.get("labels")) != rt.settings.effective_deployment:
+            if job_labels.deployment_of(metadata.get("labels")) == rt.settings.effective_deployment:
+                delivery.delete_delivered_later(rt, action.namespace)
+            else:
                 rt.kube.delete_job(action.namespace, action.job_name, uid=metadata.get("uid"))
         return _Outcome.ACTED if completed in _COMPLETE_ACTED else _Outcome.SKIPPED
 
