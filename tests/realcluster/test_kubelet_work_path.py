@@ -1,18 +1,26 @@
 """The work path on a real node, end to end with real `celery worker|beat` processes, PostgreSQL and
-Redis: the kubelet writes the termination message a result is read from, the kernel's OOM killer
-ends a container over its memory limit, containerd fails to pull an image that is not on the node
-(from a closed loopback port: nothing leaves the machine), and kube-scheduler refuses a request no
-node can hold. Each dispatch ends in exactly one terminal event with the cause the node gave.
+Redis: the kubelet writes the termination message a result is read from (4,096 bytes come back
+byte for byte), the kernel's OOM killer ends a container over its memory limit, containerd fails
+to pull an image that is not on the node (from a closed loopback port: nothing leaves the machine)
+and refuses a name that is no reference, kube-scheduler refuses a request no node can hold, the
+kubelet kills a real `sleep` at `activeDeadlineSeconds` and serves the log tail of a container
+that failed, and `kubectl drain` (the Eviction API) disrupts a running dispatch that completes once
+after `kubectl uncordon`. Each dispatch ends in exactly one terminal event with the node's cause.
 """
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from k8s_dispatch.engine import store
+from k8s_dispatch.engine.db import transaction
 from k8s_dispatch.engine.models import EventType
+from k8s_dispatch.realcluster.controlplane import NODE_NAME
+from k8s_dispatch.workers import labels as job_labels
 from k8s_dispatch.workers.manifest import job_name
 from tests.tasks.test_never_started import SLACK_S, SWEEP_S, assert_nothing_left, ended
 
@@ -95,3 +103,96 @@ def test_a_request_no_node_can_hold_ends_unschedulable_with_the_schedulers_messa
     assert payload["message"].startswith("0/1 nodes are available: 1 Insufficient cpu."), payload["message"]
     assert start_s <= took.total_seconds() <= start_s + SWEEP_S + SLACK_S, took
     assert_nothing_left(d)
+
+
+def test_an_invalid_image_name_fails_at_once_with_the_kubelets_words(deploy, kubelet_cluster):
+    d = started(deploy, kubelet_cluster, {"badname": busybox("true", image="Foo:1")})
+    [dispatch_id] = d.schedule_batch("badname", 1)
+    payload, _ = ended(d, dispatch_id, timeout_s=60)
+    assert payload["reason"] == "InvalidImageName", payload
+    assert "invalid reference format" in payload["message"], payload["message"]
+    assert_nothing_left(d)
+
+
+def test_a_failing_container_that_wrote_no_result_ends_failed_with_the_lines_it_printed(deploy, kubelet_cluster):
+    # terminationMessagePolicy FallbackToLogsOnError; the detail's tail is the kubelet's pods/log
+    d = started(deploy, kubelet_cluster, {"fails": busybox("echo first line; echo second line >&2; exit 3")})
+    [dispatch_id] = d.schedule_batch("fails", 1)
+    payload, _ = ended(d, dispatch_id, timeout_s=120)
+    detail = payload["detail"]
+    assert (detail["exit_code"], detail["container_reason"]) == (3, "Error"), payload
+    assert detail["log_tail"] == "first line\nsecond line\n"
+    assert_nothing_left(d)
+
+
+def _processes(argv: bytes) -> list[int]:
+    """Pids on this host whose command line is exactly `argv` (NUL-separated, as /proc keeps it)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if (proc / "cmdline").read_bytes() == argv:
+                    found.append(int(proc.name))
+            except OSError:
+                pass
+    return found
+
+
+def test_active_deadline_seconds_kills_a_real_sleep(deploy, kubelet_cluster):
+    argv = b"sleep\x00613\x00"  # a duration no other test uses: this container's process, found on the host
+    d = started(deploy, kubelet_cluster, {"slow": busybox("exec sleep 613", activeDeadlineSeconds=3)})
+    [dispatch_id] = d.schedule_batch("slow", 1)
+    d.wait(lambda: _processes(argv), timeout_s=60, what="the container's sleep running on the host")
+    payload, _ = ended(d, dispatch_id, timeout_s=90)
+    assert payload["reason"] == "DeadlineExceeded", payload
+    d.wait(lambda: not _processes(argv), timeout_s=60, what="the kubelet killed the sleep")
+    assert_nothing_left(d)
+
+
+def _kubectl(cluster: Any, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["kubectl", "--kubeconfig", str(cluster.kubeconfig), *args], capture_output=True, text=True, timeout=180
+    )
+
+
+def _running_pods(d: Any) -> list[str]:
+    pods = d.kube.list_pods(d.namespace, label_selector=job_labels.selector())
+    return [
+        p["metadata"]["name"]
+        for p in pods
+        if not p["metadata"].get("deletionTimestamp")
+        and any("running" in (s.get("state") or {}) for s in p.get("status", {}).get("containerStatuses") or [])
+    ]
+
+
+def test_kubectl_drain_mid_run_is_a_disruption_and_the_dispatch_completes_once_after_uncordon(deploy, kubelet_cluster):
+    # The eviction's SIGTERM ends it (a shell as PID 1 would ignore it, and a script that finished
+    # within the grace period would succeed: an eviction is a graceful delete)
+    script = """trap 'exit 143' TERM; sleep 6 & wait $!; printf '{"done": true}' > /dev/termination-log"""
+    d = started(deploy, kubelet_cluster, {"drained": busybox(script, backoffLimit=0)})
+    [dispatch_id] = d.schedule_batch("drained", 1)
+    [first] = d.wait(lambda: _running_pods(d), timeout_s=60, what="the Job's container running")
+    try:
+        drained = _kubectl(kubelet_cluster, "drain", NODE_NAME, "--ignore-daemonsets", "--timeout=120s")
+        assert drained.returncode == 0, drained.stderr
+        assert f"pod/{first} evicted" in drained.stdout, drained.stdout
+
+        def disrupted() -> bool:
+            with transaction(d.sessions) as session:
+                return any(e.type == EventType.WORKER_DISRUPTED for e in store.events_for(session, dispatch_id))
+
+        d.wait(disrupted, timeout_s=60, what="WORKER_DISRUPTED recorded")
+        assert d.terminal_events([dispatch_id]) == {dispatch_id: []}  # cordoned: the new Pod waits
+    finally:
+        uncordoned = _kubectl(kubelet_cluster, "uncordon", NODE_NAME)
+    assert uncordoned.returncode == 0, uncordoned.stderr
+    events = d.wait_terminal([dispatch_id], timeout_s=120)
+    assert events[dispatch_id] == [(EventType.WORKER_COMPLETED, {"output": {"done": True}})]
+    with transaction(d.sessions) as session:
+        story = [(e.type, e.payload) for e in store.events_for(session, dispatch_id)]
+    assert [t for t, _ in story] == [
+        EventType.WORKER_SCHEDULED, EventType.WORKER_DISRUPTED, EventType.WORKER_COMPLETED
+    ]  # fmt: skip
+    disruption = story[1][1]
+    assert (disruption["reason"], disruption["pod"], disruption["node"]) == ("EvictionByEvictionAPI", first, NODE_NAME)
+    d.wait_no_jobs()
