@@ -140,7 +140,10 @@ def _processes(argv: bytes) -> list[int]:
 
 def test_active_deadline_seconds_kills_a_real_sleep(deploy, kubelet_cluster):
     argv = b"sleep\x00613\x00"  # a duration no other test uses: this container's process, found on the host
-    d = started(deploy, kubelet_cluster, {"slow": busybox("exec sleep 613", activeDeadlineSeconds=3)})
+    # the shell ends on SIGTERM and its PID namespace's sleep with it (as PID 1 a bare sleep would
+    # ignore SIGTERM and live out the 30 s grace period)
+    script = "trap 'exit 143' TERM; sleep 613 & wait $!"
+    d = started(deploy, kubelet_cluster, {"slow": busybox(script, activeDeadlineSeconds=3)})
     [dispatch_id] = d.schedule_batch("slow", 1)
     d.wait(lambda: _processes(argv), timeout_s=60, what="the container's sleep running on the host")
     payload, _ = ended(d, dispatch_id, timeout_s=90)
