@@ -45,7 +45,6 @@ from k8s_dispatch.engine.models import (
     Dispatch,
     DispatchState,
     EventType,
-    utcnow,
 )
 from k8s_dispatch.engine.names import is_dns1123_label
 from k8s_dispatch.engine.payloads import canonical_json, encode_input
@@ -611,7 +610,7 @@ def record_create_error(session: Session, dispatch_id: str, *, message: str, now
                     table.c.dispatch_id == dispatch_id,
                     table.c.state.in_([DispatchState.SCHEDULED, DispatchState.CREATED]),
                 )
-                .values(create_error=text, create_error_at=now or utcnow())
+                .values(create_error=text, create_error_at=now or database_now(session))
             )
         )
     )
