@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 import yaml
-from deploy_files import COMPOSE_FILE, COMPOSE_REQUIRED, DEPLOY, Doc, interpolate, load_docs
+from deploy_files import COMPOSE_FILE, COMPOSE_REQUIRED, DEPLOY, Doc, interpolate, load_docs, optional_files
 from kubernetes.client import ApiClient
 
 
@@ -36,8 +36,10 @@ def kustomization() -> Doc:
 
 @pytest.fixture(scope="session")
 def manifests(kustomization: Doc) -> list[tuple[str, Doc]]:
-    """(file name, object) for every object of every resource kustomization.yaml lists."""
-    return [(name, doc) for name in kustomization["resources"] for doc in load_docs(DEPLOY / name)]
+    """(file name, object) for every object an operator applies from deploy/: the kustomization's
+    resources, its optional components' (KEDA) and the Secret they make after the example."""
+    files = [*kustomization["resources"], *optional_files()]
+    return [(name, doc) for name in files for doc in load_docs(DEPLOY / name)]
 
 
 @pytest.fixture(scope="session")

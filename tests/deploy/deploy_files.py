@@ -113,6 +113,24 @@ def render_chart(
     return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
 
 
+SECRET_EXAMPLE = "secret.example.yaml"  # the keys of the Secret the operator makes: applied by nothing
+
+
+def components() -> list[str]:
+    """The kustomization's optional components (deploy/components/*), as paths under deploy/."""
+    return sorted(str(p.parent.relative_to(DEPLOY)) for p in DEPLOY.glob("components/*/kustomization.yaml"))
+
+
+def optional_files() -> list[str]:
+    """What the default kustomization leaves out: each component's resources, and the example
+    Secret (paths under deploy/)."""
+    files = []
+    for component in components():
+        (doc,) = load_docs(DEPLOY / component / "kustomization.yaml")
+        files += [f"{component}/{name}" for name in doc["resources"]]
+    return [*files, SECRET_EXAMPLE]
+
+
 def render_kustomization() -> list[Doc]:
     """deploy/ as `kubectl apply -k deploy/` would send it."""
     done = run(["kubectl", "kustomize", str(DEPLOY)])

@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 
 import pytest
 import redis
-from deploy_files import DEPLOY, REPO, Doc, role_permissions, settings_env_names
+from deploy_files import DEPLOY, REPO, Doc, components, optional_files, role_permissions, settings_env_names
 from kubernetes.client import ApiClient
 
 from k8s_dispatch.engine.settings import ENV_PREFIX, Settings, load_settings
@@ -128,10 +128,15 @@ def _resolved_env(doc: Doc, container: Doc, objects: dict[tuple[str, str], Doc])
 
 
 def test_kustomization_lists_every_file_in_deploy(kustomization: Doc) -> None:
-    used = set(kustomization["resources"]) | {"kustomization.yaml"}
+    used = set(kustomization["resources"]) | {"kustomization.yaml"} | set(optional_files())
+    used |= {f"{component}/kustomization.yaml" for component in components()}
     for generator in kustomization.get("configMapGenerator", []):
         used |= {entry.rpartition("=")[2] for entry in generator["files"]}
-    present = {path.name for path in DEPLOY.iterdir() if path.suffix in (".yaml", ".yml")}
+    present = {
+        str(path.relative_to(DEPLOY))
+        for path in [*DEPLOY.iterdir(), *DEPLOY.glob("components/*/*")]
+        if path.suffix in (".yaml", ".yml")
+    }
     assert present == used
 
 

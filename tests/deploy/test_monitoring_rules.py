@@ -27,7 +27,13 @@ DASHBOARD = MONITORING / "dashboard.json"
 # Series Prometheus makes itself, not the workers: the scrape's health.
 PROMETHEUS_OWN = {"up"}
 # Grafana's variables, as Grafana fills them in before sending a query.
-GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$__interval": "30s", "$__range": "1h"}
+GRAFANA_VARIABLES = {
+    "$__rate_interval": "1m", "$__interval": "30s", "$__range": "1h",
+    # the dashboard's own, at "All"
+    "$namespace": ".*", "$deployment": ".*", "$instance": ".*",
+}  # fmt: skip
+# Every series a panel reads is narrowed by these (several deployments share a Prometheus).
+SCOPE = 'namespace=~"$namespace", deployment=~"$deployment", instance=~"$instance"'
 
 
 @pytest.fixture(scope="module")
@@ -197,11 +203,28 @@ def test_the_dashboards_expressions_parse_as_promql(promtool: Path, tmp_path: Pa
 def test_the_dashboard_is_grafana_json_over_a_prometheus_datasource_variable() -> None:
     dashboard = json.loads(DASHBOARD.read_text(encoding="utf-8"))
     assert dashboard["uid"] == "k8s-dispatch" and dashboard["schemaVersion"] >= 36
-    (variable,) = dashboard["templating"]["list"]
+    variable, *scopes = dashboard["templating"]["list"]
     assert (variable["name"], variable["type"], variable["query"]) == ("datasource", "datasource", "prometheus")
+    # Importable: Grafana's import asks for the datasource the __inputs block names.
+    (source,) = dashboard["__inputs"]
+    assert (source["type"], source["pluginId"]) == ("datasource", "prometheus")
+    assert variable["current"]["value"] == "${" + source["name"] + "}"
+    assert [v["name"] for v in scopes] == ["namespace", "deployment", "instance"]
+    for scope in scopes:
+        assert scope["type"] == "query" and scope["includeAll"] and scope["allValue"] == ".*", scope["name"]
+        assert 'job="k8s-dispatch-worker"' in scope["query"]["query"], scope["name"]
     ids = [panel["id"] for panel in dashboard["panels"]]
     assert len(ids) == len(set(ids))
     for panel in dashboard["panels"]:
         if panel["type"] != "row":
             assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
             assert panel["targets"] and panel["description"], panel["title"]
+
+
+def test_every_series_on_the_dashboard_is_narrowed_to_the_chosen_deployment() -> None:
+    selectors = re.compile(r"\b(k8s_dispatch_[a-z_]+|up)\b(\{[^}]*\})?")
+    for expr in dashboard_expressions():
+        found = selectors.findall(expr)
+        assert found, expr
+        for name, matchers in found:
+            assert SCOPE in matchers, f"{name} in {expr}"
