@@ -568,15 +568,18 @@ def mark_stopped(rt: Runtime, dispatch_ids: Sequence[str]) -> set[str]:
     Raises:
         DispatchError: the database or the API failed (the sweep marks them later).
     """
+    wanted = sorted(set(dispatch_ids))
+    views: list[DispatchView] = []
     with transaction(rt.sessions) as session:
-        rows = store.dispatch_rows(session, dispatch_ids)
-        now = database_now(session)
-        views = [
-            _view(rt, row)
-            for row in rows.values()
-            if row.job_stopped_at is None and DispatchState(row.state) in STOPPING_STATES
-        ]
-    if not views:
+        for start in range(0, len(wanted), SELECTOR_CHUNK):  # `ix_dispatches_stopping`: a completion's are none
+            query = sa.select(Dispatch).where(
+                Dispatch.dispatch_id.in_(wanted[start : start + SELECTOR_CHUNK]),
+                Dispatch.job_stopped_at.is_(None),
+                Dispatch.state.in_(sorted(STOPPING_STATES)),
+            )
+            views += [_view(rt, row) for row in session.scalars(query)]
+        now = database_now(session) if views else None
+    if not views or now is None:
         return set()
     jobs = _ended_jobs(rt, views)
     grace = Policy.from_settings(rt.settings).grace

@@ -478,7 +478,7 @@ def out_of_attempts(attempts: int, max_job_attempts: int) -> bool:
 class StopStep(Enum):
     """What the sweep does about the Job of a dispatch ended FAILED or CANCELLED (`stop_step`)."""
 
-    MARK = "mark"  # the Job runs no more: record it, the dispatch's slot is free
+    MARK = "mark"  # the Job runs no more (finished, or gone): record it, the dispatch's slot is free
     STOP = "stop"  # the Job may run: release it and its Pods and delete it, then look again
     WAIT = "wait"  # no Job, but a create that started before the end may yet make one
 
@@ -486,18 +486,24 @@ class StopStep(Enum):
 def stop_step(view: DispatchView, job: JobDict | None, *, now: datetime, grace: timedelta) -> StopStep:
     """Pure: `job` is the dispatch's Job as just read (None: there is none).
 
-    A Job that finished and was released (our finalizer off) is stopped; one that still runs,
-    or holds our finalizer (a deleted Job's Pods are not collected while it does), is stopped
-    by deleting it. No Job: stopped, unless none was ever recorded and the end is younger than
-    the grace period (a create that read the row before the end may still make one).
+    A Job that has finished (a final condition: its Pods are done) runs no more, whatever clean-up
+    is left (its release is the completion path's, or the LIST's). One that still runs, or was
+    deleted before it finished (its Pods are not collected while our finalizer holds it), is
+    stopped by deleting it. No Job: stopped, unless none was ever recorded and the end is younger
+    than the grace period (a create that read the row before the end may still make one).
     """
     if job is not None:
-        finished = job_state(job).terminal and not _metadata(job).get("deletionTimestamp")
-        released = FINALIZER not in (_metadata(job).get("finalizers") or [])
-        return StopStep.MARK if finished and released else StopStep.STOP
+        return StopStep.MARK if finished(job) else StopStep.STOP
     if view.job_created_at is not None or view.finished_at is None or now - view.finished_at >= grace:
         return StopStep.MARK
     return StopStep.WAIT
+
+
+def finished(job: JobDict) -> bool:
+    """Whether the Job carries a final condition (pure): unlike `job_state`, a Job being deleted
+    before it finished is not finished here, its Pods may still run."""
+    metadata = {k: v for k, v in _metadata(job).items() if k != "deletionTimestamp"}
+    return job_state({**job, "metadata": metadata}).terminal
 
 
 class TamperStep(Enum):

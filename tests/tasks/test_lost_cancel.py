@@ -86,3 +86,38 @@ def test_a_lost_cancel_has_its_job_deleted_by_the_sweep_and_its_slot_held_until_
     d.send(names.CANCEL_TASK, second)  # the normal path, to leave nothing running
     d.wait_terminal([second], timeout_s=30)
     d.wait_no_jobs(timeout_s=30)
+
+
+FAILING = {
+    "sim.fail": {
+        "worker": "sim", "image": "sim:1", "backoffLimit": 0,
+        "annotations": {SIM + "duration-ms": "300", SIM + "outcome": "fail"},
+    }
+}  # fmt: skip
+
+
+def test_a_failure_read_from_its_finished_job_frees_its_slot_at_once_not_a_sweep_later(deploy, sim_cluster) -> None:
+    d = deploy(
+        sim_cluster, capabilities=FAILING, limits=LIMITS, poll_interval_s="0.5", sweep_interval_s="600",
+        sweep_grace_s="1",
+    )  # fmt: skip
+    d.start_worker("w1")
+    d.start_beat()
+    case_id = d.new_case("solo")
+    requests = [store.ScheduleRequest(case_id, "solo", "sim.fail", {"i": i}, f"k-{uuid.uuid4()}") for i in range(3)]
+    with transaction(d.sessions) as session:
+        ids = [
+            r.dispatch_id
+            for r in schedule_many_in_session(
+                session, requests, router=CapabilityResolver.from_settings(d.settings),
+                max_input_bytes=d.settings.max_input_bytes, via=d.producer,
+            )
+        ]  # fmt: skip
+    # One at a time, each admitted when the one before failed: its Job had finished, so the worker
+    # that recorded the failure frees the slot (the sweep, ten minutes away, never comes).
+    events = d.wait_terminal(ids, timeout_s=60)
+    assert all(e[0][0] == EventType.WORKER_FAILED.value for e in events.values()), events
+    with transaction(d.sessions) as session:
+        rows = store.get_dispatches(session, ids)
+    assert all(r.job_stopped_at is not None for r in rows.values())
+    d.wait_no_jobs(timeout_s=30)
