@@ -559,11 +559,12 @@ def _ended_jobs(rt: Runtime, views: Sequence[DispatchView]) -> dict[tuple[str, s
     return jobs
 
 
-def mark_stopped(rt: Runtime, dispatch_ids: Sequence[str]) -> set[str]:
+def mark_stopped(rt: Runtime, dispatch_ids: Sequence[str], *, stop: bool = False) -> set[str]:
     """Of these dispatches, those ended FAILED or CANCELLED whose Job is seen finished or gone,
-    recorded stopped (their slots free); the ids marked. Nothing is deleted here: a Job still
-    running is the sweep's (category 7). What a worker runs right after recording ends, so that
-    a failure read from a finished Job frees its slot at once, not a sweep later.
+    recorded stopped (their slots free); the ids marked. With `stop`, a Job still running is
+    stopped first (`stop_job`), else it is left to the sweep (category 7). What a worker runs
+    right after recording ends, so that a failure read from a finished Job, or a cancel, frees
+    its slot at once, not a sweep later.
 
     Raises:
         DispatchError: the database or the API failed (the sweep marks them later).
@@ -583,11 +584,12 @@ def mark_stopped(rt: Runtime, dispatch_ids: Sequence[str]) -> set[str]:
         return set()
     jobs = _ended_jobs(rt, views)
     grace = Policy.from_settings(rt.settings).grace
-    ids = [
-        v.dispatch_id
-        for v in views
-        if stop_step(v, jobs.get((v.namespace, v.job_name)), now=now, grace=grace) is StopStep.MARK
-    ]
+    ids: list[str] = []
+    for v in views:
+        job = jobs.get((v.namespace, v.job_name))
+        step = stop_step(v, job, now=now, grace=grace)
+        if step is StopStep.MARK or (stop and step is StopStep.STOP and job is not None and stop_job(rt, v, job)):
+            ids.append(v.dispatch_id)
     if not ids:
         return set()
     with transaction(rt.sessions) as session:
@@ -742,18 +744,11 @@ class Executor:
         """Release and delete an ended dispatch's Job (exact by its uid), its Pods freed first;
         True once a GET finds it gone. Released with the delivered label, so that a DELETE that
         fails leaves it to the bulk delete."""
-        rt = self.rt
-        metadata = job.get("metadata") or {}
-        namespace, name = view.namespace, view.job_name
         log.warning(
             "dispatch %s ended %s (%s) while its job %s/%s may still run; deleting it",
-            view.dispatch_id, view.state, view.reason, namespace, name,
+            view.dispatch_id, view.state, view.reason, view.namespace, view.job_name,
         )  # fmt: skip
-        delivery.release_pods(rt, namespace, delivery.pods_by_job(rt, namespace, [name])[name])
-        delivery.release_job(rt, namespace, name, snapshot=job)
-        rt.kube.delete_job(namespace, name, propagation="Background", uid=metadata.get("uid"))
-        now = _job_or_none(rt, namespace, name)
-        return now is None or (now.get("metadata") or {}).get("uid") != metadata.get("uid")
+        return stop_job(self.rt, view, job)
 
     def _tampered(self, action: TamperedJob) -> _Outcome:
         """Category 8, decided by `tamper_step` under the dispatch's guard claim with its row read
@@ -1152,6 +1147,19 @@ def _snapshots(actions: Sequence[CompleteJob | CleanUpJob]) -> list[Mapping[str,
     if len(jobs) != len(actions):
         raise ValueError("a CompleteJob without the LIST's snapshot goes through Executor.one")
     return jobs
+
+
+def stop_job(rt: Runtime, view: DispatchView, job: Mapping[str, Any]) -> bool:
+    """Release and delete an ended dispatch's Job (exact by its uid), its Pods freed first; True
+    once a GET finds it gone. Released with the delivered label, so that a DELETE that fails
+    leaves it to the bulk delete. Idempotent: a cancel's own clean-up after it finds nothing."""
+    metadata = job.get("metadata") or {}
+    namespace, name = view.namespace, view.job_name
+    delivery.release_pods(rt, namespace, delivery.pods_by_job(rt, namespace, [name])[name])
+    delivery.release_job(rt, namespace, name, snapshot=job)
+    rt.kube.delete_job(namespace, name, propagation="Background", uid=metadata.get("uid"))
+    now = _job_or_none(rt, namespace, name)
+    return now is None or (now.get("metadata") or {}).get("uid") != metadata.get("uid")
 
 
 def _job_or_none(rt: Runtime, namespace: str, name: str) -> Mapping[str, Any] | None:

@@ -91,13 +91,14 @@ def run_coalesced(rt: Runtime, sender: Celery) -> int:
 def on_ended(rt: Runtime, sender: Celery, dispatch_ids: Sequence[str]) -> None:
     """`Runtime.on_ended`: dispatches ended, so run admission (if limits are configured). A slot
     frees once its Job runs no more: a completion's at once; a failure's or a cancel's once its
-    Job is seen finished or gone, recorded here first (`reconcile.mark_stopped`: a failure read
-    from a finished Job frees its slot now; a Job still running keeps it until the sweep has
-    deleted it). Never raises: the end is recorded, and the sweep and beat's next pass follow."""
+    Job is seen finished or gone, recorded here first (`reconcile.mark_stopped`): a Job still
+    running is deleted now (the cancel's own clean-up that follows finds it gone), and one that
+    cannot be is left to the sweep, its slot held. Never raises: the end is recorded, and the
+    sweep and beat's next pass follow."""
     if not rt.resolver.limits:
         return
     try:
-        reconcile.mark_stopped(rt, dispatch_ids)
+        reconcile.mark_stopped(rt, dispatch_ids, stop=True)
     except DispatchError as e:
         log.info("checking the jobs of %d ended dispatches failed (%s); the sweep does", len(dispatch_ids), e)
     try:

@@ -121,3 +121,32 @@ def test_a_failure_read_from_its_finished_job_frees_its_slot_at_once_not_a_sweep
         rows = store.get_dispatches(session, ids)
     assert all(r.job_stopped_at is not None for r in rows.values())
     d.wait_no_jobs(timeout_s=30)
+
+
+def test_a_cancel_sent_as_usual_frees_its_slot_once_its_job_is_gone_not_a_sweep_later(deploy, sim_cluster) -> None:
+    d = deploy(
+        sim_cluster, capabilities=CAPABILITIES, limits=LIMITS, poll_interval_s="0.5", sweep_interval_s="600",
+        sweep_grace_s="1",
+    )  # fmt: skip
+    d.start_worker("w1")
+    d.start_beat()
+    case_id = d.new_case("solo")
+    requests = [store.ScheduleRequest(case_id, "solo", "sim.long", {"i": i}, f"k-{uuid.uuid4()}") for i in range(2)]
+    with transaction(d.sessions) as session:
+        schedule_many_in_session(
+            session, requests, router=CapabilityResolver.from_settings(d.settings),
+            max_input_bytes=d.settings.max_input_bytes, via=d.producer,
+        )  # fmt: skip
+    (running,) = d.wait(lambda: d.jobs(), what="the job of the dispatch admitted first")
+    first = running["metadata"]["labels"][job_labels.DISPATCH_ID_KEY]
+    seen: list[set[str]] = []
+
+    def next_one_alone() -> bool:
+        seen.append({j["metadata"]["labels"][job_labels.DISPATCH_ID_KEY] for j in d.jobs()})
+        return len(seen[-1]) == 1 and first not in seen[-1]
+
+    d.send(names.CANCEL_TASK, first)  # the cancel task: records the end and deletes the Job
+    d.wait(next_one_alone, timeout_s=30, what="the next dispatch's job, alone")  # the sweep is ten minutes away
+    assert max(len(s) for s in seen) == 1, seen
+    d.send(names.CANCEL_TASK, (seen[-1] - {first}).pop())
+    d.wait_no_jobs(timeout_s=30)
