@@ -174,6 +174,7 @@ class ChaosResult:
     cancelled: list[str] = field(default_factory=list)  # dispatches cancelled with the follow-up lost
     release: str = ""  # the previous release's commit (a rolling upgrade), or ""
     temp_dirs: list[str] = field(default_factory=list)  # outside the work dir, removed at the end
+    deaf: list[str] = field(default_factory=list)  # processes that went on consuming nothing after a Redis restart
 
     def count_done(self, kind: FaultKind) -> int:
         return sum(1 for d in self.done if d.fault.kind is kind and d.ok)
@@ -188,7 +189,7 @@ class ChaosResult:
 
     @property
     def ok(self) -> bool:
-        return self.error is None and self.converged_s is not None and self.verdict.ok
+        return self.error is None and self.converged_s is not None and self.verdict.ok and not self.deaf
 
     def final_line(self) -> str:
         v = self.verdict
@@ -235,6 +236,7 @@ class ChaosResult:
             "hand_edited": self.edited,
             "cancels_lost": self.cancelled,
             "temp_dirs": self.temp_dirs,
+            "deaf_after_redis_restart": self.deaf,
             "db_connections_killed": self.db_connections_killed,
             "converged_s": round(self.converged_s, 1) if self.converged_s is not None else None,
             "seed": self.options.seed,
@@ -371,6 +373,8 @@ class _Run:
         self.by_task: dict[str, Planned] = {}  # dispatch id -> its planned dispatch, sent as the task
         self.old_schema = False  # the previous release's schema: before the rolling upgrade's migrate
         self.clocks: dict[str, SteppedClock] = {}
+        # name -> (process, its start count, its log's size) when the run's Redis came back
+        self.across_broker_restart: dict[str, tuple[ManagedProcess, int, int]] = {}
         self.shim: Path | None = None
         self.edited_ids: set[str] = set()  # dispatches cancelled or whose Job was edited by hand
         self.ids_lock = threading.Lock()
@@ -610,6 +614,7 @@ class _Run:
             lease_s = self.settings.guard_lease_ms / 1000
             with contextlib.suppress(WaitTimeout):  # judged below
                 wait_until(lambda: not self._claims(), timeout=lease_s + 5, interval=TICK_S, what="no guard claim")
+        self.result.deaf = self._deaf_after_broker_restart()
         self._judge()
 
     def _tick(self) -> None:
@@ -832,7 +837,29 @@ class _Run:
             server.proc.kill(signal.SIGKILL)
             self.stop.wait(OUTAGE_S)  # down for a while even when stopping: start it again below
             server.start()
+            if server is self.own_redis:  # who must reconnect and go on: judged at the end
+                self.across_broker_restart = {
+                    name: (proc, proc.starts, proc.log_path.stat().st_size if proc.log_path.exists() else 0)
+                    for name, proc in self.procs.items()
+                }
         return f"{server.proc.name} (pid {pid}) SIGKILLed, down {OUTAGE_S:g}s, started again (pid {server.proc.pid})"
+
+    def _deaf_after_broker_restart(self) -> list[str]:
+        """The processes that lived through the last Redis restart (neither killed nor replaced
+        since) and never showed, in their logs after it, that they reconnected and went on: a
+        worker receiving a task, beat sending one (Celery has had consumers that stay connected
+        and consume nothing after a reconnect)."""
+        deaf = []
+        for name, (proc, starts, offset) in self.across_broker_restart.items():
+            if self.procs.get(name) is not proc or proc.starts != starts or not proc.alive:
+                continue  # started afresh since: its consuming is the verdict's to judge
+            with proc.log_path.open("rb") as log:
+                log.seek(offset)
+                after = log.read().decode(errors="replace")
+            went_on = "Sending due task" if name == BEAT else "] received"
+            if went_on not in after:
+                deaf.append(f"{name} (pid {proc.pid}): no {went_on.strip('] ')!r} in its log since the Redis restart")
+        return deaf
 
     def _cancel_losing_follow_up(self) -> str:
         """The engine cancels a few running dispatches; the broker loses every `cancel` message."""
@@ -891,21 +918,25 @@ class _Run:
         migrate_to_head(self.db_url, env=self.env)
         self.old_schema = False
         migrated = time.monotonic() - began
-        replaced = []
-        for name in [*worker_names(self.options.workers), BEAT]:
-            with self.proc_lock:  # the new one takes the name (kills and revivals hit it), then starts
-                if self.stop.is_set():
-                    raise _Stop
-                old = self.procs[name]
-                new = self._process(name, shim=self.shim, old=False)
-                new.starts = old.starts  # one log, numbered on
-                self.procs[name] = new
-                self.stack.callback(new.stop)
-                new.start()
-            old.stop()  # a warm shutdown beside its successor, as a rolling update's surge does
-            replaced.append(name)
+        replaced: list[ManagedProcess] = []
+        try:
+            for name in [*worker_names(self.options.workers), BEAT]:
+                with self.proc_lock:  # the new one takes the name (kills and revivals hit it), then starts
+                    if self.stop.is_set():
+                        raise _Stop
+                    old = self.procs[name]
+                    new = self._process(name, shim=self.shim, old=False)
+                    new.starts = old.starts  # one log, numbered on
+                    self.procs[name] = new
+                    self.stack.callback(new.stop)
+                    new.start()
+                old.kill(signal.SIGTERM)  # a warm shutdown beside its successor, as a rolling update's surge
+                replaced.append(old)
+        finally:
+            for old in replaced:
+                old.stop()  # SIGKILL after its grace period, as the kubelet does
         return (f"migrated to head in {migrated:.1f}s under the previous release ({self.result.release[:12]}); "
-                f"replaced {', '.join(replaced)} in turn")  # fmt: skip
+                f"replaced {', '.join(p.name for p in replaced)} in turn")  # fmt: skip
 
     def _delete_finished_pods(self) -> str:
         """`kubectl delete pod` of every finished Pod of ours, delivered or not: our finalizer must
@@ -1245,6 +1276,8 @@ def render(result: ChaosResult, console: Any) -> None:
         faults.add_row(kind.value, str(result.plan.count(kind)), str(sum(d.ok for d in done)), what)
     if result.unexpected_exits:
         faults.add_row("unexpected exits", "0", str(len(result.unexpected_exits)), "; ".join(result.unexpected_exits))
+    if result.deaf:
+        faults.add_row("deaf after the Redis restart", "0", str(len(result.deaf)), "; ".join(result.deaf))
     console.print(faults)
 
     outcomes = Table(title="terminal events")
