@@ -20,7 +20,7 @@ from runtimes import Notified, runtime_values, schedule
 
 from k8s_dispatch.engine import migrate, store
 from k8s_dispatch.engine.db import transaction
-from k8s_dispatch.engine.models import Dispatch, DispatchState, EventType
+from k8s_dispatch.engine.models import Dispatch, DispatchState, EventType, utcnow
 from k8s_dispatch.localcluster import LocalCluster
 from k8s_dispatch.ops.processes import wait_until
 from k8s_dispatch.recovery import delivery
@@ -442,7 +442,7 @@ def test_stale_actions_find_nothing_left_to_do(rt):
     # re-created `lost` (its attempts moved on).
     with transaction(rt.sessions) as session:
         store.record_attempt(session, lost)
-    report = SweepReport(dry_run=False, started_at=store.utcnow())
+    report = SweepReport(dry_run=False, started_at=utcnow())
     with Executor(rt, report, dry_run=False) as executor:
         executor.all(
             [
