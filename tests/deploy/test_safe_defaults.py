@@ -73,14 +73,24 @@ def test_the_documented_secret_command_makes_the_keys_the_pods_read() -> None:
     assert read == set(example["stringData"])  # each key is read by some pod or KEDA, none is missing
 
 
-def test_set_file_capabilities_renders_without_a_warning() -> None:
-    done = run(
-        [str(helm_binary()), "template", RELEASE, str(CHART),
-         "--set-file", f"capabilities.inline={DEPLOY / 'capabilities.example.yaml'}"],
-    )  # fmt: skip
-    assert done.returncode == 0 and done.stderr == "", done.stderr
+def _capabilities(*args: str) -> tuple[str, str]:
+    """`helm template` with `args`: (its stderr, the capabilities ConfigMap's file)."""
+    done = run([str(helm_binary()), "template", RELEASE, str(CHART), *args])
+    assert done.returncode == 0, done.stderr
     (config_map,) = [d for d in yaml.safe_load_all(done.stdout) if d and d["kind"] == "ConfigMap"]
-    assert config_map["data"]["capabilities.yaml"] == (DEPLOY / "capabilities.example.yaml").read_text()
+    return done.stderr, config_map["data"]["capabilities.yaml"]
+
+
+def test_capabilities_as_text_or_as_a_mapping_render_without_a_warning(tmp_path: Path) -> None:
+    example = DEPLOY / "capabilities.example.yaml"
+    assert _capabilities("--set-file", f"capabilities.inline={example}") == ("", example.read_text())
+    mapping = {"capabilities": {"echo": {"worker": "shell", "image": "busybox:1.36", "command": ["echo"]}}}
+    values = tmp_path / "values.yaml"
+    values.write_text(yaml.safe_dump({"capabilities": {"inline": mapping}}))
+    warnings, text = _capabilities("--values", str(values))
+    assert warnings == "" and yaml.safe_load(text) == mapping
+    warnings, text = _capabilities()  # unset: the chart's own file
+    assert warnings == "" and text == (CHART / "files" / "capabilities.yaml").read_text()
 
 
 def test_the_charts_monitoring_files_are_deploy_monitorings() -> None:

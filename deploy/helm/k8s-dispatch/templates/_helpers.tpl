@@ -25,6 +25,18 @@ helm.sh/chart: {{ printf "%s-%s" .ctx.Chart.Name .ctx.Chart.Version }}
 {{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
 {{- end -}}
 
+{{/* The capability file's text: capabilities.inline (text, or a mapping as YAML), else the chart's default. */}}
+{{- define "kd.capabilitiesText" -}}
+{{- $inline := .Values.capabilities.inline -}}
+{{- if not $inline -}}
+{{- .Files.Get "files/capabilities.yaml" -}}
+{{- else if kindIs "string" $inline -}}
+{{- $inline -}}
+{{- else -}}
+{{- toYaml $inline -}}
+{{- end -}}
+{{- end -}}
+
 {{- define "kd.capabilitiesConfigMap" -}}
 {{- .Values.capabilities.existingConfigMap | default (printf "%s-capabilities" (include "kd.fullname" .)) -}}
 {{- end -}}
@@ -38,7 +50,7 @@ labels:
   {{- end }}
 {{- $annotations := merge (dict) (.annotations | default dict) (.ctx.Values.podAnnotations | default dict) }}
 {{- if not .ctx.Values.capabilities.existingConfigMap }}
-{{- $_ := set $annotations "checksum/capabilities" (toYaml .ctx.Values.capabilities.inline | sha256sum) }}
+{{- $_ := set $annotations "checksum/capabilities" (include "kd.capabilitiesText" .ctx | sha256sum) }}
 {{- end }}
 {{- with $annotations }}
 annotations:
