@@ -241,3 +241,20 @@ def _row_disagrees(event: TerminalEvent, row: RowSnapshot | None) -> str | None:
 def _outcome(event: TerminalEvent) -> str:
     reason = (event.payload or {}).get("reason")
     return f"{event.type}:{reason}" if reason else event.type
+
+
+UNEXPECTED = "raised unexpected: "  # what a Celery worker logs for an exception its task did not expect
+
+
+def unexpected_task_errors(logs: Mapping[str, str]) -> list[str]:
+    """Each task failure a worker logged as unexpected (pure): `logs` maps a process's name to its
+    log's text; one "name: the exception" per such line. None may escape a task: a fault of the
+    cluster, the database or the broker is a typed, retried error, never a surprise."""
+    found = []
+    for name, text in sorted(logs.items()):
+        for line in text.splitlines():
+            at = line.find(UNEXPECTED)
+            if at >= 0:
+                task = line[line.find("Task ") + 5 : line.find("[", line.find("Task "))] if "Task " in line else "?"
+                found.append(f"{name}: {task}: {line[at + len(UNEXPECTED) :]}")
+    return found

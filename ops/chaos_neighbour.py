@@ -1,6 +1,7 @@
 """A second deployment on the chaos run's namespace: its own database and key prefix (so its own
 deployment label), one worker and beat, its own dispatches fed at a steady rate, and no faults of
-its own. Both deployments use `ORPHAN_POLICY=delete`: had either seen the other's Jobs, it would
+its own: only those of the servers it shares with the run (the run's own Redis and PostgreSQL
+restarted, the API's errors and restart). Both deployments use `ORPHAN_POLICY=delete`: had either seen the other's Jobs, it would
 delete them as orphans, and their work would end JobLost. Judged on its own, then added to the
 run's verdict: both must end clean.
 """

@@ -365,3 +365,18 @@ def test_idle_namespaces_each_get_a_capability_that_the_resolver_watches(tmp_pat
         load_settings({"K8S_DISPATCH_CAPABILITIES": str(path), "K8S_DISPATCH_NAMESPACE": "chaos"})
     )
     assert resolver.namespaces("chaos") == {"chaos", *idle}  # 49 here, the moved file adds chaos-moved
+
+
+def test_an_exception_a_task_did_not_expect_is_found_in_the_worker_logs_and_nothing_else_is():
+    from k8s_dispatch.ops.chaos_checks import unexpected_task_errors
+
+    logs = {
+        "worker-1.log": "[2026-12-02 07:01:00,981: ERROR/MainProcess] Task k8s-dispatch.sweep[170e] raised "
+        "unexpected: ValueError('zip() argument 2 is shorter than argument 1')\nTraceback ...\n",
+        "worker-2.log": "[...] Task k8s-dispatch.poll[1] retry: Retry in 1s: ApiUnavailable('500')\n"
+        "[...] Task k8s-dispatch.create_jobs[2] succeeded in 0.1s: None\n",
+    }
+    assert unexpected_task_errors(logs) == [
+        "worker-1.log: k8s-dispatch.sweep: ValueError('zip() argument 2 is shorter than argument 1')"
+    ]
+    assert unexpected_task_errors({"worker-2.log": logs["worker-2.log"]}) == []

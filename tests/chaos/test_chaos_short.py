@@ -136,6 +136,7 @@ def test_a_short_chaos_run_loses_nothing_doubles_nothing_and_leaves_nothing(tmp_
     assert result["db_connections_killed"] > 0, "the database kill found no worker connection"
     assert result["unexpected_exits"] == [], result["unexpected_exits"]
     assert result["deaf_after_redis_restart"] == [], result["deaf_after_redis_restart"]
+    assert result["unexpected_task_errors"] == [], result["unexpected_task_errors"]  # each fault a typed error
     assert sum(result["outcomes"].values()) == 330
     assert set(result["outcomes"]) >= PLANNED_OUTCOMES, result["outcomes"]
     # Other ends only for the dispatches cancelled or edited by hand (each judged: one end, no Job).
