@@ -468,7 +468,13 @@ class KubeClient:
 
         With finalizers left on it the Job is only marked for deletion.
         """
-        extra: dict[str, Any] = {"body": k8s.V1DeleteOptions(preconditions=k8s.V1Preconditions(uid=uid))} if uid else {}
+        # With a body kube-apiserver reads the options from it alone (the query's propagationPolicy
+        # is ignored, and a batch/v1 Job's default orphans its Pods): the policy goes in the body too.
+        extra: dict[str, Any] = (
+            {"body": k8s.V1DeleteOptions(preconditions=k8s.V1Preconditions(uid=uid), propagation_policy=propagation)}
+            if uid
+            else {}
+        )
         try:
             self._call(
                 f"delete job {namespace}/{name}",
