@@ -164,7 +164,5 @@ class WatchStream:
         finally:
             self._closed.set()
             self._items.put(_END)
-            # Closed, not returned to the pool: with unread bytes left it could not be reused as is,
-            # and a poll of many namespaces closes more streams than the pool keeps (each would
-            # be discarded with a warning). The pool makes a new connection when it has none.
-            self._response.close()
+            self._response.close()  # unread bytes left: the connection is not returned to the pool as is
+            self._response.release_conn()
