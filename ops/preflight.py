@@ -97,9 +97,11 @@ def require_redis(client: redis.Redis, url: str) -> None:
 def require_api(kube: KubeClient, namespace: str, *, kubeconfig: Path | None) -> None:
     """The API server answers a one-item LIST of Jobs in `namespace` with our credentials.
 
+    An API that is unavailable (5xx, 429, no answer) is not stopped here: the command goes on
+    and reports it per category, as it does any transient failure (exit 1, the next sweep retries).
+
     Raises:
         ConfigError: reason Unauthorized (the credentials were refused) or Forbidden (no RBAC).
-        ApiUnavailable: the server could not be reached or failed.
     """
     source = f"{kubeconfig}" if kubeconfig is not None else "the in-cluster config or ~/.kube/config"
     try:
@@ -120,7 +122,5 @@ def require_api(kube: KubeClient, namespace: str, *, kubeconfig: Path | None) ->
                 reason="Forbidden",
             ) from e
         raise
-    except ApiUnavailable as e:
-        raise ApiUnavailable(
-            f"start the API server or fix the server address in {source} (K8S_DISPATCH_KUBECONFIG): {e}"
-        ) from e
+    except ApiUnavailable:
+        return
