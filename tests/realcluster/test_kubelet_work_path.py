@@ -56,20 +56,32 @@ def started(deploy_: Any, cluster: Any, capabilities: dict[str, Any]) -> Any:
     return d
 
 
+def _writes_x(pad: int) -> dict[str, Any]:
+    """A capability whose result is {"x": "aaa..."} with `pad` a's: 8 + `pad` bytes of JSON."""
+    return busybox(f"""printf '{{"x":"%s"}}' "$(head -c {pad} /dev/zero | tr '\\0' a)" > /dev/termination-log""")
+
+
 def test_the_example_echo_and_a_4096_byte_result_come_back_byte_for_byte_from_the_kubelet(deploy, kubelet_cluster):
     pad = RESULT_BYTES - len('{"x":""}')
     capabilities = {
         "echo": EXAMPLE["echo"],  # deploy/capabilities.example.yaml's, unchanged
-        "full": busybox(f"""printf '{{"x":"%s"}}' "$(head -c {pad} /dev/zero | tr '\\0' a)" > /dev/termination-log"""),
+        "full": _writes_x(pad),
+        "over": _writes_x(pad + 1),  # one byte more than a termination message holds
     }
     d = started(deploy, kubelet_cluster, capabilities)
     [echo_id] = d.schedule_batch("echo", 1)
     [full_id] = d.schedule_batch("full", 1)
-    events = d.wait_terminal([echo_id, full_id], timeout_s=120)
+    [over_id] = d.schedule_batch("over", 1)
+    events = d.wait_terminal([echo_id, full_id, over_id], timeout_s=120)
     assert events[echo_id] == [(EventType.WORKER_COMPLETED, {"output": {"echo": {"i": 0}}})]
     assert events[full_id] == [(EventType.WORKER_COMPLETED, {"output": {"x": "a" * pad}})]
+    # The kubelet keeps the message's LAST 4,096 bytes: what is left is no result, never a wrong one.
+    [(event, payload)] = events[over_id]
+    assert (event, payload["reason"]) == (EventType.WORKER_FAILED, "ResultNotJson"), payload
+    # one byte over: the kubelet cut the first, the '{'
+    assert """the message begins '"x":"aaaa""" in payload["message"], payload["message"]
     assert_no_pod_left(d)
-    assert sorted(d.notifications()) == sorted([echo_id, full_id])
+    assert sorted(d.notifications()) == sorted([echo_id, full_id, over_id])
 
 
 def test_a_container_over_its_memory_limit_is_oom_killed_by_the_kernel(deploy, kubelet_cluster):
