@@ -19,6 +19,7 @@ import contextlib
 import errno
 import json
 import os
+import re
 import secrets
 import signal
 import socket
@@ -140,6 +141,16 @@ def hosts_toml(port: int) -> str:
     return f"server = 'https://127.0.0.1:{port}'\n\n[host.'https://127.0.0.1:{port}']\n  capabilities = ['pull', 'resolve']\n"
 
 
+def pod_subnet(routes: str, pick: Callable[[int], int] = secrets.randbelow) -> str:
+    """A 10.88.N.0/24 for this node's Pods that no route in `ip -o route`'s text already uses (another
+    node's bridge on this host): N drawn by `pick` among the free ones. Raises NodeFailed if none is."""
+    used = {int(m.group(1)) for m in re.finditer(r"\b10\.88\.(\d+)\.", routes)}
+    free = [n for n in range(1, 255) if n not in used]
+    if not free:
+        raise NodeFailed("every 10.88.N.0/24 on this host is taken by another node's bridge")
+    return f"10.88.{free[pick(len(free))]}.0/24"
+
+
 def cni_conflist(*, network: str, bridge: str, subnet: str, data_dir: Path) -> str:
     """A bridge with host-local addresses and no NAT: Pods get a network namespace, an address and
     a loopback, and reach nothing beyond this machine (they need nothing)."""
@@ -196,7 +207,7 @@ class Node:
         self.cgroup_root = f"/k8s-dispatch-{suffix}"
         self.network = f"k8s-dispatch-{suffix}"
         self.bridge = f"kd{suffix}"  # at most 15 characters
-        self.subnet = f"10.88.{secrets.randbelow(254) + 1}.0/24"  # two nodes on one host keep apart
+        self.subnet = ""  # chosen at start, apart from every other node's on this host
         self.socket = self.directory / "containerd" / "containerd.sock"
         self.state = self.directory / "containerd" / "state"
         self.images: list[images.Archive] = []
@@ -248,6 +259,8 @@ class Node:
 
     def _start_containerd(self) -> None:
         base = self.directory / "containerd"
+        routes = subprocess.run(["ip", "-o", "route"], capture_output=True, text=True, check=False).stdout
+        self.subnet = pod_subnet(routes)
         cni_conf, certs = base / "net.d", base / "certs.d" / "_default"
         for d in (cni_conf, certs, self.state):
             d.mkdir(parents=True, exist_ok=True)

@@ -14,6 +14,7 @@ import tomllib
 import uuid
 from pathlib import Path
 
+import pytest
 import yaml
 from kubernetes import client, config
 
@@ -89,6 +90,14 @@ def test_the_kubelet_runs_on_cgroup_v1_with_cgroupfs_and_serves_only_loopback(tm
     conflist = json.loads(node.cni_conflist(network="n", bridge="kdabc", subnet="10.88.7.0/24", data_dir=tmp_path))
     [bridge] = conflist["plugins"]
     assert (bridge["type"], bridge["ipMasq"], bridge["ipam"]["dataDir"]) == ("bridge", False, str(tmp_path))
+
+
+def test_a_pod_subnet_is_one_no_route_on_the_host_uses() -> None:
+    routes = "default via 10.0.0.1 dev eth0\n10.88.1.0/24 dev kdaaa proto kernel scope link src 10.88.1.1\n"
+    assert node.pod_subnet(routes, pick=lambda n: 0) == "10.88.2.0/24"  # 1 is another node's
+    taken = "".join(f"10.88.{n}.0/24 dev kd{n}\n" for n in range(1, 255))
+    with pytest.raises(node.NodeFailed, match="taken"):
+        node.pod_subnet(taken)
 
 
 # --- for real -----------------------------------------------------------------------------------
