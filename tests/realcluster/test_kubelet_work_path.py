@@ -3,7 +3,7 @@ Redis: the kubelet writes the termination message a result is read from (4,096 b
 byte for byte), the kernel's OOM killer ends a container over its memory limit, containerd fails
 to pull an image that is not on the node (from a closed loopback port: nothing leaves the machine)
 and refuses a name that is no reference, kube-scheduler refuses a request no node can hold, the
-kubelet kills a real `sleep` at `activeDeadlineSeconds` and serves the log tail of a container
+kubelet kills a real `sleep` at `activeDeadlineSeconds` and on a cancel, serves the log tail of a container
 that failed, and `kubectl drain` (the Eviction API) disrupts a running dispatch that completes once
 after `kubectl uncordon`. Each dispatch ends in exactly one terminal event with the node's cause.
 """
@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from k8s_dispatch import celeryconfig as names
 from k8s_dispatch.engine import store
 from k8s_dispatch.engine.db import transaction
 from k8s_dispatch.engine.models import EventType
@@ -173,6 +174,18 @@ def test_active_deadline_seconds_kills_a_real_sleep(deploy, kubelet_cluster):
     payload, _ = ended(d, dispatch_id, timeout_s=90)
     assert payload["reason"] == "DeadlineExceeded", payload
     d.wait(lambda: not _processes(argv), timeout_s=60, what="the kubelet killed the sleep")
+    assert_no_pod_left(d)
+
+
+def test_a_cancel_stops_the_real_container(deploy, kubelet_cluster):
+    argv = b"sleep\x00617\x00"
+    d = started(deploy, kubelet_cluster, {"long": busybox("trap 'exit 143' TERM; sleep 617 & wait $!")})
+    [dispatch_id] = d.schedule_batch("long", 1)
+    d.wait(lambda: _processes(argv), timeout_s=60, what="the container's sleep running on the host")
+    d.send(names.CANCEL_TASK, dispatch_id, reason="UserCancelled")
+    events = d.wait_terminal([dispatch_id], timeout_s=60)
+    assert events[dispatch_id] == [(EventType.WORKER_CANCELLED, {"reason": "UserCancelled"})]
+    d.wait(lambda: not _processes(argv), timeout_s=60, what="the kubelet stopped the container")
     assert_no_pod_left(d)
 
 
