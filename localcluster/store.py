@@ -82,6 +82,13 @@ class Event:
         return self.entry.rv
 
 
+def _at_version(entry: Entry, rv: int) -> Entry:
+    """`entry`'s object as it was, stamped with resourceVersion `rv` (a watch cache's DELETED for
+    an object that stopped matching: its previous content, the event's version)."""
+    obj = {**entry.obj, "metadata": {**entry.obj["metadata"], "resourceVersion": str(rv)}}
+    return Entry(entry.resource, entry.namespace, entry.name, obj, rv)
+
+
 class Gone(Exception):
     """The requested resourceVersion is older than the oldest event kept."""
 
@@ -113,6 +120,8 @@ class Watcher:
         if event.type == MODIFIED and event.old is not None:
             before = self.predicate(event.old)
             kind = MODIFIED if before and now else ADDED if now else DELETED if before else None
+            if kind == DELETED:  # left the selector: kube-apiserver sends what matched, at this version
+                entry = _at_version(event.old, entry.rv)
         elif event.type == DELETED:
             kind = DELETED if now or (event.old is not None and self.predicate(event.old)) else None
         else:

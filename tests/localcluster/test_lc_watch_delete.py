@@ -48,6 +48,8 @@ def test_watch_from_a_list_sees_changes_in_order(sim: Api) -> None:
     kinds = [(k, n) for k, n, _ in events]
     assert ("ADDED", "w2") in kinds and ("DELETED", "w2") in kinds
     assert ("DELETED", "w1") in kinds  # a label change out of the selector reads as DELETED
+    # ... carrying the object as it matched (kube-apiserver's watch cache sends the previous content)
+    assert [labels.get("w") for k, n, labels in events if (k, n) == ("DELETED", "w1")] == ["yes"]
     assert all(n != "other" for _, n in kinds)
     assert kinds.index(("ADDED", "w2")) < kinds.index(("DELETED", "w2"))
 
