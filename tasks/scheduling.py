@@ -53,15 +53,35 @@ CANCELLED_REASON = "Cancelled"  # as recovery.delivery's, the reason a cancel re
 
 
 def schedule_in_session(
-    session: Session, *, via: Celery | None = None, now: Any = None, **request: Any
+    session: Session,
+    *,
+    case_id: str,
+    tenancy_id: str,
+    capability: str,
+    input: Any,
+    idempotency_key: str,
+    router: store.CapabilityRouter,
+    max_input_bytes: int,
+    dispatch_id: str | None = None,
+    priority: int = 0,
+    via: Celery | None = None,
+    now: Any = None,
 ) -> store.ScheduleResult:
     """`engine.store.schedule` inside the caller's transaction; `create_jobs` is sent after commit.
 
     Takes `store.schedule`'s keyword arguments: `schedule_many_in_session` for one request.
     """
-    router, max_input_bytes = request.pop("router"), request.pop("max_input_bytes")
+    request = store.ScheduleRequest(
+        case_id=case_id,
+        tenancy_id=tenancy_id,
+        capability=capability,
+        input=input,
+        idempotency_key=idempotency_key,
+        dispatch_id=dispatch_id,
+        priority=priority,
+    )
     (result,) = schedule_many_in_session(
-        session, [store.ScheduleRequest(**request)], router=router, max_input_bytes=max_input_bytes, via=via, now=now
+        session, [request], router=router, max_input_bytes=max_input_bytes, via=via, now=now
     )
     return result
 
