@@ -6,9 +6,10 @@ start fast and never touch the broker, the database or the cluster on their own.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -21,6 +22,18 @@ if TYPE_CHECKING:
     from k8s_dispatch.workers.resolver import CapabilityResolver
 
 # Exit codes scripts can rely on.
+# `chaos --skip NAME`: the options that leave a class of fault out.
+CHAOS_SKIPPABLE: dict[str, dict[str, Any]] = {
+    "redis_restart": {"redis_restarts": 0},
+    "pg_restart": {"pg_restarts": 0},
+    "lost_cancel": {"lost_cancels": 0},
+    "label_edit": {"label_edits": 0},
+    "clock_step": {"clock_step_s": 0.0},
+    "rolling_upgrade": {"upgrade_from": None},
+    "idle_namespaces": {"idle_namespaces": 0},
+}
+
+
 EXIT_OK = 0
 EXIT_FAILED = 1  # the command ran and found a problem (a failed check, a lost dispatch)
 EXIT_USAGE = 2  # click's own code for bad arguments
@@ -293,10 +306,16 @@ def demo(count: int, broker: str, timeout_s: float, keep: bool) -> int:
     help="Start the workers and beat from this commit (a git worktree), migrate under them, then replace "
     "them (a rolling upgrade); 'none' for no upgrade.",
 )
+@click.option(
+    "--skip",
+    multiple=True,
+    type=click.Choice(sorted(CHAOS_SKIPPABLE)),
+    help="Leave out one class of fault (repeatable).",
+)
 @click.option("--show-plan", is_flag=True, help="Print the seed's fault schedule and exit; run nothing.")
 def chaos(dispatches: int, workers: int, seed: int | None, mode: str, cluster: str, no_ready_gate: bool,
           rate: float, kills: int, deadline: float, json_out: Path | None, database_url: str | None,
-          work_dir: Path | None, upgrade_from: str, show_plan: bool) -> int:  # fmt: skip
+          work_dir: Path | None, upgrade_from: str, skip: tuple[str, ...], show_plan: bool) -> int:  # fmt: skip
     """Run the system under abuse (kills, a broker flush, API faults and restart, a DB connection
     kill) against real PostgreSQL, Redis and a cluster (localcluster or the real control plane);
     check nothing is lost, doubled, wrong or left over. Ends with one `chaos: ...` line; exits 1 if
@@ -313,6 +332,7 @@ def chaos(dispatches: int, workers: int, seed: int | None, mode: str, cluster: s
         mode=mode, cluster=cluster, api_ready_gate=not no_ready_gate, rate=rate, kills=kills, deadline_s=deadline,
         database_url=database_url, work_dir=work_dir, upgrade_from=None if upgrade_from == "none" else upgrade_from,
     )  # fmt: skip
+    options = dataclasses.replace(options, **{k: v for name in skip for k, v in CHAOS_SKIPPABLE[name].items()})
     if show_plan:
         click.echo(f"seed {options.seed}: faults over {options.window_s:g}s\n{fault_plan(options).describe()}")
         return EXIT_OK

@@ -897,7 +897,8 @@ class Executor:
             for action in actions:
                 self._count(counts, action, partial(self._carry_out, action))
             return
-        for action, outcome in zip(actions, done.outcomes, strict=True):
+        # A Transient error stops the batch: `outcomes` covers the Jobs before it, in order.
+        for action, outcome in zip(actions[: len(done.outcomes)], done.outcomes, strict=True):
             acted = _Outcome.ACTED if outcome in _COMPLETE_ACTED else _Outcome.SKIPPED
             self._count(counts, action, partial(_decided, acted))
         if done.error is not None:  # the Jobs after the error were not tried: the next sweep does

@@ -22,7 +22,7 @@ from kombu.exceptions import ChannelError, LimitExceeded, OperationalError
 from k8s_dispatch import celeryconfig as names
 from k8s_dispatch.engine import store
 from k8s_dispatch.engine.db import transaction
-from k8s_dispatch.engine.errors import Permanent, Transient
+from k8s_dispatch.engine.errors import DispatchError, Permanent, Transient
 from k8s_dispatch.engine.models import DispatchState, utcnow
 from k8s_dispatch.engine.settings import PollMode
 from k8s_dispatch.recovery import delivery, disruptions, handoff, jobwatch, lease, statelog, supersede
@@ -44,6 +44,7 @@ class RetryOptions(TypedDict):
 
     autoretry_for: tuple[type[BaseException], ...]
     dont_autoretry_for: tuple[type[BaseException], ...]
+    throws: tuple[type[Exception], ...]
     retry_backoff: int
     retry_backoff_max: int
     retry_jitter: bool
@@ -57,6 +58,9 @@ class RetryOptions(TypedDict):
 RETRY: RetryOptions = {
     "autoretry_for": (Exception,),
     "dont_autoretry_for": (Permanent,),
+    # Expected ends, logged without a traceback: a Permanent refusal, or a Transient one that
+    # outlasted the retries (the database and the cluster still hold the work for the sweep).
+    "throws": (DispatchError,),
     "retry_backoff": 1,
     "retry_backoff_max": 60,
     "retry_jitter": True,
