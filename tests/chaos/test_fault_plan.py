@@ -179,3 +179,12 @@ def test_the_cli_shows_a_seeds_plan_without_running_anything(capsys):
     assert sum("clock_step worker-1 +600s" in line or "clock_step beat -600s" in line for line in lines) == 2
     assert main(["chaos", "--seed", "3", "--upgrade-from", "none", "--show-plan"]) == 0
     assert "rolling_upgrade" not in capsys.readouterr().out
+
+
+def test_the_cli_leaves_out_the_classes_of_fault_it_is_told_to_skip(capsys):
+    from k8s_dispatch.ops.cli import main
+
+    assert main(["chaos", "--seed", "3", "--skip", "redis_restart", "--skip", "clock_step", "--show-plan"]) == 0
+    out = capsys.readouterr().out
+    assert "redis_restart" not in out and "clock_step" not in out
+    assert sum(f" {kind}" in line for line in out.splitlines() for kind in ("pg_restart", "label_edit")) == 2
