@@ -129,7 +129,13 @@ def parse_result(message: str | None, *, exit_ok: bool) -> Result:
             detail=f"{e}: the store keeps only canonical JSON; the message begins {message[:200]!r}",
         )
     except (ValueError, RecursionError) as e:
-        return Result(reason=RESULT_NOT_JSON, detail=f"{e}; the message begins {message[:200]!r}")
+        cut = (
+            f"the message is {MAX_RESULT_BYTES} bytes, where the kubelet cuts a longer one (keeping its end): "
+            "the result was probably larger than that; "
+            if size == MAX_RESULT_BYTES
+            else ""
+        )
+        return Result(reason=RESULT_NOT_JSON, detail=f"{cut}{e}; the message begins {message[:200]!r}")
     return Result(output=output)
 
 

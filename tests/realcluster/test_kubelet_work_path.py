@@ -81,6 +81,7 @@ def test_the_example_echo_and_a_4096_byte_result_come_back_byte_for_byte_from_th
     assert (event, payload["reason"]) == (EventType.WORKER_FAILED, "ResultNotJson"), payload
     # one byte over: the kubelet cut the first, the '{'
     assert """the message begins '"x":"aaaa""" in payload["message"], payload["message"]
+    assert "where the kubelet cuts a longer one" in payload["message"], payload["message"]  # and says why
     assert_no_pod_left(d)
     assert sorted(d.notifications()) == sorted([echo_id, full_id, over_id])
 

@@ -178,6 +178,14 @@ def test_parse_result_size_limit(size: int, ok: bool) -> None:
     assert result.reason == (None if ok else RESULT_TOO_LARGE)
 
 
+def test_a_result_the_kubelet_cut_says_so_and_one_merely_not_json_does_not() -> None:
+    whole = json.dumps({"rows": ["x" * 100] * 50})  # over 4 KiB: the kubelet keeps its last 4,096 bytes
+    cut = parse_result(whole[-MAX_RESULT_BYTES:], exit_ok=True)
+    assert cut.reason == RESULT_NOT_JSON and cut.detail is not None and "kubelet cuts" in cut.detail
+    short = parse_result('{"a": 1', exit_ok=True)
+    assert short.reason == RESULT_NOT_JSON and short.detail is not None and "kubelet" not in short.detail
+
+
 def test_parse_result_counts_bytes_not_characters() -> None:
     message = json.dumps("é" * 2100, ensure_ascii=False)  # 2102 characters, 4202 bytes
     assert parse_result(message, exit_ok=True).reason == RESULT_TOO_LARGE
