@@ -25,12 +25,22 @@ def positive(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
+# Figures that may be 0 at the smoke size: a poll's kept watch stream sends no request in a short
+# window (the stream opened before it is read on), so "requests finding finished Jobs" can be none.
+MAY_BE_ZERO = ("api_load/finding_requests_per_s_ours_",)
+
+
+def non_negative(value: Any) -> bool:
+    return positive(value) or (isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0)
+
+
 def check_entry(entry: dict[str, Any], *, where: str) -> None:
     samples = entry["samples"]
     assert entry["label"] and entry["unit"], where
-    assert samples and all(positive(s) for s in samples), f"{where}: samples {samples}"
+    ok = non_negative if where.startswith(MAY_BE_ZERO) else positive
+    assert samples and all(ok(s) for s in samples), f"{where}: samples {samples}"
     for key in ("value", "median", "min", "max"):
-        assert positive(entry[key]), f"{where}: {key} = {entry[key]!r}"
+        assert ok(entry[key]), f"{where}: {key} = {entry[key]!r}"
     assert entry["value"] == entry["median"], where
     assert entry["min"] <= entry["median"] <= entry["max"], where
     assert entry["min"] == min(samples) and entry["max"] == max(samples), where
