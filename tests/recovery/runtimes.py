@@ -7,11 +7,14 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import kubernetes
 import yaml
 
 from k8s_dispatch.engine import store
 from k8s_dispatch.engine.db import transaction
 from k8s_dispatch.engine.errors import BrokerUnavailable
+from k8s_dispatch.localcluster import LocalCluster
+from k8s_dispatch.localcluster.quota import QUOTA_JOBS
 from k8s_dispatch.recovery.runtime import Runtime
 
 
@@ -71,3 +74,13 @@ def runtime_values(
         "K8S_DISPATCH_CAPABILITIES": str(caps),
         **{f"K8S_DISPATCH_{k.upper()}": v for k, v in settings.items()},
     }
+
+
+def set_job_quota(cluster: LocalCluster, namespace: str, limit: int | None) -> None:
+    """localcluster's Job quota of a namespace (`count/jobs.batch`), or none."""
+    api = kubernetes.config.new_client_from_config(config_file=str(cluster.kubeconfig))
+    try:
+        body = {"metadata": {"annotations": {QUOTA_JOBS: None if limit is None else str(limit)}}}
+        kubernetes.client.CoreV1Api(api).patch_namespace(namespace, body)
+    finally:
+        api.close()

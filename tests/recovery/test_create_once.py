@@ -10,16 +10,14 @@ import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import kubernetes
 import pytest
-from runtimes import runtime_values, schedule
+from runtimes import runtime_values, schedule, set_job_quota
 
 from k8s_dispatch.engine import migrate, store
 from k8s_dispatch.engine.db import transaction
 from k8s_dispatch.engine.errors import NotFound
 from k8s_dispatch.engine.models import DispatchState, EventType
 from k8s_dispatch.localcluster import LocalCluster
-from k8s_dispatch.localcluster.quota import QUOTA_JOBS
 from k8s_dispatch.ops.processes import wait_until
 from k8s_dispatch.recovery import delivery
 from k8s_dispatch.recovery.reconcile import run_sweep
@@ -170,15 +168,6 @@ def test_a_cancel_recorded_during_a_create_waits_for_it_and_finds_its_job(rt: Ru
     assert created == [{dispatch_id: delivery.CreateOutcome.CREATED}] and cancelled == [True]
     assert terminal_events(rt, dispatch_id) == [EventType.WORKER_CANCELLED]
     wait_until(lambda: gone(rt, dispatch_id), timeout=15, what="the cancelled dispatch's job deleted")
-
-
-def set_job_quota(cluster: LocalCluster, namespace: str, limit: int | None) -> None:
-    api = kubernetes.config.new_client_from_config(config_file=str(cluster.kubeconfig))
-    try:
-        body = {"metadata": {"annotations": {QUOTA_JOBS: None if limit is None else str(limit)}}}
-        kubernetes.client.CoreV1Api(api).patch_namespace(namespace, body)
-    finally:
-        api.close()
 
 
 def lose_job(rt: Runtime, dispatch_id: str) -> None:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterator
 
-import kubernetes
 import pytest
+from runtimes import set_job_quota
 
 from k8s_dispatch.engine import migrate, store
 from k8s_dispatch.engine.db import transaction
@@ -19,7 +19,6 @@ from k8s_dispatch.engine.errors import QuotaExceeded, Transient
 from k8s_dispatch.engine.models import DispatchState, EventType, utcnow
 from k8s_dispatch.engine.settings import load_settings
 from k8s_dispatch.localcluster import LocalCluster
-from k8s_dispatch.localcluster.quota import QUOTA_JOBS
 from k8s_dispatch.ops.status import read_status
 from k8s_dispatch.recovery.delivery import CreateOutcome, cancel_dispatch, create_jobs_for, load_record
 from k8s_dispatch.recovery.runtime import Runtime
@@ -53,15 +52,6 @@ def rt(cluster, new_pg_database, redis_url, key_prefix) -> Iterator[Runtime]:
     runtime = Runtime.from_settings(settings, resolver=CapabilityResolver.from_mapping(CAPABILITIES, source="<test>"))
     yield runtime
     runtime.close()
-
-
-def set_job_quota(cluster: LocalCluster, namespace: str, limit: int | None) -> None:
-    api = kubernetes.config.new_client_from_config(config_file=str(cluster.kubeconfig))
-    try:
-        body = {"metadata": {"annotations": {QUOTA_JOBS: None if limit is None else str(limit)}}}
-        kubernetes.client.CoreV1Api(api).patch_namespace(namespace, body)
-    finally:
-        api.close()
 
 
 def schedule(rt: Runtime) -> str:
