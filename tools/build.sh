@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Build the Go tools the tests need (kube-apiserver, kube-controller-manager, kube-scheduler, kubelet,
-# etcd, containerd, helm, promtool, kueue) from the wrapper modules beside this script into a cache
-# outside the repository, keyed by the wrapper's files: a second run with nothing changed does
-# nothing. A wrapper's programs are built by one `go build`, so what they share is compiled once.
+# etcd, containerd, helm, promtool, kueue, SeaweedFS's weed) from the wrapper modules beside this
+# script into a cache outside the repository, keyed by the wrapper's files: a second run with
+# nothing changed does nothing. A wrapper's programs are built by one `go build`, so what they
+# share is compiled once.
 # A folder with a requirements.txt instead (checkov) is a Python tool, installed into a virtualenv
 # of its own. A wrapper's debian-packages file names what it needs from Debian (containerd: runc,
 # the CNI plugins, busybox-static for the node's images); they are installed when missing (root).
-#   tools/build.sh NAME...   NAME: kube | etcd | containerd | helm | promtool | kueue | checkov | <any folder here>
+#   tools/build.sh NAME...   NAME: kube | etcd | containerd | helm | promtool | kueue | seaweedfs | checkov | <any folder here>
 # The cache is $K8S_DISPATCH_TOOLS (default ~/.cache/k8s-dispatch/tools); prints where each
 # tool's binaries are.
 set -euo pipefail
@@ -24,6 +25,7 @@ programs() {
         promtool) echo "github.com/prometheus/prometheus/cmd/promtool" ;;
         helm) echo "helm.sh/helm/v3/cmd/helm" ;;
         kueue) echo "sigs.k8s.io/kueue/cmd/kueue" ;;
+        seaweedfs) echo "github.com/seaweedfs/seaweedfs/weed" ;;
         *) echo "." ;;
     esac
 }
@@ -59,6 +61,8 @@ ldflags() {
         helm) printf -- '-X helm.sh/helm/v3/internal/version.version=%s -X helm.sh/helm/v3/internal/version.gitTreeState=clean' \
             "$(module_version helm helm.sh/helm/v3)" ;;
         kueue) printf -- '-X sigs.k8s.io/kueue/pkg/version.GitVersion=%s' "$(module_version kueue sigs.k8s.io/kueue)" ;;
+        seaweedfs) # `weed version` names the pseudo-version the wrapper pins (the release number is in the code)
+            printf -- '-X github.com/seaweedfs/seaweedfs/weed/util/version.COMMIT=%s' "$(module_version seaweedfs github.com/seaweedfs/seaweedfs)" ;;
         containerd) # the CRI reports this version to the kubelet, which requires 2.0 or newer
             local v; v=$(module_version containerd github.com/containerd/containerd/v2)
             printf -- '-X github.com/containerd/containerd/v2/version.Version=%s -X github.com/containerd/containerd/v2/version.Revision=%s' "$v" "$v" ;;
