@@ -14,7 +14,7 @@ from typing import Any
 
 from kombu import Queue
 
-from k8s_dispatch.engine.settings import Settings, get_settings
+from k8s_dispatch.core.settings import Settings, get_settings
 
 # --- queues and task names ---------------------------------------------------------------
 JOBS_QUEUE = "k8s-dispatch.jobs"  # schedule, create_job(s), cancel
@@ -103,7 +103,7 @@ def config(settings: Settings) -> dict[str, Any]:
         # No `expires` on either: Celery would compare beat's clock with the worker's, and a
         # worker a few seconds ahead would drop every message. A backlog of polls or sweeps
         # (workers busy or down) is superseded by the task itself instead: each run skips if
-        # another started within half its interval, by a Redis key's TTL (`recovery.supersede`).
+        # another started within half its interval, by a Redis key's TTL (`tasks.supersede`).
         # Celery's in-memory scheduler with its intervals on the monotonic clock (a step of beat's
         # wall clock neither stops nor bursts the schedule), writing beat's liveness heartbeat for
         # each task it sends (tasks/beat_scheduler.py).

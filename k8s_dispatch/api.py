@@ -16,9 +16,7 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from k8s_dispatch import celeryconfig
-from k8s_dispatch.engine import store
-from k8s_dispatch.engine.db import make_engine, make_sessionmaker, transaction
-from k8s_dispatch.engine.errors import (
+from k8s_dispatch.core.errors import (
     ConfigError,
     DispatchError,
     IdempotencyConflict,
@@ -35,11 +33,13 @@ from k8s_dispatch.engine.errors import (
     UnknownCase,
     UnknownDispatch,
 )
-from k8s_dispatch.engine.ids import check_dispatch_id
-from k8s_dispatch.engine.migrate import upgrade as migrate_database
-from k8s_dispatch.engine.models import DispatchState, EventType
-from k8s_dispatch.engine.settings import Settings, get_settings
-from k8s_dispatch.engine.store import ScheduleRequest, ScheduleResult, create_case
+from k8s_dispatch.core.ids import check_dispatch_id
+from k8s_dispatch.core.settings import Settings, get_settings
+from k8s_dispatch.store import dispatches
+from k8s_dispatch.store.db import make_engine, make_sessionmaker, transaction
+from k8s_dispatch.store.dispatches import ScheduleRequest, ScheduleResult, create_case
+from k8s_dispatch.store.migrate import upgrade as migrate_database
+from k8s_dispatch.store.models import DispatchState, EventType
 from k8s_dispatch.tasks.scheduling import (
     cancel_in_session,
     schedule_in_session,
@@ -102,7 +102,7 @@ def outcome(session: Session, dispatch_id: str) -> Outcome | None:
         InvalidId: `dispatch_id` is not a UUID.
     """
     check_dispatch_id(dispatch_id)
-    event = store.terminal_event(session, dispatch_id)
+    event = dispatches.terminal_event(session, dispatch_id)
     if event is None:
         return None
     return Outcome(dispatch_id=dispatch_id, event=EventType(event.type), payload=dict(event.payload or {}))

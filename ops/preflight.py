@@ -16,15 +16,15 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import exc
 from sqlalchemy.engine import make_url
 
-from k8s_dispatch.engine import migrate
-from k8s_dispatch.engine.database_errors import URL_VARIABLE, database_error, redacted
-from k8s_dispatch.engine.errors import (
+from k8s_dispatch.core.errors import (
     ApiRejected,
     ApiUnavailable,
     AuthorizationNotReady,
     ConfigError,
     GuardUnavailable,
 )
+from k8s_dispatch.store import migrate
+from k8s_dispatch.store.database_errors import URL_VARIABLE, database_error, redacted
 from k8s_dispatch.workers.kube import KubeClient
 
 MIGRATE = "`k8s-dispatch migrate`"

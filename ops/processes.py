@@ -205,7 +205,7 @@ def localcluster_server(
     with the same objects at the same URLs (and the same token and certificate, read back from
     next to `kubeconfig`)."""
     argv = [
-        sys.executable, "-m", "k8s_dispatch.localcluster", "serve", "--port", str(port), "--tls-port", str(tls_port), "--mode", mode,
+        sys.executable, "-m", "k8s_dispatch.demo.localcluster", "serve", "--port", str(port), "--tls-port", str(tls_port), "--mode", mode,
         "--kubeconfig", str(kubeconfig), "--fault-rate", str(fault_rate), "--latency-ms", str(latency_ms),
         *(["--state", str(state)] if state is not None else []),
     ]  # fmt: skip

@@ -18,11 +18,11 @@ from rich.table import Table
 from rich.text import Text
 from sqlalchemy.orm import Session
 
-from k8s_dispatch.engine import admission, store
-from k8s_dispatch.engine.errors import UnknownDispatch
-from k8s_dispatch.engine.ids import check_dispatch_id
-from k8s_dispatch.engine.models import EventType
+from k8s_dispatch.core.errors import UnknownDispatch
+from k8s_dispatch.core.ids import check_dispatch_id
 from k8s_dispatch.ops.status import format_age
+from k8s_dispatch.store import admission, dispatches
+from k8s_dispatch.store.models import EventType
 
 
 @dataclass(frozen=True)
@@ -122,12 +122,12 @@ def read_story(session: Session, dispatch_id: str) -> Story:
         UnknownDispatch: no such dispatch.
     """
     check_dispatch_id(dispatch_id)
-    row = store.get_dispatch(session, dispatch_id)
+    row = dispatches.get_dispatch(session, dispatch_id)
     if row is None:
         raise UnknownDispatch(f"dispatch {dispatch_id} does not exist")
     events = [
         StoryEvent(e.id, e.type, e.created_at, e.payload if isinstance(e.payload, dict) else {"value": e.payload})
-        for e in store.events_for(session, dispatch_id)
+        for e in dispatches.events_for(session, dispatch_id)
     ]
     return Story(
         dispatch_id=row.dispatch_id,

@@ -18,9 +18,9 @@ from rich.table import Table
 from rich.text import Text
 from sqlalchemy.orm import Session
 
-from k8s_dispatch.engine import admission, store
-from k8s_dispatch.engine.limits import Limits
-from k8s_dispatch.engine.models import (
+from k8s_dispatch.core.limits import Limits
+from k8s_dispatch.store import admission, dispatches
+from k8s_dispatch.store.models import (
     TERMINAL_EVENT_TYPES,
     TERMINAL_STATES,
     CaseEvent,
@@ -201,7 +201,7 @@ def read_status(
     create_waiting = session.scalar(sa.select(sa.func.count()).select_from(Dispatch).where(waiting))
     return StatusReport(
         generated_at=now,
-        counts=store.counts_by_state(session),
+        counts=dispatches.counts_by_state(session),
         oldest_pending=None
         if oldest_row is None
         else Pending(

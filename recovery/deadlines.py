@@ -14,10 +14,10 @@ from datetime import timedelta
 
 import sqlalchemy as sa
 
-from k8s_dispatch.engine.db import database_now, transaction
-from k8s_dispatch.engine.models import Dispatch, DispatchState
-from k8s_dispatch.recovery.metrics import DEADLINE_SLACK_S
-from k8s_dispatch.recovery.runtime import Runtime
+from k8s_dispatch.delivery.metrics import DEADLINE_SLACK_S
+from k8s_dispatch.delivery.runtime import Runtime
+from k8s_dispatch.store.db import database_now, transaction
+from k8s_dispatch.store.models import Dispatch, DispatchState
 
 
 def past_deadline(rt: Runtime, *, slack_s: float = DEADLINE_SLACK_S) -> int:

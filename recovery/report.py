@@ -1,6 +1,6 @@
 """What one recovery sweep found and did: counts per category, as a table or as JSON.
 
-Filled in by `recovery.reconcile.run_sweep`; read by the `recover` CLI, the sweep's log line,
+Filled in by `recovery.sweep.run_sweep`; read by the `recover` CLI, the sweep's log line,
 the metrics and the tests. Per category: found, acted, skipped (fresh state showed nothing was
 left to do) and errors; and the finished Jobs deferred to completions already queued.
 """
@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any
 
-from k8s_dispatch.recovery.sweep import Category
+from k8s_dispatch.recovery.plan import Category
 
 UNNOTIFIED_ROW = "unnotified"  # terminal dispatches whose engine notification was not sent
 MAX_PROBLEMS = 50  # lines kept in a report; the log has them all
@@ -36,7 +36,7 @@ class SweepReport:
     categories: dict[Category, Counts] = field(default_factory=lambda: {c: Counts() for c in Category})
     unnotified: Counts = field(default_factory=Counts)
     # Finished Jobs (found in category 2, or 4 when their completion is being written) left to
-    # the completion poll queued for them (a live hand-off marker, see recovery.handoff):
+    # the completion poll queued for them (a live hand-off marker, see delivery.handoff):
     # neither acted on nor skipped by this sweep.
     completions_deferred: int = 0
     # Jobs of ours made before the deployment label existed, given it (dry run: to be given).

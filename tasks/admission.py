@@ -1,4 +1,4 @@
-"""Admission under Celery: run a pass (`engine.admission`) and send the admitted dispatches'
+"""Admission under Celery: run a pass (`store.admission`) and send the admitted dispatches'
 `create_jobs`; when to run one.
 
 Passes run when a dispatch is queued (the `admit` task, sent after the schedule commits), when
@@ -19,14 +19,15 @@ from celery import Celery
 from kombu.exceptions import OperationalError
 
 from k8s_dispatch import celeryconfig as names
-from k8s_dispatch.engine import admission
-from k8s_dispatch.engine.db import database_now, transaction
-from k8s_dispatch.engine.errors import DispatchError
-from k8s_dispatch.engine.models import DispatchState
-from k8s_dispatch.recovery import reconcile, statelog
-from k8s_dispatch.recovery.crashpoints import Point, crashpoint
-from k8s_dispatch.recovery.metrics import METRICS
-from k8s_dispatch.recovery.runtime import Runtime
+from k8s_dispatch.core.errors import DispatchError
+from k8s_dispatch.delivery import statelog
+from k8s_dispatch.delivery.crashpoints import Point, crashpoint
+from k8s_dispatch.delivery.metrics import METRICS
+from k8s_dispatch.delivery.runtime import Runtime
+from k8s_dispatch.recovery import sweep
+from k8s_dispatch.store import admission
+from k8s_dispatch.store.db import database_now, transaction
+from k8s_dispatch.store.models import DispatchState
 from k8s_dispatch.tasks.scheduling import CREATE_BATCH
 
 log = logging.getLogger(__name__)
@@ -91,14 +92,14 @@ def run_coalesced(rt: Runtime, sender: Celery) -> int:
 def on_ended(rt: Runtime, sender: Celery, dispatch_ids: Sequence[str]) -> None:
     """`Runtime.on_ended`: dispatches ended, so run admission (if limits are configured). A slot
     frees once its Job runs no more: a completion's at once; a failure's or a cancel's once its
-    Job is seen finished or gone, recorded here first (`reconcile.mark_stopped`): a Job still
+    Job is seen finished or gone, recorded here first (`sweep.mark_stopped`): a Job still
     running is deleted now (the cancel's own clean-up that follows finds it gone), and one that
     cannot be is left to the sweep, its slot held. Never raises: the end is recorded, and the
     sweep and beat's next pass follow."""
     if not rt.resolver.limits:
         return
     try:
-        reconcile.mark_stopped(rt, dispatch_ids, stop=True)
+        sweep.mark_stopped(rt, dispatch_ids, stop=True)
     except DispatchError as e:
         log.info("checking the jobs of %d ended dispatches failed (%s); the sweep does", len(dispatch_ids), e)
     try:

@@ -1,18 +1,14 @@
-"""The Celery app, and the one `Runtime` of a worker process, built when the worker starts.
+"""The Celery app, the engine's notifier, and the hooks of every process: metrics, beat's stop.
 
-Settings come from `celeryconfig` (read lazily, on first use of `app.conf`). The worker-init
-hook builds the Runtime before the worker consumes anything, so a broken capability file
-stops the process at start with the file, capability and field in the message, and start-up
-recovery finds the resolver ready. The beat-init hook makes SIGTERM stop beat between ticks.
+Settings come from `celeryconfig` (read lazily, on first use of `app.conf`). The worker's one
+`Runtime` is `tasks.worker_runtime`'s. The beat-init hook makes SIGTERM stop beat between ticks.
 """
 
 from __future__ import annotations
 
 import logging
 import signal
-import sys
 import threading
-from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from celery import Celery, signals
@@ -20,35 +16,14 @@ from celery import Celery, signals
 from k8s_dispatch.tasks import log_levels
 
 if TYPE_CHECKING:
-    from k8s_dispatch.engine.settings import Settings
-    from k8s_dispatch.recovery.runtime import Notifier, Runtime
+    from k8s_dispatch.core.settings import Settings
+    from k8s_dispatch.delivery.runtime import Notifier
 
 log = logging.getLogger(__name__)
-
-EXIT_CONFIG = 3  # as the CLI's: invalid configuration, nothing was done
 
 app = Celery("k8s-dispatch", include=["k8s_dispatch.tasks.jobs", "k8s_dispatch.tasks.recovery_tasks"])
 app.config_from_object("k8s_dispatch.celeryconfig")
 log_levels.install()  # poll's and admit's routine lines at DEBUG: INFO is the work
-
-_runtime: Runtime | None = None
-_runtime_lock = threading.Lock()
-
-
-def get_runtime() -> Runtime:
-    """This process's Runtime, built on first use (at worker start in a worker)."""
-    global _runtime
-    with _runtime_lock:
-        if _runtime is None:
-            from k8s_dispatch.engine.settings import get_settings
-            from k8s_dispatch.recovery.runtime import Runtime
-            from k8s_dispatch.tasks.admission import on_ended
-
-            settings = get_settings()
-            runtime = Runtime.from_settings(settings, notifier=celery_notifier(settings))
-            runtime.on_ended = partial(on_ended, runtime, app)  # ended dispatches free slots: admit
-            _runtime = runtime
-        return _runtime
 
 
 def celery_notifier(settings: Settings, *, via: Celery | None = None) -> Notifier:
@@ -58,7 +33,7 @@ def celery_notifier(settings: Settings, *, via: Celery | None = None) -> Notifie
     """
     from kombu.exceptions import OperationalError
 
-    from k8s_dispatch.engine.errors import BrokerUnavailable
+    from k8s_dispatch.core.errors import BrokerUnavailable
 
     sender = via if via is not None else app
 
@@ -72,23 +47,10 @@ def celery_notifier(settings: Settings, *, via: Celery | None = None) -> Notifie
 
 
 @signals.worker_init.connect
-def _build_runtime_at_start(**_: Any) -> None:
-    from k8s_dispatch.engine.errors import ConfigError
-
-    try:
-        get_runtime()
-    except ConfigError as e:
-        # Celery logs and swallows exceptions from signal handlers; SystemExit it lets through.
-        # Printed, not logged: stderr is where a supervisor looks, whatever --logfile says.
-        print(f"k8s-dispatch worker cannot start: {e.reason}: {e}", file=sys.stderr, flush=True)
-        raise SystemExit(EXIT_CONFIG) from e
-
-
-@signals.worker_init.connect
 def _serve_metrics(**_: Any) -> None:
     """Prometheus metrics on K8S_DISPATCH_METRICS_PORT (0: none); a taken port is logged, not fatal."""
-    from k8s_dispatch.engine.settings import get_settings
-    from k8s_dispatch.recovery import metrics
+    from k8s_dispatch.core.settings import get_settings
+    from k8s_dispatch.delivery import metrics
 
     port = get_settings().metrics_port
     if port:
@@ -135,9 +97,9 @@ def _count_discarded(
 
     Expired ones are the danger: an `expires` is an absolute time from the sender's clock that
     Celery compares with this worker's, so a skewed clock drops every such message. Our beat
-    entries carry none (`recovery.supersede` replaces it); one sent by anyone else still may.
+    entries carry none (`tasks.supersede` replaces it); one sent by anyone else still may.
     """
-    from k8s_dispatch.recovery.metrics import METRICS
+    from k8s_dispatch.delivery.metrics import METRICS
 
     task = getattr(sender, "name", None) or getattr(request, "task", None) or "unknown"
     reason = "expired" if expired else "terminated" if terminated else "revoked"
@@ -149,12 +111,3 @@ def _count_discarded(
         " (its expires has passed by this worker's clock)" if expired else "",
     )
     METRICS.task_discarded(task=task, reason=reason)
-
-
-@signals.worker_shutdown.connect
-def _close_runtime(**_: Any) -> None:
-    global _runtime
-    with _runtime_lock:
-        if _runtime is not None:
-            _runtime.close()
-            _runtime = None

@@ -20,7 +20,7 @@ from celery.beat import ScheduleEntry, Scheduler
 from celery.schedules import maybe_schedule
 from celery.schedules import schedule as interval_schedule
 
-from k8s_dispatch.engine.errors import ConfigError
+from k8s_dispatch.core.errors import ConfigError
 from k8s_dispatch.tasks.heartbeat import clear_heartbeat, write_heartbeat
 
 # An arbitrary origin: what `monotonic_now` returns is never mistaken for a wall-clock time.

@@ -1,6 +1,6 @@
 """The Celery tasks: schedule, create_job(s), poll, complete(_batch), cancel. Thin: ids in, work elsewhere.
 
-Each task hands its ids to `recovery.delivery` (the path the recovery sweep uses too) and
+Each task hands its ids to `delivery.delivery` (the path the recovery sweep uses too) and
 lets the error tree drive Celery: `Transient` errors are retried with backoff and jitter,
 `Permanent` ones fail at once. Every task is idempotent, which is what makes late acks and
 redelivery after a lost worker safe.
@@ -20,17 +20,18 @@ from kombu.connection import ConnectionPool
 from kombu.exceptions import ChannelError, LimitExceeded, OperationalError
 
 from k8s_dispatch import celeryconfig as names
-from k8s_dispatch.engine import store
-from k8s_dispatch.engine.db import transaction
-from k8s_dispatch.engine.errors import DispatchError, Permanent, Transient
-from k8s_dispatch.engine.models import DispatchState, utcnow
-from k8s_dispatch.engine.settings import PollMode
-from k8s_dispatch.recovery import delivery, disruptions, handoff, jobwatch, lease, statelog, supersede
-from k8s_dispatch.recovery.crashpoints import Point, crashpoint
-from k8s_dispatch.recovery.metrics import METRICS, jobs_past_deadline, poll_lag_s
-from k8s_dispatch.recovery.runtime import Runtime
-from k8s_dispatch.tasks import admission
-from k8s_dispatch.tasks.app import app, get_runtime
+from k8s_dispatch.core.errors import DispatchError, Permanent, Transient
+from k8s_dispatch.core.settings import PollMode
+from k8s_dispatch.delivery import delivery, disruptions, handoff, jobwatch, statelog
+from k8s_dispatch.delivery.crashpoints import Point, crashpoint
+from k8s_dispatch.delivery.metrics import METRICS, jobs_past_deadline, poll_lag_s
+from k8s_dispatch.delivery.runtime import Runtime
+from k8s_dispatch.store import dispatches
+from k8s_dispatch.store.db import transaction
+from k8s_dispatch.store.models import DispatchState, utcnow
+from k8s_dispatch.tasks import admission, lease, supersede
+from k8s_dispatch.tasks.app import app
+from k8s_dispatch.tasks.worker_runtime import get_runtime
 from k8s_dispatch.workers import labels as job_labels
 from k8s_dispatch.workers.job_status import job_state
 
@@ -96,7 +97,7 @@ def schedule(
     as `tasks.scheduling.send_schedule_until_recorded` does."""
     rt = get_runtime()
     with transaction(rt.sessions) as session:
-        result = store.schedule(
+        result = dispatches.schedule(
             session,
             case_id=case_id,
             tenancy_id=tenancy_id,
@@ -201,11 +202,11 @@ def poll() -> dict[str, int]:
     """List our undelivered Jobs page by page (one LIST per page, no GET per Job); hand the
     finished ones to `complete_batch`, a few messages per page carrying the LIST's snapshots.
     While completions are queued, a Job handed off before is not handed again (its marker is
-    renewed instead: `recovery.handoff`).
+    renewed instead: `delivery.handoff`).
 
     A poll that meets an unavailable API or Redis gives up: the next interval polls again. One
-    that another poll started shortly before is superseded by it and skips (`recovery.supersede`);
-    so is one that finds another still under way (`recovery.lease`): polls never pile up on the
+    that another poll started shortly before is superseded by it and skips (`tasks.supersede`);
+    so is one that finds another still under way (`tasks.lease`): polls never pile up on the
     worker threads.
     """
     rt = get_runtime()
@@ -276,7 +277,7 @@ def cleanup() -> dict[str, int]:
 
 
 def _poll_watch(rt: Runtime, *, ttl_s: float, renew: bool, running: lease.Lease) -> dict[str, int]:
-    """Poll by resuming the namespaces' watches side by side (`recovery.jobwatch`): the events
+    """Poll by resuming the namespaces' watches side by side (`delivery.jobwatch`): the events
     since the last poll, not every Job; the finished Jobs not yet delivered are handed off as a
     LIST poll would. A namespace whose API or Redis failed is polled again by the next poll, from
     the version stored; the others' positions stand."""
@@ -321,7 +322,7 @@ def _hand_off(
     renew: bool = False,
 ) -> int:
     """Send `complete_batch` for the Jobs not handed off within `ttl_s` (one Redis round trip
-    per page, a marker per Job: `recovery.handoff`, which the sweep reads to leave these Jobs
+    per page, a marker per Job: `delivery.handoff`, which the sweep reads to leave these Jobs
     to their queued message; with `renew`, the markers of those handed off before are renewed);
     the number of Jobs handed off."""
     marked = handoff.mark(client, prefix, namespace, jobs, ttl_s, renew=renew)

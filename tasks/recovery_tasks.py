@@ -13,13 +13,14 @@ from typing import Any
 from celery import signals
 
 from k8s_dispatch import celeryconfig as names
-from k8s_dispatch.engine.errors import DispatchError
-from k8s_dispatch.engine.settings import PollMode
-from k8s_dispatch.recovery import deadlines, supersede
-from k8s_dispatch.recovery.metrics import METRICS
-from k8s_dispatch.recovery.reconcile import run_sweep
-from k8s_dispatch.tasks import admission
-from k8s_dispatch.tasks.app import app, get_runtime
+from k8s_dispatch.core.errors import DispatchError
+from k8s_dispatch.core.settings import PollMode
+from k8s_dispatch.delivery.metrics import METRICS
+from k8s_dispatch.recovery import deadlines
+from k8s_dispatch.recovery.sweep import run_sweep
+from k8s_dispatch.tasks import admission, supersede
+from k8s_dispatch.tasks.app import app
+from k8s_dispatch.tasks.worker_runtime import get_runtime
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +30,7 @@ STARTUP_SWEEP_DONE = "start-up sweep done"  # the log line the start-up tests wa
 @app.task(name=names.SWEEP_TASK)
 def sweep() -> dict[str, Any]:
     """One recovery sweep (beat sends this every `sweep_interval_s`); skipped if another started
-    within half that interval (`recovery.supersede`), so a backlog of sweeps runs once."""
+    within half that interval (`tasks.supersede`), so a backlog of sweeps runs once."""
     rt = get_runtime()
     if not supersede.go_ahead(
         rt.redis, rt.settings.key_prefix, names.SWEEP_TASK, window_s=supersede.window_s(rt.settings.sweep_interval_s)

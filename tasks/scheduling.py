@@ -1,7 +1,7 @@
 """The engine's entries: schedule and cancel dispatches inside the caller's own transaction.
 
 `schedule_in_session` / `schedule_many_in_session` write the dispatches with
-`engine.store.schedule_many` and send `create_jobs` only once that transaction commits (nothing
+`store.dispatches.schedule_many` and send `create_jobs` only once that transaction commits (nothing
 if it rolls back): every dispatch the transaction wrote, by any number of calls, in messages of
 up to CREATE_BATCH ids, so a worker pays its per-message and per-transaction costs once per
 batch; the commits of several threads share messages too (`tasks/outbox.py`).
@@ -29,13 +29,13 @@ from sqlalchemy import event
 from sqlalchemy.orm import Session, SessionTransaction, sessionmaker
 
 from k8s_dispatch import celeryconfig as names
-from k8s_dispatch.engine import store
-from k8s_dispatch.engine.db import transaction
-from k8s_dispatch.engine.errors import DatabaseUnavailable, ScheduleNotRecorded
-from k8s_dispatch.engine.ids import check_dispatch_id
-from k8s_dispatch.engine.models import DispatchState, EventType
-from k8s_dispatch.recovery import statelog
-from k8s_dispatch.recovery.crashpoints import Point, crashpoint
+from k8s_dispatch.core.errors import DatabaseUnavailable, ScheduleNotRecorded
+from k8s_dispatch.core.ids import check_dispatch_id
+from k8s_dispatch.delivery import statelog
+from k8s_dispatch.delivery.crashpoints import Point, crashpoint
+from k8s_dispatch.store import dispatches
+from k8s_dispatch.store.db import transaction
+from k8s_dispatch.store.models import DispatchState, EventType
 from k8s_dispatch.tasks.app import app
 from k8s_dispatch.tasks.outbox import Outbox
 
@@ -45,11 +45,11 @@ _PENDING_KEY = "k8s_dispatch.pending_create_job"
 # Dispatch ids per `create_jobs` message. A worker's thread creates a message's Jobs one after
 # the other, so a batch is also the unit of parallelism: 50 keeps a fan-out of hundreds spread
 # over the worker's threads while the per-message costs (broker round trips, the records' read,
-# the one marking transaction) are paid once per 50 Jobs. Measured (bench/dispatch_throughput.py,
+# the one marking transaction) are paid once per 50 Jobs. Measured (lab/bench/dispatch_throughput.py,
 # transactions of 50, side by side): messages of 50 cost the worker 0.9-1.2 ms CPU per Job,
 # messages of 25 1.4-1.55 ms.
 CREATE_BATCH = 50
-CANCELLED_REASON = "Cancelled"  # as recovery.delivery's, the reason a cancel records by default
+CANCELLED_REASON = "Cancelled"  # as delivery.delivery's, the reason a cancel records by default
 
 
 def schedule_in_session(
@@ -60,18 +60,18 @@ def schedule_in_session(
     capability: str,
     input: Any,
     idempotency_key: str,
-    router: store.CapabilityRouter,
+    router: dispatches.CapabilityRouter,
     max_input_bytes: int,
     dispatch_id: str | None = None,
     priority: int = 0,
     via: Celery | None = None,
     now: Any = None,
-) -> store.ScheduleResult:
-    """`engine.store.schedule` inside the caller's transaction; `create_jobs` is sent after commit.
+) -> dispatches.ScheduleResult:
+    """`store.dispatches.schedule` inside the caller's transaction; `create_jobs` is sent after commit.
 
-    Takes `store.schedule`'s keyword arguments: `schedule_many_in_session` for one request.
+    Takes `dispatches.schedule`'s keyword arguments: `schedule_many_in_session` for one request.
     """
-    request = store.ScheduleRequest(
+    request = dispatches.ScheduleRequest(
         case_id=case_id,
         tenancy_id=tenancy_id,
         capability=capability,
@@ -88,14 +88,14 @@ def schedule_in_session(
 
 def schedule_many_in_session(
     session: Session,
-    requests: Sequence[store.ScheduleRequest],
+    requests: Sequence[dispatches.ScheduleRequest],
     *,
-    router: store.CapabilityRouter,
+    router: dispatches.CapabilityRouter,
     max_input_bytes: int,
     via: Celery | None = None,
     now: Any = None,
-) -> list[store.ScheduleResult]:
-    """`engine.store.schedule_many` inside the caller's transaction (all or nothing); the Jobs'
+) -> list[dispatches.ScheduleResult]:
+    """`store.dispatches.schedule_many` inside the caller's transaction (all or nothing); the Jobs'
     creation is sent after the outermost commit, CREATE_BATCH dispatches per message.
 
     `via` is the Celery app to send with (default: this package's, configured from
@@ -104,7 +104,7 @@ def schedule_many_in_session(
     database and the recovery sweep creates their Jobs after the grace period. A repeated
     request is sent again (create_jobs is idempotent; a lost first message is covered).
     """
-    results = store.schedule_many(session, requests, router=router, max_input_bytes=max_input_bytes, now=now)
+    results = dispatches.schedule_many(session, requests, router=router, max_input_bytes=max_input_bytes, now=now)
     sender = via if via is not None else app
     # Each new dispatch's state-change line travels with its pending id (logged after the
     # commit, dropped with a rolled-back SAVEPOINT), so no per-transaction hook of statelog's.
@@ -135,9 +135,9 @@ def cancel_in_session(
         UnknownDispatch: no such dispatch (nothing written).
     """
     check_dispatch_id(dispatch_id)
-    won = store.record_terminal(session, dispatch_id, EventType.WORKER_CANCELLED, {"reason": reason})
+    won = dispatches.record_terminal(session, dispatch_id, EventType.WORKER_CANCELLED, {"reason": reason})
     if won:
-        row = store.get_dispatch(session, dispatch_id)
+        row = dispatches.get_dispatch(session, dispatch_id)
         assert row is not None  # record_terminal raised UnknownDispatch otherwise
         statelog.on_commit(
             session,
@@ -218,7 +218,7 @@ def _recorded(sessions: sessionmaker[Session], tenancy_id: str, idempotency_key:
     """The dispatch id recorded for the key, or None (also while the database is unreachable)."""
     try:
         with transaction(sessions) as session:
-            return store.dispatch_id_for_key(session, tenancy_id=tenancy_id, idempotency_key=idempotency_key)
+            return dispatches.dispatch_id_for_key(session, tenancy_id=tenancy_id, idempotency_key=idempotency_key)
     except DatabaseUnavailable as e:
         log.warning("looking up the dispatch for key %r failed (%s); trying again", idempotency_key, e)
         return None
@@ -230,7 +230,7 @@ def _after_commit_send(
     sender: Celery,
     *,
     task: str = names.CREATE_JOBS_TASK,
-    scheduled: Mapping[str, store.ScheduleRequest] | None = None,
+    scheduled: Mapping[str, dispatches.ScheduleRequest] | None = None,
 ) -> None:
     # Remember the innermost SAVEPOINT the dispatches were written in: rolling that one back
     # takes them with it; releasing it hands them to the enclosing one.
@@ -247,7 +247,7 @@ class _Pending:
     sender: Celery
     savepoint: SessionTransaction | None  # None: written outside any SAVEPOINT
     task: str = names.CREATE_JOBS_TASK  # or CANCEL_TASK (a cancel_in_session), ADMIT_TASK (queued)
-    scheduled: store.ScheduleRequest | None = None  # created by this transaction: log SCHEDULED
+    scheduled: dispatches.ScheduleRequest | None = None  # created by this transaction: log SCHEDULED
 
 
 # The hooks are the Session class's, installed once: one `event.listen` per session (the engine
@@ -257,7 +257,7 @@ class _Pending:
 def _on_commit(session: Session) -> None:
     if _PENDING_KEY not in session.info:
         return
-    # SQLAlchemy sends after_commit for a released SAVEPOINT too (store.schedule_many uses
+    # SQLAlchemy sends after_commit for a released SAVEPOINT too (dispatches.schedule_many uses
     # one): only the outermost commit makes the rows visible to a worker.
     released = session.get_nested_transaction()
     if released is not None:

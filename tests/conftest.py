@@ -20,11 +20,11 @@ from clusters import LOCAL, REAL, ClusterHandle, local_handle, real_handle
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.orm import Session, sessionmaker
 
-from k8s_dispatch.engine import migrate
-from k8s_dispatch.engine.db import make_engine, make_sessionmaker
+from k8s_dispatch.store import migrate
+from k8s_dispatch.store.db import make_engine, make_sessionmaker
 
 if TYPE_CHECKING:
-    from k8s_dispatch.localcluster import LocalCluster
+    from k8s_dispatch.demo.localcluster import LocalCluster
 
 PG_ADMIN_URL = os.environ.get("K8S_DISPATCH_TEST_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 REDIS_URL = os.environ.get("K8S_DISPATCH_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -109,7 +109,7 @@ def engine_factory() -> Iterator[Callable[..., Engine]]:
 
 @pytest.fixture
 def db_sessionmaker(db_url: str, engine_factory: Callable[..., Engine]) -> sessionmaker[Session]:
-    """Sessions on `db_url` (both databases); use `engine.db.transaction(db_sessionmaker)`."""
+    """Sessions on `db_url` (both databases); use `store.db.transaction(db_sessionmaker)`."""
     return make_sessionmaker(engine_factory(db_url))
 
 
@@ -144,7 +144,7 @@ def key_prefix(redis_url: str) -> Iterator[str]:
 def real_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterHandle]:
     """The real control plane of this test session (simulate mode: the node agent runs Pods from
     the same annotations as localcluster). Built on first use; a failed build fails the tests."""
-    from k8s_dispatch.realcluster.controlplane import ControlPlane
+    from k8s_dispatch.lab.realcluster.controlplane import ControlPlane
 
     plane = ControlPlane(directory=tmp_path_factory.mktemp("realcluster"), mode="simulate")
     plane.start()
@@ -157,7 +157,7 @@ def real_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterHa
 @pytest.fixture(scope="session")
 def local_sim_cluster() -> Iterator[ClusterHandle]:
     """localcluster in simulate mode, shared by the session's cluster-parametrised tests."""
-    from k8s_dispatch.localcluster import LocalCluster
+    from k8s_dispatch.demo.localcluster import LocalCluster
 
     with LocalCluster(mode="simulate") as cluster:
         yield local_handle(cluster)
@@ -165,7 +165,7 @@ def local_sim_cluster() -> Iterator[ClusterHandle]:
 
 @pytest.fixture(scope="module")
 def sim_cluster() -> Iterator[LocalCluster]:
-    from k8s_dispatch.localcluster import LocalCluster
+    from k8s_dispatch.demo.localcluster import LocalCluster
 
     with LocalCluster(mode="simulate") as cluster:
         yield cluster

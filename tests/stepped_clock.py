@@ -1,4 +1,4 @@
-"""A wall clock the test steps while a process runs (`ops/faketime.py`: libfaketime reading its
+"""A wall clock the test steps while a process runs (`lab/chaos/faketime.py`: libfaketime reading its
 offset from a file at every call, the monotonic clocks left true, `time.sleep` working)."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from k8s_dispatch.lab.chaos.faketime import FaketimeNotInstalled, faketime_env, write_offset
 from k8s_dispatch.ops import processes
-from k8s_dispatch.ops.faketime import FaketimeNotInstalled, faketime_env, write_offset
 
 
 class SteppedClock:

@@ -71,7 +71,7 @@ def test_the_wheel_adds_one_import_name_and_none_of_the_engines(fresh_venv: Path
     site = next((fresh_venv / "lib").glob("python*/site-packages"))
     ours = sorted(p.name for p in site.iterdir() if p.name.lower().startswith(("k8s", "k8s_dispatch")))
     assert len(ours) == 2 and ours[0] == "k8s_dispatch" and ours[1].endswith(".dist-info"), ours
-    for name in ("tasks", "engine", "workers", "recovery", "bench", "localcluster", "realcluster", "ops"):
+    for name in ("tasks", "engine", "workers", "recovery", "delivery", "store", "core", "lab", "demo", "ops"):
         assert not (site / name).exists() and not (site / f"{name}.py").exists(), name
     probe = (
         "import engine, workers, tasks, k8s_dispatch.api, k8s_dispatch.tasks, k8s_dispatch.workers; "
@@ -83,6 +83,37 @@ def test_the_wheel_adds_one_import_name_and_none_of_the_engines(fresh_venv: Path
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["the", "engine", "the", "engine", "engine", "k8s-dispatch"]
+
+
+PRODUCT_PACKAGES = ("core", "store", "workers", "delivery", "recovery", "tasks", "container", "ops")
+
+
+def test_the_bare_wheel_is_the_product_alone(fresh_venv: Path, engine_dir: Path) -> None:
+    """`pip install k8s-dispatch` without extras: every module of the product imports, the lab is
+    not there at all, the demo's own dependencies are not installed (aiohttp is: the kubernetes
+    client needs it), and the demo says how to get them."""
+    probe = (
+        "import importlib, importlib.util, pkgutil, k8s_dispatch\n"
+        f"for name in {PRODUCT_PACKAGES!r}:\n"
+        "    package = importlib.import_module('k8s_dispatch.' + name)\n"
+        "    for info in pkgutil.walk_packages(package.__path__, package.__name__ + '.'):\n"
+        "        if not info.name.endswith('.__main__') and '.migrations' not in info.name:\n"
+        "            importlib.import_module(info.name)\n"
+        "import k8s_dispatch.api, k8s_dispatch.cli, k8s_dispatch.celeryconfig\n"
+        "print(importlib.util.find_spec('k8s_dispatch.lab'), importlib.util.find_spec('k8s_dispatch.demo.localcluster') is not None,\n"
+        "      [m for m in ('uvloop', 'fakeredis') if importlib.util.find_spec(m)])\n"
+    )
+    env = clean_env(fresh_venv, {})
+    out = subprocess.run([str(fresh_venv / "bin" / "python"), "-c", probe], cwd=engine_dir, env=env,
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["None", "True", "[]"], out.stdout
+    demo = subprocess.run([str(fresh_venv / "bin" / "k8s-dispatch"), "demo"], cwd=engine_dir, env=env,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert demo.returncode == 3, (demo.stdout, demo.stderr)
+    assert "pip install 'k8s-dispatch[demo]'" in demo.stderr
+    assert subprocess.run([str(fresh_venv / "bin" / "k8s-dispatch"), "--help"], cwd=engine_dir, env=env,
+                          capture_output=True, timeout=120).returncode == 0  # fmt: skip
 
 
 def clean_env(venv: Path, settings: dict[str, str]) -> dict[str, str]:
@@ -127,8 +158,8 @@ def test_readmes_engine_example_completes_and_is_notified(
         [str(bin_dir / "k8s-dispatch"), "migrate"], cwd=engine_dir, env=env, capture_output=True, text=True, timeout=120
     )
     assert migrated.returncode == 0, migrated.stderr
-    # The Job's container runs `python -m k8s_dispatch.workers.runner`: the fresh venv's python.
-    start("localcluster", "python", "-m", "k8s_dispatch.localcluster", "serve", "--mode", "exec",
+    # The Job's container runs `python -m k8s_dispatch.container.runner`: the fresh venv's python.
+    start("localcluster", "python", "-m", "k8s_dispatch.demo.localcluster", "serve", "--mode", "exec",
           "--port", str(free_port()), "--tls-port", "0", "--kubeconfig", str(kubeconfig), ready=LISTENING)  # fmt: skip
     start(
         "k8s-dispatch-worker",

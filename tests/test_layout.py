@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-FOLDERS = ("tasks", "workers", "recovery", "engine", "localcluster", "realcluster", "bench", "ops")
-PRODUCT = ("engine", "workers", "recovery", "tasks")
-NOT_FOR_THE_PRODUCT = ("localcluster", "realcluster", "ops", "bench")
+FOLDERS = ("tasks", "workers", "recovery", "delivery", "store", "core", "container", "ops", "demo", "lab")
+PRODUCT = ("core", "store", "workers", "delivery", "recovery", "tasks", "container")
+NOT_FOR_THE_PRODUCT = ("demo", "lab", "ops")
 
 
 def imported_modules(path: Path) -> list[tuple[int, str]]:

@@ -35,7 +35,7 @@ class Lock:
     extras: tuple[str, ...]
 
 
-LOCKS = (Lock(Path("requirements.lock"), ()), Lock(Path("requirements-test.lock"), ("test",)))
+LOCKS = (Lock(Path("requirements.lock"), ()), Lock(Path("requirements-test.lock"), ("demo", "docs", "test")))
 
 
 def requirements(project: dict, extras: tuple[str, ...]) -> list[str]:

@@ -58,7 +58,7 @@ def helm() -> str:
     """$HELM, else the helm tools/build.sh builds (cached after the first time)."""
     if os.environ.get("HELM"):
         return os.environ["HELM"]
-    from k8s_dispatch.realcluster.binaries import build
+    from k8s_dispatch.lab.realcluster.binaries import build
 
     return str(build("helm") / "helm")
 

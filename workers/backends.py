@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
-from k8s_dispatch.engine.errors import ConfigError, UnknownCapability
+from k8s_dispatch.core.errors import ConfigError, UnknownCapability
 from k8s_dispatch.workers.types import CapabilityName, WorkerName, is_capability_name, is_worker_name
 
 

@@ -107,7 +107,7 @@ def _wait(seconds: float) -> None:
 
 _NEVER = threading.Event()
 
-# K8S_DISPATCH_KUBE_QPS and _BURST's defaults (engine/settings.py; README says why these).
+# K8S_DISPATCH_KUBE_QPS and _BURST's defaults (core/settings.py; README says why these).
 DEFAULT_QPS = 300.0
 DEFAULT_BURST = 600
 

@@ -14,12 +14,11 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from k8s_dispatch.workers.resolver import CapabilitySpec
+    from k8s_dispatch.workers.capability import CapabilitySpec
 
 DISRUPTION_CONDITION = "DisruptionTarget"
 MAX_EXIT_CODES = 255  # the API's limit on the values of one onExitCodes rule
 MIN_EXIT_CODE, MAX_EXIT_CODE = 1, 255  # 0 is refused by the API for `In`; Linux exit codes end at 255
-DEFAULT_MAX_DISRUPTIONS = 3
 
 
 def pod_failure_policy(spec: CapabilitySpec, *, container: str) -> dict[str, Any]:

@@ -3,7 +3,7 @@
 Reads Jobs and Pods as dicts in the API's camelCase JSON shape. `job_state` maps the Job's
 conditions to an `Outcome`; `pick_termination` finds the container exit that holds the
 result; `parse_result` turns a termination message into output (only what the store can
-keep: `engine.payloads.canonical_json` is the one rule) or a failure reason, never an
+keep: `core.payloads.canonical_json` is the one rule) or a failure reason, never an
 exception; `completion` puts the three together into what the terminal event records.
 """
 
@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from k8s_dispatch.engine.errors import InputNotSerialisable
-from k8s_dispatch.engine.payloads import canonical_json
+from k8s_dispatch.container.contract import MAX_RESULT_BYTES
+from k8s_dispatch.core.errors import InputNotSerialisable
+from k8s_dispatch.core.payloads import canonical_json
 from k8s_dispatch.workers.manifest import CONTAINER_NAME
 
-MAX_RESULT_BYTES = 4096  # the kubelet keeps at most 4 KiB of a container's termination message
 MAX_DETAIL_CHARS = 2048  # failure details (log tails, messages) kept in the terminal event
 
 # Failure reasons of our own, next to the Job controller's (BackoffLimitExceeded, ...).

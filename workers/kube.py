@@ -5,7 +5,7 @@ Calls return plain dicts in the API's own camelCase JSON shape: responses are re
 deserialisation on big lists. The hot single-object writes (create a Job, patch its
 finalizers) skip the generated methods altogether (`_request`): the body is serialised once
 and sent through the ApiClient's own urllib3 pool, with its auth header. Every call has a
-timeout, and every failure is mapped onto `engine.errors` (raised `from` the client's
+timeout, and every failure is mapped onto `core.errors` (raised `from` the client's
 exception), so no caller sees a `kubernetes` type. Every request waits for the process's API
 budget first (`workers/budget.py`), honours a 429's `Retry-After` (the whole process waits it
 out, then the request is sent again) and is timed (`workers/kube_metrics.py`).
@@ -33,7 +33,7 @@ from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
 
-from k8s_dispatch.engine.errors import (
+from k8s_dispatch.core.errors import (
     AlreadyExists,
     ApiRejected,
     ApiUnavailable,
@@ -51,7 +51,7 @@ from k8s_dispatch.workers.budget import Budget
 from k8s_dispatch.workers.kube_metrics import METRICS, KubeMetrics
 
 if TYPE_CHECKING:
-    from k8s_dispatch.engine.settings import Settings
+    from k8s_dispatch.core.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ WATCH_QUIET_S = 0.08
 # what is on its way from the socket, not the server's replay of what it has.
 KEPT_QUIET_S = 0.01
 # How many requests one task thread may have in flight at once (a completion's releases of its
-# batch's Jobs, `recovery.delivery`): the connection pool is sized for it.
+# batch's Jobs, `delivery.delivery`): the connection pool is sized for it.
 REQUESTS_PER_THREAD = 4
 # A watch's reads wait at most its lifetime and this much more: the server ends it by then.
 WATCH_READ_SLACK_S = 5.0

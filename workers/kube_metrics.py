@@ -2,7 +2,7 @@
 waiting for the API budget, the 429s whose Retry-After was honoured, and the watch events read.
 
 Registered in prometheus_client's default registry, the one a worker's `/metrics` serves
-(`recovery/metrics.serve`), so `workers/` defines them without importing `recovery/`. Verbs and
+(`delivery/metrics.serve`), so `workers/` defines them without importing `recovery/`. Verbs and
 codes are those of `k8s_dispatch_api_requests_total` (RBAC's verbs: get, list, create, patch,
 delete, deletecollection; the HTTP code, or `error` for no answer): the histogram's count is
 that counter, split by latency.

@@ -13,9 +13,9 @@ import hashlib
 import re
 from collections.abc import Mapping
 
-from k8s_dispatch.engine.errors import LabelMismatch
-from k8s_dispatch.engine.ids import is_dispatch_id, is_engine_id, is_idempotency_key
-from k8s_dispatch.engine.names import is_label_value
+from k8s_dispatch.core.errors import LabelMismatch
+from k8s_dispatch.core.ids import is_dispatch_id, is_engine_id, is_idempotency_key
+from k8s_dispatch.core.names import is_label_value
 from k8s_dispatch.workers.types import (
     CapabilityName,
     CaseId,

@@ -15,13 +15,14 @@ from collections.abc import Mapping
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
-from k8s_dispatch.engine.errors import (
+from k8s_dispatch.container.contract import INPUT_ENV, TERMINATION_MESSAGE_PATH, encode_input
+from k8s_dispatch.core.errors import (
     InvalidId,
     InvalidManifest,
 )
-from k8s_dispatch.engine.ids import is_dispatch_id
-from k8s_dispatch.engine.names import is_dns1123_label, is_dns1123_subdomain, is_label_value, is_qualified_name
-from k8s_dispatch.engine.payloads import canonical_json
+from k8s_dispatch.core.ids import is_dispatch_id
+from k8s_dispatch.core.names import is_dns1123_label, is_dns1123_subdomain, is_label_value, is_qualified_name
+from k8s_dispatch.core.payloads import canonical_json
 from k8s_dispatch.workers import labels as job_labels
 from k8s_dispatch.workers.failure_policy import pod_failure_policy, policy_problems
 from k8s_dispatch.workers.types import (
@@ -33,13 +34,11 @@ from k8s_dispatch.workers.types import (
 )
 
 if TYPE_CHECKING:
-    from k8s_dispatch.workers.resolver import CapabilitySpec
+    from k8s_dispatch.workers.capability import CapabilitySpec
 
 JOB_NAME_PREFIX = "kd-"  # + the 36-character dispatch id: 39 characters
 FINALIZER = "k8s-dispatch.io/result-protection"  # on the Job and, through its template, on its Pods
-INPUT_ENV = "K8S_DISPATCH_INPUT"
 CONTAINER_NAME = "worker"
-TERMINATION_MESSAGE_PATH = "/dev/termination-log"
 TERMINATION_MESSAGE_POLICY = "FallbackToLogsOnError"
 MAX_ANNOTATIONS_BYTES = 256 * 1024  # the API server's limit on all annotations of an object
 MAX_INT32 = 2**31 - 1
@@ -70,19 +69,6 @@ _SUFFIX_FACTORS = {
     "Ki": Decimal(2**10), "Mi": Decimal(2**20), "Gi": Decimal(2**30),
     "Ti": Decimal(2**40), "Pi": Decimal(2**50), "Ei": Decimal(2**60),
 }  # fmt: skip
-
-
-def encode_input(value: object) -> str:
-    """The input or result as the container sees it: the engine's canonical JSON
-    (`engine.payloads.canonical_json`), with `$` written as `\\u0024`, so the text never holds
-    the `$(VAR)` syntax that Kubernetes expands in env values (any JSON parser reads it back
-    as `$`).
-
-    Raises:
-        InputNotSerialisable: not JSON (sets, bytes, NaN, cycles, non-string keys...) or
-            holding strings that are not valid Unicode (lone surrogates).
-    """
-    return canonical_json(value, what="value").replace("$", "\\u0024")
 
 
 def job_name(dispatch_id: DispatchId | str) -> str:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
+from k8s_dispatch.workers.capability import StartPolicy
 from k8s_dispatch.workers.job_status import job_state, parse_timestamp
 from k8s_dispatch.workers.manifest import QUEUE_NAME_LABEL
 
@@ -34,27 +35,12 @@ FAILED_CREATE = "FailedCreate"  # the Job controller could not create a Pod (quo
 QUEUE_TIMEOUT = "QueueTimeout"  # the queue clock: the Job itself could not be created in time
 NEVER_RUN_REASONS = frozenset({INVALID_IMAGE_NAME, *IMAGE_PULL_REASONS, *CONFIG_REASONS})
 
-DEFAULT_START_TIMEOUT_S = 600
-DEFAULT_IMAGE_PULL_TIMEOUT_S = 300
-DEFAULT_CONFIG_ERROR_TIMEOUT_S = 60  # the Secret or ConfigMap may appear meanwhile
 # A Job younger than this with no started container is normal (binding, pulling, starting take
 # seconds): its Pods are not read at all. Kept short, so that InvalidImageName fails "at once".
 CHECK_GRACE = timedelta(seconds=5)
 
 _JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
 _CONTROLLER_UID_LABEL = "batch.kubernetes.io/controller-uid"
-
-
-@dataclass(frozen=True)
-class StartPolicy:
-    """A capability's clocks once its Job exists (seconds): the container must start within
-    `start_timeout_s` of the Job's creation (of its resume, if it was queued); a Pod waiting on an image pull is given up after
-    `image_pull_timeout_s`, one waiting on its config (a missing Secret) after
-    `config_error_timeout_s`, both counted from the Pod's scheduling; InvalidImageName at once."""
-
-    start_timeout_s: int = DEFAULT_START_TIMEOUT_S
-    image_pull_timeout_s: int = DEFAULT_IMAGE_PULL_TIMEOUT_S
-    config_error_timeout_s: int = DEFAULT_CONFIG_ERROR_TIMEOUT_S
 
 
 @dataclass(frozen=True)

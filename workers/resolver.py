@@ -10,8 +10,8 @@ Schema (field names as Kubernetes spells them)::
       demo.wordcount:                  # capability name: letters, digits, -_.:/ (<= 128)
         worker: demo-text              # required, DNS-1123 label
         image: k8s-dispatch:latest     # required
-        command: [python, -m, k8s_dispatch.workers.runner]   # list of strings, default: image entrypoint
-        args: [k8s_dispatch.workers.demo_functions:wordcount] # list of strings, default []
+        command: [python, -m, k8s_dispatch.container.runner]   # list of strings, default: image entrypoint
+        args: [k8s_dispatch.demo.functions:wordcount] # list of strings, default []
         env: {LOG_LEVEL: info}         # string -> string (K8S_DISPATCH_INPUT is reserved)
         resources:                     # requests/limits: resource name -> quantity
           requests: {cpu: 50m, memory: 64Mi}
@@ -34,7 +34,7 @@ Schema (field names as Kubernetes spells them)::
         retryOnExitCodes: [75]         # exit codes counted against backoffLimit (Count): needs backoffLimit >= 1
         maxDisruptions: 3              # evictions/preemptions tolerated (never counted as failures); one more: Disrupted
         queue: team-a                  # a Kueue LocalQueue: Jobs created suspended, labelled for it; Kueue admits them
-    limits:                            # optional: fair-share limits, see engine/limits.py
+    limits:                            # optional: fair-share limits, see core/limits.py
       tenancies: {default: {maxRunning: 100}, acme: {maxRunning: 3, weight: 2}}
       capabilities: {demo.sha256: {maxRunning: 5}}
 """
@@ -43,83 +43,31 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from k8s_dispatch.engine.errors import ConfigError, UnknownCapability
-from k8s_dispatch.engine.limits import Limits
-from k8s_dispatch.engine.limits import parse as parse_limits
+from k8s_dispatch.core.errors import ConfigError, UnknownCapability
+from k8s_dispatch.core.limits import Limits
+from k8s_dispatch.core.limits import parse as parse_limits
 from k8s_dispatch.workers.backends import Worker
-from k8s_dispatch.workers.failure_policy import DEFAULT_MAX_DISRUPTIONS
-from k8s_dispatch.workers.manifest import MAX_INT32, spec_problems
-from k8s_dispatch.workers.pod_health import (
+from k8s_dispatch.workers.capability import (
+    DEFAULT_ACTIVE_DEADLINE_S,
+    DEFAULT_BACKOFF_LIMIT,
     DEFAULT_CONFIG_ERROR_TIMEOUT_S,
     DEFAULT_IMAGE_PULL_TIMEOUT_S,
+    DEFAULT_MAX_DISRUPTIONS,
     DEFAULT_START_TIMEOUT_S,
-    StartPolicy,
+    EMPTY,
+    CapabilitySpec,
 )
+from k8s_dispatch.workers.manifest import MAX_INT32, spec_problems
 from k8s_dispatch.workers.types import CapabilityName, WorkerName, is_capability_name
 
 if TYPE_CHECKING:
-    from k8s_dispatch.engine.settings import Settings
-
-# No deadline by default would let a pod that never starts (a bad image: ImagePullBackOff)
-# hold its dispatch open for ever; one hour ends it with DeadlineExceeded. `null` opts out.
-DEFAULT_ACTIVE_DEADLINE_S = 3600
-# One pod per dispatch: a failure is reported at once instead of after minutes of pod
-# retries, and work that is not idempotent is not run twice behind the engine's back.
-# Retrying is the engine's decision; a capability that wants pod retries sets backoffLimit.
-DEFAULT_BACKOFF_LIMIT = 0
-
-_EMPTY: Mapping[str, Any] = MappingProxyType({})
-
-
-@dataclass(frozen=True)
-class CapabilitySpec:
-    """How to run one capability: everything `manifest.build_job` needs besides the dispatch."""
-
-    name: CapabilityName
-    worker_name: WorkerName
-    image: str
-    command: tuple[str, ...] = ()
-    args: tuple[str, ...] = ()
-    env: Mapping[str, str] = field(default_factory=lambda: _EMPTY)
-    resources: Mapping[str, Mapping[str, str]] = field(default_factory=lambda: _EMPTY)
-    namespace: str | None = None
-    active_deadline_seconds: int | None = DEFAULT_ACTIVE_DEADLINE_S
-    backoff_limit: int = DEFAULT_BACKOFF_LIMIT
-    labels: Mapping[str, str] = field(default_factory=lambda: _EMPTY)
-    annotations: Mapping[str, str] = field(default_factory=lambda: _EMPTY)
-    # The Job runs under the `restricted` Pod Security profile except for these (name -> reason).
-    run_as_user: int | None = None
-    run_as_group: int | None = None
-    security_overrides: Mapping[str, str] = field(default_factory=lambda: _EMPTY)
-    # The clocks of a dispatch before its container runs (workers/pod_health.py): None = no limit.
-    queue_timeout_seconds: int | None = None
-    start_timeout_seconds: int = DEFAULT_START_TIMEOUT_S
-    image_pull_timeout_seconds: int = DEFAULT_IMAGE_PULL_TIMEOUT_S
-    config_error_timeout_seconds: int = DEFAULT_CONFIG_ERROR_TIMEOUT_S
-    # The Job's podFailurePolicy (workers/failure_policy.py) and how many disruptions a dispatch
-    # survives before it fails with reason Disrupted.
-    retry_on_exit_codes: tuple[int, ...] = ()
-    fail_on_exit_codes: tuple[int, ...] = ()
-    max_disruptions: int = DEFAULT_MAX_DISRUPTIONS
-    # A Kueue LocalQueue in the Job's namespace: the Job is created suspended with Kueue's
-    # queue-name label, and runs when Kueue admits (unsuspends) it. None: it runs at once.
-    queue: str | None = None
-
-    @property
-    def start_policy(self) -> StartPolicy:
-        return StartPolicy(
-            start_timeout_s=self.start_timeout_seconds,
-            image_pull_timeout_s=self.image_pull_timeout_seconds,
-            config_error_timeout_s=self.config_error_timeout_seconds,
-        )
-
+    from k8s_dispatch.core.settings import Settings
 
 _REQUIRED = ("worker", "image")
 _FIELDS = (
@@ -156,7 +104,7 @@ class CapabilityResolver:
 
         `default_namespace` is where a capability that names none runs (the settings'
         namespace; `from_settings` and `Runtime` set it): what `namespace_for` answers.
-        `limits`: the fair-share limits (`engine.limits`), which `engine.store.schedule` reads
+        `limits`: the fair-share limits (`core.limits`), which `store.dispatches.schedule` reads
         to queue what they cover.
         """
         problems = [] if specs else [f"{source}: no capability is defined"]
@@ -252,7 +200,7 @@ class CapabilityResolver:
 
     def namespace_for(self, capability: str) -> str | None:
         """Where the capability's Jobs go now (None: it names none and there is no default):
-        what `engine.store.schedule` records in the dispatch, fixed from then on.
+        what `store.dispatches.schedule` records in the dispatch, fixed from then on.
 
         Raises: UnknownCapability.
         """
@@ -330,7 +278,7 @@ def _parse_capability(name: object, fields: object, *, problems: list[str], sour
             isinstance(k, str) and isinstance(v, str) for k, v in value.items()
         ):
             report.add(key, "must be a mapping of strings to strings (quote numbers and booleans)")
-            return _EMPTY
+            return EMPTY
         return MappingProxyType(dict(value))
 
     def integer(key: str, default: int | None) -> int | None:
@@ -402,7 +350,7 @@ def _resources(value: object, report: _Problems) -> Mapping[str, Mapping[str, st
     """Resource quantities as strings; plain numbers are accepted, as Kubernetes does."""
     if not isinstance(value, Mapping):
         report.add("resources", f"must be a mapping with 'requests' and/or 'limits', not {_kind(value)}")
-        return _EMPTY
+        return EMPTY
     out: dict[str, Mapping[str, str]] = {}
     for kind, amounts in value.items():
         if not isinstance(amounts, Mapping):
@@ -461,9 +409,9 @@ def _load_yaml(text: str) -> object:
 
 DEMO_IMAGE = "k8s-dispatch:latest"
 DEMO_FUNCTIONS = {
-    "demo.wordcount": ("demo-text", "k8s_dispatch.workers.demo_functions:wordcount"),
-    "demo.sha256": ("demo-text", "k8s_dispatch.workers.demo_functions:sha256"),
-    "demo.primes": ("demo-math", "k8s_dispatch.workers.demo_functions:primes"),
+    "demo.wordcount": ("demo-text", "k8s_dispatch.demo.functions:wordcount"),
+    "demo.sha256": ("demo-text", "k8s_dispatch.demo.functions:sha256"),
+    "demo.primes": ("demo-math", "k8s_dispatch.demo.functions:primes"),
 }
 
 
@@ -478,7 +426,7 @@ def demo_config(*, image: str = DEMO_IMAGE, python: str = "python") -> dict[str,
             name: {
                 "worker": worker,
                 "image": image,
-                "command": [python, "-m", "k8s_dispatch.workers.runner"],
+                "command": [python, "-m", "k8s_dispatch.container.runner"],
                 "args": [function],
                 "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}, "limits": {"memory": "128Mi"}},
                 "activeDeadlineSeconds": 120,
@@ -490,5 +438,5 @@ def demo_config(*, image: str = DEMO_IMAGE, python: str = "python") -> dict[str,
 
 
 def demo_resolver(*, image: str = DEMO_IMAGE, python: str = "python") -> CapabilityResolver:
-    """Three capabilities doing small, checkable work (see `workers/demo_functions.py`)."""
+    """Three capabilities doing small, checkable work (see `demo/functions.py`)."""
     return CapabilityResolver.from_mapping(demo_config(image=image, python=python), source="<demo>")

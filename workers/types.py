@@ -12,15 +12,15 @@ import uuid
 from dataclasses import dataclass
 from typing import NewType
 
-from k8s_dispatch.engine.errors import InvalidId, InvalidIdempotencyKey
-from k8s_dispatch.engine.ids import (
+from k8s_dispatch.core.errors import InvalidId, InvalidIdempotencyKey
+from k8s_dispatch.core.ids import (
     MAX_ID_LENGTH,
     MAX_IDEMPOTENCY_KEY_LENGTH,
     is_dispatch_id,
     is_engine_id,
     is_idempotency_key,
 )
-from k8s_dispatch.engine.names import is_dns1123_label
+from k8s_dispatch.core.names import is_dns1123_label
 
 DispatchId = NewType("DispatchId", str)
 CaseId = NewType("CaseId", str)
@@ -29,7 +29,7 @@ CapabilityName = NewType("CapabilityName", str)
 WorkerName = NewType("WorkerName", str)
 IdempotencyKey = NewType("IdempotencyKey", str)
 
-# The syntax of the engine's ids is the engine's (engine/ids.py): one definition for the
+# The syntax of the engine's ids is the engine's (core/ids.py): one definition for the
 # store, which checks them at schedule time, and the label codec, which reads them back.
 ENGINE_ID_MAX = MAX_ID_LENGTH
 IDEMPOTENCY_KEY_MAX = MAX_IDEMPOTENCY_KEY_LENGTH

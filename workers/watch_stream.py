@@ -23,7 +23,7 @@ from typing import Any
 
 import urllib3
 
-from k8s_dispatch.engine.errors import ApiUnavailable
+from k8s_dispatch.core.errors import ApiUnavailable
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""bench/admission.py at the smoke size (200 vs 2,000 queued behind a full limit), against real
+"""lab/bench/admission.py at the smoke size (200 vs 2,000 queued behind a full limit), against real
 PostgreSQL and localcluster: its figures have the documented shape, a pass's SQL statements and
 the buffers it touches do not grow with what waits, and the only API requests are the Jobs'
 creates (the bench itself raises if a pass or a schedule sends one, or if the server counted
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from k8s_dispatch.bench import admission, services
-from k8s_dispatch.bench.sizes import SIZES
+from k8s_dispatch.lab.bench import admission, services
+from k8s_dispatch.lab.bench.sizes import SIZES
 
 PG_ADMIN_URL = os.environ.get("K8S_DISPATCH_TEST_PG_ADMIN_URL", services.PG_ADMIN_URL)
 QUEUE_READS = (

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from k8s_dispatch.bench import api_load, services
-from k8s_dispatch.bench.__main__ import CLUSTERS
-from k8s_dispatch.bench.results import BenchResult
-from k8s_dispatch.bench.sizes import SIZES
+from k8s_dispatch.lab.bench import api_load, services
+from k8s_dispatch.lab.bench.__main__ import CLUSTERS
+from k8s_dispatch.lab.bench.results import BenchResult
+from k8s_dispatch.lab.bench.sizes import SIZES
 
 PG_ADMIN_URL = os.environ.get("K8S_DISPATCH_TEST_PG_ADMIN_URL", services.PG_ADMIN_URL)
 

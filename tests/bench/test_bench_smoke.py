@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from k8s_dispatch.bench import services
-from k8s_dispatch.bench.__main__ import BENCHMARKS, main
+from k8s_dispatch.lab.bench import services
+from k8s_dispatch.lab.bench.__main__ import BENCHMARKS, main
 
 PG_ADMIN_URL = os.environ.get("K8S_DISPATCH_TEST_PG_ADMIN_URL", services.PG_ADMIN_URL)
 

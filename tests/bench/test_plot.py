@@ -1,4 +1,4 @@
-"""`python -m k8s_dispatch.bench --plot`: poll_cost's rows of a results file drawn as a PNG."""
+"""`python -m k8s_dispatch.lab.bench --plot`: poll_cost's rows of a results file drawn as a PNG."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from k8s_dispatch.bench.__main__ import main
+from k8s_dispatch.lab.bench.__main__ import main
 
 ROWS = [
     {"mode": mode, "jobs": jobs, "job_s": job_s, "objects_per_job": cost}

@@ -1,4 +1,4 @@
-"""bench/sweep_scale.py at the smoke size, against the real services: figures 4 and 5 come out
+"""lab/bench/sweep_scale.py at the smoke size, against the real services: figures 4 and 5 come out
 with sane values, and the sweep lists its Jobs once, one LIST per page, with no LIST per dispatch.
 
 Not a timed assertion: at this size on a shared machine the times say nothing.
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from k8s_dispatch.bench import services, sweep_scale
-from k8s_dispatch.bench.sizes import SIZES
+from k8s_dispatch.lab.bench import services, sweep_scale
+from k8s_dispatch.lab.bench.sizes import SIZES
 
 PG_ADMIN_URL = os.environ.get("K8S_DISPATCH_TEST_PG_ADMIN_URL", services.PG_ADMIN_URL)
 

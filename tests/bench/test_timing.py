@@ -1,11 +1,11 @@
-"""bench/timing.py: the interleaving order, warm-up and ratios every benchmark figure relies on."""
+"""lab/bench/timing.py: the interleaving order, warm-up and ratios every benchmark figure relies on."""
 
 from __future__ import annotations
 
 import pytest
 
-from k8s_dispatch.bench.results import BenchResult, BenchRun, Figure, Ratio, Target
-from k8s_dispatch.bench.timing import alternating, interleaved, paired_ratios, per_op_ms, rates
+from k8s_dispatch.lab.bench.results import BenchResult, BenchRun, Figure, Ratio, Target
+from k8s_dispatch.lab.bench.timing import alternating, interleaved, paired_ratios, per_op_ms, rates
 
 
 def test_variants_alternate_their_order_each_round() -> None:

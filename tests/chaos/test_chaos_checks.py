@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from k8s_dispatch.engine.limits import parse as parse_limits
-from k8s_dispatch.engine.models import EventType
-from k8s_dispatch.ops.chaos_checks import LimitPeak, RowSnapshot, TerminalEvent, judge, limit_peaks, mismatch
-from k8s_dispatch.ops.chaos_observer import CAPABILITY, TENANCY, live_job, running_now
-from k8s_dispatch.ops.chaos_workload import (
+from k8s_dispatch.core.limits import parse as parse_limits
+from k8s_dispatch.lab.chaos.checks import LimitPeak, RowSnapshot, TerminalEvent, judge, limit_peaks, mismatch
+from k8s_dispatch.lab.chaos.observer import CAPABILITY, TENANCY, live_job, running_now
+from k8s_dispatch.lab.chaos.workload import (
     LIMITED_CAPABILITY,
     LIMITED_TENANCY,
     LIMITS,
@@ -21,6 +20,7 @@ from k8s_dispatch.ops.chaos_workload import (
     kind_of,
     workload,
 )
+from k8s_dispatch.store.models import EventType
 from k8s_dispatch.workers.labels import (
     CAPABILITY_KEY,
     DEPLOYMENT_LABEL,
@@ -352,8 +352,8 @@ def test_a_second_job_is_no_fault_only_for_a_dispatch_whose_job_was_edited_by_ha
 def test_idle_namespaces_each_get_a_capability_that_the_resolver_watches(tmp_path):
     import yaml
 
-    from k8s_dispatch.engine.settings import load_settings
-    from k8s_dispatch.ops.chaos_workload import idle_namespaces
+    from k8s_dispatch.core.settings import load_settings
+    from k8s_dispatch.lab.chaos.workload import idle_namespaces
 
     idle = idle_namespaces(48)
     assert len(set(idle)) == 48 and "chaos" not in idle and "chaos-moved" not in idle
@@ -368,7 +368,7 @@ def test_idle_namespaces_each_get_a_capability_that_the_resolver_watches(tmp_pat
 
 
 def test_an_exception_a_task_did_not_expect_is_found_in_the_worker_logs_and_nothing_else_is():
-    from k8s_dispatch.ops.chaos_checks import unexpected_task_errors
+    from k8s_dispatch.lab.chaos.checks import unexpected_task_errors
 
     logs = {
         "worker-1.log": "[2026-12-02 07:01:00,981: ERROR/MainProcess] Task k8s-dispatch.sweep[170e] raised "

@@ -12,9 +12,9 @@ import psycopg
 import pytest
 import redis
 
-from k8s_dispatch.ops.chaos_edits import EDITED_TENANCY, EDITS, running_targets
-from k8s_dispatch.ops.chaos_services import OwnPostgres, OwnRedis, SteppedClock, build_sleep_shim
-from k8s_dispatch.ops.chaos_upgrade import REPO, PreviousRelease
+from k8s_dispatch.lab.chaos.edits import EDITED_TENANCY, EDITS, running_targets
+from k8s_dispatch.lab.chaos.services import OwnPostgres, OwnRedis, SteppedClock, build_sleep_shim
+from k8s_dispatch.lab.chaos.upgrade import REPO, PreviousRelease
 from k8s_dispatch.ops.processes import wait_until
 from k8s_dispatch.workers.labels import CAPABILITY_KEY, DELIVERED_LABEL, DISPATCH_ID_KEY, TENANCY_ID_KEY
 
@@ -119,7 +119,7 @@ def test_the_previous_release_runs_from_its_worktree_and_is_removed_with_it():
         commit = release.check_out()
         assert len(commit) == 40
         where = subprocess.run(
-            [sys.executable, "-c", "import k8s_dispatch.engine.migrate as m; print(m.__file__)"],
+            [sys.executable, "-c", "import k8s_dispatch.store.migrate as m; print(m.__file__)"],
             env=release.env(os.environ), cwd=release.root, capture_output=True, text=True, check=True,
         ).stdout.strip()  # fmt: skip
         assert where.startswith(str(release.root)), where  # not this checkout's code

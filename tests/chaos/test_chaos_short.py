@@ -29,7 +29,7 @@ import pytest
 import redis
 
 REPO = Path(__file__).resolve().parents[2]
-CLI = [sys.executable, "-c", "import sys; from k8s_dispatch.ops.cli import main; sys.exit(main())"]
+CLI = [sys.executable, "-c", "import sys; from k8s_dispatch.cli import main; sys.exit(main())"]
 FINAL_LINE = re.compile(
     r"^chaos: dispatched=(?P<dispatched>\d+) terminal=(?P<terminal>\d+) lost=(?P<lost>\d+) "
     r"duplicates=(?P<duplicates>\d+) wrong_output=(?P<wrong_output>\d+) leftover_jobs=(?P<leftover_jobs>\d+) "

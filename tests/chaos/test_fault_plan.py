@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from k8s_dispatch.ops.fault_plan import BEAT, FaultKind, make_plan, worker_names
+from k8s_dispatch.lab.chaos.fault_plan import BEAT, FaultKind, make_plan, worker_names
 
 TARGETS = [*worker_names(3), BEAT]
 
@@ -163,7 +163,7 @@ def test_worker_names_are_numbered_from_one():
 
 
 def test_the_cli_shows_a_seeds_plan_without_running_anything(capsys):
-    from k8s_dispatch.ops.cli import main
+    from k8s_dispatch.lab.cli import main
 
     assert main(["chaos", "--seed", "3", "--dispatches", "1000", "--rate", "10", "--kills", "20", "--show-plan"]) == 0
     first = capsys.readouterr().out
@@ -182,7 +182,7 @@ def test_the_cli_shows_a_seeds_plan_without_running_anything(capsys):
 
 
 def test_the_cli_leaves_out_the_classes_of_fault_it_is_told_to_skip(capsys):
-    from k8s_dispatch.ops.cli import main
+    from k8s_dispatch.lab.cli import main
 
     assert main(["chaos", "--seed", "3", "--skip", "redis_restart", "--skip", "clock_step", "--show-plan"]) == 0
     out = capsys.readouterr().out

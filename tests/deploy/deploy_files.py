@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from k8s_dispatch.engine.settings import ENV_PREFIX, Settings
+from k8s_dispatch.core.settings import ENV_PREFIX, Settings
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -90,7 +90,7 @@ RELEASE = "k8s-dispatch"  # the release name that gives the chart's objects the 
 
 def helm_binary() -> Path:
     """helm, built from its Go module by tools/build.sh (cached: a second call costs a hash)."""
-    from k8s_dispatch.realcluster.binaries import build
+    from k8s_dispatch.lab.realcluster.binaries import build
 
     return build("helm") / "helm"
 

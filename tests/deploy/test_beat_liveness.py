@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from deploy_files import DEPLOY, load_docs, render_chart
 
-from k8s_dispatch.engine.settings import Settings
+from k8s_dispatch.core.settings import Settings
 from k8s_dispatch.ops import processes
 from k8s_dispatch.tasks.heartbeat import HEARTBEAT_FILE, liveness_clock
 

@@ -20,8 +20,9 @@ from deploy_files import DEPLOY
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from k8s_dispatch.container.contract import INPUT_ENV, encode_input
 from k8s_dispatch.workers.job_status import parse_result
-from k8s_dispatch.workers.manifest import INPUT_ENV, build_job, encode_input
+from k8s_dispatch.workers.manifest import build_job
 from k8s_dispatch.workers.resolver import CapabilityResolver
 from k8s_dispatch.workers.types import (
     CapabilityName,

@@ -60,7 +60,7 @@ SKIPS: dict[str, tuple[str, tuple[str, ...] | None]] = {
 
 def _checkov() -> Path:
     """checkov in its own virtualenv in the tool cache (tools/checkov/requirements.txt says why)."""
-    from k8s_dispatch.realcluster.binaries import build
+    from k8s_dispatch.lab.realcluster.binaries import build
 
     return build("checkov") / "bin" / "checkov"
 

@@ -24,7 +24,7 @@ from deploy_files import (
     settings_env_names,
 )
 
-from k8s_dispatch.engine.settings import ENV_PREFIX, load_settings
+from k8s_dispatch.core.settings import ENV_PREFIX, load_settings
 
 APP_SERVICES = ("migrate", "worker", "beat", "flower")
 CELERY_APP = ["celery", "-A", "k8s_dispatch.tasks"]
@@ -161,7 +161,7 @@ def test_every_k8s_dispatch_variable_is_a_setting(compose: Doc, compose_text: st
     for service in compose["services"].values():
         used |= {name for name in _environment(service) if name.startswith(ENV_PREFIX)}
     assert used, "the Compose file configures nothing through K8S_DISPATCH_*"
-    assert used <= known, f"not fields of engine.settings.Settings: {sorted(used - known)}"
+    assert used <= known, f"not fields of core.settings.Settings: {sorted(used - known)}"
 
 
 @pytest.mark.parametrize("service", APP_SERVICES)

@@ -133,7 +133,9 @@ def ignore_patterns() -> list[str]:
     return [line.strip() for line in lines if line.strip() and not line.startswith("#")]
 
 
-@pytest.mark.parametrize("path", [".venv", ".git", ".env", "tests", "k8s-dispatch.db", "bench/results", "kubeconfig"])
+@pytest.mark.parametrize(
+    "path", [".venv", ".git", ".env", "tests", "k8s-dispatch.db", "lab/bench/results", "kubeconfig"]
+)
 def test_local_state_and_secrets_stay_out_of_the_context(ignore_patterns: list[str], path: str) -> None:
     assert _ignored(path, ignore_patterns)
 

@@ -20,7 +20,7 @@ import redis
 from deploy_files import DEPLOY, REPO, Doc, components, optional_files, role_permissions, settings_env_names
 from kubernetes.client import ApiClient
 
-from k8s_dispatch.engine.settings import ENV_PREFIX, Settings, load_settings
+from k8s_dispatch.core.settings import ENV_PREFIX, Settings, load_settings
 from k8s_dispatch.workers import kube
 
 NAMESPACE = "k8s-dispatch"

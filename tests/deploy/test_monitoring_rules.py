@@ -1,7 +1,7 @@
 """deploy/monitoring/: the alerting rules checked and unit-tested by promtool (built from its Go
 module by tools/build.sh), the PrometheusRule equal to the plain rules file, and every PromQL
 expression of the rules and the Grafana dashboard naming only metrics the workers export (read
-from recovery/metrics.py's registry) and parsing as PromQL.
+from delivery/metrics.py's registry) and parsing as PromQL.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import yaml
 from deploy_files import DEPLOY, load_docs
 from prometheus_client import CollectorRegistry
 
-from k8s_dispatch.realcluster.binaries import build
-from k8s_dispatch.recovery.metrics import Metrics
+from k8s_dispatch.delivery.metrics import Metrics
+from k8s_dispatch.lab.realcluster.binaries import build
 
 MONITORING = DEPLOY / "monitoring"
 RULES = MONITORING / "rules.yaml"
@@ -69,7 +69,7 @@ def dashboard_expressions() -> list[str]:
 
 
 def exported_series_names() -> set[str]:
-    """The series names a worker's /metrics can hold, from the registry recovery/metrics.py builds."""
+    """The series names a worker's /metrics can hold, from the registry delivery/metrics.py builds."""
     registry = CollectorRegistry()
     Metrics(registry)
     suffixes = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_count", "_sum")}

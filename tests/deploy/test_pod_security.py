@@ -23,8 +23,9 @@ from deploy_files import run
 from kubernetes import client
 
 from k8s_dispatch.ops.processes import wait_until
+from k8s_dispatch.workers.capability import CapabilitySpec
 from k8s_dispatch.workers.manifest import SECURITY_DEFAULTS, build_job
-from k8s_dispatch.workers.resolver import CapabilityResolver, CapabilitySpec
+from k8s_dispatch.workers.resolver import CapabilityResolver
 from k8s_dispatch.workers.types import DispatchRef
 
 # How kube-apiserver words it: `violates PodSecurity "restricted:latest": ...` refusing a Pod,

@@ -20,15 +20,15 @@ import pytest
 from clusters import ClusterHandle
 from deploy_files import DEPLOY, role_permissions
 
-from k8s_dispatch.engine import store
-from k8s_dispatch.engine.db import transaction
-from k8s_dispatch.engine.errors import ApiRejected
-from k8s_dispatch.engine.settings import load_settings
-from k8s_dispatch.localcluster import LocalCluster
+from k8s_dispatch.core.errors import ApiRejected
+from k8s_dispatch.core.settings import load_settings
+from k8s_dispatch.delivery import delivery, disruptions, jobwatch
+from k8s_dispatch.delivery.runtime import Runtime
+from k8s_dispatch.demo.localcluster import LocalCluster
 from k8s_dispatch.ops.processes import wait_until
-from k8s_dispatch.recovery import delivery, disruptions, jobwatch
-from k8s_dispatch.recovery.reconcile import run_sweep
-from k8s_dispatch.recovery.runtime import Runtime
+from k8s_dispatch.recovery.sweep import run_sweep
+from k8s_dispatch.store import dispatches
+from k8s_dispatch.store.db import transaction
 from k8s_dispatch.workers import labels as job_labels
 from k8s_dispatch.workers.job_status import job_state
 from k8s_dispatch.workers.resolver import CapabilityResolver
@@ -82,7 +82,7 @@ def rt(recorded: LocalCluster, new_pg_database, redis_url: str, key_prefix: str)
 
 
 def _migrated(url: str) -> str:
-    from k8s_dispatch.engine import migrate
+    from k8s_dispatch.store import migrate
 
     migrate.upgrade(url)
     return url
@@ -91,8 +91,8 @@ def _migrated(url: str) -> str:
 def _schedule(rt: Runtime, capability: str) -> str:
     case_id = f"case-{uuid.uuid4().hex[:8]}"
     with transaction(rt.sessions) as session:
-        store.create_case(session, case_id=case_id, tenancy_id="tenant-a")
-        return store.schedule(
+        dispatches.create_case(session, case_id=case_id, tenancy_id="tenant-a")
+        return dispatches.schedule(
             session, case_id=case_id, tenancy_id="tenant-a", capability=capability, input={"n": 1},
             idempotency_key=f"key-{uuid.uuid4()}", router=rt.resolver, max_input_bytes=rt.settings.max_input_bytes,
         ).dispatch_id  # fmt: skip
@@ -130,7 +130,7 @@ def walk_the_delivery_path(rt: Runtime, *, timeout_s: float = 15) -> None:
     wait_until(lambda: _finished(rt, namespace, bad), timeout=timeout_s, what="the failing Job finished")
     assert delivery.complete_job(rt, namespace, bad) is delivery.CompleteOutcome.COMPLETED
     with transaction(rt.sessions) as session:
-        detail = store.terminal_event(session, failing).payload["detail"]
+        detail = dispatches.terminal_event(session, failing).payload["detail"]
     assert detail["log_tail"] == "it broke\n"  # read, not refused (which would only leave it out)
     assert [e["reason"] for e in detail["events"]] == ["BackoffLimitExceeded"]
     assert delivery.cancel_dispatch(rt, running, reason="UserCancelled")

@@ -18,7 +18,7 @@ import pytest
 from clusters import ClusterHandle, local_handle
 from kubernetes import client
 
-from k8s_dispatch.localcluster import LocalCluster
+from k8s_dispatch.demo.localcluster import LocalCluster
 
 T = TypeVar("T")
 _ns_counter = itertools.count(1)

@@ -145,7 +145,7 @@ def test_pagination_is_a_consistent_snapshot(sim: Api) -> None:
 
 def test_an_expired_continue_token_is_410(lsim: Api) -> None:
     # localcluster alone: it frees a snapshot read to its end, where kube-apiserver keeps a token
-    # valid until etcd compacts past it (5 minutes by default): localcluster/README.md, divergences
+    # valid until etcd compacts past it (5 minutes by default): demo/localcluster/README.md, divergences
     sim = lsim
     for i in range(3):
         sim.create_job(job_manifest(f"e{i}", annotations=HANG))

@@ -17,7 +17,7 @@ from conftest import condition_types, job_manifest, raw_request, wait_for
 from kubernetes import client, config
 from kubernetes.client import ApiException
 
-from k8s_dispatch.localcluster import LocalCluster
+from k8s_dispatch.demo.localcluster import LocalCluster
 
 SIM = "localcluster.k8s-dispatch.io/"
 
@@ -77,7 +77,7 @@ class ServeProcess:
         cmd = [
             sys.executable,
             "-m",
-            "k8s_dispatch.localcluster",
+            "k8s_dispatch.demo.localcluster",
             "serve",
             "--mode",
             mode,

@@ -263,7 +263,7 @@ def test_exec_a_missing_command_is_a_start_error(ex: Api) -> None:
 def test_exec_bounds_the_processes_running_at_once() -> None:
     from kubernetes import client, config
 
-    from k8s_dispatch.localcluster import LocalCluster
+    from k8s_dispatch.demo.localcluster import LocalCluster
 
     script = "import time; time.sleep(0.4)"
     with LocalCluster(mode="exec", max_running=1, tls=False) as cluster:

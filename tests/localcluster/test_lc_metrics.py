@@ -13,8 +13,8 @@ from conftest import Api, job_manifest, raw_request
 from kubernetes import client, watch
 from prometheus_client.parser import text_string_to_metric_families
 
-from k8s_dispatch.localcluster import LocalCluster
-from k8s_dispatch.localcluster.audit import METRIC, RequestCount
+from k8s_dispatch.demo.localcluster import LocalCluster
+from k8s_dispatch.demo.localcluster.audit import METRIC, RequestCount
 from k8s_dispatch.ops.processes import wait_until
 
 Key = tuple[str, str, str, str, int]  # verb, resource, subresource, scope, code

@@ -26,10 +26,10 @@ import pytest
 from conftest import job_manifest, wait_for
 from kubernetes import client, config, watch
 
-from k8s_dispatch.localcluster import LocalCluster
-from k8s_dispatch.localcluster.kubelet import has_started
-from k8s_dispatch.localcluster.node import KUBELET_VERSION, log_slice, micro_time, node_status, schedulable
-from k8s_dispatch.localcluster.timestamps import parse_rfc3339
+from k8s_dispatch.demo.localcluster import LocalCluster
+from k8s_dispatch.demo.localcluster.kubelet import has_started
+from k8s_dispatch.demo.localcluster.node import KUBELET_VERSION, log_slice, micro_time, node_status, schedulable
+from k8s_dispatch.demo.localcluster.timestamps import parse_rfc3339
 
 SIM = "localcluster.k8s-dispatch.io/"
 RESULT = '{"answer": 42}'
@@ -50,7 +50,7 @@ class Agent:
             [
                 sys.executable,
                 "-m",
-                "k8s_dispatch.localcluster",
+                "k8s_dispatch.demo.localcluster",
                 "node",
                 "--kubeconfig",
                 str(self.kubeconfig),
@@ -143,8 +143,8 @@ def _cluster_with_agent(tmp: Path, mode: str, name: str) -> Iterator[tuple[Local
             agent.stop()
 
 
-# The real control plane too, where the tree has it (realcluster/): the same tests, unchanged.
-CLUSTERS = ["localcluster"] + (["realcluster"] if importlib.util.find_spec("k8s_dispatch.realcluster") else [])
+# The real control plane too, where the tree has it (lab/realcluster/): the same tests, unchanged.
+CLUSTERS = ["localcluster"] + (["realcluster"] if importlib.util.find_spec("k8s_dispatch.lab.realcluster") else [])
 
 
 @dataclass
@@ -155,7 +155,7 @@ class Served:
 
 @pytest.fixture(scope="session")
 def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from k8s_dispatch.realcluster.controlplane import ControlPlane
+    from k8s_dispatch.lab.realcluster.controlplane import ControlPlane
 
     with ControlPlane(directory=tmp_path_factory.mktemp("realcluster"), mode="none") as cp:
         yield cp
@@ -171,7 +171,7 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         for cluster, agent in _cluster_with_agent(tmp, mode, f"node-{mode}"):
             yield Served(cluster.kubeconfig), agent
         return
-    from k8s_dispatch.realcluster.controlplane import NODE_NAME
+    from k8s_dispatch.lab.realcluster.controlplane import NODE_NAME
 
     cp = request.getfixturevalue("control_plane")
     agent = Agent(cp.directory / "node.kubeconfig", mode=mode, name=NODE_NAME, workdir=tmp / "node").start()

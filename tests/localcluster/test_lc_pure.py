@@ -8,14 +8,14 @@ import uuid
 
 import pytest
 
-from k8s_dispatch.localcluster import paths, simrunner
-from k8s_dispatch.localcluster.jobsync import TRACKING_FINALIZER, PodView, plan_job
-from k8s_dispatch.localcluster.patching import PatchError, json_patch, merge_patch, strategic_merge_patch
-from k8s_dispatch.localcluster.registry import new_uid
-from k8s_dispatch.localcluster.resources import JOBS, NAMESPACES, PODS
-from k8s_dispatch.localcluster.store import Store
-from k8s_dispatch.localcluster.tables import human_duration
-from k8s_dispatch.localcluster.timestamps import rfc3339
+from k8s_dispatch.demo.localcluster import paths, simrunner
+from k8s_dispatch.demo.localcluster.jobsync import TRACKING_FINALIZER, PodView, plan_job
+from k8s_dispatch.demo.localcluster.patching import PatchError, json_patch, merge_patch, strategic_merge_patch
+from k8s_dispatch.demo.localcluster.registry import new_uid
+from k8s_dispatch.demo.localcluster.resources import JOBS, NAMESPACES, PODS
+from k8s_dispatch.demo.localcluster.store import Store
+from k8s_dispatch.demo.localcluster.tables import human_duration
+from k8s_dispatch.demo.localcluster.timestamps import rfc3339
 
 NOW = 1_700_000_000.0
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from k8s_dispatch.localcluster.selectors import (
+from k8s_dispatch.demo.localcluster.selectors import (
     SelectorError,
     format_label_selector,
     from_label_selector_object,

@@ -3,7 +3,7 @@ real control plane): the waiting-reason annotation leaves the Pod bound and Pend
 kubelet's reason and message; the unschedulable one leaves it unbound with `PodScheduled=False`,
 reason `Unschedulable`, the scheduler's message. And the Pod field selectors our sweep and the
 node agent use (`status.phase`, `metadata.name`, `spec.nodeName`), answered as kube-apiserver does.
-Plus the pure pieces of localcluster/startfaults.py."""
+Plus the pure pieces of demo/localcluster/startfaults.py."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import time
 import pytest
 from conftest import Api, job_manifest, wait_for
 
-from k8s_dispatch.localcluster import startfaults
+from k8s_dispatch.demo.localcluster import startfaults
 
 SIM = "localcluster.k8s-dispatch.io/"
 

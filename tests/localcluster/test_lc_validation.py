@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from k8s_dispatch.localcluster import validation
-from k8s_dispatch.localcluster.apierrors import FieldErrorType
+from k8s_dispatch.demo.localcluster import validation
+from k8s_dispatch.demo.localcluster.apierrors import FieldErrorType
 
 SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 

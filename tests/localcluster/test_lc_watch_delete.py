@@ -13,7 +13,7 @@ from conftest import Api, job_manifest, raw_request, wait_for
 from kubernetes import client, watch
 from kubernetes.client import ApiException
 
-from k8s_dispatch.localcluster import LocalCluster
+from k8s_dispatch.demo.localcluster import LocalCluster
 
 HANG = {"localcluster.k8s-dispatch.io/outcome": "hang"}
 FINALIZER = "k8s-dispatch.io/result-protection"

@@ -16,8 +16,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from k8s_dispatch.ops import processes
-from k8s_dispatch.ops.demo import (
+from k8s_dispatch.demo.run import (
     LIMITED_MAX_RUNNING,
     DemoRequest,
     Outcome,
@@ -25,6 +24,7 @@ from k8s_dispatch.ops.demo import (
     plan_requests,
     summarise,
 )
+from k8s_dispatch.ops import processes
 
 SCRIPT = str(Path(sys.executable).parent / "k8s-dispatch")
 OK_LINE = re.compile(

@@ -17,8 +17,8 @@ import pytest
 import yaml
 from packaging.version import Version
 
-from k8s_dispatch.engine import migrate
 from k8s_dispatch.ops.processes import free_port
+from k8s_dispatch.store import migrate
 from tests.conftest import PG_ADMIN_URL
 
 CLI = Path(sys.executable).with_name("k8s-dispatch")
@@ -68,8 +68,14 @@ def test_status_with_no_configuration_says_to_migrate_or_set_the_url_and_creates
     _said(ran, EXIT_CONFIG, "set K8S_DISPATCH_DATABASE_URL", "run `k8s-dispatch migrate`")
     assert "is not set" in ran.first_line
     assert list(newcomer.home.iterdir()) == [], "status created a file"
-    for command in (["show", str(uuid.uuid4())], ["cancel", str(uuid.uuid4())], ["recover"]):
+    for command in (["show", str(uuid.uuid4())], ["cancel", str(uuid.uuid4())], ["sweep"]):
         _said(newcomer(*command), EXIT_CONFIG, "K8S_DISPATCH_DATABASE_URL")
+    recover = newcomer("recover")  # the sweep's old name: it says so, then does what `sweep` does
+    assert (
+        recover.code == EXIT_CONFIG
+        and recover.first_line == "`k8s-dispatch recover` is deprecated: use `k8s-dispatch sweep`"
+    )
+    assert "K8S_DISPATCH_DATABASE_URL" in recover.stderr.splitlines()[1]
     assert list(newcomer.home.iterdir()) == []
 
 
@@ -111,7 +117,7 @@ def test_a_typo_in_the_capabilities_file_says_which_file_to_fix(newcomer, migrat
 def test_an_unreachable_redis_says_to_start_it_or_fix_the_url(newcomer, migrated: str, sim_cluster) -> None:
     port = free_port()
     ran = newcomer(
-        "recover",
+        "sweep",
         database_url=migrated,
         kubeconfig=str(sim_cluster.kubeconfig),
         redis_url=f"redis://127.0.0.1:{port}/0",
@@ -120,7 +126,7 @@ def test_an_unreachable_redis_says_to_start_it_or_fix_the_url(newcomer, migrated
 
 
 def test_no_kubeconfig_says_to_set_one(newcomer, migrated: str, redis_url: str) -> None:
-    _said(newcomer("recover", database_url=migrated, redis_url=redis_url), EXIT_CONFIG, "set K8S_DISPATCH_KUBECONFIG")
+    _said(newcomer("sweep", database_url=migrated, redis_url=redis_url), EXIT_CONFIG, "set K8S_DISPATCH_KUBECONFIG")
 
 
 def test_refused_credentials_say_which_kubeconfig_to_fix(newcomer, migrated: str, redis_url: str, sim_cluster) -> None:
@@ -129,7 +135,7 @@ def test_refused_credentials_say_which_kubeconfig_to_fix(newcomer, migrated: str
         user["user"]["token"] = "not-the-token"
     wrong = newcomer.home / "wrong.kubeconfig"
     wrong.write_text(yaml.safe_dump(config))
-    ran = newcomer("recover", database_url=migrated, redis_url=redis_url, kubeconfig=str(wrong))
+    ran = newcomer("sweep", database_url=migrated, redis_url=redis_url, kubeconfig=str(wrong))
     _said(ran, EXIT_CONFIG, f"fix the credentials in {wrong}", "refused")
     assert "401" in ran.first_line
 

@@ -13,13 +13,13 @@ from datetime import timedelta
 import pytest
 from rich.console import Console
 
-from k8s_dispatch.engine import admission, migrate, store
-from k8s_dispatch.engine.db import database_now, make_engine, make_sessionmaker, transaction
-from k8s_dispatch.engine.disruptions import DisruptionEvent, record_disruptions
-from k8s_dispatch.engine.errors import InvalidId, UnknownDispatch
-from k8s_dispatch.engine.limits import Limits, TenancyLimit
-from k8s_dispatch.engine.models import EventType
+from k8s_dispatch.core.errors import InvalidId, UnknownDispatch
+from k8s_dispatch.core.limits import Limits, TenancyLimit
 from k8s_dispatch.ops.show import read_story, render
+from k8s_dispatch.store import admission, dispatches, migrate
+from k8s_dispatch.store.db import database_now, make_engine, make_sessionmaker, transaction
+from k8s_dispatch.store.disruptions import DisruptionEvent, record_disruptions
+from k8s_dispatch.store.models import EventType
 
 
 class Router:
@@ -42,19 +42,19 @@ def _failed_dispatch(url: str) -> str:
     sessions = make_sessionmaker(engine)
     try:
         with transaction(sessions) as session:
-            store.create_case(session, case_id="c1", tenancy_id="acme")
-            dispatch_id = store.schedule(
+            dispatches.create_case(session, case_id="c1", tenancy_id="acme")
+            dispatch_id = dispatches.schedule(
                 session, case_id="c1", tenancy_id="acme", capability="cap", input={}, idempotency_key="k",
                 router=Router(), max_input_bytes=1000,
             ).dispatch_id  # fmt: skip
         with transaction(sessions) as session:
-            store.mark_created(session, dispatch_id, job_name=f"kd-{dispatch_id}", namespace="jobs", attempt=0)
+            dispatches.mark_created(session, dispatch_id, job_name=f"kd-{dispatch_id}", namespace="jobs", attempt=0)
             event = {"pod_uid": "u1", "pod": "kd-x-aaaaa", "node": "n1", "reason": "EvictionByEvictionAPI"}
             record_disruptions(session, [DisruptionEvent(dispatch_id, event)])
         detail = {"exit_code": 137, "signal": "SIGKILL", "container_reason": "OOMKilled", "log_tail": "boom\n",
                   "events": [{"object": "Job/kd-x", "reason": "BackoffLimitExceeded", "message": "limit"}]}  # fmt: skip
         with transaction(sessions) as session:
-            store.record_terminal(
+            dispatches.record_terminal(
                 session, dispatch_id, EventType.WORKER_FAILED, {"reason": "OOMKilled", "message": "m", "detail": detail}
             )
     finally:
@@ -107,7 +107,7 @@ def test_the_command_exits_3_for_an_id_it_cannot_show(url: str) -> None:
     env["K8S_DISPATCH_DATABASE_URL"] = url
     for wrong in (str(uuid.uuid4()), "nope"):
         result = subprocess.run(
-            [sys.executable, "-m", "k8s_dispatch.ops.cli", "show", wrong], env=env, capture_output=True, text=True,
+            [sys.executable, "-m", "k8s_dispatch.cli", "show", wrong], env=env, capture_output=True, text=True,
             timeout=60,
         )  # fmt: skip
         assert result.returncode == 3 and "error: " in result.stderr, result.stderr
@@ -122,9 +122,9 @@ def test_a_queued_dispatch_shows_its_place_in_its_queue_and_an_admitted_one_its_
     sessions = make_sessionmaker(engine)
     try:
         with transaction(sessions) as session:
-            store.create_case(session, case_id="cq", tenancy_id="acme")
+            dispatches.create_case(session, case_id="cq", tenancy_id="acme")
             first, second, urgent = (
-                store.schedule(
+                dispatches.schedule(
                     session, case_id="cq", tenancy_id="acme", capability="cap", input={"i": i},
                     idempotency_key=f"q{i}", router=LimitedRouter(), max_input_bytes=1000, priority=priority,
                     now=database_now(session) - timedelta(seconds=10 - i),  # first in: by time

@@ -16,7 +16,7 @@ from tests.tasks.conftest import deploy  # noqa: F401  (the fixture: real worker
 
 @pytest.fixture(scope="session")
 def kubelet_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterHandle]:
-    from k8s_dispatch.realcluster.controlplane import ControlPlane
+    from k8s_dispatch.lab.realcluster.controlplane import ControlPlane
 
     plane = ControlPlane(directory=tmp_path_factory.mktemp("kubelet"), node="kubelet")
     plane.start()

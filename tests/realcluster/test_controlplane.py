@@ -15,8 +15,8 @@ import yaml
 from clusters import ClusterHandle
 from kubernetes import client
 
+from k8s_dispatch.lab.realcluster import binaries
 from k8s_dispatch.ops.processes import wait_until
-from k8s_dispatch.realcluster import binaries
 
 ROOT = Path(__file__).resolve().parents[2]
 SIM = "localcluster.k8s-dispatch.io/"
@@ -119,7 +119,16 @@ def test_serve_writes_a_kubeconfig_and_removes_everything_on_sigterm(tmp_path: P
     kubeconfig = tmp_path / "rc.kubeconfig"
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "k8s_dispatch.realcluster", "serve", "--kubeconfig", str(kubeconfig), "--mode", "none"],
+        [
+            sys.executable,
+            "-m",
+            "k8s_dispatch.lab.realcluster",
+            "serve",
+            "--kubeconfig",
+            str(kubeconfig),
+            "--mode",
+            "none",
+        ],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,

@@ -18,9 +18,9 @@ import pytest
 from clusters import ClusterHandle
 from kubernetes import client, watch
 
+from k8s_dispatch.lab.realcluster import faultproxy
+from k8s_dispatch.lab.realcluster.controlplane import User, kubeconfig_text
 from k8s_dispatch.ops.processes import free_port, wait_for_log
-from k8s_dispatch.realcluster import faultproxy
-from k8s_dispatch.realcluster.controlplane import User, kubeconfig_text
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from k8s_dispatch.realcluster import images
-from k8s_dispatch.realcluster.images import Entry, Image
+from k8s_dispatch.lab.realcluster import images
+from k8s_dispatch.lab.realcluster.images import Entry, Image
 
 BUSYBOX = Path("/bin/busybox")
 

@@ -17,10 +17,10 @@ from typing import Any
 import yaml
 
 from k8s_dispatch import celeryconfig as names
-from k8s_dispatch.engine import store
-from k8s_dispatch.engine.db import transaction
-from k8s_dispatch.engine.models import EventType
-from k8s_dispatch.realcluster.controlplane import NODE_NAME
+from k8s_dispatch.lab.realcluster.controlplane import NODE_NAME
+from k8s_dispatch.store import dispatches
+from k8s_dispatch.store.db import transaction
+from k8s_dispatch.store.models import EventType
 from k8s_dispatch.workers import labels as job_labels
 from k8s_dispatch.workers.manifest import job_name
 from tests.tasks.test_never_started import SLACK_S, SWEEP_S, assert_nothing_left, ended
@@ -220,7 +220,7 @@ def test_kubectl_drain_mid_run_is_a_disruption_and_the_dispatch_completes_once_a
 
         def disrupted() -> bool:
             with transaction(d.sessions) as session:
-                return any(e.type == EventType.WORKER_DISRUPTED for e in store.events_for(session, dispatch_id))
+                return any(e.type == EventType.WORKER_DISRUPTED for e in dispatches.events_for(session, dispatch_id))
 
         d.wait(disrupted, timeout_s=60, what="WORKER_DISRUPTED recorded")
         assert d.terminal_events([dispatch_id]) == {dispatch_id: []}  # cordoned: the new Pod waits
@@ -230,7 +230,7 @@ def test_kubectl_drain_mid_run_is_a_disruption_and_the_dispatch_completes_once_a
     events = d.wait_terminal([dispatch_id], timeout_s=120)
     assert events[dispatch_id] == [(EventType.WORKER_COMPLETED, {"output": {"done": True}})]
     with transaction(d.sessions) as session:
-        story = [(e.type, e.payload) for e in store.events_for(session, dispatch_id)]
+        story = [(e.type, e.payload) for e in dispatches.events_for(session, dispatch_id)]
     assert [t for t, _ in story] == [
         EventType.WORKER_SCHEDULED, EventType.WORKER_DISRUPTED, EventType.WORKER_COMPLETED
     ]  # fmt: skip

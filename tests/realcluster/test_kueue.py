@@ -17,15 +17,15 @@ from typing import Any
 import pytest
 from kubernetes import client, config
 
-from k8s_dispatch.engine import migrate, store
-from k8s_dispatch.engine.db import transaction
-from k8s_dispatch.engine.models import DispatchState, EventType
-from k8s_dispatch.engine.settings import load_settings
-from k8s_dispatch.realcluster.controlplane import ControlPlane
-from k8s_dispatch.realcluster.kueue import GROUP, VERSION, Kueue
-from k8s_dispatch.recovery import delivery
-from k8s_dispatch.recovery.reconcile import run_sweep
-from k8s_dispatch.recovery.runtime import Runtime
+from k8s_dispatch.core.settings import load_settings
+from k8s_dispatch.delivery import delivery
+from k8s_dispatch.delivery.runtime import Runtime
+from k8s_dispatch.lab.realcluster.controlplane import ControlPlane
+from k8s_dispatch.lab.realcluster.kueue import GROUP, VERSION, Kueue
+from k8s_dispatch.recovery.sweep import run_sweep
+from k8s_dispatch.store import dispatches, migrate
+from k8s_dispatch.store.db import transaction
+from k8s_dispatch.store.models import DispatchState, EventType
 from k8s_dispatch.workers import labels as job_labels
 from k8s_dispatch.workers.job_status import job_state
 from k8s_dispatch.workers.manifest import job_name
@@ -205,6 +205,6 @@ def test_two_dispatches_of_a_one_job_queue_run_one_after_the_other_and_both_comp
     assert all(r.state is DispatchState.COMPLETED for r in records.values()), records
     for dispatch_id in ids:
         with transaction(rt.sessions) as session:
-            kinds = [e.type for e in store.events_for(session, dispatch_id)]
+            kinds = [e.type for e in dispatches.events_for(session, dispatch_id)]
         assert kinds == [EventType.WORKER_SCHEDULED, EventType.WORKER_COMPLETED], kinds
     assert sorted(notified.ids) == sorted(ids)

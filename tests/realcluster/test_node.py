@@ -18,8 +18,8 @@ import pytest
 import yaml
 from kubernetes import client, config
 
+from k8s_dispatch.lab.realcluster import images, node
 from k8s_dispatch.ops.processes import wait_until
-from k8s_dispatch.realcluster import images, node
 
 MOUNTINFO = """\
 22 1 254:0 / / rw,relatime shared:1 - ext4 /dev/vda rw
@@ -129,7 +129,7 @@ def test_serve_runs_a_pod_in_a_real_container_and_sigterm_leaves_nothing_behind(
     kubeconfig = tmp_path / "kubeconfig"
     log = (tmp_path / "serve.log").open("wb")
     serve = subprocess.Popen(
-        [sys.executable, "-m", "k8s_dispatch.realcluster", "serve", "--node", "kubelet", "--kubeconfig", str(kubeconfig)],
+        [sys.executable, "-m", "k8s_dispatch.lab.realcluster", "serve", "--node", "kubelet", "--kubeconfig", str(kubeconfig)],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
     try:

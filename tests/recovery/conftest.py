@@ -13,8 +13,8 @@ import pytest
 import redis
 from runtimes import Notified
 
-from k8s_dispatch.engine.settings import load_settings
-from k8s_dispatch.recovery.runtime import Runtime
+from k8s_dispatch.core.settings import load_settings
+from k8s_dispatch.delivery.runtime import Runtime
 from k8s_dispatch.workers.resolver import CapabilityResolver
 
 

@@ -10,12 +10,12 @@ from typing import Any
 import kubernetes
 import yaml
 
-from k8s_dispatch.engine import store
-from k8s_dispatch.engine.db import transaction
-from k8s_dispatch.engine.errors import BrokerUnavailable
-from k8s_dispatch.localcluster import LocalCluster
-from k8s_dispatch.localcluster.quota import QUOTA_JOBS
-from k8s_dispatch.recovery.runtime import Runtime
+from k8s_dispatch.core.errors import BrokerUnavailable
+from k8s_dispatch.delivery.runtime import Runtime
+from k8s_dispatch.demo.localcluster import LocalCluster
+from k8s_dispatch.demo.localcluster.quota import QUOTA_JOBS
+from k8s_dispatch.store import dispatches
+from k8s_dispatch.store.db import transaction
 
 
 class Notified:
@@ -37,8 +37,8 @@ def schedule(rt: Runtime, capability: str = "sim.ok", input: Any = None, *, tena
     """One dispatch of `capability` on a new case (input `{"n": 1}` unless given); its id."""
     case_id = f"case-{uuid.uuid4().hex[:8]}"
     with transaction(rt.sessions) as session:
-        store.create_case(session, case_id=case_id, tenancy_id=tenancy)
-        return store.schedule(
+        dispatches.create_case(session, case_id=case_id, tenancy_id=tenancy)
+        return dispatches.schedule(
             session,
             case_id=case_id,
             tenancy_id=tenancy,

@@ -30,18 +30,18 @@ from clusters import ClusterHandle
 from forged_jobs import SIM, forge_job
 
 from k8s_dispatch import celeryconfig as names
-from k8s_dispatch.engine import migrate, store
-from k8s_dispatch.engine.db import transaction
-from k8s_dispatch.engine.errors import ApiUnavailable
-from k8s_dispatch.engine.models import DispatchState, EventType
-from k8s_dispatch.engine.settings import Settings, load_settings
-from k8s_dispatch.localcluster.cluster import token_from_kubeconfig
+from k8s_dispatch.core.errors import ApiUnavailable
+from k8s_dispatch.core.settings import Settings, load_settings
+from k8s_dispatch.delivery import delivery, stats
+from k8s_dispatch.delivery.crashpoints import ENV_VAR as CRASH_AT
+from k8s_dispatch.delivery.crashpoints import Point
+from k8s_dispatch.delivery.runtime import Runtime
+from k8s_dispatch.demo.localcluster.cluster import token_from_kubeconfig
 from k8s_dispatch.ops.processes import ManagedProcess, celery_beat, celery_worker, wait_until
-from k8s_dispatch.recovery import delivery, stats
-from k8s_dispatch.recovery.crashpoints import ENV_VAR as CRASH_AT
-from k8s_dispatch.recovery.crashpoints import Point
-from k8s_dispatch.recovery.reconcile import ORPHANS_REPORTED
-from k8s_dispatch.recovery.runtime import Runtime
+from k8s_dispatch.recovery.sweep import ORPHANS_REPORTED
+from k8s_dispatch.store import dispatches, migrate
+from k8s_dispatch.store.db import transaction
+from k8s_dispatch.store.models import DispatchState, EventType
 from k8s_dispatch.tasks.recovery_tasks import STARTUP_SWEEP_DONE
 from k8s_dispatch.tasks.scheduling import schedule_in_session
 from k8s_dispatch.workers import labels as job_labels
@@ -122,7 +122,7 @@ class Site:
     def new_case(self, tenancy: str = "tenant-a") -> str:
         case_id = f"case-{uuid.uuid4().hex[:10]}"
         with transaction(self.rt.sessions) as session:
-            store.create_case(session, case_id=case_id, tenancy_id=tenancy)
+            dispatches.create_case(session, case_id=case_id, tenancy_id=tenancy)
         return case_id
 
     def schedule(self, values: list[Any], *, send: bool = True) -> list[str]:
@@ -140,7 +140,7 @@ class Site:
                 result = (
                     schedule_in_session(session, via=self.producer, **request)
                     if send
-                    else store.schedule(session, **request)
+                    else dispatches.schedule(session, **request)
                 )
                 ids.append(result.dispatch_id)
         return ids
@@ -159,12 +159,16 @@ class Site:
 
     def rows(self, ids: list[str]) -> dict[str, Any]:
         with transaction(self.rt.sessions) as session:
-            return store.get_dispatches(session, ids)
+            return dispatches.get_dispatches(session, ids)
 
     def terminal_events(self, ids: list[str]) -> dict[str, list[tuple[str, Any]]]:
         with transaction(self.rt.sessions) as session:
             return {
-                d: [(e.type, e.payload) for e in store.events_for(session, d) if e.type != EventType.WORKER_SCHEDULED]
+                d: [
+                    (e.type, e.payload)
+                    for e in dispatches.events_for(session, d)
+                    if e.type != EventType.WORKER_SCHEDULED
+                ]
                 for d in ids
             }
 
@@ -443,7 +447,7 @@ class ServedCluster:
         self.kubeconfig = tmp / "kubeconfig"
         self.port = free_port()
         self.argv = [
-            sys.executable, "-m", "k8s_dispatch.localcluster", "serve", "--mode", "simulate", "--no-tls",
+            sys.executable, "-m", "k8s_dispatch.demo.localcluster", "serve", "--mode", "simulate", "--no-tls",
             "--port", str(self.port), "--kubeconfig", str(self.kubeconfig), "--state", str(tmp / "state.jsonl"),
         ]  # fmt: skip
         self.log_path = tmp / "localcluster.log"
@@ -580,7 +584,7 @@ def test_a_fresh_worker_recovers_its_backlog_at_start_before_running_any_task(an
     site.wait(lambda: len(site.jobs()) == 8 and all(job_state(j).terminal for j in site.jobs()), what="8 jobs finished")
     with transaction(site.rt.sessions) as session:
         for dispatch_id in recorded:
-            store.record_terminal(session, dispatch_id, EventType.WORKER_COMPLETED, {"output": {"recorded": True}})
+            dispatches.record_terminal(session, dispatch_id, EventType.WORKER_COMPLETED, {"output": {"recorded": True}})
     site.producer.send_task(names.POLL_TASK)  # as if beat had ticked already
 
     worker = site.worker("fresh")

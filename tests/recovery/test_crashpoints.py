@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
-from k8s_dispatch.recovery.crashpoints import ENV_VAR, Point, armed
+from k8s_dispatch.delivery.crashpoints import ENV_VAR, Point, armed
 
 CHILD = """
-from k8s_dispatch.recovery.crashpoints import crashpoint
+from k8s_dispatch.delivery.crashpoints import crashpoint
 for i in range(3):
     print(f"hit {i + 1}", flush=True)
     crashpoint("after_job_create")

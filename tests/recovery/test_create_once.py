@@ -13,16 +13,16 @@ from typing import Any
 import pytest
 from runtimes import runtime_values, schedule, set_job_quota
 
-from k8s_dispatch.engine import migrate, store
-from k8s_dispatch.engine.db import transaction
-from k8s_dispatch.engine.errors import NotFound
-from k8s_dispatch.engine.models import DispatchState, EventType
-from k8s_dispatch.localcluster import LocalCluster
+from k8s_dispatch.core.errors import NotFound
+from k8s_dispatch.delivery import delivery
+from k8s_dispatch.delivery.runtime import Runtime
+from k8s_dispatch.demo.localcluster import LocalCluster
 from k8s_dispatch.ops.processes import wait_until
-from k8s_dispatch.recovery import delivery
-from k8s_dispatch.recovery.reconcile import run_sweep
-from k8s_dispatch.recovery.runtime import Runtime
-from k8s_dispatch.recovery.sweep import Category
+from k8s_dispatch.recovery.plan import Category
+from k8s_dispatch.recovery.sweep import run_sweep
+from k8s_dispatch.store import dispatches, migrate
+from k8s_dispatch.store.db import transaction
+from k8s_dispatch.store.models import DispatchState, EventType
 from k8s_dispatch.workers.budget import Budget
 from k8s_dispatch.workers.job_status import job_state
 from k8s_dispatch.workers.kube import KubeClient
@@ -61,7 +61,7 @@ def creates(cluster: LocalCluster) -> int:
 
 def terminal_events(rt: Runtime, dispatch_id: str) -> list[EventType]:
     with transaction(rt.sessions) as session:
-        return [e.type for e in store.events_for(session, dispatch_id) if e.type != EventType.WORKER_SCHEDULED]
+        return [e.type for e in dispatches.events_for(session, dispatch_id) if e.type != EventType.WORKER_SCHEDULED]
 
 
 def finished_job(rt: Runtime, dispatch_id: str) -> dict[str, Any]:

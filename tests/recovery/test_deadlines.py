@@ -10,11 +10,11 @@ from datetime import timedelta
 import pytest
 from runtimes import runtime_values
 
-from k8s_dispatch.engine import store
-from k8s_dispatch.engine.db import database_now, transaction
-from k8s_dispatch.engine.models import EventType
+from k8s_dispatch.delivery.runtime import Runtime
 from k8s_dispatch.recovery import deadlines
-from k8s_dispatch.recovery.runtime import Runtime
+from k8s_dispatch.store import dispatches
+from k8s_dispatch.store.db import database_now, transaction
+from k8s_dispatch.store.models import EventType
 
 TAG = uuid.uuid4().hex[:8]  # the capabilities are this module's alone: the database is shared
 TIMED, UNTIMED, QUEUED = f"dl{TAG}.timed", f"dl{TAG}.untimed", f"dl{TAG}.kueue"
@@ -38,12 +38,12 @@ def runtime_env(sim_cluster, pg_url, redis_url, key_prefix, tmp_path) -> dict[st
 def created(rt: Runtime, capability: str, *, minutes_ago: float) -> str:
     case_id = f"case-{uuid.uuid4().hex[:8]}"
     with transaction(rt.sessions) as session:
-        store.create_case(session, case_id=case_id, tenancy_id="t")
-        dispatch_id = store.schedule(
+        dispatches.create_case(session, case_id=case_id, tenancy_id="t")
+        dispatch_id = dispatches.schedule(
             session, case_id=case_id, tenancy_id="t", capability=capability, input={}, idempotency_key=case_id,
             router=rt.resolver, max_input_bytes=1000,
         ).dispatch_id  # fmt: skip
-        store.mark_created(
+        dispatches.mark_created(
             session, dispatch_id, job_name=f"kd-{dispatch_id}", namespace="dl", attempt=0,
             now=database_now(session) - timedelta(minutes=minutes_ago),
         )  # fmt: skip
@@ -58,5 +58,5 @@ def test_only_created_dispatches_past_deadline_and_slack_are_counted(rt: Runtime
     created(rt, QUEUED, minutes_ago=600)
     assert deadlines.past_deadline(rt) == 1
     with transaction(rt.sessions) as session:
-        store.record_terminal(session, late, EventType.WORKER_FAILED, {"reason": "DeadlineExceeded"})
+        dispatches.record_terminal(session, late, EventType.WORKER_FAILED, {"reason": "DeadlineExceeded"})
     assert deadlines.past_deadline(rt) == 0  # ended: the controller did its part

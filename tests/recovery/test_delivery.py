@@ -19,14 +19,9 @@ from clusters import LOCAL, REAL, ClusterHandle
 from forged_jobs import SIM, forge_job
 from runtimes import Notified, runtime_values, schedule
 
-from k8s_dispatch.engine import store
-from k8s_dispatch.engine.db import transaction
-from k8s_dispatch.engine.errors import ApiUnavailable, InvalidId, UnknownDispatch
-from k8s_dispatch.engine.models import DispatchState, EventType
-from k8s_dispatch.localcluster import LocalCluster
-from k8s_dispatch.ops.processes import wait_until
-from k8s_dispatch.recovery import stats
-from k8s_dispatch.recovery.delivery import (
+from k8s_dispatch.core.errors import ApiUnavailable, InvalidId, UnknownDispatch
+from k8s_dispatch.delivery import stats
+from k8s_dispatch.delivery.delivery import (
     JOB_NAME_LABEL,
     CompleteOutcome,
     CreateOutcome,
@@ -42,8 +37,13 @@ from k8s_dispatch.recovery.delivery import (
     load_record,
     notify_engine,
 )
-from k8s_dispatch.recovery.reconcile import run_sweep
-from k8s_dispatch.recovery.runtime import Runtime
+from k8s_dispatch.delivery.runtime import Runtime
+from k8s_dispatch.demo.localcluster import LocalCluster
+from k8s_dispatch.ops.processes import wait_until
+from k8s_dispatch.recovery.sweep import run_sweep
+from k8s_dispatch.store import dispatches
+from k8s_dispatch.store.db import transaction
+from k8s_dispatch.store.models import DispatchState, EventType
 from k8s_dispatch.workers import labels as job_labels
 from k8s_dispatch.workers.job_status import job_state
 from k8s_dispatch.workers.manifest import FINALIZER, job_name
@@ -108,7 +108,7 @@ def job_finished(rt: Runtime, dispatch_id: str) -> dict[str, Any]:
 
 def events(rt: Runtime, dispatch_id: str) -> list[tuple[str, Any]]:
     with transaction(rt.sessions) as session:
-        return [(e.type, e.payload) for e in store.events_for(session, dispatch_id)]
+        return [(e.type, e.payload) for e in dispatches.events_for(session, dispatch_id)]
 
 
 def job_exists(rt: Runtime, dispatch_id: str) -> bool:
@@ -118,7 +118,7 @@ def job_exists(rt: Runtime, dispatch_id: str) -> bool:
 
 def notified_at(rt: Runtime, dispatch_id: str):
     with transaction(rt.sessions) as session:
-        return store.get_dispatch(session, dispatch_id).notified_at
+        return dispatches.get_dispatch(session, dispatch_id).notified_at
 
 
 # --- the happy path ------------------------------------------------------------------------
@@ -607,8 +607,8 @@ def test_a_job_naming_a_dispatch_that_does_not_exist_is_never_delivered(rt):
     )
     assert complete_job(rt, rt.settings.namespace, name) is CompleteOutcome.REFUSED
     with transaction(rt.sessions) as session:
-        assert store.get_dispatch(session, ref.dispatch_id) is None
-        assert store.events_for(session, ref.dispatch_id) == []
+        assert dispatches.get_dispatch(session, ref.dispatch_id) is None
+        assert dispatches.events_for(session, ref.dispatch_id) == []
     cleanup_job(rt, rt.settings.namespace, name)
 
 
@@ -735,15 +735,15 @@ def test_a_failed_notification_leaves_the_dispatch_for_the_sweep_to_notify(rt, n
     assert notified_at(rt, dispatch_id) is None
     wait_until(lambda: not job_exists(rt, dispatch_id), what="job deleted", timeout=10.0)  # clean-up went on
     with transaction(rt.sessions) as session:
-        assert dispatch_id in {d.dispatch_id for d in store.iter_unnotified_terminal(session)}
+        assert dispatch_id in {d.dispatch_id for d in dispatches.iter_unnotified_terminal(session)}
 
     notified.fail = False
     assert notify_engine(rt, dispatch_id) is True
     assert notified.ids == [dispatch_id]
     assert notified_at(rt, dispatch_id) is not None
     with transaction(rt.sessions) as session:
-        assert dispatch_id not in {d.dispatch_id for d in store.iter_unnotified_terminal(session)}
-        assert store.mark_notified(session, dispatch_id) is False  # once only
+        assert dispatch_id not in {d.dispatch_id for d in dispatches.iter_unnotified_terminal(session)}
+        assert dispatches.mark_notified(session, dispatch_id) is False  # once only
 
 
 def test_without_a_notifier_the_dispatch_stays_unnotified(make_runtime):

@@ -23,14 +23,14 @@ from forged_jobs import SIM
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from k8s_dispatch.engine import store
-from k8s_dispatch.engine.db import transaction
-from k8s_dispatch.engine.models import DispatchState, EventType
-from k8s_dispatch.engine.settings import load_settings
-from k8s_dispatch.localcluster import LocalCluster
+from k8s_dispatch.core.settings import load_settings
+from k8s_dispatch.delivery.delivery import CompleteOutcome, CreateOutcome, complete_jobs, create_jobs_for, job_snapshot
+from k8s_dispatch.delivery.runtime import Runtime
+from k8s_dispatch.demo.localcluster import LocalCluster
 from k8s_dispatch.ops.processes import wait_until
-from k8s_dispatch.recovery.delivery import CompleteOutcome, CreateOutcome, complete_jobs, create_jobs_for, job_snapshot
-from k8s_dispatch.recovery.runtime import Runtime
+from k8s_dispatch.store import dispatches
+from k8s_dispatch.store.db import transaction
+from k8s_dispatch.store.models import DispatchState, EventType
 from k8s_dispatch.workers import labels as job_labels
 from k8s_dispatch.workers.job_status import RESULT_MISSING, RESULT_NOT_JSON, RESULT_TOO_LARGE, job_state
 from k8s_dispatch.workers.manifest import FINALIZER, job_name
@@ -112,8 +112,8 @@ def with_results(base: Runtime, results: list[bytes]) -> Runtime:
 def schedule(rt: Runtime, capability_name: str, input_: Any) -> str:
     case_id = f"case-{uuid.uuid4().hex[:8]}"
     with transaction(rt.sessions) as session:
-        store.create_case(session, case_id=case_id, tenancy_id="tenant-p")
-        return store.schedule(
+        dispatches.create_case(session, case_id=case_id, tenancy_id="tenant-p")
+        return dispatches.schedule(
             session, case_id=case_id, tenancy_id="tenant-p", capability=capability_name, input=input_,
             idempotency_key=f"key-{uuid.uuid4()}", router=rt.resolver, max_input_bytes=rt.settings.max_input_bytes,
         ).dispatch_id  # fmt: skip
@@ -137,7 +137,9 @@ def finished_snapshots(rt: Runtime, ids: list[str]) -> list[dict[str, Any]]:
 def terminal_events(rt: Runtime, dispatch_id: str) -> list[tuple[str, Any]]:
     with transaction(rt.sessions) as session:
         return [
-            (e.type, e.payload) for e in store.events_for(session, dispatch_id) if e.type != EventType.WORKER_SCHEDULED
+            (e.type, e.payload)
+            for e in dispatches.events_for(session, dispatch_id)
+            if e.type != EventType.WORKER_SCHEDULED
         ]
 
 
@@ -177,7 +179,7 @@ def test_any_bytes_a_container_writes_end_in_one_terminal_event_and_spare_the_ba
                 written[:40]
             )
     with transaction(rt.sessions) as session:
-        rows = store.dispatch_rows(session, goods + bads)  # every row readable back, from this deep stack
+        rows = dispatches.dispatch_rows(session, goods + bads)  # every row readable back, from this deep stack
     assert {DispatchState(row.state) for row in rows.values()} <= {DispatchState.COMPLETED, DispatchState.FAILED}
     # Every Job released: none is left undelivered (with our finalizer).
     pages = rt.kube.iter_jobs(

@@ -13,15 +13,15 @@ from collections.abc import Iterator
 import pytest
 from runtimes import set_job_quota
 
-from k8s_dispatch.engine import migrate, store
-from k8s_dispatch.engine.db import transaction
-from k8s_dispatch.engine.errors import QuotaExceeded, Transient
-from k8s_dispatch.engine.models import DispatchState, EventType, utcnow
-from k8s_dispatch.engine.settings import load_settings
-from k8s_dispatch.localcluster import LocalCluster
+from k8s_dispatch.core.errors import QuotaExceeded, Transient
+from k8s_dispatch.core.settings import load_settings
+from k8s_dispatch.delivery.delivery import CreateOutcome, cancel_dispatch, create_jobs_for, load_record
+from k8s_dispatch.delivery.runtime import Runtime
+from k8s_dispatch.demo.localcluster import LocalCluster
 from k8s_dispatch.ops.status import read_status
-from k8s_dispatch.recovery.delivery import CreateOutcome, cancel_dispatch, create_jobs_for, load_record
-from k8s_dispatch.recovery.runtime import Runtime
+from k8s_dispatch.store import dispatches, migrate
+from k8s_dispatch.store.db import transaction
+from k8s_dispatch.store.models import DispatchState, EventType, utcnow
 from k8s_dispatch.workers.resolver import CapabilityResolver
 
 SIM = "localcluster.k8s-dispatch.io/"
@@ -57,8 +57,8 @@ def rt(cluster, new_pg_database, redis_url, key_prefix) -> Iterator[Runtime]:
 def schedule(rt: Runtime) -> str:
     case_id = f"case-{uuid.uuid4().hex[:8]}"
     with transaction(rt.sessions) as session:
-        store.create_case(session, case_id=case_id, tenancy_id="tenant-q")
-        return store.schedule(
+        dispatches.create_case(session, case_id=case_id, tenancy_id="tenant-q")
+        return dispatches.schedule(
             session, case_id=case_id, tenancy_id="tenant-q", capability="sim.hang", input={"n": 1},
             idempotency_key=f"key-{uuid.uuid4()}", router=rt.resolver, max_input_bytes=rt.settings.max_input_bytes,
         ).dispatch_id  # fmt: skip
@@ -77,7 +77,7 @@ def test_a_full_quota_keeps_the_dispatch_scheduled_retried_and_shown_in_status(c
     record = load_record(rt, waiting)
     assert record.state is DispatchState.SCHEDULED  # not failed
     with transaction(rt.sessions) as session:
-        assert [e.type for e in store.events_for(session, waiting)] == [EventType.WORKER_SCHEDULED]
+        assert [e.type for e in dispatches.events_for(session, waiting)] == [EventType.WORKER_SCHEDULED]
         report = read_status(session, now=utcnow())
     assert report.create_waiting == 1
     [wait] = report.create_waits

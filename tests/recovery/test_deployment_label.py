@@ -11,16 +11,16 @@ from typing import Any
 
 import pytest
 
-from k8s_dispatch.engine import migrate, store
-from k8s_dispatch.engine.db import transaction
-from k8s_dispatch.engine.errors import ConfigError
-from k8s_dispatch.engine.models import EventType
-from k8s_dispatch.engine.settings import load_settings
-from k8s_dispatch.localcluster import LocalCluster
+from k8s_dispatch.core.errors import ConfigError
+from k8s_dispatch.core.settings import load_settings
+from k8s_dispatch.delivery.delivery import CreateOutcome, create_jobs_for
+from k8s_dispatch.delivery.runtime import Runtime
+from k8s_dispatch.demo.localcluster import LocalCluster
 from k8s_dispatch.ops.processes import wait_until
-from k8s_dispatch.recovery.delivery import CreateOutcome, create_jobs_for
-from k8s_dispatch.recovery.reconcile import run_sweep
-from k8s_dispatch.recovery.runtime import Runtime
+from k8s_dispatch.recovery.sweep import run_sweep
+from k8s_dispatch.store import dispatches, migrate
+from k8s_dispatch.store.db import transaction
+from k8s_dispatch.store.models import EventType
 from k8s_dispatch.workers import labels as job_labels
 from k8s_dispatch.workers.job_status import job_state
 from k8s_dispatch.workers.manifest import FINALIZER, job_name
@@ -82,11 +82,14 @@ def deployment(cluster, namespace, new_pg_database, redis_url, key_prefix) -> It
 def schedule(rt: Runtime, capability: str, count: int) -> list[str]:
     case_id = f"case-{uuid.uuid4().hex[:8]}"
     requests = [
-        store.ScheduleRequest(case_id, "tenant-a", capability, {"i": i}, f"key-{uuid.uuid4()}") for i in range(count)
+        dispatches.ScheduleRequest(case_id, "tenant-a", capability, {"i": i}, f"key-{uuid.uuid4()}")
+        for i in range(count)
     ]
     with transaction(rt.sessions) as session:
-        store.create_case(session, case_id=case_id, tenancy_id="tenant-a")
-        return [r.dispatch_id for r in store.schedule_many(session, requests, router=rt.resolver, max_input_bytes=1024)]
+        dispatches.create_case(session, case_id=case_id, tenancy_id="tenant-a")
+        return [
+            r.dispatch_id for r in dispatches.schedule_many(session, requests, router=rt.resolver, max_input_bytes=1024)
+        ]
 
 
 def unlabelled_job(rt: Runtime, namespace: str, ref: DispatchRef, *, duration_ms: int = 20) -> dict[str, Any]:
@@ -118,7 +121,7 @@ def unlabelled_job(rt: Runtime, namespace: str, ref: DispatchRef, *, duration_ms
 
 def ref_of(rt: Runtime, dispatch_id: str) -> DispatchRef:
     with transaction(rt.sessions) as session:
-        row = store.get_dispatch(session, dispatch_id)
+        row = dispatches.get_dispatch(session, dispatch_id)
         assert row is not None
         return DispatchRef(
             row.dispatch_id, row.case_id, row.tenancy_id, row.capability, row.worker_name, row.idempotency_key
@@ -127,7 +130,7 @@ def ref_of(rt: Runtime, dispatch_id: str) -> DispatchRef:
 
 def mark_created(rt: Runtime, ids: list[str], namespace: str) -> None:
     with transaction(rt.sessions) as session:
-        store.mark_created_many(session, [store.CreatedJob(d, job_name(d), namespace, 0) for d in ids])
+        dispatches.mark_created_many(session, [dispatches.CreatedJob(d, job_name(d), namespace, 0) for d in ids])
 
 
 def jobs(rt: Runtime, namespace: str) -> dict[str, dict[str, Any]]:
@@ -142,7 +145,7 @@ def jobs(rt: Runtime, namespace: str) -> dict[str, dict[str, Any]]:
 def events(rt: Runtime, ids: list[str]) -> dict[str, list[tuple[str, Any]]]:
     with transaction(rt.sessions) as session:
         return {
-            d: [(e.type, e.payload) for e in store.events_for(session, d) if e.type != EventType.WORKER_SCHEDULED]
+            d: [(e.type, e.payload) for e in dispatches.events_for(session, d) if e.type != EventType.WORKER_SCHEDULED]
             for d in ids
         }
 
@@ -219,7 +222,7 @@ def test_the_deployment_defaults_to_the_key_prefix(environ: dict[str, str], expe
 
 
 def test_a_key_prefix_that_is_no_label_value_derives_a_distinct_valid_one() -> None:
-    from k8s_dispatch.engine.names import is_label_value
+    from k8s_dispatch.core.names import is_label_value
 
     derived = {
         load_settings({"K8S_DISPATCH_KEY_PREFIX": p}).effective_deployment for p in ("a:b", "a/b", "a b", "x" * 64, ":")

@@ -9,9 +9,9 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from k8s_dispatch.engine.errors import GuardUnavailable
+from k8s_dispatch.core.errors import GuardUnavailable
+from k8s_dispatch.delivery.guard import Claim, Guard
 from k8s_dispatch.ops.processes import wait_until
-from k8s_dispatch.recovery.guard import Claim, Guard
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Hand-off markers on real Redis (`recovery.handoff`): poll marks, the sweep reads, markers expire.
+"""Hand-off markers on real Redis (`delivery.handoff`): poll marks, the sweep reads, markers expire.
 
 (Not test_handoff.py: tests/tasks/test_handoff.py has that basename, and the test directories
 are not packages, so two modules of one name cannot be collected together.)
@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import redis
 
+from k8s_dispatch.delivery import handoff
 from k8s_dispatch.ops.processes import free_port, wait_until
-from k8s_dispatch.recovery import handoff
 
 
 def job(name: str, uid: str | None = None) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Poll's watch (`recovery.jobwatch`): what each event means (a table), and the slices against both
+"""Poll's watch (`delivery.jobwatch`): what each event means (a table), and the slices against both
 clusters: resumed from the stored version, a LIST on 410 Gone, two overlapping polls, and the
 stream kept between polls (read without a new request; replaced when it ended; never read from
 another version than the one stored)."""
@@ -19,8 +19,8 @@ import pytest
 import redis
 from clusters import LOCAL, ClusterHandle, local_handle, real_handle
 
-from k8s_dispatch.recovery import handoff, jobwatch
-from k8s_dispatch.recovery.jobwatch import Position, Step, apply, decide
+from k8s_dispatch.delivery import handoff, jobwatch
+from k8s_dispatch.delivery.jobwatch import Position, Step, apply, decide
 from k8s_dispatch.workers import labels as job_labels
 from k8s_dispatch.workers.kube import KubeClient
 from k8s_dispatch.workers.manifest import FINALIZER
@@ -152,7 +152,7 @@ def make_job(kube: KubeClient, namespace: str, deployment: str, *, ms: int) -> s
 
 
 class Recorder:
-    """The hand-off seam: marks each Job as poll's does (`recovery.handoff`) and records the ones
+    """The hand-off seam: marks each Job as poll's does (`delivery.handoff`) and records the ones
     handed off now; `during` runs inside the hand-off (an overlapping poll)."""
 
     def __init__(self, client: redis.Redis, prefix: str, namespace: str) -> None:
@@ -312,12 +312,12 @@ def small_window(cluster_under_test: ClusterHandle, tmp_path: Path) -> Iterator[
     a watch may start is etcd's compaction, which the test runs (kube-apiserver's own cache keeps
     every event until it has been full for minutes, then answers the same 410)."""
     if cluster_under_test.kind == LOCAL:
-        from k8s_dispatch.localcluster import LocalCluster
+        from k8s_dispatch.demo.localcluster import LocalCluster
 
         with LocalCluster(mode="simulate", event_log_size=50) as cluster:
             yield local_handle(cluster)
         return
-    from k8s_dispatch.realcluster.controlplane import ControlPlane
+    from k8s_dispatch.lab.realcluster.controlplane import ControlPlane
 
     plane = ControlPlane(directory=tmp_path / "plane", mode="simulate", apiserver_args=("--watch-cache=false",))
     plane.start()

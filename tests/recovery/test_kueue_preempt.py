@@ -16,11 +16,11 @@ from forged_jobs import SIM
 from runtimes import runtime_values
 from test_kueue_unsuspend import QUEUE, admit, events, job, pods, queued, state
 
-from k8s_dispatch.engine import migrate
-from k8s_dispatch.engine.models import DispatchState, EventType
+from k8s_dispatch.delivery.runtime import Runtime
 from k8s_dispatch.ops.processes import wait_until
-from k8s_dispatch.recovery.reconcile import run_sweep
-from k8s_dispatch.recovery.runtime import Runtime
+from k8s_dispatch.recovery.sweep import run_sweep
+from k8s_dispatch.store import migrate
+from k8s_dispatch.store.models import DispatchState, EventType
 from k8s_dispatch.workers.manifest import job_name
 
 CAPABILITIES = {

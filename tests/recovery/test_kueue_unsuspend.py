@@ -18,14 +18,14 @@ import pytest
 from forged_jobs import SIM
 from runtimes import runtime_values, schedule
 
-from k8s_dispatch.engine import migrate, store
-from k8s_dispatch.engine.db import database_now, transaction
-from k8s_dispatch.engine.models import DispatchState, EventType
-from k8s_dispatch.localcluster import startfaults
+from k8s_dispatch.delivery import delivery
+from k8s_dispatch.delivery.runtime import Runtime
+from k8s_dispatch.demo.localcluster import startfaults
 from k8s_dispatch.ops.processes import wait_until
-from k8s_dispatch.recovery import delivery
-from k8s_dispatch.recovery.reconcile import run_sweep
-from k8s_dispatch.recovery.runtime import Runtime
+from k8s_dispatch.recovery.sweep import run_sweep
+from k8s_dispatch.store import dispatches, migrate
+from k8s_dispatch.store.db import database_now, transaction
+from k8s_dispatch.store.models import DispatchState, EventType
 from k8s_dispatch.workers import labels as job_labels
 from k8s_dispatch.workers.manifest import QUEUE_NAME_LABEL, job_name
 from k8s_dispatch.workers.pod_health import CHECK_GRACE, is_suspended
@@ -97,7 +97,7 @@ def db_now(rt: Runtime) -> datetime:
 
 def events(rt: Runtime, dispatch_id: str) -> list[tuple[EventType, dict[str, Any]]]:
     with transaction(rt.sessions) as session:
-        return [(e.type, dict(e.payload)) for e in store.events_for(session, dispatch_id)]
+        return [(e.type, dict(e.payload)) for e in dispatches.events_for(session, dispatch_id)]
 
 
 def state(rt: Runtime, dispatch_id: str) -> DispatchState:

@@ -1,4 +1,4 @@
-"""Table tests of the sweep's streaming match (`recovery.sweep.NameOrder`, `named_dispatch_ids`):
+"""Table tests of the sweep's streaming match (`recovery.plan.NameOrder`, `named_dispatch_ids`):
 how far a name-ordered LIST has got, and which dispatch ids a Job's labels point at."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from k8s_dispatch.recovery.sweep import NameOrder, named_dispatch_ids
+from k8s_dispatch.recovery.plan import NameOrder, named_dispatch_ids
 from k8s_dispatch.workers import labels as job_labels
 from k8s_dispatch.workers.manifest import job_name
 

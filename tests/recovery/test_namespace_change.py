@@ -11,19 +11,19 @@ from typing import Any
 
 import pytest
 
-from k8s_dispatch.engine import migrate, store
-from k8s_dispatch.engine.db import transaction
-from k8s_dispatch.engine.models import EventType
-from k8s_dispatch.engine.settings import load_settings
-from k8s_dispatch.localcluster import LocalCluster
+from k8s_dispatch.core.settings import load_settings
+from k8s_dispatch.delivery.delivery import CreateOutcome, create_jobs_for
+from k8s_dispatch.delivery.runtime import Runtime
+from k8s_dispatch.demo.localcluster import LocalCluster
 from k8s_dispatch.ops.processes import wait_until
-from k8s_dispatch.recovery.delivery import CreateOutcome, create_jobs_for
-from k8s_dispatch.recovery.reconcile import run_sweep
-from k8s_dispatch.recovery.runtime import Runtime
+from k8s_dispatch.recovery.sweep import run_sweep
+from k8s_dispatch.store import dispatches, migrate
+from k8s_dispatch.store.db import transaction
+from k8s_dispatch.store.models import EventType
 from k8s_dispatch.workers import labels as job_labels
 from k8s_dispatch.workers.manifest import FINALIZER, job_name
 from k8s_dispatch.workers.resolver import CapabilityResolver
-from tests.engine.conftest import StaticRouter
+from tests.store.conftest import StaticRouter
 
 SIM = "localcluster.k8s-dispatch.io/"
 
@@ -78,11 +78,12 @@ def fresh(prefix: str) -> str:
 def schedule(rt: Runtime, capability: str, count: int, *, router: Any = None) -> list[str]:
     case_id = f"case-{uuid.uuid4().hex[:8]}"
     requests = [
-        store.ScheduleRequest(case_id, "tenant-a", capability, {"i": i}, f"key-{uuid.uuid4()}") for i in range(count)
+        dispatches.ScheduleRequest(case_id, "tenant-a", capability, {"i": i}, f"key-{uuid.uuid4()}")
+        for i in range(count)
     ]
     with transaction(rt.sessions) as session:
-        store.create_case(session, case_id=case_id, tenancy_id="tenant-a")
-        results = store.schedule_many(session, requests, router=router or rt.resolver, max_input_bytes=1024)
+        dispatches.create_case(session, case_id=case_id, tenancy_id="tenant-a")
+        results = dispatches.schedule_many(session, requests, router=router or rt.resolver, max_input_bytes=1024)
     return [r.dispatch_id for r in results]
 
 
@@ -106,13 +107,13 @@ def jobs_in(rt: Runtime, namespace: str) -> dict[str, dict[str, Any]]:
 
 def rows(rt: Runtime, ids: list[str]) -> dict[str, Any]:
     with transaction(rt.sessions) as session:
-        return store.get_dispatches(session, ids)
+        return dispatches.get_dispatches(session, ids)
 
 
 def terminal_events(rt: Runtime, ids: list[str]) -> dict[str, list[tuple[str, Any]]]:
     with transaction(rt.sessions) as session:
         return {
-            d: [(e.type, e.payload) for e in store.events_for(session, d) if e.type != EventType.WORKER_SCHEDULED]
+            d: [(e.type, e.payload) for e in dispatches.events_for(session, d) if e.type != EventType.WORKER_SCHEDULED]
             for d in ids
         }
 

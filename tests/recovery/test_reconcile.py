@@ -1,6 +1,6 @@
 """The sweep's executor against real PostgreSQL, Redis and localcluster over HTTP: the six
 categories, grace, attempts, orphan policies, dry runs, stale actions, racing sweeps,
-re-notification and the `k8s-dispatch recover` command. Each test has its own database.
+re-notification and the `k8s-dispatch sweep` command. Each test has its own database.
 """
 
 from __future__ import annotations
@@ -18,16 +18,16 @@ import pytest
 from forged_jobs import SIM, forge_job
 from runtimes import Notified, runtime_values, schedule
 
-from k8s_dispatch.engine import migrate, store
-from k8s_dispatch.engine.db import transaction
-from k8s_dispatch.engine.models import Dispatch, DispatchState, EventType, utcnow
-from k8s_dispatch.localcluster import LocalCluster
+from k8s_dispatch.delivery import delivery
+from k8s_dispatch.delivery.runtime import Runtime
+from k8s_dispatch.demo.localcluster import LocalCluster
 from k8s_dispatch.ops.processes import wait_until
-from k8s_dispatch.recovery import delivery
-from k8s_dispatch.recovery.reconcile import ORPHANS_REPORTED, Executor, run_sweep
+from k8s_dispatch.recovery.plan import Category, CompleteJob, CreateJob, RecreateJob
 from k8s_dispatch.recovery.report import SweepReport
-from k8s_dispatch.recovery.runtime import Runtime
-from k8s_dispatch.recovery.sweep import Category, CompleteJob, CreateJob, RecreateJob
+from k8s_dispatch.recovery.sweep import ORPHANS_REPORTED, Executor, run_sweep
+from k8s_dispatch.store import dispatches, migrate
+from k8s_dispatch.store.db import transaction
+from k8s_dispatch.store.models import Dispatch, DispatchState, EventType, utcnow
 from k8s_dispatch.workers import labels as job_labels
 from k8s_dispatch.workers.job_status import job_state
 from k8s_dispatch.workers.manifest import FINALIZER, job_name
@@ -103,7 +103,9 @@ def wait_finished(rt: Runtime, names: list[str], namespace: str | None = None) -
 def terminal_events(rt: Runtime, dispatch_id: str) -> list[tuple[str, Any]]:
     with transaction(rt.sessions) as session:
         return [
-            (e.type, e.payload) for e in store.events_for(session, dispatch_id) if e.type != EventType.WORKER_SCHEDULED
+            (e.type, e.payload)
+            for e in dispatches.events_for(session, dispatch_id)
+            if e.type != EventType.WORKER_SCHEDULED
         ]
 
 
@@ -236,8 +238,8 @@ def test_jobs_whose_end_is_recorded_are_cleaned_up_including_a_cancelled_running
     running = schedule(rt, "sim.hang")
     delivery.create_job_for(rt, running)
     with transaction(rt.sessions) as session:  # the crash after the write, before the clean-up
-        store.record_terminal(session, done, EventType.WORKER_COMPLETED, {"output": {"by": "test"}})
-        store.record_terminal(session, running, EventType.WORKER_CANCELLED, {"reason": "Cancelled"})
+        dispatches.record_terminal(session, done, EventType.WORKER_COMPLETED, {"output": {"by": "test"}})
+        dispatches.record_terminal(session, running, EventType.WORKER_CANCELLED, {"reason": "Cancelled"})
 
     cluster.audit(clear=True)
     report = run_sweep(rt)
@@ -245,7 +247,7 @@ def test_jobs_whose_end_is_recorded_are_cleaned_up_including_a_cancelled_running
     # The cancelled one's Job, deleted above, is then seen gone: its slot is free (the completed one never held it).
     assert counts(report, Category.STOPPING) == (1, 1, 0, 0)
     with transaction(rt.sessions) as session:
-        stopped = {d: store.get_dispatch(session, d).job_stopped_at for d in (done, running)}
+        stopped = {d: dispatches.get_dispatch(session, d).job_stopped_at for d in (done, running)}
     assert stopped[done] is None and stopped[running] is not None
     wait_until(lambda: not jobs(rt), what="both jobs deleted", timeout=15.0)
     # Released from the LIST's snapshots (a patch each, their Pods listed once and a patch each),
@@ -293,7 +295,7 @@ def test_a_pod_an_ended_dispatch_left_held_is_freed_and_one_of_an_open_dispatch_
         delivery.create_job_for(rt, dispatch_id)
     wait_finished(rt, [job_name(ended), job_name(open_)])
     with transaction(rt.sessions) as session:  # recorded, then the crash before the release
-        store.record_terminal(session, ended, EventType.WORKER_COMPLETED, {"output": {"by": "test"}})
+        dispatches.record_terminal(session, ended, EventType.WORKER_COMPLETED, {"output": {"by": "test"}})
     for dispatch_id in (ended, open_):
         lose_job(rt, dispatch_id)
     held = {name for name, pod in our_pods(rt).items() if FINALIZER in pod["metadata"].get("finalizers", [])}
@@ -344,7 +346,7 @@ def test_a_lost_job_inside_the_grace_period_is_not_recreated_yet(make_runtime):
     rt = make_runtime(sweep_grace_s="60")
     dispatch_id = schedule(rt, "sim.hang")
     with transaction(rt.sessions) as session:  # an old row, so category 1 does not wait for it
-        store.mark_created(
+        dispatches.mark_created(
             session, dispatch_id, job_name=job_name(dispatch_id), namespace=rt.settings.namespace, attempt=0
         )
     assert found(run_sweep(rt)) == {}
@@ -381,7 +383,7 @@ def test_forged_and_tenancy_mismatched_jobs_are_reported_and_never_delivered(rt,
         assert rt.stats.get(ORPHANS_REPORTED) == before + sweep
     assert terminal_events(rt, victim) == [] and record(rt, victim).state is SCHEDULED
     with transaction(rt.sessions) as session:
-        assert store.events_for(session, forged_id) == []
+        assert dispatches.events_for(session, forged_id) == []
     assert set(jobs(rt)) == {forged, job_name(victim)}  # left alone (policy: report)
     assert notified.ids == []
 
@@ -402,7 +404,7 @@ def test_with_the_delete_policy_orphans_are_deleted_and_the_victim_then_gets_its
     assert counts(run_sweep(rt), C2) == (1, 1, 0, 0)
     assert terminal_events(rt, victim) == [(EventType.WORKER_COMPLETED, {"output": expected_output({"n": 1})})]
     with transaction(rt.sessions) as session:
-        assert store.events_for(session, forged_id) == []
+        assert dispatches.events_for(session, forged_id) == []
 
 
 # --- dry run, stale actions, races ------------------------------------------------------------
@@ -441,7 +443,7 @@ def test_stale_actions_find_nothing_left_to_do(rt):
     # Planned from a page read before normal work finished `done`, and before another sweep
     # re-created `lost` (its attempts moved on).
     with transaction(rt.sessions) as session:
-        store.record_attempt(session, lost)
+        dispatches.record_attempt(session, lost)
     report = SweepReport(dry_run=False, started_at=utcnow())
     with Executor(rt, report, dry_run=False) as executor:
         executor.all(
@@ -530,7 +532,7 @@ def test_an_unreachable_api_is_an_error_not_a_crash(rt, cluster):
 
 def recover(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "k8s_dispatch.ops.cli", "recover", *args],
+        [sys.executable, "-m", "k8s_dispatch.cli", "sweep", *args],
         env={**env_without_ours(), **env},
         cwd=REPO,
         capture_output=True,

@@ -7,9 +7,9 @@ from typing import Any, ClassVar
 
 import pytest
 
-from k8s_dispatch.engine.errors import LabelMismatch, TenancyMismatch, UnknownDispatch
-from k8s_dispatch.engine.models import DispatchState
-from k8s_dispatch.recovery.reconstruct import DispatchRecord, context_from_job
+from k8s_dispatch.core.errors import LabelMismatch, TenancyMismatch, UnknownDispatch
+from k8s_dispatch.delivery.reconstruct import DispatchRecord, context_from_job
+from k8s_dispatch.store.models import DispatchState
 from k8s_dispatch.workers import labels as job_labels
 from k8s_dispatch.workers.manifest import FINALIZER, job_name
 from k8s_dispatch.workers.types import DispatchRef
@@ -174,7 +174,7 @@ def test_a_job_whose_dispatch_does_not_exist_is_refused():
 
 
 def test_record_from_row_reads_every_field():
-    class Row:  # the attributes of engine.models.Dispatch
+    class Row:  # the attributes of store.models.Dispatch
         dispatch_id = DISPATCH_ID
         case_id = "case-1"
         tenancy_id = "tenant-a"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from datetime import UTC, datetime, timedelta
 
+from k8s_dispatch.recovery.plan import Category
 from k8s_dispatch.recovery.report import MAX_PROBLEMS, SweepReport
-from k8s_dispatch.recovery.sweep import Category
 
 START = datetime(2025, 1, 1, tzinfo=UTC)
 

@@ -1,4 +1,4 @@
-"""Beat's tasks superseded by a Redis TTL (`recovery.supersede`), on real Redis: the first run in
+"""Beat's tasks superseded by a Redis TTL (`tasks.supersede`), on real Redis: the first run in
 a window goes ahead, the others skip and are counted, the window ends by Redis' clock alone,
 and an unreachable Redis never stops a run."""
 
@@ -10,7 +10,7 @@ import redis
 from prometheus_client import REGISTRY
 
 from k8s_dispatch.ops.processes import wait_until
-from k8s_dispatch.recovery import supersede
+from k8s_dispatch.tasks import supersede
 
 TASK = "k8s-dispatch.poll"
 

@@ -1,4 +1,4 @@
-"""Table tests of the sweep's pure decisions (`recovery.sweep.plan`): every category and edge."""
+"""Table tests of the sweep's pure decisions (`recovery.plan.plan`): every category and edge."""
 
 from __future__ import annotations
 
@@ -8,10 +8,9 @@ from typing import Any
 
 import pytest
 
-from k8s_dispatch.engine.models import DispatchState
-from k8s_dispatch.engine.settings import OrphanPolicy, load_settings
-from k8s_dispatch.recovery.reconstruct import DispatchRecord
-from k8s_dispatch.recovery.sweep import (
+from k8s_dispatch.core.settings import OrphanPolicy, load_settings
+from k8s_dispatch.delivery.reconstruct import DispatchRecord
+from k8s_dispatch.recovery.plan import (
     Category,
     CleanUpJob,
     CompleteJob,
@@ -31,6 +30,7 @@ from k8s_dispatch.recovery.sweep import (
     plan_pods,
     present_jobs,
 )
+from k8s_dispatch.store.models import DispatchState
 from k8s_dispatch.workers import labels as job_labels
 from k8s_dispatch.workers.manifest import FINALIZER, job_name
 from k8s_dispatch.workers.types import DispatchRef

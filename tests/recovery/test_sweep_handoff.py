@@ -17,17 +17,17 @@ import redis
 import yaml
 from forged_jobs import SIM
 
-from k8s_dispatch.engine import migrate, store
-from k8s_dispatch.engine.db import transaction
-from k8s_dispatch.engine.models import EventType
-from k8s_dispatch.engine.settings import load_settings
-from k8s_dispatch.localcluster import LocalCluster
+from k8s_dispatch.core.settings import load_settings
+from k8s_dispatch.delivery import delivery, handoff
+from k8s_dispatch.delivery.runtime import Runtime
+from k8s_dispatch.demo.localcluster import LocalCluster
 from k8s_dispatch.ops.processes import free_port, wait_until
-from k8s_dispatch.recovery import delivery, handoff
-from k8s_dispatch.recovery.reconcile import run_sweep
+from k8s_dispatch.recovery.plan import Category
 from k8s_dispatch.recovery.report import SweepReport
-from k8s_dispatch.recovery.runtime import Runtime
-from k8s_dispatch.recovery.sweep import Category
+from k8s_dispatch.recovery.sweep import run_sweep
+from k8s_dispatch.store import dispatches, migrate
+from k8s_dispatch.store.db import transaction
+from k8s_dispatch.store.models import EventType
 from k8s_dispatch.workers import labels as job_labels
 from k8s_dispatch.workers.job_status import job_state
 from k8s_dispatch.workers.manifest import job_name
@@ -89,9 +89,9 @@ def finished_jobs(rt: Runtime, count: int) -> list[str]:
     for i in range(count):
         case_id = f"case-{uuid.uuid4().hex[:8]}"
         with transaction(rt.sessions) as session:
-            store.create_case(session, case_id=case_id, tenancy_id="tenant-a")
+            dispatches.create_case(session, case_id=case_id, tenancy_id="tenant-a")
             ids.append(
-                store.schedule(
+                dispatches.schedule(
                     session,
                     case_id=case_id,
                     tenancy_id="tenant-a",
@@ -135,7 +135,7 @@ def marker_keys(rt: Runtime, dispatch_ids: list[str]) -> list[str]:
 
 def terminal_events(rt: Runtime, dispatch_id: str) -> list[str]:
     with transaction(rt.sessions) as session:
-        return [e.type for e in store.events_for(session, dispatch_id) if e.type != EventType.WORKER_SCHEDULED]
+        return [e.type for e in dispatches.events_for(session, dispatch_id) if e.type != EventType.WORKER_SCHEDULED]
 
 
 def counts(report: SweepReport) -> tuple[int, int, int, int]:
@@ -178,7 +178,7 @@ def test_a_recorded_job_whose_queued_completion_is_releasing_it_is_left_to_it(ma
     hand_off(rt, [releasing])
     with transaction(rt.sessions) as session:  # what complete_batch wrote before its patch
         for dispatch_id in (releasing, stuck):
-            store.record_terminal(session, dispatch_id, EventType.WORKER_COMPLETED, {"output": {}})
+            dispatches.record_terminal(session, dispatch_id, EventType.WORKER_COMPLETED, {"output": {}})
 
     report = run_sweep(rt)
     cleanup = report.categories[Category.CLEANUP]
@@ -224,7 +224,7 @@ def test_with_redis_unreachable_for_the_marker_check_the_sweep_defers_nothing(ma
     unreachable = redis.Redis(port=free_port(), socket_connect_timeout=1, socket_timeout=1)
     blind = dataclasses.replace(rt, redis=unreachable)
 
-    with caplog.at_level(logging.WARNING, logger="recovery.reconcile"):
+    with caplog.at_level(logging.WARNING, logger="recovery.sweep"):
         report = run_sweep(blind)
     unreachable.close()
     assert counts(report) == (3, 3, 0, 0) and report.completions_deferred == 0 and report.errors == 0

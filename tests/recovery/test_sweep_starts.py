@@ -15,18 +15,19 @@ import pytest
 from forged_jobs import SIM
 from runtimes import runtime_values, schedule
 
-from k8s_dispatch.engine import migrate, store
-from k8s_dispatch.engine.db import database_now, transaction
-from k8s_dispatch.engine.models import DispatchState, EventType
-from k8s_dispatch.localcluster import LocalCluster, startfaults
+from k8s_dispatch.delivery import delivery
+from k8s_dispatch.delivery.runtime import Runtime
+from k8s_dispatch.demo.localcluster import LocalCluster, startfaults
 from k8s_dispatch.ops.processes import wait_until
-from k8s_dispatch.recovery import delivery
-from k8s_dispatch.recovery.reconcile import run_sweep
-from k8s_dispatch.recovery.runtime import Runtime
-from k8s_dispatch.recovery.sweep import Category
+from k8s_dispatch.recovery.plan import Category
+from k8s_dispatch.recovery.sweep import run_sweep
+from k8s_dispatch.store import dispatches, migrate
+from k8s_dispatch.store.db import database_now, transaction
+from k8s_dispatch.store.models import DispatchState, EventType
 from k8s_dispatch.workers import labels as job_labels
+from k8s_dispatch.workers.capability import StartPolicy
 from k8s_dispatch.workers.manifest import FINALIZER, job_name
-from k8s_dispatch.workers.pod_health import WAIT, StartPolicy, assess
+from k8s_dispatch.workers.pod_health import WAIT, assess
 
 START_S = 600
 CAPABILITIES = {
@@ -146,7 +147,7 @@ def test_at_the_start_clock_an_unschedulable_job_fails_once_and_leaves_nothing(c
     run_sweep(rt, now=late)  # a second sweep (or a racing one) changes nothing
     for dispatch_id in ids:
         with transaction(rt.sessions) as session:
-            events = [(e.type, dict(e.payload)) for e in store.events_for(session, dispatch_id)]
+            events = [(e.type, dict(e.payload)) for e in dispatches.events_for(session, dispatch_id)]
         [(failed, payload)] = events[1:]
         detail = payload.pop("detail")
         assert (failed, payload) == (
@@ -200,7 +201,7 @@ def _policy() -> StartPolicy:
 
 def _open(rt: Runtime) -> list[str]:
     with transaction(rt.sessions) as session:
-        return [d.dispatch_id for d in store.iter_dispatches(session, states=[DispatchState.CREATED])]
+        return [d.dispatch_id for d in dispatches.iter_dispatches(session, states=[DispatchState.CREATED])]
 
 
 def _jobs(rt: Runtime) -> list[dict[str, Any]]:

@@ -10,8 +10,8 @@ from datetime import timedelta
 import pytest
 from test_sweep import COMPLETED, CREATED, FAILED, GRACE, NOW, REF, dispatch, job
 
-from k8s_dispatch.engine.models import DispatchState
-from k8s_dispatch.recovery.sweep import StopStep, TamperStep, hidden, owner_by_name, stop_step, tamper_step
+from k8s_dispatch.recovery.plan import StopStep, TamperStep, hidden, owner_by_name, stop_step, tamper_step
+from k8s_dispatch.store.models import DispatchState
 from k8s_dispatch.workers import labels as job_labels
 
 CANCELLED = DispatchState.CANCELLED

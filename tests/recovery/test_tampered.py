@@ -16,16 +16,16 @@ import kubernetes
 import pytest
 from runtimes import runtime_values, schedule
 
-from k8s_dispatch.engine import migrate, store
-from k8s_dispatch.engine.db import transaction
-from k8s_dispatch.engine.errors import NotFound
-from k8s_dispatch.engine.models import DispatchState, EventType
-from k8s_dispatch.localcluster import LocalCluster
+from k8s_dispatch.core.errors import NotFound
+from k8s_dispatch.delivery import delivery
+from k8s_dispatch.delivery.runtime import Runtime
+from k8s_dispatch.demo.localcluster import LocalCluster
 from k8s_dispatch.ops.processes import wait_until
-from k8s_dispatch.recovery import delivery
-from k8s_dispatch.recovery.reconcile import run_sweep
-from k8s_dispatch.recovery.runtime import Runtime
-from k8s_dispatch.recovery.sweep import JOB_TAMPERED_REASON, Category
+from k8s_dispatch.recovery.plan import JOB_TAMPERED_REASON, Category
+from k8s_dispatch.recovery.sweep import run_sweep
+from k8s_dispatch.store import dispatches, migrate
+from k8s_dispatch.store.db import transaction
+from k8s_dispatch.store.models import DispatchState, EventType
 from k8s_dispatch.workers import labels as job_labels
 from k8s_dispatch.workers.job_status import job_state
 from k8s_dispatch.workers.manifest import FINALIZER, job_name
@@ -84,12 +84,14 @@ def our_pods(rt: Runtime, name: str) -> list[dict[str, Any]]:
 
 def row(rt: Runtime, dispatch_id: str) -> Any:
     with transaction(rt.sessions) as session:
-        return store.get_dispatch(session, dispatch_id)
+        return dispatches.get_dispatch(session, dispatch_id)
 
 
 def terminal_events(rt: Runtime, dispatch_id: str) -> list[tuple[str, Any]]:
     with transaction(rt.sessions) as session:
-        return [(e.type, e.payload) for e in store.events_for(session, dispatch_id) if e.type != "WORKER_SCHEDULED"]
+        return [
+            (e.type, e.payload) for e in dispatches.events_for(session, dispatch_id) if e.type != "WORKER_SCHEDULED"
+        ]
 
 
 def created(rt: Runtime, capability: str) -> tuple[str, str]:

@@ -15,14 +15,15 @@ import redis
 import yaml
 from runtimes import runtime_values
 
-from k8s_dispatch.engine import migrate
-from k8s_dispatch.engine.settings import load_settings
-from k8s_dispatch.localcluster import LocalCluster
+from k8s_dispatch.core.settings import load_settings
+from k8s_dispatch.delivery import jobwatch
+from k8s_dispatch.delivery.jobwatch import Position, Write
+from k8s_dispatch.delivery.runtime import Runtime
+from k8s_dispatch.demo.localcluster import LocalCluster
 from k8s_dispatch.ops.processes import free_port
-from k8s_dispatch.recovery import jobwatch, lease
-from k8s_dispatch.recovery.jobwatch import Position, Write
-from k8s_dispatch.recovery.reconcile import run_sweep
-from k8s_dispatch.recovery.runtime import Runtime
+from k8s_dispatch.recovery.sweep import run_sweep
+from k8s_dispatch.store import migrate
+from k8s_dispatch.tasks import lease
 from k8s_dispatch.workers import labels as job_labels
 
 CAPABILITIES = {"capabilities": {"sim.ok": {"worker": "sim", "image": "sim:1"}}}

@@ -26,12 +26,12 @@ from celery import Celery
 from clusters import ClusterHandle
 
 from k8s_dispatch import celeryconfig
-from k8s_dispatch.engine import migrate, store
-from k8s_dispatch.engine.db import make_engine, make_sessionmaker, transaction
-from k8s_dispatch.engine.models import Dispatch, EventType
-from k8s_dispatch.engine.settings import Settings, load_settings
-from k8s_dispatch.localcluster import LocalCluster
+from k8s_dispatch.core.settings import Settings, load_settings
+from k8s_dispatch.demo.localcluster import LocalCluster
 from k8s_dispatch.ops import processes
+from k8s_dispatch.store import dispatches, migrate
+from k8s_dispatch.store.db import make_engine, make_sessionmaker, transaction
+from k8s_dispatch.store.models import Dispatch, EventType
 from k8s_dispatch.workers import labels as job_labels
 from k8s_dispatch.workers.kube import KubeClient
 
@@ -130,7 +130,7 @@ class Deployment:
     def new_case(self, tenancy: str = "tenant-a") -> str:
         case_id = f"case-{uuid.uuid4().hex[:10]}"
         with transaction(self.sessions) as session:
-            store.create_case(session, case_id=case_id, tenancy_id=tenancy)
+            dispatches.create_case(session, case_id=case_id, tenancy_id=tenancy)
         return case_id
 
     def schedule_batch(self, capability: str, count: int) -> list[str]:
@@ -141,7 +141,7 @@ class Deployment:
 
         case_id = self.new_case()
         requests = [
-            store.ScheduleRequest(case_id, "tenant-a", capability, {"i": i}, f"key-{uuid.uuid4()}")
+            dispatches.ScheduleRequest(case_id, "tenant-a", capability, {"i": i}, f"key-{uuid.uuid4()}")
             for i in range(count)
         ]
         with transaction(self.sessions) as session:
@@ -156,12 +156,13 @@ class Deployment:
         wanted = {t.value for t in (EventType.WORKER_COMPLETED, EventType.WORKER_FAILED, EventType.WORKER_CANCELLED)}
         with transaction(self.sessions) as session:
             return {
-                d: [(e.type, e.payload) for e in store.events_for(session, d) if e.type in wanted] for d in dispatch_ids
+                d: [(e.type, e.payload) for e in dispatches.events_for(session, d) if e.type in wanted]
+                for d in dispatch_ids
             }
 
     def all_terminal(self, dispatch_ids: list[str]) -> bool:
         with transaction(self.sessions) as session:
-            rows = store.get_dispatches(session, dispatch_ids)
+            rows = dispatches.get_dispatches(session, dispatch_ids)
         return len(rows) == len(dispatch_ids) and all(r.terminal for r in rows.values())
 
     def wait_terminal(self, dispatch_ids: list[str], *, timeout_s: float = 60.0) -> dict[str, list[tuple[str, Any]]]:

@@ -12,7 +12,7 @@ from celery.schedules import crontab
 from celery.schedules import schedule as interval_schedule
 
 from k8s_dispatch import celeryconfig
-from k8s_dispatch.engine.errors import ConfigError
+from k8s_dispatch.core.errors import ConfigError
 from k8s_dispatch.tasks.app import app
 from k8s_dispatch.tasks.beat_scheduler import (
     MONOTONIC_ORIGIN,

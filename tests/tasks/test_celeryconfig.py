@@ -12,7 +12,7 @@ from celery.beat import PersistentScheduler, Scheduler
 from kombu.utils.imports import symbol_by_name
 
 from k8s_dispatch import celeryconfig
-from k8s_dispatch.engine.settings import load_settings
+from k8s_dispatch.core.settings import load_settings
 from k8s_dispatch.tasks import app
 
 

@@ -17,12 +17,12 @@ import pytest
 from test_monitoring import scrape  # the same /metrics reader
 
 from k8s_dispatch import celeryconfig as names
-from k8s_dispatch.engine import store
-from k8s_dispatch.engine.db import database_now, transaction
-from k8s_dispatch.engine.models import EventType
+from k8s_dispatch.delivery.stats import Stats
 from k8s_dispatch.ops import processes
-from k8s_dispatch.recovery.reconcile import SWEEPS_RUN
-from k8s_dispatch.recovery.stats import Stats
+from k8s_dispatch.recovery.sweep import SWEEPS_RUN
+from k8s_dispatch.store import dispatches
+from k8s_dispatch.store.db import database_now, transaction
+from k8s_dispatch.store.models import EventType
 from k8s_dispatch.tasks.recovery_tasks import STARTUP_SWEEP_DONE
 from k8s_dispatch.workers.resolver import CapabilityResolver
 
@@ -84,7 +84,7 @@ def test_a_worker_off_by_a_minute_keeps_polling_and_sweeping(deploy, sim_cluster
     # The skewed worker marked the rows created and recorded their ends on the database's clock.
     with transaction(d.sessions) as session:
         now = database_now(session)
-        rows = store.get_dispatches(session, ids)
+        rows = dispatches.get_dispatches(session, ids)
     for row in rows.values():
         assert now - timedelta(seconds=30) < row.finished_at <= now, (row.finished_at, now)
         assert now - timedelta(seconds=30) < row.updated_at <= now
@@ -100,7 +100,7 @@ def test_the_sweeps_grace_period_runs_on_the_databases_clock(deploy, sim_cluster
     d.start_beat()
     case_id = d.new_case()
     with transaction(d.sessions) as session:  # no create_jobs message: the sweep's category 1
-        dispatch_id = store.schedule(
+        dispatch_id = dispatches.schedule(
             session,
             case_id=case_id,
             tenancy_id="tenant-a",

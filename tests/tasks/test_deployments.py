@@ -9,13 +9,13 @@ import signal
 import uuid
 from typing import Any
 
-from k8s_dispatch.engine.db import transaction
-from k8s_dispatch.engine.models import EventType
-from k8s_dispatch.localcluster import LocalCluster
-from k8s_dispatch.recovery.crashpoints import ENV_VAR as CRASH_AT
-from k8s_dispatch.recovery.crashpoints import Point
-from k8s_dispatch.recovery.reconcile import ORPHANS_REPORTED
-from k8s_dispatch.recovery.stats import Stats
+from k8s_dispatch.delivery.crashpoints import ENV_VAR as CRASH_AT
+from k8s_dispatch.delivery.crashpoints import Point
+from k8s_dispatch.delivery.stats import Stats
+from k8s_dispatch.demo.localcluster import LocalCluster
+from k8s_dispatch.recovery.sweep import ORPHANS_REPORTED
+from k8s_dispatch.store.db import transaction
+from k8s_dispatch.store.models import EventType
 from k8s_dispatch.tasks.scheduling import schedule_in_session
 from k8s_dispatch.workers.resolver import CapabilityResolver
 from tests.tasks.conftest import Deployment, capabilities_file, wait_until

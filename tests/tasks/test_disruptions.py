@@ -17,9 +17,9 @@ import subprocess
 import sys
 from typing import Any
 
-from k8s_dispatch.engine import store
-from k8s_dispatch.engine.db import transaction
-from k8s_dispatch.engine.models import EventType
+from k8s_dispatch.store import dispatches
+from k8s_dispatch.store.db import transaction
+from k8s_dispatch.store.models import EventType
 from k8s_dispatch.workers.manifest import job_name
 
 SIM = "localcluster.k8s-dispatch.io/"
@@ -67,7 +67,7 @@ def _cli(d: Any, *args: str) -> subprocess.CompletedProcess[str]:
     env["K8S_DISPATCH_DATABASE_URL"] = d.settings.database_url
     env["COLUMNS"] = "200"
     result = subprocess.run(
-        [sys.executable, "-m", "k8s_dispatch.ops.cli", *args], env=env, capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "k8s_dispatch.cli", *args], env=env, capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0, result.stderr
     return result
@@ -75,7 +75,7 @@ def _cli(d: Any, *args: str) -> subprocess.CompletedProcess[str]:
 
 def _story(d: Any, dispatch_id: str) -> list[tuple[str, dict[str, Any]]]:
     with transaction(d.sessions) as session:
-        return [(e.type, e.payload) for e in store.events_for(session, dispatch_id)]
+        return [(e.type, e.payload) for e in dispatches.events_for(session, dispatch_id)]
 
 
 def _types(story: list[tuple[str, dict[str, Any]]]) -> list[str]:

@@ -16,13 +16,13 @@ from typing import Any
 import pytest
 
 from k8s_dispatch import celeryconfig as names
-from k8s_dispatch.engine import store
-from k8s_dispatch.engine.db import transaction
-from k8s_dispatch.engine.errors import ScheduleNotRecorded, Transient, UnknownDispatch
-from k8s_dispatch.engine.models import DispatchState, EventType
-from k8s_dispatch.recovery import delivery
-from k8s_dispatch.recovery.reconcile import run_sweep
-from k8s_dispatch.recovery.runtime import Runtime
+from k8s_dispatch.core.errors import ScheduleNotRecorded, Transient, UnknownDispatch
+from k8s_dispatch.delivery import delivery
+from k8s_dispatch.delivery.runtime import Runtime
+from k8s_dispatch.recovery.sweep import run_sweep
+from k8s_dispatch.store import dispatches
+from k8s_dispatch.store.db import transaction
+from k8s_dispatch.store.models import DispatchState, EventType
 from k8s_dispatch.tasks.recovery_tasks import STARTUP_SWEEP_DONE
 from k8s_dispatch.tasks.scheduling import cancel_in_session, send_schedule_until_recorded
 from k8s_dispatch.workers.job_status import job_state
@@ -54,7 +54,7 @@ def flush_broker(d) -> int:
 
 def state(d, dispatch_id: str) -> DispatchState | None:
     with transaction(d.sessions) as session:
-        row = store.get_dispatch(session, dispatch_id)
+        row = dispatches.get_dispatch(session, dispatch_id)
         return None if row is None else DispatchState(row.state)
 
 

@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 
 import sqlalchemy as sa
 
-from k8s_dispatch.engine import store
-from k8s_dispatch.engine.db import transaction
-from k8s_dispatch.engine.models import HOLDING_STATES, Dispatch, DispatchState
-from k8s_dispatch.recovery.crashpoints import ENV_VAR as CRASH_AT
-from k8s_dispatch.recovery.crashpoints import Point
+from k8s_dispatch.delivery.crashpoints import ENV_VAR as CRASH_AT
+from k8s_dispatch.delivery.crashpoints import Point
+from k8s_dispatch.store import dispatches
+from k8s_dispatch.store.db import transaction
+from k8s_dispatch.store.models import HOLDING_STATES, Dispatch, DispatchState
 from k8s_dispatch.tasks.scheduling import schedule_many_in_session
 from k8s_dispatch.workers import labels as job_labels
 from k8s_dispatch.workers.job_status import job_state
@@ -67,7 +67,7 @@ def sample(d, stop: threading.Event, out: Samples) -> None:
 def schedule(d, tenancy: str, router: CapabilityResolver, *, count: int = PER_TENANCY) -> list[str]:
     case_id = d.new_case(tenancy)
     requests = [
-        store.ScheduleRequest(case_id, tenancy, "sim.ok", {"i": i}, f"key-{uuid.uuid4()}") for i in range(count)
+        dispatches.ScheduleRequest(case_id, tenancy, "sim.ok", {"i": i}, f"key-{uuid.uuid4()}") for i in range(count)
     ]
     with transaction(d.sessions) as session:
         results = schedule_many_in_session(
@@ -131,7 +131,7 @@ def test_a_worker_killed_between_admission_and_create_neither_leaks_nor_doubles_
     assert doomed.managed.returncode == -signal.SIGKILL
     d.procs.remove(doomed)
     with transaction(d.sessions) as session:
-        rows = store.get_dispatches(session, ids)
+        rows = dispatches.get_dispatches(session, ids)
     assert sorted(str(DispatchState(r.state)) for r in rows.values()) == ["QUEUED"] * 4 + ["SCHEDULED"] * 2
     assert d.jobs() == []  # admitted, slots held, no Job: what the sweep repairs
 

@@ -13,9 +13,9 @@ from typing import Any
 
 import kubernetes
 
-from k8s_dispatch.engine.models import EventType
-from k8s_dispatch.recovery import jobwatch
-from k8s_dispatch.recovery.sweep import JOB_TAMPERED_REASON
+from k8s_dispatch.delivery import jobwatch
+from k8s_dispatch.recovery.plan import JOB_TAMPERED_REASON
+from k8s_dispatch.store.models import EventType
 from k8s_dispatch.workers import labels as job_labels
 from k8s_dispatch.workers.manifest import job_name
 

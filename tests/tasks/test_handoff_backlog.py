@@ -17,9 +17,9 @@ import uuid
 from collections import Counter
 
 from k8s_dispatch import celeryconfig as names
-from k8s_dispatch.engine.db import transaction
+from k8s_dispatch.delivery import handoff
 from k8s_dispatch.ops import processes
-from k8s_dispatch.recovery import handoff
+from k8s_dispatch.store.db import transaction
 from k8s_dispatch.tasks.scheduling import schedule_in_session
 from k8s_dispatch.workers.manifest import job_name
 from k8s_dispatch.workers.resolver import CapabilityResolver

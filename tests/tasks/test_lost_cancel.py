@@ -11,10 +11,10 @@ import time
 import uuid
 
 from k8s_dispatch import celeryconfig as names
-from k8s_dispatch.engine import store
-from k8s_dispatch.engine.db import transaction
-from k8s_dispatch.engine.models import DispatchState, EventType
-from k8s_dispatch.recovery import jobwatch
+from k8s_dispatch.delivery import jobwatch
+from k8s_dispatch.store import dispatches
+from k8s_dispatch.store.db import transaction
+from k8s_dispatch.store.models import DispatchState, EventType
 from k8s_dispatch.tasks.scheduling import schedule_many_in_session
 from k8s_dispatch.workers import labels as job_labels
 from k8s_dispatch.workers.resolver import CapabilityResolver
@@ -34,7 +34,9 @@ def test_a_lost_cancel_has_its_job_deleted_by_the_sweep_and_its_slot_held_until_
     d.start_worker("w1")
     d.start_beat()
     case_id = d.new_case("solo")
-    requests = [store.ScheduleRequest(case_id, "solo", "sim.long", {"i": i}, f"k-{uuid.uuid4()}") for i in range(2)]
+    requests = [
+        dispatches.ScheduleRequest(case_id, "solo", "sim.long", {"i": i}, f"k-{uuid.uuid4()}") for i in range(2)
+    ]
     with transaction(d.sessions) as session:
         results = schedule_many_in_session(
             session, requests, router=CapabilityResolver.from_settings(d.settings),
@@ -64,7 +66,7 @@ def test_a_lost_cancel_has_its_job_deleted_by_the_sweep_and_its_slot_held_until_
         # The engine cancels in its own transaction; the `cancel` message that would delete the
         # Job at once is lost (never sent).
         with transaction(d.sessions) as session:
-            assert store.record_terminal(session, first, EventType.WORKER_CANCELLED, {"reason": "Cancelled"})
+            assert dispatches.record_terminal(session, first, EventType.WORKER_CANCELLED, {"reason": "Cancelled"})
         cancelled_at = time.monotonic()
         d.wait(lambda: all(first not in s for s in samples[-2:]) and len(samples) > 2, timeout_s=30,
                what="the cancelled dispatch's job deleted")  # fmt: skip
@@ -79,7 +81,7 @@ def test_a_lost_cancel_has_its_job_deleted_by_the_sweep_and_its_slot_held_until_
     assert max(len(s) for s in samples) == 1, [s for s in samples if len(s) > 1][:3]  # never two at once
     assert any(first in s for s in samples) and any(second in s for s in samples)  # both seen running
     with transaction(d.sessions) as session:
-        rows = store.get_dispatches(session, [first, second])
+        rows = dispatches.get_dispatches(session, [first, second])
         assert rows[first].state == DispatchState.CANCELLED and rows[first].job_stopped_at is not None
         assert rows[second].state == DispatchState.CREATED
     assert d.terminal_events([first])[first] == [(EventType.WORKER_CANCELLED.value, {"reason": "Cancelled"})]
@@ -104,7 +106,9 @@ def test_a_failure_read_from_its_finished_job_frees_its_slot_at_once_not_a_sweep
     d.start_worker("w1")
     d.start_beat()
     case_id = d.new_case("solo")
-    requests = [store.ScheduleRequest(case_id, "solo", "sim.fail", {"i": i}, f"k-{uuid.uuid4()}") for i in range(3)]
+    requests = [
+        dispatches.ScheduleRequest(case_id, "solo", "sim.fail", {"i": i}, f"k-{uuid.uuid4()}") for i in range(3)
+    ]
     with transaction(d.sessions) as session:
         ids = [
             r.dispatch_id
@@ -118,7 +122,7 @@ def test_a_failure_read_from_its_finished_job_frees_its_slot_at_once_not_a_sweep
     events = d.wait_terminal(ids, timeout_s=60)
     assert all(e[0][0] == EventType.WORKER_FAILED.value for e in events.values()), events
     with transaction(d.sessions) as session:
-        rows = store.get_dispatches(session, ids)
+        rows = dispatches.get_dispatches(session, ids)
     assert all(r.job_stopped_at is not None for r in rows.values())
     d.wait_no_jobs(timeout_s=30)
 
@@ -131,7 +135,9 @@ def test_a_cancel_sent_as_usual_frees_its_slot_once_its_job_is_gone_not_a_sweep_
     d.start_worker("w1")
     d.start_beat()
     case_id = d.new_case("solo")
-    requests = [store.ScheduleRequest(case_id, "solo", "sim.long", {"i": i}, f"k-{uuid.uuid4()}") for i in range(2)]
+    requests = [
+        dispatches.ScheduleRequest(case_id, "solo", "sim.long", {"i": i}, f"k-{uuid.uuid4()}") for i in range(2)
+    ]
     with transaction(d.sessions) as session:
         schedule_many_in_session(
             session, requests, router=CapabilityResolver.from_settings(d.settings),

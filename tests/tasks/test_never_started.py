@@ -18,11 +18,11 @@ from typing import Any
 import kubernetes
 
 from k8s_dispatch import celeryconfig as names
-from k8s_dispatch.engine import store
-from k8s_dispatch.engine.db import transaction
-from k8s_dispatch.engine.models import DispatchState, EventType
-from k8s_dispatch.localcluster import startfaults
-from k8s_dispatch.localcluster.quota import QUOTA_JOBS
+from k8s_dispatch.demo.localcluster import startfaults
+from k8s_dispatch.demo.localcluster.quota import QUOTA_JOBS
+from k8s_dispatch.store import dispatches
+from k8s_dispatch.store.db import transaction
+from k8s_dispatch.store.models import DispatchState, EventType
 from k8s_dispatch.workers import labels as job_labels
 from k8s_dispatch.workers.manifest import FINALIZER, job_name
 from k8s_dispatch.workers.pod_health import CHECK_GRACE
@@ -57,7 +57,7 @@ def ended(d: Any, dispatch_id: str, *, timeout_s: float) -> tuple[dict[str, Any]
     [(event, payload)] = d.wait_terminal([dispatch_id], timeout_s=timeout_s)[dispatch_id]
     assert event == EventType.WORKER_FAILED.value, payload
     with transaction(d.sessions) as session:
-        row = store.get_dispatch(session, dispatch_id)
+        row = dispatches.get_dispatch(session, dispatch_id)
         assert row is not None and row.state is DispatchState.FAILED
         assert row.job_created_at is not None and row.finished_at is not None
         return payload, row.finished_at - row.job_created_at
@@ -158,7 +158,7 @@ def test_an_unschedulable_pod_fails_at_the_start_clock_while_a_running_one_is_le
     assert timedelta(seconds=start_s) <= took <= timedelta(seconds=start_s + SWEEP_S + SLACK_S), took
     time.sleep(2 * SWEEP_S + 1)  # a couple more sweeps, all past the running one's start clock too
     with transaction(d.sessions) as session:
-        row = store.get_dispatch(session, runs)
+        row = dispatches.get_dispatch(session, runs)
         assert row is not None and row.state is DispatchState.CREATED  # past the same clock, running
     # the failed one's Job deleted just after its event was written; the running one's kept
     d.wait(lambda: [j["metadata"]["name"] for j in d.jobs()] == [f"kd-{runs}"], what="only the running Job left")
@@ -188,7 +188,7 @@ def test_a_job_refused_for_quota_waits_is_retried_then_ends_queue_timeout(deploy
     assert payload["message"].startswith(f"the Job could not be created within queueTimeoutSeconds ({queue_s} s): ")
     assert "QuotaExceeded: " in payload["message"] and "exceeded quota" in payload["message"]
     with transaction(d.sessions) as session:
-        row = store.get_dispatch(session, dispatch_id)
+        row = dispatches.get_dispatch(session, dispatch_id)
         assert row is not None and row.job_created_at is None  # it never had a Job
         assert row.finished_at - row.created_at >= timedelta(seconds=queue_s)
     assert d.jobs() == []
@@ -196,7 +196,7 @@ def test_a_job_refused_for_quota_waits_is_retried_then_ends_queue_timeout(deploy
 
 def _create_error(d: Any, dispatch_id: str) -> bool:
     with transaction(d.sessions) as session:
-        row = store.get_dispatch(session, dispatch_id)
+        row = dispatches.get_dispatch(session, dispatch_id)
         return row is not None and row.state is DispatchState.SCHEDULED and bool(row.create_error)
 
 

@@ -13,9 +13,9 @@ import pytest
 import redis
 
 from k8s_dispatch import celeryconfig
-from k8s_dispatch.engine import store
-from k8s_dispatch.engine.db import transaction
-from k8s_dispatch.engine.errors import UnknownCapability
+from k8s_dispatch.core.errors import UnknownCapability
+from k8s_dispatch.store import dispatches
+from k8s_dispatch.store.db import transaction
 from k8s_dispatch.tasks.scheduling import CREATE_BATCH, schedule_in_session, schedule_many_in_session
 from k8s_dispatch.workers.resolver import demo_resolver
 
@@ -48,7 +48,7 @@ def request(case_id: str, **overrides):
 def new_case(sessions) -> str:
     case_id = f"case-{uuid.uuid4().hex[:8]}"
     with transaction(sessions) as session:
-        store.create_case(session, case_id=case_id, tenancy_id="tenant-a")
+        dispatches.create_case(session, case_id=case_id, tenancy_id="tenant-a")
     return case_id
 
 
@@ -70,7 +70,7 @@ def test_nothing_is_sent_when_the_transaction_rolls_back(world):
         raise RuntimeError("the engine's own step failed")
     assert sent(client, queue) == []
     with transaction(sessions) as session:
-        assert store.get_dispatch(session, result.dispatch_id) is None
+        assert dispatches.get_dispatch(session, result.dispatch_id) is None
     # The same session factory, a later transaction: only its own dispatch is sent.
     with transaction(sessions) as session:
         later = schedule_in_session(session, via=producer, **request(case_id))
@@ -90,7 +90,7 @@ def test_a_rolled_back_savepoint_takes_only_its_own_dispatches(world):
         assert sent(client, queue) == []
     assert sorted(sent(client, queue)) == sorted([kept.dispatch_id, also_kept.dispatch_id])
     with transaction(sessions) as session:
-        assert store.get_dispatch(session, dropped.dispatch_id) is None
+        assert dispatches.get_dispatch(session, dropped.dispatch_id) is None
 
 
 def test_a_repeated_request_is_one_dispatch_and_a_bad_one_writes_nothing(world):
@@ -113,9 +113,9 @@ def test_a_transaction_of_60_dispatches_is_sent_in_batches_after_its_commit(worl
     case_id = new_case(sessions)
     router = demo_resolver()
 
-    def requests(n: int) -> list[store.ScheduleRequest]:
+    def requests(n: int) -> list[dispatches.ScheduleRequest]:
         return [
-            store.ScheduleRequest(case_id, "tenant-a", "demo.wordcount", {"i": i}, f"key-{uuid.uuid4()}")
+            dispatches.ScheduleRequest(case_id, "tenant-a", "demo.wordcount", {"i": i}, f"key-{uuid.uuid4()}")
             for i in range(n)
         ]
 
@@ -139,5 +139,5 @@ def test_a_transaction_of_60_dispatches_is_sent_in_batches_after_its_commit(worl
     assert len(batches(client, queue)) == math.ceil(60 / CREATE_BATCH) >= 2
     assert sent(client, queue) == expected
     with transaction(sessions) as session:
-        assert store.get_dispatches(session, [r.dispatch_id for r in dropped]) == {}
-        assert len(store.get_dispatches(session, expected)) == 60
+        assert dispatches.get_dispatches(session, [r.dispatch_id for r in dropped]) == {}
+        assert len(dispatches.get_dispatches(session, expected)) == 60

@@ -17,10 +17,10 @@ from sqlalchemy import event
 from test_scheduling import new_case, request
 
 from k8s_dispatch import celeryconfig
-from k8s_dispatch.engine import store
-from k8s_dispatch.engine.db import transaction
-from k8s_dispatch.engine.models import CaseEvent, Dispatch
 from k8s_dispatch.ops.processes import wait_until
+from k8s_dispatch.store import dispatches
+from k8s_dispatch.store.db import transaction
+from k8s_dispatch.store.models import CaseEvent, Dispatch
 from k8s_dispatch.tasks.scheduling import CREATE_BATCH, schedule_in_session, schedule_many_in_session
 
 
@@ -69,8 +69,8 @@ def test_eight_threads_committing_one_each_share_messages_and_send_each_commit_o
     assert not set(sent) & set(rolled_back) and rolled_back
     assert all(1 <= len(batch) <= CREATE_BATCH for batch in batches(client, queue))
     with transaction(sessions) as session:
-        assert len(store.get_dispatches(session, committed)) == len(committed)
-        assert store.get_dispatches(session, rolled_back) == {}
+        assert len(dispatches.get_dispatches(session, committed)) == len(committed)
+        assert dispatches.get_dispatches(session, rolled_back) == {}
 
 
 def test_a_one_dispatch_transaction_writes_the_general_paths_rows_with_two_statements(world):
@@ -95,7 +95,10 @@ def test_a_one_dispatch_transaction_writes_the_general_paths_rows_with_two_state
     with transaction(sessions) as session:  # two requests: the general path
         general, _ = schedule_many_in_session(
             session,
-            [store.ScheduleRequest(**two), store.ScheduleRequest(**{**two, "idempotency_key": f"k-{uuid.uuid4()}"})],
+            [
+                dispatches.ScheduleRequest(**two),
+                dispatches.ScheduleRequest(**{**two, "idempotency_key": f"k-{uuid.uuid4()}"}),
+            ],
             router=router,
             max_input_bytes=limit,
             via=producer,

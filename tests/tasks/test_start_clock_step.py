@@ -14,13 +14,14 @@ from typing import Any
 from stepped_clock import SteppedClock
 
 from k8s_dispatch import celeryconfig as names
-from k8s_dispatch.engine import store
-from k8s_dispatch.engine.db import database_now, transaction
-from k8s_dispatch.engine.models import DispatchState, EventType
-from k8s_dispatch.recovery.reconcile import SWEEPS_RUN
-from k8s_dispatch.recovery.stats import Stats
+from k8s_dispatch.delivery.stats import Stats
+from k8s_dispatch.recovery.sweep import SWEEPS_RUN
+from k8s_dispatch.store import dispatches
+from k8s_dispatch.store.db import database_now, transaction
+from k8s_dispatch.store.models import DispatchState, EventType
 from k8s_dispatch.tasks.recovery_tasks import STARTUP_SWEEP_DONE
-from k8s_dispatch.workers.pod_health import CHECK_GRACE, DEFAULT_START_TIMEOUT_S
+from k8s_dispatch.workers.capability import DEFAULT_START_TIMEOUT_S
+from k8s_dispatch.workers.pod_health import CHECK_GRACE
 
 SIM = "localcluster.k8s-dispatch.io/"
 STEP_S = 700  # past the default start clock
@@ -38,7 +39,7 @@ SWEEPS_AFTER_STEP = 3
 def created_age(d: Any, dispatch_id: str) -> timedelta | None:
     """How long ago its Job was recorded created, by the database's clock (None: not yet)."""
     with transaction(d.sessions) as session:
-        row = store.get_dispatch(session, dispatch_id)
+        row = dispatches.get_dispatch(session, dispatch_id)
         now = database_now(session)
     assert row is not None
     if row.state is not DispatchState.CREATED or row.job_created_at is None:

@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from k8s_dispatch.engine import admission, migrate, store
-from k8s_dispatch.engine.db import make_engine, make_sessionmaker, transaction
-from k8s_dispatch.engine.limits import Limits, TenancyLimit
-from k8s_dispatch.engine.models import EventType
+from k8s_dispatch.core.limits import Limits, TenancyLimit
 from k8s_dispatch.ops.status import CreateWait, Failure, Pending, StatusReport, format_age, read_status, render
+from k8s_dispatch.store import admission, dispatches, migrate
+from k8s_dispatch.store.db import make_engine, make_sessionmaker, transaction
+from k8s_dispatch.store.models import EventType
 
 NOW = datetime(2025, 6, 1, 12, 0, 0, tzinfo=UTC)
 REPO = Path(__file__).resolve().parents[2]
@@ -49,10 +49,10 @@ def populate(url: str) -> dict[str, str]:
     ids: dict[str, str] = {}
     try:
         with transaction(make_sessionmaker(engine)) as session:
-            store.create_case(session, case_id="case-1", tenancy_id="acme")
+            dispatches.create_case(session, case_id="case-1", tenancy_id="acme")
 
             def schedule(name: str, minutes_ago: float, capability: str = "demo.x") -> str:
-                ids[name] = store.schedule(
+                ids[name] = dispatches.schedule(
                     session,
                     case_id="case-1",
                     tenancy_id="acme",
@@ -68,23 +68,25 @@ def populate(url: str) -> dict[str, str]:
             schedule("old-scheduled", 90, capability="demo.slow")
             schedule("new-scheduled", 1)
             created = schedule("created", 30)
-            store.mark_created(session, created, job_name="j", namespace="default", attempt=0, now=NOW)
+            dispatches.mark_created(session, created, job_name="j", namespace="default", attempt=0, now=NOW)
             done = schedule("completed", 200)  # older, but ended: not pending
-            store.record_terminal(
+            dispatches.record_terminal(
                 session, done, EventType.WORKER_COMPLETED, {"output": 1}, now=NOW - timedelta(minutes=100)
             )
-            store.mark_notified(session, done)
+            dispatches.mark_notified(session, done)
             first = schedule("failed-first", 60)
-            store.record_terminal(
+            dispatches.record_terminal(
                 session, first, EventType.WORKER_FAILED, {"reason": "JobLost", "message": "job  vanished\n twice"},
                 now=NOW - timedelta(minutes=20),
             )  # fmt: skip
             later = schedule("failed-later", 60)
-            store.record_terminal(
+            dispatches.record_terminal(
                 session, later, EventType.WORKER_FAILED, {"reason": "DeadlineExceeded"}, now=NOW - timedelta(minutes=5)
             )
             cancelled = schedule("cancelled", 10)
-            store.record_terminal(session, cancelled, EventType.WORKER_CANCELLED, {"reason": "UserCancelled"}, now=NOW)
+            dispatches.record_terminal(
+                session, cancelled, EventType.WORKER_CANCELLED, {"reason": "UserCancelled"}, now=NOW
+            )
     finally:
         engine.dispose()
     return ids
@@ -211,7 +213,7 @@ def run_cli(url: str, *args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("K8S_DISPATCH_")}
     env["K8S_DISPATCH_DATABASE_URL"] = url
     return subprocess.run(
-        [sys.executable, "-m", "k8s_dispatch.ops.cli", "status", *args],
+        [sys.executable, "-m", "k8s_dispatch.cli", "status", *args],
         env=env, cwd=REPO, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
 
@@ -263,9 +265,9 @@ def test_the_fair_share_rows_show_running_queued_the_oldest_and_how_full_each_li
     try:
         sessions = make_sessionmaker(engine)
         with transaction(sessions) as session:
-            store.create_case(session, case_id="case-q", tenancy_id="acme")
+            dispatches.create_case(session, case_id="case-q", tenancy_id="acme")
             for i in range(5):
-                store.schedule(
+                dispatches.schedule(
                     session, case_id="case-q", tenancy_id="acme", capability="demo.x", input={"i": i},
                     idempotency_key=f"q-{i}", router=LimitedRouter(limits), max_input_bytes=1000,
                     now=NOW - timedelta(minutes=10 - i),

@@ -9,9 +9,9 @@ from collections import Counter
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from k8s_dispatch.engine.errors import NotFound
-from k8s_dispatch.engine.models import EventType
-from k8s_dispatch.recovery import jobwatch
+from k8s_dispatch.core.errors import NotFound
+from k8s_dispatch.delivery import jobwatch
+from k8s_dispatch.store.models import EventType
 from k8s_dispatch.workers import labels as job_labels
 from k8s_dispatch.workers.manifest import FINALIZER, job_name
 

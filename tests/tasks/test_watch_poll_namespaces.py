@@ -10,10 +10,11 @@ import time
 from datetime import datetime
 
 from k8s_dispatch import celeryconfig as names
-from k8s_dispatch.engine import store
-from k8s_dispatch.engine.db import transaction
-from k8s_dispatch.engine.models import EventType
-from k8s_dispatch.recovery import jobwatch, lease
+from k8s_dispatch.delivery import jobwatch
+from k8s_dispatch.store import dispatches
+from k8s_dispatch.store.db import transaction
+from k8s_dispatch.store.models import EventType
+from k8s_dispatch.tasks import lease
 
 SIM = "localcluster.k8s-dispatch.io/"
 NAMESPACES = 300
@@ -53,7 +54,7 @@ def p99(values: list[float]) -> float:
 def latency_s(d, dispatch_id: str) -> float:
     """Scheduled -> terminal event, by the events' own times."""
     with transaction(d.sessions) as session:
-        events = {e.type: e.created_at for e in store.events_for(session, dispatch_id)}
+        events = {e.type: e.created_at for e in dispatches.events_for(session, dispatch_id)}
     scheduled: datetime = events[EventType.WORKER_SCHEDULED.value]
     return (events[EventType.WORKER_COMPLETED.value] - scheduled).total_seconds()
 

@@ -12,13 +12,13 @@ from collections import Counter
 import pytest
 
 from k8s_dispatch import celeryconfig as names
-from k8s_dispatch.engine import store
-from k8s_dispatch.engine.db import transaction
-from k8s_dispatch.engine.models import EventType
-from k8s_dispatch.localcluster import LocalCluster
-from k8s_dispatch.recovery.guard import Guard
+from k8s_dispatch.delivery.guard import Guard
+from k8s_dispatch.demo import functions as demo_functions
+from k8s_dispatch.demo.localcluster import LocalCluster
+from k8s_dispatch.store import dispatches
+from k8s_dispatch.store.db import transaction
+from k8s_dispatch.store.models import EventType
 from k8s_dispatch.tasks.scheduling import schedule_in_session
-from k8s_dispatch.workers import demo_functions
 from k8s_dispatch.workers.job_status import job_state
 from k8s_dispatch.workers.manifest import job_name
 from k8s_dispatch.workers.resolver import DEMO_FUNCTIONS, CapabilityResolver
@@ -87,7 +87,7 @@ def test_a_hundred_dispatches_across_three_capabilities_complete_once_each(deplo
         # Simulate mode echoes the input the Job carried: proof it went through the Job.
         assert events[dispatch_id] == [(EventType.WORKER_COMPLETED, {"output": {"simulated": True, "input": data}})]
     with transaction(d.sessions) as session:
-        rows = store.get_dispatches(session, ids)
+        rows = dispatches.get_dispatches(session, ids)
     assert {rows[i].capability for i in ids} == set(DEMO)
     assert all(rows[i].notified_at is not None and rows[i].job_name == job_name(i) for i in ids)
     d.wait_no_jobs()
@@ -102,7 +102,7 @@ def exec_cluster():
 
 
 def test_exec_mode_runs_the_demo_capabilities_for_real(exec_cluster, deploy):
-    d = deploy(exec_cluster)  # no capabilities file: the demo capabilities, run by k8s_dispatch.workers.runner
+    d = deploy(exec_cluster)  # no capabilities file: the demo capabilities, run by k8s_dispatch.container.runner
     d.start_worker("w1")
     d.start_beat()
     requests = [(c, demo_input(c, i)) for i, c in enumerate(DEMO * 2)]
@@ -250,7 +250,7 @@ def test_a_forged_job_is_polled_but_never_delivered(deploy, any_cluster):
     )
     d.wait(lambda: int(d.redis.get(f"{d.prefix}:stats:jobs_refused") or 0) >= 1, what="forged job refused")
     with transaction(d.sessions) as session:
-        assert store.events_for(session, forged_id) == []
+        assert dispatches.events_for(session, forged_id) == []
     assert [j["metadata"]["name"] for j in d.jobs()] == [job_name(forged_id)]  # left alone
     assert d.notifications() == [dispatch_id]
 
@@ -270,7 +270,7 @@ def test_the_cli_schedule_refuses_bad_input_with_its_typed_error(deploy, any_clu
         [
             sys.executable,
             "-m",
-            "k8s_dispatch.ops.cli",
+            "k8s_dispatch.cli",
             "schedule",
             "--case",
             "c-cli",
@@ -301,7 +301,7 @@ def test_the_cli_schedules_and_cancels(deploy, any_cluster):
 
     def cli(*args: str) -> dict:
         result = subprocess.run(
-            [sys.executable, "-m", "k8s_dispatch.ops.cli", *args, "--json"],
+            [sys.executable, "-m", "k8s_dispatch.cli", *args, "--json"],
             env=d.env,
             capture_output=True,
             text=True,

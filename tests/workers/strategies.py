@@ -12,7 +12,8 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from k8s_dispatch.workers.resolver import CapabilitySpec, demo_resolver
+from k8s_dispatch.workers.capability import CapabilitySpec
+from k8s_dispatch.workers.resolver import demo_resolver
 from k8s_dispatch.workers.types import DispatchRef
 
 # Characters `str.isprintable` accepts: no control, format, private-use, unassigned or

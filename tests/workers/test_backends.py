@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from k8s_dispatch.engine.errors import ConfigError, UnknownCapability
+from k8s_dispatch.core.errors import ConfigError, UnknownCapability
 from k8s_dispatch.workers.backends import Backend, CompositeBackend, Worker
 from k8s_dispatch.workers.resolver import CapabilityResolver, demo_resolver
 from tests.workers import strategies as S

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from k8s_dispatch.engine.errors import ConfigError
-from k8s_dispatch.engine.settings import Settings, load_settings
+from k8s_dispatch.core.errors import ConfigError
+from k8s_dispatch.core.settings import Settings, load_settings
 from k8s_dispatch.workers import budget
 from k8s_dispatch.workers.budget import Budget
 from k8s_dispatch.workers.kube import RETRY_AFTER_MAX_S, retry_after_s

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from k8s_dispatch.engine.payloads import canonical_json
+from k8s_dispatch.core.payloads import canonical_json
 from k8s_dispatch.workers import failure_detail as fd
 
 JOB = {

@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 from clusters import ClusterHandle
 
+from k8s_dispatch.workers.capability import CapabilitySpec
 from k8s_dispatch.workers.failure_policy import pod_failure_policy, policy_problems
 from k8s_dispatch.workers.kube import KubeClient
 from k8s_dispatch.workers.manifest import FINALIZER, build_job
-from k8s_dispatch.workers.resolver import CapabilitySpec
 from k8s_dispatch.workers.types import CapabilityName, DispatchId, DispatchRef, WorkerName
 
 SPEC = CapabilitySpec(name=CapabilityName("cap.one"), worker_name=WorkerName("w1"), image="img:1")

@@ -11,9 +11,10 @@ from typing import Any
 
 import pytest
 
-from k8s_dispatch.engine.errors import ConfigError, InvalidManifest
+from k8s_dispatch.core.errors import ConfigError, InvalidManifest
+from k8s_dispatch.workers.capability import CapabilitySpec
 from k8s_dispatch.workers.manifest import SECURITY_DEFAULTS, SECURITY_OVERRIDES_ANNOTATION, build_job
-from k8s_dispatch.workers.resolver import CapabilityResolver, CapabilitySpec
+from k8s_dispatch.workers.resolver import CapabilityResolver
 from k8s_dispatch.workers.types import DispatchRef
 
 RESTRICTED_POD = {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}

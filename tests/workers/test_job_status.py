@@ -12,8 +12,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from kubernetes import client as k8s
 
-from k8s_dispatch.engine import store
-from k8s_dispatch.engine.models import EventType
+from k8s_dispatch.container.contract import encode_input
+from k8s_dispatch.store import dispatches
+from k8s_dispatch.store.models import EventType
 from k8s_dispatch.workers.job_status import (
     CONTAINER_FAILED,
     JOB_DELETED,
@@ -32,7 +33,6 @@ from k8s_dispatch.workers.job_status import (
     parse_result,
     pick_termination,
 )
-from k8s_dispatch.workers.manifest import encode_input
 from tests.workers import strategies as S
 
 JOB_UID = "7d0f4a6e-0000-4000-8000-000000000001"
@@ -226,14 +226,16 @@ def test_a_result_the_store_cannot_keep_is_not_json(message: str, why: str) -> N
     result = parse_result(message, exit_ok=True)
     assert (result.reason, result.output) == (RESULT_NOT_JSON, None)
     assert result.detail is not None and re.search(why, result.detail)
-    assert store.storable_terminal(terminal(result), reason=RESULT_NOT_JSON) == terminal(
+    assert dispatches.storable_terminal(terminal(result), reason=RESULT_NOT_JSON) == terminal(
         result
     )  # its failure is storable
 
 
-def terminal(result: Result) -> store.TerminalEvent:
+def terminal(result: Result) -> dispatches.TerminalEvent:
     payload = {"output": result.output} if result.ok else {"reason": result.reason, "message": result.detail}
-    return store.TerminalEvent(JOB_UID, EventType.WORKER_COMPLETED if result.ok else EventType.WORKER_FAILED, payload)
+    return dispatches.TerminalEvent(
+        JOB_UID, EventType.WORKER_COMPLETED if result.ok else EventType.WORKER_FAILED, payload
+    )
 
 
 @pytest.mark.parametrize("message", ["[" * 100 + "]" * 100, "1e308", '"\\u0000"', '"\\ud83d\\ude00"'])
@@ -259,7 +261,7 @@ def test_the_parser_accepts_exactly_what_the_store_keeps(message: str) -> None:
     failure it gives is storable too."""
     result = parse_result(message, exit_ok=True)
     event = terminal(result)
-    assert store.storable_terminal(event, reason="Unstorable") == event
+    assert dispatches.storable_terminal(event, reason="Unstorable") == event
 
 
 @given(st.text(max_size=300), st.booleans())

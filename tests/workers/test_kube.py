@@ -15,7 +15,7 @@ import pytest
 import yaml
 from kubernetes.client.exceptions import ApiException
 
-from k8s_dispatch.engine.errors import (
+from k8s_dispatch.core.errors import (
     AlreadyExists,
     ApiRejected,
     ApiUnavailable,
@@ -26,8 +26,8 @@ from k8s_dispatch.engine.errors import (
     QuotaExceeded,
     Transient,
 )
-from k8s_dispatch.localcluster import LocalCluster
-from k8s_dispatch.localcluster.quota import QUOTA_JOBS
+from k8s_dispatch.demo.localcluster import LocalCluster
+from k8s_dispatch.demo.localcluster.quota import QUOTA_JOBS
 from k8s_dispatch.ops.processes import wait_until
 from k8s_dispatch.workers import kube as kube_module
 from k8s_dispatch.workers.job_status import job_state

@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from k8s_dispatch.engine.errors import ApiUnavailable
-from k8s_dispatch.localcluster import LocalCluster
-from k8s_dispatch.localcluster.audit import Answer
-from k8s_dispatch.recovery import metrics as recovery_metrics
+from k8s_dispatch.core.errors import ApiUnavailable
+from k8s_dispatch.delivery import metrics as recovery_metrics
+from k8s_dispatch.demo.localcluster import LocalCluster
+from k8s_dispatch.demo.localcluster.audit import Answer
 from k8s_dispatch.workers.budget import Budget
 from k8s_dispatch.workers.kube import RETRY_AFTER_ATTEMPTS, KubeClient
 

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from k8s_dispatch.engine.errors import ConfigError, InvalidManifest
-from k8s_dispatch.engine.names import is_dns1123_subdomain, is_label_value
+from k8s_dispatch.core.errors import ConfigError, InvalidManifest
+from k8s_dispatch.core.names import is_dns1123_subdomain, is_label_value
 from k8s_dispatch.workers.manifest import QUEUE_NAME_LABEL, build_job, is_queue_name
 from k8s_dispatch.workers.pod_health import (
     CHECK_GRACE,

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from k8s_dispatch.engine.errors import InvalidInput, LabelMismatch
-from k8s_dispatch.engine.names import is_label_value, is_qualified_name
+from k8s_dispatch.core.errors import InvalidInput, LabelMismatch
+from k8s_dispatch.core.names import is_label_value, is_qualified_name
 from k8s_dispatch.workers import labels
 from k8s_dispatch.workers.types import DispatchRef, check_ref
 from tests.workers import strategies as S

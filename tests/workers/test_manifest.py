@@ -12,15 +12,16 @@ import pytest
 from hypothesis import event, given
 from hypothesis import strategies as st
 
-from k8s_dispatch.engine.errors import (
+from k8s_dispatch.container.contract import INPUT_ENV, encode_input
+from k8s_dispatch.core.errors import (
     InputNotSerialisable,
     InvalidId,
     InvalidIdempotencyKey,
     InvalidManifest,
 )
-from k8s_dispatch.engine.names import is_dns1123_label, is_label_value, is_qualified_name
+from k8s_dispatch.core.names import is_dns1123_label, is_label_value, is_qualified_name
 from k8s_dispatch.workers import labels, manifest
-from k8s_dispatch.workers.manifest import build_job, encode_input, job_name, parse_quantity
+from k8s_dispatch.workers.manifest import build_job, job_name, parse_quantity
 from k8s_dispatch.workers.resolver import demo_resolver
 from k8s_dispatch.workers.types import DispatchRef
 from tests.workers import strategies as S
@@ -68,7 +69,7 @@ def assert_job_valid(job: dict[str, Any]) -> None:
 
 def input_of(job: dict[str, Any]) -> Any:
     (container,) = job["spec"]["template"]["spec"]["containers"]
-    (text,) = [e["value"] for e in container["env"] if e["name"] == manifest.INPUT_ENV]
+    (text,) = [e["value"] for e in container["env"] if e["name"] == INPUT_ENV]
     assert "$" not in text  # no `$(VAR)` for Kubernetes to expand
     return json.loads(text)
 
@@ -106,8 +107,8 @@ def test_build_job_shape() -> None:
             {
                 "name": "worker",
                 "image": SPEC.image,
-                "command": ["python", "-m", "k8s_dispatch.workers.runner"],
-                "args": ["k8s_dispatch.workers.demo_functions:wordcount"],
+                "command": ["python", "-m", "k8s_dispatch.container.runner"],
+                "args": ["k8s_dispatch.demo.functions:wordcount"],
                 "env": [
                     {"name": "LOG_LEVEL", "value": "debug"},
                     {"name": "K8S_DISPATCH_INPUT", "value": '{"text":"a b"}'},

@@ -14,11 +14,12 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from k8s_dispatch.engine.errors import InputNotSerialisable, InvalidId, InvalidIdempotencyKey, InvalidManifest
-from k8s_dispatch.localcluster import LocalCluster
+from k8s_dispatch.container.contract import INPUT_ENV
+from k8s_dispatch.core.errors import InputNotSerialisable, InvalidId, InvalidIdempotencyKey, InvalidManifest
+from k8s_dispatch.demo.localcluster import LocalCluster
 from k8s_dispatch.workers import labels
 from k8s_dispatch.workers.kube import KubeClient
-from k8s_dispatch.workers.manifest import FINALIZER, INPUT_ENV, build_job
+from k8s_dispatch.workers.manifest import FINALIZER, build_job
 from k8s_dispatch.workers.types import DispatchRef
 from tests.workers import strategies as S
 

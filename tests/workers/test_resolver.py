@@ -10,23 +10,18 @@ from typing import Any
 import pytest
 import yaml
 
-from k8s_dispatch.engine.errors import ConfigError, UnknownCapability
-from k8s_dispatch.engine.settings import load_settings
+from k8s_dispatch.core.errors import ConfigError, UnknownCapability
+from k8s_dispatch.core.settings import load_settings
 from k8s_dispatch.workers.backends import Worker
-from k8s_dispatch.workers.resolver import (
-    DEFAULT_ACTIVE_DEADLINE_S,
-    CapabilityResolver,
-    CapabilitySpec,
-    demo_config,
-    demo_resolver,
-)
+from k8s_dispatch.workers.capability import DEFAULT_ACTIVE_DEADLINE_S, CapabilitySpec
+from k8s_dispatch.workers.resolver import CapabilityResolver, demo_config, demo_resolver
 
 GOOD_YAML = """\
 capabilities:
   text.upper:
     worker: text-worker
     image: registry.example.com/text:1.2
-    command: [python, -m, k8s_dispatch.workers.runner]
+    command: [python, -m, k8s_dispatch.container.runner]
     args: ["text.funcs:upper"]
     env: {LOG_LEVEL: info}
     resources:
@@ -62,7 +57,7 @@ def test_yaml_file_loads_every_field(tmp_path: Path) -> None:
         name="text.upper",
         worker_name="text-worker",
         image="registry.example.com/text:1.2",
-        command=("python", "-m", "k8s_dispatch.workers.runner"),
+        command=("python", "-m", "k8s_dispatch.container.runner"),
         args=("text.funcs:upper",),
         env={"LOG_LEVEL": "info"},
         resources={"requests": {"cpu": "100m", "memory": "64Mi"}, "limits": {"cpu": "1", "memory": "128Mi"}},
@@ -312,15 +307,15 @@ def test_demo_resolver() -> None:
     assert [str(w) for w in resolver.workers()] == ["demo-math:demo.primes", "demo-text:demo.sha256,demo.wordcount"]
     spec = resolver.spec("demo.primes")
     assert spec.image == "local:dev"
-    assert spec.command == ("/usr/bin/python3", "-m", "k8s_dispatch.workers.runner")
-    assert spec.args == ("k8s_dispatch.workers.demo_functions:primes",)
+    assert spec.command == ("/usr/bin/python3", "-m", "k8s_dispatch.container.runner")
+    assert spec.args == ("k8s_dispatch.demo.functions:primes",)
 
 
 def test_demo_config_can_be_extended() -> None:
     config = demo_config()
     config["capabilities"]["demo.sleep"] = {
         **config["capabilities"]["demo.primes"],
-        "args": ["k8s_dispatch.workers.demo_functions:sleep"],
+        "args": ["k8s_dispatch.demo.functions:sleep"],
         "activeDeadlineSeconds": 2,
     }
     resolver = CapabilityResolver.from_mapping(config, source="test")

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from k8s_dispatch.engine.errors import ConfigError
-from k8s_dispatch.workers.pod_health import StartPolicy
+from k8s_dispatch.core.errors import ConfigError
+from k8s_dispatch.workers.capability import StartPolicy
 from k8s_dispatch.workers.resolver import CapabilityResolver
 
 

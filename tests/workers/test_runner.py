@@ -1,4 +1,4 @@
-"""workers/runner.py, run as a real subprocess the way a Job's container runs it."""
+"""container/runner.py, run as a real subprocess the way a Job's container runs it."""
 
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ from typing import Any
 import pytest
 
 from k8s_dispatch import workers
-from k8s_dispatch.workers import demo_functions
-from k8s_dispatch.workers.job_status import MAX_RESULT_BYTES, parse_result
-from k8s_dispatch.workers.manifest import INPUT_ENV, build_job, encode_input
+from k8s_dispatch.container.contract import INPUT_ENV, MAX_RESULT_BYTES, encode_input
+from k8s_dispatch.demo import functions as demo_functions
+from k8s_dispatch.workers.job_status import parse_result
+from k8s_dispatch.workers.manifest import build_job
 from k8s_dispatch.workers.resolver import demo_resolver
 from k8s_dispatch.workers.types import DispatchRef, new_dispatch_id
 
@@ -33,7 +34,7 @@ def run_runner(
     if result_path is not None:
         env["TERMINATION_MESSAGE_PATH"] = str(result_path)
     return subprocess.run(
-        [sys.executable, "-m", "k8s_dispatch.workers.runner", *args],
+        [sys.executable, "-m", "k8s_dispatch.container.runner", *args],
         env=env,
         capture_output=True,
         text=True,
@@ -54,7 +55,7 @@ def run_runner(
 def test_runner_writes_the_result(tmp_path: Path, function: str, value: Any, expected: Any) -> None:
     result_path = tmp_path / "termination-log"
     proc = run_runner(
-        [f"k8s_dispatch.workers.demo_functions:{function}"], input_text=encode_input(value), result_path=result_path
+        [f"k8s_dispatch.demo.functions:{function}"], input_text=encode_input(value), result_path=result_path
     )
     assert proc.returncode == 0, proc.stderr
     text = result_path.read_text(encoding="utf-8")
@@ -66,7 +67,7 @@ def test_runner_writes_the_result(tmp_path: Path, function: str, value: Any, exp
 def test_function_exception_writes_nothing_and_exits_1(tmp_path: Path) -> None:
     result_path = tmp_path / "termination-log"
     proc = run_runner(
-        ["k8s_dispatch.workers.demo_functions:primes"], input_text=encode_input({"limit": -5}), result_path=result_path
+        ["k8s_dispatch.demo.functions:primes"], input_text=encode_input({"limit": -5}), result_path=result_path
     )
     assert proc.returncode == 1
     assert not result_path.exists()
@@ -83,7 +84,7 @@ def test_function_exception_writes_nothing_and_exits_1(tmp_path: Path) -> None:
         ("builtins:set", [1, 2], "the result of the function is not JSON"),
         ("builtins:float", "nan", "the result of the function is not JSON"),
         (
-            "k8s_dispatch.workers.demo_functions:echo",
+            "k8s_dispatch.demo.functions:echo",
             "x" * MAX_RESULT_BYTES,
             f"more than the {MAX_RESULT_BYTES} a termination message holds",
         ),
@@ -100,9 +101,7 @@ def test_results_that_cannot_be_delivered_exit_1(tmp_path: Path, target: str, va
 def test_largest_result_that_fits(tmp_path: Path) -> None:
     value = "x" * (MAX_RESULT_BYTES - 2)  # plus two quotes: exactly the limit
     result_path = tmp_path / "termination-log"
-    proc = run_runner(
-        ["k8s_dispatch.workers.demo_functions:echo"], input_text=encode_input(value), result_path=result_path
-    )
+    proc = run_runner(["k8s_dispatch.demo.functions:echo"], input_text=encode_input(value), result_path=result_path)
     assert proc.returncode == 0, proc.stderr
     assert len(result_path.read_bytes()) == MAX_RESULT_BYTES
 
@@ -110,18 +109,18 @@ def test_largest_result_that_fits(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("args", "input_text", "complaint"),
     [
-        ([], "{}", "usage: python -m k8s_dispatch.workers.runner MODULE:FUNCTION"),
+        ([], "{}", "usage: python -m k8s_dispatch.container.runner MODULE:FUNCTION"),
         (["a:b", "c:d"], "{}", "usage:"),
-        (["k8s_dispatch.workers.demo_functions"], "{}", "is not MODULE:FUNCTION"),
+        (["k8s_dispatch.demo.functions"], "{}", "is not MODULE:FUNCTION"),
         (["no_such_module_xyz:f"], "{}", "cannot load no_such_module_xyz:f: ModuleNotFoundError"),
         (
-            ["k8s_dispatch.workers.demo_functions:nope"],
+            ["k8s_dispatch.demo.functions:nope"],
             "{}",
-            "cannot load k8s_dispatch.workers.demo_functions:nope: AttributeError",
+            "cannot load k8s_dispatch.demo.functions:nope: AttributeError",
         ),
-        (["k8s_dispatch.workers.demo_functions:MAX_SLEEP_S"], "{}", "is not callable"),
-        (["k8s_dispatch.workers.demo_functions:echo"], None, f"{INPUT_ENV} is not set"),
-        (["k8s_dispatch.workers.demo_functions:echo"], "{not json", f"{INPUT_ENV} is not JSON"),
+        (["k8s_dispatch.demo.functions:MAX_SLEEP_S"], "{}", "is not callable"),
+        (["k8s_dispatch.demo.functions:echo"], None, f"{INPUT_ENV} is not set"),
+        (["k8s_dispatch.demo.functions:echo"], "{not json", f"{INPUT_ENV} is not JSON"),
     ],
 )
 def test_usage_and_input_errors_exit_2(tmp_path: Path, args: list[str], input_text: str | None, complaint: str) -> None:
@@ -134,7 +133,7 @@ def test_usage_and_input_errors_exit_2(tmp_path: Path, args: list[str], input_te
 
 def test_unwritable_termination_path_exits_1(tmp_path: Path) -> None:
     result_path = tmp_path / "no-such-dir" / "termination-log"
-    proc = run_runner(["k8s_dispatch.workers.demo_functions:echo"], input_text="1", result_path=result_path)
+    proc = run_runner(["k8s_dispatch.demo.functions:echo"], input_text="1", result_path=result_path)
     assert proc.returncode == 1
     assert f"cannot write the result to {result_path}" in proc.stderr
 

@@ -13,7 +13,7 @@ from typing import Any, cast
 import pytest
 import urllib3
 
-from k8s_dispatch.engine.errors import ApiUnavailable
+from k8s_dispatch.core.errors import ApiUnavailable
 from k8s_dispatch.workers import kube, watch_stream
 
 

@@ -1,0 +1,167 @@
+"""One settings object for every process, read from `K8S_DISPATCH_*` environment variables.
+
+Validated when it is built, so a bad value fails the process at start with an error naming
+the variable. The embedded defaults (SQLite, local Redis, namespace `default`) let the demo
+and a first try run with nothing set.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Mapping
+from enum import StrEnum
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from k8s_dispatch.core.errors import ConfigError
+
+ENV_PREFIX = "K8S_DISPATCH_"
+
+
+class OrphanPolicy(StrEnum):
+    """What the sweep does with a Job of ours that has no matching dispatch."""
+
+    REPORT = "report"
+    DELETE = "delete"
+
+
+class PollMode(StrEnum):
+    """How poll finds finished Jobs: resume a watch (pay per change), or LIST every Job every poll."""
+
+    WATCH = "watch"
+    LIST = "list"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, frozen=True, extra="ignore")
+
+    database_url: str = "sqlite:///k8s-dispatch.db"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    broker_url: str | None = None  # defaults to redis_url
+    namespace: str = "default"
+    capabilities: Path | None = None  # YAML or JSON file; see workers/resolver.py
+    kubeconfig: Path | None = None  # else in-cluster config, else ~/.kube/config
+
+    max_input_bytes: int = Field(default=32 * 1024, gt=0, le=256 * 1024)
+    poll_interval_s: float = Field(default=2.0, gt=0)
+    poll_page_size: int = Field(default=500, gt=0, le=10_000)
+    sweep_interval_s: float = Field(default=30.0, gt=0)
+    poll_mode: PollMode = PollMode.WATCH
+    # How long poll's watch stream may be kept open between polls (0: a new watch each poll).
+    poll_watch_hold_s: float = Field(default=30.0, ge=0, le=1800)
+    # While poll's watch is healthy, the sweep LISTs a namespace's Jobs at most this often (its
+    # database side runs every sweep); with the watch down, or in LIST mode, every sweep lists.
+    sweep_list_interval_s: float = Field(default=600.0, gt=0)
+    sweep_grace_s: float = Field(default=30.0, ge=0)
+    # Actions of one page that a recovery sweep carries out at once (they wait on the API,
+    # the DB and Redis); 1 = one after the other.
+    sweep_concurrency: int = Field(default=8, ge=1, le=64)
+    guard_lease_ms: int = Field(default=60_000, gt=0)
+    max_job_attempts: int = Field(default=3, ge=1)
+    orphan_policy: OrphanPolicy = OrphanPolicy.REPORT
+    # How long (the database's clock) a dispatch's Job may stay hand-edited (labels or
+    # annotations disagreeing with the row) before the dispatch fails `JobTampered`.
+    tampered_grace_s: float = Field(default=300.0, ge=0)
+    notify_task: str = "engine.dispatch_finished"
+    notify_queue: str = "engine"
+    key_prefix: str = Field(default="k8s-dispatch", min_length=1, max_length=64)  # Redis keys and Celery queues
+    # This deployment's identity, a label on each of its Jobs and in each of its selectors, so
+    # that deployments sharing a namespace never see each other's Jobs; default: from key_prefix.
+    deployment: str | None = None
+    metrics_port: int = Field(default=0, ge=0, le=65535)  # 0: no metrics endpoint
+    broker_visibility_timeout_s: int = Field(default=3600, gt=0)
+    # Threads per worker process: the tasks wait on the API, the DB and Redis, not the CPU.
+    worker_concurrency: int = Field(default=8, ge=1, le=256)
+    kube_timeout_s: float = Field(default=10.0, gt=0, le=300)  # each Kubernetes API request
+    # The process's API budget (workers/budget.py's DEFAULT_QPS / _BURST): requests per second,
+    # 0 = unlimited, and how many may go at once after a quiet spell. Every client of a process
+    # shares it; README's configuration table says why these defaults.
+    kube_qps: float = Field(default=300.0, ge=0, le=100_000)
+    kube_burst: int = Field(default=600, ge=1, le=100_000)
+
+    @field_validator("namespace")
+    @classmethod
+    def _namespace_is_dns_label(cls, value: str) -> str:
+        from k8s_dispatch.core.names import is_dns1123_label
+
+        if not is_dns1123_label(value):
+            raise ValueError(f"{value!r} is not a valid namespace name (DNS-1123 label)")
+        return value
+
+    @field_validator("deployment")
+    @classmethod
+    def _deployment_is_label_value(cls, value: str | None) -> str | None:
+        from k8s_dispatch.core.names import is_label_value
+
+        if value is not None and (not value or not is_label_value(value)):
+            raise ValueError(
+                f"{value!r} is not a valid label value (1-63 letters, digits, '-', '_' or '.', "
+                "starting and ending with a letter or digit)"
+            )
+        return value
+
+    @field_validator("database_url", "redis_url")
+    @classmethod
+    def _url_has_scheme(cls, value: str) -> str:
+        if "://" not in value:
+            raise ValueError(f"{value!r} is not a URL (expected scheme://...)")
+        return value
+
+    @model_validator(mode="after")
+    def _capabilities_file_exists(self) -> Settings:
+        if self.capabilities is not None and not self.capabilities.is_file():
+            raise ValueError(f"capabilities file {str(self.capabilities)!r} does not exist")
+        return self
+
+    @property
+    def effective_broker_url(self) -> str:
+        return self.broker_url or self.redis_url
+
+    @property
+    def effective_deployment(self) -> str:
+        """The deployment label's value: `deployment`, else derived from `key_prefix`."""
+        return self.deployment or deployment_from_prefix(self.key_prefix)
+
+
+_NOT_IN_LABEL = re.compile(r"[^-A-Za-z0-9_.]+")
+
+
+def deployment_from_prefix(key_prefix: str) -> str:
+    """The default deployment identity (pure): the key prefix when it is a label value, else
+    its label-safe characters (cut to 52) and 10 hex digits of its SHA-256, so that two
+    prefixes never share a default."""
+    from k8s_dispatch.core.names import is_label_value
+
+    if key_prefix and is_label_value(key_prefix):
+        return key_prefix
+    slug = _NOT_IN_LABEL.sub("-", key_prefix)[:52].strip("-_.") or "kd"
+    return f"{slug}-{hashlib.sha256(key_prefix.encode('utf-8', 'surrogatepass')).hexdigest()[:10]}"
+
+
+def load_settings(environ: Mapping[str, str] | None = None) -> Settings:
+    """Build and validate settings from `environ` (default: the process environment).
+
+    Raises:
+        ConfigError: naming each invalid `K8S_DISPATCH_*` variable and why.
+    """
+    try:
+        if environ is None:
+            return Settings()
+        values = {key[len(ENV_PREFIX) :].lower(): value for key, value in environ.items() if key.startswith(ENV_PREFIX)}
+        return Settings.model_validate(values)
+    except ValidationError as e:
+        problems = "; ".join(
+            f"{ENV_PREFIX}{'.'.join(str(p) for p in err['loc']).upper() or '(settings)'}: {err['msg']}"
+            for err in e.errors()
+        )
+        raise ConfigError(f"invalid configuration: {problems}") from e
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """The process-wide settings, loaded once from the environment."""
+    return load_settings()

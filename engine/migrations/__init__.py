@@ -1,1 +1,0 @@
-"""Alembic migrations of the engine's store (env.py, versions/); run through engine.migrate."""

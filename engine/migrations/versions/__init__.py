@@ -1,1 +1,0 @@
-"""Hand-written Alembic revisions, applied in order by engine.migrate."""

@@ -1,0 +1,217 @@
+"""The chaos run's work (pure): capabilities whose outcome is known from their input, and each
+dispatch's capability, input and the terminal event it must end with.
+
+Quick and slow work that succeeds, work that fails (BackoffLimitExceeded), work that hangs past
+its activeDeadlineSeconds (DeadlineExceeded), and poison: work that succeeds but writes a
+termination message the store cannot keep (`1e400`, a lone surrogate, NaN, invalid UTF-8, nesting
+deeper than the store keeps), each of which must end WORKER_FAILED ResultNotJson. In simulate mode the
+outcome comes from localcluster's pod annotations and a success's output is
+`{"simulated": true, "input": <input>}`; in exec mode real processes run
+`k8s_dispatch.demo.functions` through `k8s_dispatch.container.runner`.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import random
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from k8s_dispatch.store.dispatches import ScheduleRequest
+from k8s_dispatch.store.models import EventType
+
+SIM = "localcluster.k8s-dispatch.io/"  # localcluster's simulate-mode annotations
+IMAGE = "k8s-dispatch-chaos:local"  # never pulled: localcluster runs or simulates it
+TENANCIES = ("tenant-a", "tenant-b")
+CASES_PER_TENANCY = 5
+# The run's fair-share limits (issue 17), in both capability files (the namespace change keeps
+# them): sized to be reached at the feed's peaks, and to leave the run near its unlimited time.
+LIMITED_TENANCY = "tenant-a"
+LIMITED_CAPABILITY = "chaos.slow"
+LIMITS: dict[str, Any] = {
+    "tenancies": {"default": {"maxRunning": 24}, LIMITED_TENANCY: {"maxRunning": 16, "weight": 2}},
+    "capabilities": {LIMITED_CAPABILITY: {"maxRunning": 16}},
+}
+
+SLOW_MS = 3000
+TIMEOUT_DEADLINE_S = 2
+EXEC_SLOW_S = 1.5
+EXEC_HANG_S = 600
+
+
+class Kind(StrEnum):
+    QUICK = "quick"
+    SLOW = "slow"
+    FAIL = "fail"
+    TIMEOUT = "timeout"
+    POISON_INF = "poison-inf"
+    POISON_SURROGATE = "poison-surrogate"
+    POISON_NAN = "poison-nan"
+    POISON_UTF8 = "poison-utf8"
+    POISON_DEEP = "poison-deep"
+
+
+# What each poison kind's container writes as its termination message (issue 13's holes).
+POISON: dict[Kind, bytes] = {
+    Kind.POISON_INF: b"1e400",  # JSON for infinity
+    Kind.POISON_SURROGATE: b'"\\ud800"',  # a lone surrogate: JavaScript cutting a string mid-emoji
+    Kind.POISON_NAN: b'{"score": NaN}',
+    Kind.POISON_UTF8: b"\xff\xfe\x80 not utf-8",
+    Kind.POISON_DEEP: b"[" * 500 + b"]" * 500,  # deeper than the store keeps
+}
+# The share of each kind in a run (percent).
+MIX: tuple[tuple[Kind, int], ...] = (
+    (Kind.QUICK, 45), (Kind.SLOW, 20), (Kind.FAIL, 12), (Kind.TIMEOUT, 13), *((kind, 2) for kind in POISON),
+)  # fmt: skip
+FAILURE_REASON = {Kind.FAIL: "BackoffLimitExceeded", Kind.TIMEOUT: "DeadlineExceeded"} | {
+    kind: "ResultNotJson" for kind in POISON
+}
+# exec mode: a poison container writes its bytes (base64 in its argument) where the kubelet reads them.
+WRITE_BYTES = (
+    "import base64, os, sys; open(os.environ.get('TERMINATION_MESSAGE_PATH', '/dev/termination-log'), 'wb')"
+    ".write(base64.b64decode(sys.argv[1]))"
+)
+
+
+def capability(kind: Kind) -> str:
+    return f"chaos.{kind.value}"
+
+
+@dataclass(frozen=True)
+class Expected:
+    """The one terminal event a dispatch must end with."""
+
+    event: EventType
+    output: Any = None  # WORKER_COMPLETED: the exact output
+    reason: str | None = None  # WORKER_FAILED: the reason
+    also: frozenset[str] = frozenset()  # WORKER_FAILED: other reasons the Job controller may give
+    any_end: bool = False  # cancelled or edited by hand: any one terminal event will do
+    rerun_allowed: bool = False  # a second Job is no fault (a Job edited by hand may be re-run)
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One dispatch the feeder schedules."""
+
+    index: int
+    kind: Kind
+    case_id: str
+    tenancy_id: str
+    input: dict[str, Any]
+    via_task: bool  # sent as the Celery `schedule` task, else the in-transaction Python call
+    idempotency_key: str
+
+    @property
+    def capability(self) -> str:
+        return capability(self.kind)
+
+    def request(self) -> ScheduleRequest:
+        return ScheduleRequest(self.case_id, self.tenancy_id, self.capability, self.input, self.idempotency_key)
+
+
+def cases(tag: str) -> list[tuple[str, str]]:
+    """(case id, tenancy id) of the cases a run's dispatches belong to; `tag` names the run."""
+    return [(f"chaos-{tag}-{t}-{c}", t) for t in TENANCIES for c in range(CASES_PER_TENANCY)]
+
+
+IDLE_PREFIX = "chaos-idle-"
+
+
+def idle_namespaces(count: int) -> tuple[str, ...]:
+    """The namespaces of capabilities no dispatch of the run uses (what most of a large
+    deployment's namespaces are at any moment): each still watched by every poll."""
+    return tuple(f"{IDLE_PREFIX}{i:02d}" for i in range(1, count + 1))
+
+
+def capabilities_config(
+    mode: str, *, python: str = "python", limits: bool = True, idle: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """The capability file's content for `mode` ("simulate" or "exec"), with `LIMITS` unless
+    `limits` is False, and one capability in each of the `idle` namespaces (never dispatched)."""
+    if mode not in ("simulate", "exec"):
+        raise ValueError(f"mode must be simulate or exec, got {mode!r}")
+    functions = {Kind.QUICK: "echo", Kind.SLOW: "sleep", Kind.FAIL: "fail", Kind.TIMEOUT: "sleep"}
+    table: dict[Kind, dict[str, Any]] = {
+        kind: {
+            "worker": f"chaos-{kind.value}",
+            "image": IMAGE,
+            "command": [python, "-m", "k8s_dispatch.container.runner"],
+            "args": [f"k8s_dispatch.demo.functions:{functions[kind]}"],
+            "backoffLimit": 0,
+        }
+        for kind in Kind
+        if kind not in POISON
+    }
+    for kind, written in POISON.items():
+        encoded = base64.b64encode(written).decode()
+        table[kind] = {"worker": f"chaos-{kind.value}", "image": IMAGE, "backoffLimit": 0}
+        if mode == "simulate":
+            table[kind]["annotations"] = {SIM + "duration-ms": "50", SIM + "result-base64": encoded}
+        else:
+            table[kind] |= {"command": [python, "-c", WRITE_BYTES], "args": [encoded]}
+    if mode == "simulate":  # the same Jobs, their outcome played by localcluster
+        table[Kind.QUICK]["annotations"] = {SIM + "duration-ms": "50"}
+        table[Kind.SLOW]["annotations"] = {SIM + "duration-ms": str(SLOW_MS)}
+        table[Kind.FAIL]["annotations"] = {SIM + "duration-ms": "100", SIM + "outcome": "fail", SIM + "exit-code": "3"}
+        table[Kind.TIMEOUT]["annotations"] = {SIM + "outcome": "hang"}
+    table[Kind.TIMEOUT]["activeDeadlineSeconds"] = TIMEOUT_DEADLINE_S
+    config: dict[str, Any] = {"capabilities": {capability(kind): fields for kind, fields in table.items()}}
+    for namespace in idle:
+        config["capabilities"][f"chaos.{namespace}"] = {
+            "worker": namespace, "image": IMAGE, "namespace": namespace, "backoffLimit": 0,
+        }  # fmt: skip
+    if limits:
+        config["limits"] = copy.deepcopy(LIMITS)
+    return config
+
+
+def workload(seed: int, count: int, *, tag: str, task_every: int = 4) -> list[Planned]:
+    """`count` dispatches with kinds drawn from MIX by `seed`; every `task_every`-th is sent as
+    the Celery `schedule` task (0: none), the rest through the Python call. `tag` (unique per
+    run) goes into case ids and idempotency keys, so runs sharing a database never meet."""
+    rng = random.Random(f"workload-{seed}")
+    kinds, weights = zip(*MIX, strict=True)
+    all_cases = cases(tag)
+    planned = []
+    for i in range(count):
+        kind = rng.choices(kinds, weights)[0]
+        case_id, tenancy_id = all_cases[i % len(all_cases)]
+        data: dict[str, Any] = {"n": i, "seed": seed, "text": f"dispatch {i} of run {seed}"}
+        if kind is Kind.SLOW:
+            data["seconds"] = EXEC_SLOW_S
+        elif kind is Kind.TIMEOUT:
+            data["seconds"] = EXEC_HANG_S
+        elif kind is Kind.FAIL:
+            data["message"] = f"planned failure {i}"
+        via_task = task_every > 0 and i % task_every == task_every - 1
+        planned.append(Planned(i, kind, case_id, tenancy_id, data, via_task, f"chaos-{tag}-{i}"))
+    return planned
+
+
+def expected(kind: Kind, data: Any, *, mode: str) -> Expected:
+    """The terminal event a dispatch of `kind` with input `data` must end with in `mode`."""
+    if kind is Kind.TIMEOUT:
+        # The real Job controller checks the backoff limit before the deadline: when it has
+        # deleted the Pod at the deadline but could not yet write DeadlineExceeded (the API
+        # server restarting), the killed Pod counts as a failure, and backoffLimit 0 is passed.
+        return Expected(EventType.WORKER_FAILED, reason=FAILURE_REASON[kind], also=frozenset({"BackoffLimitExceeded"}))
+    if kind in FAILURE_REASON:
+        return Expected(EventType.WORKER_FAILED, reason=FAILURE_REASON[kind])
+    if mode == "simulate":
+        return Expected(EventType.WORKER_COMPLETED, output={"simulated": True, "input": data})
+    if kind is Kind.SLOW:
+        return Expected(EventType.WORKER_COMPLETED, output={"slept": float(data["seconds"])})
+    return Expected(EventType.WORKER_COMPLETED, output=data)
+
+
+def kind_of(capability_name: str) -> Kind | None:
+    """The kind a capability name stands for, or None if it is not one of ours."""
+    prefix = "chaos."
+    if not capability_name.startswith(prefix):
+        return None
+    try:
+        return Kind(capability_name[len(prefix) :])
+    except ValueError:
+        return None

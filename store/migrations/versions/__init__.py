@@ -1,0 +1,1 @@
+"""Hand-written Alembic revisions, applied in order by store.migrate."""
