@@ -21,6 +21,7 @@ class FieldErrorType(Enum):
     FORBIDDEN = ("FieldValueForbidden", "Forbidden")
     TOO_LONG = ("FieldValueTooLong", "Too long")
     DUPLICATE = ("FieldValueDuplicate", "Duplicate value")
+    TOO_MANY = ("FieldValueTooMany", "Too many")
 
     @property
     def reason(self) -> str:
@@ -57,7 +58,12 @@ class FieldError:
 
     def body(self) -> str:
         text = self.type.label
-        shows_value = self.type in (FieldErrorType.INVALID, FieldErrorType.NOT_SUPPORTED, FieldErrorType.DUPLICATE)
+        shows_value = self.type in (
+            FieldErrorType.INVALID,
+            FieldErrorType.NOT_SUPPORTED,
+            FieldErrorType.DUPLICATE,
+            FieldErrorType.TOO_MANY,
+        )
         if shows_value and self.value is not _NO_VALUE:
             text += f": {_go_value(self.value)}"
         if self.detail:

@@ -6,6 +6,10 @@ out, and looks again when a deadline, backoff or TTL falls due (loop.call_at, on
 A Job that fails gets a Warning Event with its condition's reason, as the real controller records.
 
 It also releases the tracking finalizer of finished Pods whose Job is gone (orphans).
+
+An Indexed Job is decided by demo/localcluster/indexedjob.py and enacted in the real controller's
+order: deletes and creates, the status with the newly finished Pods (failed ones' uids in
+uncountedTerminatedPods), their tracking finalizers off, then the status with them counted.
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ from typing import Any
 
 from k8s_dispatch.demo.localcluster import events
 from k8s_dispatch.demo.localcluster.apierrors import ApiError
-from k8s_dispatch.demo.localcluster.jobsync import TRACKING_FINALIZER, plan_job, pod_view
+from k8s_dispatch.demo.localcluster.indexedjob import BackoffRecord, add_index, indexed_pod, plan_indexed
+from k8s_dispatch.demo.localcluster.jobsync import TRACKING_FINALIZER, is_finished, plan_job, pod_view
 from k8s_dispatch.demo.localcluster.registry import DeleteOptions, Registry, is_terminal_pod
 from k8s_dispatch.demo.localcluster.resources import JOBS, PODS
 from k8s_dispatch.demo.localcluster.store import DELETED, Entry, Event
@@ -91,6 +96,7 @@ class JobController:
         self._start_at: dict[str, float] = {}
         self._finished_at: dict[str, float] = {}
         self._last_failure: dict[str, float] = {}
+        self._backoff: dict[str, BackoffRecord] = {}  # an Indexed Job's failures since its last success
         self._syncing = False
         self._coalesce = coalesce
         self.store.subscribe(self._on_event)
@@ -191,7 +197,7 @@ class JobController:
 
     def _forget(self, key: Key, uid: str) -> None:
         self._batched.pop(key, None)
-        for table in (self._start_at, self._finished_at, self._last_failure):
+        for table in (self._start_at, self._finished_at, self._last_failure, self._backoff):
             table.pop(uid, None)
         timer = self._timers.pop(key, None)
         if timer is not None:
@@ -233,6 +239,9 @@ class JobController:
             return
         t = now()
         pods = self._pods_of(job)
+        if (job.obj.get("spec") or {}).get("completionMode") == "Indexed" and not is_finished(job.obj):
+            self._sync_indexed(key, job, pods, t)
+            return
         plan = plan_job(
             job.obj,
             [pod_view(p.obj, (job.obj.get("spec") or {}).get("podFailurePolicy")) for p in pods],
@@ -284,6 +293,51 @@ class JobController:
             self._timers.pop(key)[1].cancel()  # nothing left to look at later (a finished Job without TTL)
         if plan.finished and (job.obj.get("spec") or {}).get("ttlSecondsAfterFinished") is not None:
             self._mark(key)  # the finished Job's TTL sync follows; our write's event is not heard
+
+    def _sync_indexed(self, key: Key, job: Entry, pods: list[Entry], t: float) -> None:
+        """One sync of an unfinished Indexed Job (a finished one goes through plan_job: its TTL)."""
+        policy = (job.obj.get("spec") or {}).get("podFailurePolicy")
+        plan = plan_indexed(
+            job.obj,
+            [indexed_pod(p.obj, policy) for p in pods],
+            t,
+            backoff=self._backoff.get(job.uid, BackoffRecord()),
+            backoff_base=self._backoff_base,
+            backoff_max=self._backoff_max,
+        )
+        for view in plan.delete:
+            self._delete_pod(view.namespace, view.name, view.uid)
+        for view in plan.delete_uncounted:
+            self._delete_pod(view.namespace, view.name, view.uid, uncounted=True)
+        for new in plan.create:
+            pod = pod_from_template(job)
+            add_index(pod, job.name, new)
+            self.registry.create_internal(PODS, pod)
+        if plan.first is not None and plan.first != job.obj.get("status"):
+            job = self.registry.set_status(job, plan.first)
+        if plan.backoff is not None:
+            self._backoff[job.uid] = plan.backoff
+        for view in plan.remove_finalizer:
+            held = self.store.get(PODS, view.namespace, view.name)
+            if held is not None and held.uid == view.uid:
+                self.registry.remove_finalizer(held, TRACKING_FINALIZER)
+        if plan.final is not None and plan.final != job.obj.get("status"):
+            job = self.registry.set_status(job, plan.final)
+        if plan.finished is not None:
+            self._finished_at[job.uid] = t
+            self._backoff.pop(job.uid, None)
+            if plan.finished["type"] == "Failed":
+                events.record(
+                    self.registry, job, type=events.WARNING, reason=plan.finished.get("reason", ""),
+                    message=plan.finished.get("message", ""), component=events.JOB_CONTROLLER,
+                )  # fmt: skip
+            self._mark(key)  # the finished Job's TTL, if any, is looked at by the next sync
+        if plan.requeue_at is not None:
+            self._requeue(key, plan.requeue_at)
+        elif key in self._timers:
+            self._timers.pop(key)[1].cancel()
+        if plan.delete or plan.delete_uncounted or plan.remove_finalizer:
+            self._mark_batched(key)  # our own writes are not heard: look again at what they changed
 
     def _delete_pod(self, namespace: str, name: str, uid: str, *, uncounted: bool = False) -> None:
         """Delete a Pod the Job no longer wants. `uncounted` (suspended, past its parallelism): its

@@ -14,6 +14,7 @@ BATCH_CONTROLLER_UID = "batch.kubernetes.io/controller-uid"
 JOB_NAME = "job-name"
 BATCH_JOB_NAME = "batch.kubernetes.io/job-name"
 DEFAULT_BACKOFF_LIMIT = 6
+MAX_INT32 = 2**31 - 1  # the backoffLimit of a Job with backoffLimitPerIndex: no global limit
 
 
 def _image_pull_policy(image: str) -> str:
@@ -61,7 +62,9 @@ def default_job(job: dict[str, Any]) -> None:
         spec["parallelism"] = 1
     spec.setdefault("parallelism", 1)
     spec.setdefault("completionMode", "NonIndexed")
-    spec.setdefault("backoffLimit", DEFAULT_BACKOFF_LIMIT)
+    spec.setdefault(
+        "backoffLimit", MAX_INT32 if spec.get("backoffLimitPerIndex") is not None else DEFAULT_BACKOFF_LIMIT
+    )
     spec.setdefault("suspend", False)
     spec.setdefault("manualSelector", None)
     if spec.get("manualSelector") is None:

@@ -49,7 +49,9 @@ def validate(spec: dict[str, Any]) -> list[FieldError]:
     for i, rule in enumerate(rules):
         path = f"spec.podFailurePolicy.rules[{i}]"
         rule = rule if isinstance(rule, dict) else {}
-        if rule.get("action") not in ACTIONS:
+        if rule.get("action") == "FailIndex" and spec.get("backoffLimitPerIndex") is None:
+            errs.append(invalid_value(f"{path}.action", "FailIndex", "requires the backoffLimitPerIndex to be set"))
+        elif rule.get("action") not in ACTIONS:
             errs.append(not_supported(f"{path}.action", rule.get("action"), list(ACTIONS)))
         codes, conditions = rule.get("onExitCodes"), rule.get("onPodConditions")
         if (codes is None) == (not conditions):

@@ -329,7 +329,7 @@ class Registry:
             errs += validation.validate_annotations(meta.get("annotations"), "metadata.annotations")
             errs += validation.validate_metadata_update(old.obj, obj)
             if resource is JOBS:
-                errs += validation.validate_job_status(obj)
+                errs += validation.validate_job_status(obj, old.obj)
             if errs:
                 raise apierrors.invalid(resource, old.name, errs)
         else:

@@ -12,6 +12,11 @@ then ends with the log's last 2 KiB as its message, as FallbackToLogsOnError doe
 (the container is OOMKilled at the end of its run: exit 137, reason OOMKilled), and, for the kubelet
 of either runner, /evict-attempts K (the Job's first K Pods are evicted through the Eviction API
 /evict-after-ms into their run, default half the duration).
+
+An Indexed Job's Pods can differ by index: /by-index is a JSON object from index to the annotations
+(short names: "outcome", "exit-code", "duration-ms", "result"...) that index's Pods take instead,
+with "attempts": K applying them only to its first K Pods (as the Job controller counts them in
+batch.kubernetes.io/job-index-failure-count and -ignored-failure-count, with backoffLimitPerIndex).
 """
 
 from __future__ import annotations
@@ -37,6 +42,9 @@ LOG_BASE64 = PREFIX + "log-base64"
 OOM = PREFIX + "oom"
 EVICT_ATTEMPTS = PREFIX + "evict-attempts"
 EVICT_AFTER = PREFIX + "evict-after-ms"
+BY_INDEX = PREFIX + "by-index"
+COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"
+INDEX_FAILURES = ("batch.kubernetes.io/job-index-failure-count", "batch.kubernetes.io/job-index-ignored-failure-count")
 OOM_EXIT_CODE = 137
 FALLBACK_LOG_BYTES = 2048  # what FallbackToLogsOnError takes of the log
 CONTROLLER_UID = "batch.kubernetes.io/controller-uid"
@@ -65,9 +73,31 @@ class Eviction:
     after: float  # seconds into the run
 
 
+def _annotations(pod: dict[str, Any]) -> dict[str, str]:
+    """The pod's annotations, with its index's `by-index` entry in force (pure)."""
+    ann: dict[str, str] = (pod.get("metadata") or {}).get("annotations") or {}
+    if BY_INDEX not in ann:
+        return ann
+    try:
+        entry = loads(ann[BY_INDEX]).get(ann.get(COMPLETION_INDEX, ""))
+    except (ValueError, AttributeError):
+        return ann
+    if not isinstance(entry, dict):
+        return ann
+    if "attempts" in entry:
+        try:
+            tried = sum(int(ann.get(key, "0")) for key in INDEX_FAILURES)
+        except ValueError:
+            tried = 0
+        if tried >= int(entry["attempts"]):
+            return ann
+    over = {PREFIX + k: v if isinstance(v, str) else dumps(v).decode() for k, v in entry.items() if k != "attempts"}
+    return {**ann, **over}
+
+
 def eviction_plan(pod: dict[str, Any]) -> Eviction | None:
     """Whether the kubelet evicts this Job's Pods, from the `evict-attempts` annotation (pure)."""
-    ann = (pod.get("metadata") or {}).get("annotations") or {}
+    ann = _annotations(pod)
     try:
         attempts = int(ann.get(EVICT_ATTEMPTS, "0"))
     except ValueError:
@@ -109,7 +139,7 @@ def _log(ann: dict[str, str]) -> bytes | None:
 def plan(pod: dict[str, Any]) -> Plan:
     """What a simulated container does, from its pod's annotations (pure)."""
     p = _plan(pod)
-    ann = (pod.get("metadata") or {}).get("annotations") or {}
+    ann = _annotations(pod)
     log = _log(ann)
     oom = ann.get(OOM) == "true"
     reason = "OOMKilled" if oom else None
@@ -122,7 +152,7 @@ def plan(pod: dict[str, Any]) -> Plan:
 
 
 def _plan(pod: dict[str, Any]) -> Plan:
-    ann = (pod.get("metadata") or {}).get("annotations") or {}
+    ann = _annotations(pod)
     try:
         duration = max(0.0, float(ann.get(DURATION, "50")) / 1000.0)
     except ValueError:

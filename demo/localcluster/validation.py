@@ -10,7 +10,7 @@ import json
 import re
 from typing import Any
 
-from k8s_dispatch.demo.localcluster import failurepolicy
+from k8s_dispatch.demo.localcluster import failurepolicy, indexes
 from k8s_dispatch.demo.localcluster.apierrors import (
     FieldError,
     FieldErrorType,
@@ -203,7 +203,7 @@ def validate_job(job: dict[str, Any], *, selector_matches: bool) -> list[FieldEr
         errs = [e for e in errs if not (e.field == "metadata.labels" and e.value == name)]
         errs.append(invalid_value("spec.template.labels", name, "must be no more than 63 bytes"))
     spec = job.get("spec") or {}
-    for key in ("parallelism", "completions", "backoffLimit", "ttlSecondsAfterFinished"):
+    for key in ("parallelism", "completions", "backoffLimit", "ttlSecondsAfterFinished", "backoffLimitPerIndex"):
         errs += _non_negative(spec, key, "spec")
     deadline = spec.get("activeDeadlineSeconds")
     if deadline is not None and deadline <= 0:
@@ -211,8 +211,7 @@ def validate_job(job: dict[str, Any], *, selector_matches: bool) -> list[FieldEr
     mode = spec.get("completionMode")
     if mode not in (None, "NonIndexed", "Indexed"):
         errs.append(not_supported("spec.completionMode", mode, ["NonIndexed", "Indexed"]))
-    if mode == "Indexed" and spec.get("completions") is None:
-        errs.append(required("spec.completions", "when completion mode is Indexed"))
+    errs += _indexed_errors(spec)
     template = spec.get("template") or {}
     tmeta = template.get("metadata") or {}
     errs += [
@@ -233,6 +232,130 @@ def validate_job(job: dict[str, Any], *, selector_matches: bool) -> list[FieldEr
         )
     errs += validate_pod_spec(template.get("spec"), "spec.template.spec", restart_policies=JOB_RESTART_POLICIES)
     errs += failurepolicy.validate(spec)
+    completions = spec.get("completions")
+    if mode == "Indexed" and isinstance(completions, int) and completions > 0 and isinstance(name, str):
+        # the Pods' hostnames are <job>-<index>: the last one must be a DNS label
+        host = f"{name}-{completions - 1}"
+        if not is_dns1123_label(host):
+            errs.append(
+                invalid_value("metadata.name", name, f"will not able to create pod with invalid DNS label: {host}")
+            )
+    return errs
+
+
+MAX_INDEXED_PARALLELISM = 100_000
+MAX_FAILED_INDEXES = 100_000
+COMPLETIONS_SOFT_LIMIT = 100_000
+HIGH_COMPLETIONS_LIMIT = 10_000  # parallelism and maxFailedIndexes above the soft limit
+MAX_SUCCESS_RULES = 20
+MAX_SUCCEEDED_INDEXES = 64 * 1024
+
+
+def _indexed_errors(spec: dict[str, Any]) -> list[FieldError]:
+    """kube-apiserver's checks of completionMode, backoffLimitPerIndex, maxFailedIndexes and
+    successPolicy (pkg/apis/batch/validation validateJobSpec)."""
+    errs: list[FieldError] = []
+    mode = spec.get("completionMode")
+    completions, parallelism = spec.get("completions"), spec.get("parallelism")
+    per_index, max_failed = spec.get("backoffLimitPerIndex"), spec.get("maxFailedIndexes")
+    if max_failed is not None:
+        errs += _non_negative(spec, "maxFailedIndexes", "spec")
+        if per_index is None:
+            errs.append(required("spec.backoffLimitPerIndex", "when maxFailedIndexes is specified"))
+    if mode == "Indexed":
+        if completions is None:
+            errs.append(required("spec.completions", "when completion mode is Indexed"))
+        if parallelism is not None and parallelism > MAX_INDEXED_PARALLELISM:
+            errs.append(invalid_value("spec.parallelism", parallelism,
+                                      f"must be less than or equal to {MAX_INDEXED_PARALLELISM} when completion mode is Indexed"))  # fmt: skip
+        if completions is not None and max_failed is not None and max_failed > completions:
+            errs.append(invalid_value("spec.maxFailedIndexes", max_failed, "must be less than or equal to completions"))
+        if max_failed is not None and max_failed > MAX_FAILED_INDEXES:
+            errs.append(
+                invalid_value(
+                    "spec.maxFailedIndexes", max_failed, f"must be less than or equal to {MAX_FAILED_INDEXES}"
+                )
+            )
+        if completions is not None and completions > COMPLETIONS_SOFT_LIMIT and per_index is not None:
+            tail = f"when completions are above {COMPLETIONS_SOFT_LIMIT} and used with backoff limit per index"
+            if max_failed is None:
+                errs.append(
+                    required(
+                        "spec.maxFailedIndexes", f"must be specified when completions is above {COMPLETIONS_SOFT_LIMIT}"
+                    )
+                )
+            if parallelism is not None and parallelism > HIGH_COMPLETIONS_LIMIT:
+                errs.append(
+                    invalid_value(
+                        "spec.parallelism",
+                        parallelism,
+                        f"must be less than or equal to {HIGH_COMPLETIONS_LIMIT} {tail}",
+                    )
+                )
+            if max_failed is not None and max_failed > HIGH_COMPLETIONS_LIMIT:
+                errs.append(
+                    invalid_value(
+                        "spec.maxFailedIndexes",
+                        max_failed,
+                        f"must be less than or equal to {HIGH_COMPLETIONS_LIMIT} {tail}",
+                    )
+                )
+    elif mode in (None, "NonIndexed"):
+        if per_index is not None:
+            errs.append(invalid_value("spec.backoffLimitPerIndex", per_index, "requires indexed completion mode"))
+        if max_failed is not None:
+            errs.append(invalid_value("spec.maxFailedIndexes", max_failed, "requires indexed completion mode"))
+    policy = spec.get("successPolicy")
+    if policy is not None:
+        if mode != "Indexed":
+            errs.append(invalid_value("spec.successPolicy", policy, "requires indexed completion mode"))
+        else:
+            errs += _success_policy_errors(policy, completions or 0)
+    return errs
+
+
+def _success_policy_errors(policy: Any, completions: int) -> list[FieldError]:
+    rules = (policy.get("rules") if isinstance(policy, dict) else None) or []
+    errs: list[FieldError] = []
+    if not rules:
+        errs.append(
+            required(
+                "spec.successPolicy.rules", "at least one rules must be specified when the successPolicy is specified"
+            )
+        )
+    if len(rules) > MAX_SUCCESS_RULES:
+        errs.append(
+            FieldError(
+                FieldErrorType.TOO_MANY,
+                "spec.successPolicy.rules",
+                len(rules),
+                f"must have at most {MAX_SUCCESS_RULES} items",
+            )
+        )
+    for i, rule in enumerate(rules):
+        path = f"spec.successPolicy.rules[{i}]"
+        rule = rule if isinstance(rule, dict) else {}
+        wanted, count = rule.get("succeededIndexes"), rule.get("succeededCount")
+        if wanted is None and count is None:
+            errs.append(required(path, "at least one of succeededCount or succeededIndexes must be specified"))
+        total = 0
+        if wanted is not None:
+            if len(wanted) > MAX_SUCCEEDED_INDEXES:
+                errs.append(too_long(f"{path}.succeededIndexes", MAX_SUCCEEDED_INDEXES))
+            total, problem = indexes.validate_format(wanted, completions)
+            if problem is not None:
+                errs.append(
+                    invalid_value(f"{path}.succeededIndexes", wanted, f"error parsing succeededIndexes: {problem}")
+                )
+        if count is not None:
+            if count < 0:
+                errs.append(invalid_value(f"{path}.succeededCount", count, "must be greater than or equal to 0"))
+            if count > completions:
+                errs.append(invalid_value(f"{path}.succeededCount", count,
+                                          f"must be less than or equal to {completions} (the number of specified completions)"))  # fmt: skip
+            if wanted is not None and count > total:
+                errs.append(invalid_value(f"{path}.succeededCount", count,
+                                          f"must be less than or equal to {total} (the number of indexes in the specified succeededIndexes field)"))  # fmt: skip
     return errs
 
 
@@ -243,29 +366,58 @@ def _canon(value: Any) -> str:
 def validate_job_update(old: dict[str, Any], new: dict[str, Any]) -> list[FieldError]:
     errs: list[FieldError] = []
     ospec, nspec = old.get("spec") or {}, new.get("spec") or {}
-    for key in ("selector", "completionMode", "podFailurePolicy"):
+    for key in ("selector", "completionMode", "podFailurePolicy", "backoffLimitPerIndex", "managedBy", "successPolicy"):
         if _canon(ospec.get(key)) != _canon(nspec.get(key)):
             errs.append(invalid_value(f"spec.{key}", nspec.get(key), "field is immutable"))
     if _canon(ospec.get("template")) != _canon(nspec.get("template")) and not ospec.get("suspend"):
         errs.append(invalid_value("spec.template", nspec.get("template"), "field is immutable"))
-    if ospec.get("completions") != nspec.get("completions") and nspec.get("completionMode") != "Indexed":
-        errs.append(invalid_value("spec.completions", nspec.get("completions"), "field is immutable"))
+    if ospec.get("completions") != nspec.get("completions"):
+        if nspec.get("completionMode") != "Indexed":
+            errs.append(invalid_value("spec.completions", nspec.get("completions"), "field is immutable"))
+        elif nspec.get("completions") is not None and nspec.get("completions") != nspec.get("parallelism"):
+            errs.append(invalid_value("spec.completions", nspec.get("completions"),
+                                      "can only be modified in tandem with spec.parallelism"))  # fmt: skip
     return errs
 
 
-def validate_job_status(job: dict[str, Any]) -> list[FieldError]:
+def validate_job_status(job: dict[str, Any], old: dict[str, Any] | None = None) -> list[FieldError]:
     """What kube-apiserver checks of a status written through the status subresource (the part of
-    it we have met)."""
-    indexes = (job.get("status") or {}).get("completedIndexes")
-    if indexes and (job.get("spec") or {}).get("completionMode") != "Indexed":
-        return [
-            invalid_value(
-                "status.completedIndexes",
-                indexes,
-                "cannot set non-empty completedIndexes when non-indexed completion mode",
+    it we have met): as its status strategy, a check runs only when its fields change from `old`."""
+    status, spec = job.get("status") or {}, job.get("spec") or {}
+    ostatus = (old or {}).get("status") or {}
+    done, failed = status.get("completedIndexes") or "", status.get("failedIndexes")
+    done_changed = done != (ostatus.get("completedIndexes") or "")
+    failed_changed = failed != ostatus.get("failedIndexes")
+    completions = spec.get("completions")
+    errs: list[FieldError] = []
+    if done_changed and completions is not None:
+        _, problem = indexes.validate_format(done, completions)
+        if problem is not None:
+            errs.append(invalid_value("status.completedIndexes", done, f"error parsing completedIndexes: {problem}"))
+    if (
+        failed_changed
+        and completions is not None
+        and spec.get("backoffLimitPerIndex") is not None
+        and failed is not None
+    ):
+        _, problem = indexes.validate_format(failed, completions)
+        if problem is not None:
+            errs.append(invalid_value("status.failedIndexes", failed, f"error parsing failedIndexes: {problem}"))
+    if done_changed and done and spec.get("completionMode") != "Indexed":
+        errs.append(invalid_value("status.completedIndexes", done,
+                                  "cannot set non-empty completedIndexes when non-indexed completion mode"))  # fmt: skip
+    if failed_changed and spec.get("backoffLimitPerIndex") is None and failed is not None:
+        errs.append(invalid_value("status.failedIndexes", failed,
+                                  "cannot set non-null failedIndexes when backoffLimitPerIndex is null"))  # fmt: skip
+    if (failed_changed or done_changed) and completions is not None and failed:
+        at = indexes.overlap(done, failed, completions)
+        if at is not None:
+            errs.append(
+                invalid_value(
+                    "status.failedIndexes", failed, f"failedIndexes and completedIndexes overlap at index: {at}"
+                )
             )
-        ]
-    return []
+    return errs
 
 
 def validate_pod(pod: dict[str, Any]) -> list[FieldError]:
