@@ -16,7 +16,11 @@ from typing import Any
 
 import pytest
 from conftest import Api, condition_types, job_manifest, raw_request, wait_for
+from hypothesis import given
+from hypothesis import strategies as st
 from kubernetes.client import ApiException
+
+from k8s_dispatch.demo.localcluster import indexes
 
 SIM = "localcluster.k8s-dispatch.io/"
 INDEX = "batch.kubernetes.io/job-completion-index"
@@ -52,6 +56,17 @@ def job_history(sim: Api, name: str, since: str) -> list[dict[str, Any]]:
     code, _, body = raw_request(sim.cluster, "GET", path)
     assert code == 200
     return [e["object"].get("status") or {} for e in map(json.loads, body.splitlines())]
+
+
+def pod_events(sim: Api, name: str, since: str) -> list[tuple[str, dict[str, Any]]]:
+    """Every change to the Job's Pods after resourceVersion `since`, in order."""
+    path = (
+        f"/api/v1/namespaces/{sim.namespace}/pods?watch=true&resourceVersion={since}"
+        f"&labelSelector=batch.kubernetes.io/job-name%3D{name}&timeoutSeconds=1"
+    )
+    code, _, body = raw_request(sim.cluster, "GET", path)
+    assert code == 200
+    return [(e["type"], e["object"]) for e in map(json.loads, body.splitlines())]
 
 
 def by_index(pods: list[Any]) -> dict[int, list[Any]]:
@@ -114,6 +129,7 @@ def test_two_neighbouring_indexes_are_written_as_a_pair(sim: Api) -> None:
 
 
 def test_a_failed_index_is_retried_with_its_failure_count_until_it_succeeds(sim: Api) -> None:
+    rv = sim.batch.list_namespaced_job(sim.namespace).metadata.resource_version
     sim.create_job(indexed("retry", 3, 3, backoffLimitPerIndex=1, by_index={1: {"outcome": "fail", "attempts": 1}}))
     job = sim.wait_job("retry", timeout=40 if sim.cluster.is_real else 10)
     assert condition_types(job) == ["SuccessCriteriaMet", "Complete"]
@@ -128,6 +144,38 @@ def test_a_failed_index_is_retried_with_its_failure_count_until_it_succeeds(sim:
         ("1", "Succeeded"),
     ]
     assert {p.metadata.annotations[FAILURES] for p in groups[0] + groups[2]} == {"0"}
+    # The failed Pod keeps its tracking finalizer (it is not counted) until its replacement exists:
+    # the count it carries goes on in the replacement's annotation.
+    events = pod_events(sim, "retry", rv)
+    first, second = (p.metadata.uid for p in attempts)
+    added = next(i for i, (t, o) in enumerate(events) if t == "ADDED" and o["metadata"]["uid"] == second)
+    released = next(i for i, (_, o) in enumerate(events)
+                    if o["metadata"]["uid"] == first and TRACKING not in (o["metadata"].get("finalizers") or []))  # fmt: skip
+    assert added < released
+
+
+def test_a_failure_an_ignore_rule_matches_is_retried_without_counting(sim: Api) -> None:
+    policy = {"rules": [{"action": "Ignore", "onExitCodes": {"operator": "In", "values": [5]}}]}
+    sim.create_job(indexed("ign", 2, 2, backoffLimitPerIndex=0, podFailurePolicy=policy,
+                           by_index={1: {"outcome": "fail", "exit-code": "5", "attempts": 1}}))  # fmt: skip
+    job = sim.wait_job("ign", timeout=40 if sim.cluster.is_real else 10)
+    assert condition_types(job) == ["SuccessCriteriaMet", "Complete"]
+    status = job_json(sim, "ign")["status"]
+    assert (status["completedIndexes"], status["failedIndexes"], "failed" in status) == ("0,1", "", False)
+    retried = sorted(by_index(counted(sim, "ign", 3))[1], key=lambda p: p.status.phase)
+    assert [(p.status.phase, p.metadata.annotations[FAILURES], p.metadata.annotations.get(FAILURES.replace("failure", "ignored-failure")))
+            for p in retried] == [("Failed", "0", None), ("Succeeded", "0", "1")]  # fmt: skip
+
+
+def test_an_indexed_job_scaled_down_stops_the_indexes_past_its_completions(sim: Api) -> None:
+    sim.create_job(indexed("elastic", 4, 4, by_index={2: {"outcome": "hang"}, 3: {"outcome": "hang"}}))
+    wait_for(lambda: sim.job("elastic").status.completed_indexes == "0,1", what="indexes 0 and 1 done")
+    sim.batch.patch_namespaced_job("elastic", sim.namespace, {"spec": {"completions": 2, "parallelism": 2}})
+    job = sim.wait_job("elastic", timeout=20)
+    assert reasons(job)[-1] == ("Complete", "CompletionsReached", "Reached expected number of succeeded pods")
+    status = job_json(sim, "elastic")["status"]
+    assert (status["completedIndexes"], status["succeeded"], "failed" in status) == ("0,1", 2, False)
+    wait_for(lambda: sorted(by_index(sim.pods_of("elastic"))) == [0, 1], what="indexes 2 and 3 stopped and gone")
 
 
 def test_indexes_that_fail_past_their_backoff_fail_the_job_once_all_are_done(sim: Api) -> None:
@@ -309,6 +357,27 @@ def test_the_api_server_refuses_bad_indexed_job_specs(sim: Api) -> None:
          f'Invalid value: "{long}": will not able to create pod with invalid DNS label: {long}-9')]  # fmt: skip
 
 
+def test_the_api_server_refuses_changes_to_per_index_fields(sim: Api) -> None:
+    sim.create_job(indexed("upd", 3, 3, suspend=True, backoffLimitPerIndex=1))
+    path = f"/apis/batch/v1/namespaces/{sim.namespace}/jobs/upd"
+    for spec, field, message in (
+        ({"backoffLimitPerIndex": 2}, "spec.backoffLimitPerIndex", "Invalid value: 2: field is immutable"),
+        ({"completions": 2}, "spec.completions", "Invalid value: 2: can only be modified in tandem with spec.parallelism"),
+        ({"successPolicy": {"rules": [{"succeededCount": 1}]}}, "spec.successPolicy", None),
+    ):  # fmt: skip
+        code, _, body = raw_request(
+            sim.cluster, "PATCH", path, {"spec": spec}, content_type="application/merge-patch+json"
+        )
+        assert code == 422, body
+        causes = {c["field"]: c["message"] for c in json.loads(body)["details"]["causes"]}
+        assert field in causes, causes
+        if message is not None:
+            assert causes[field] == message
+    code, _, body = raw_request(sim.cluster, "PATCH", path, {"spec": {"completions": 2, "parallelism": 2}},
+                                content_type="application/merge-patch+json")  # fmt: skip
+    assert code == 200, body
+
+
 def test_the_api_server_refuses_bad_index_intervals_in_a_status(sim: Api) -> None:
     sim.create_job(indexed("st", 4, 1, suspend=True, backoffLimitPerIndex=1))
     wait_for(lambda: "Suspended" in condition_types(sim.job("st")), what="suspended")
@@ -339,3 +408,42 @@ def test_exec_a_container_reads_its_index_from_the_environment(ex: Api) -> None:
     ex.wait_job("env", "Complete", timeout=20)
     for index, (pod,) in by_index(ex.pods_of("env")).items():
         assert pod.status.container_statuses[0].state.terminated.message == str(index)
+
+
+# --- the interval strings (pure) ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("members", "text"),
+    [([], ""), ([3], "3"), ([1, 2], "1,2"), ([0, 1, 2], "0-2"), ([0, 2, 3, 4, 7, 8], "0,2-4,7,8")],
+)
+def test_indexes_are_written_as_the_job_controller_writes_them(members: list[int], text: str) -> None:
+    assert indexes.format_intervals(indexes.with_indexes([], members)) == text
+    assert list(indexes.members(indexes.parse(text, 100))) == members
+
+
+@given(st.sets(st.integers(min_value=0, max_value=60)), st.integers(min_value=1, max_value=70))
+def test_written_indexes_read_back_and_pass_the_api_servers_check(members: set[int], completions: int) -> None:
+    text = indexes.format_intervals(indexes.with_indexes([], members))
+    count, problem = indexes.validate_format(text, max(completions, 61))
+    assert problem is None and count == len(members)
+    kept = sorted(i for i in members if i < completions)
+    assert list(indexes.members(indexes.parse(text, completions))) == kept
+
+
+@pytest.mark.parametrize(
+    ("rules", "succeeded", "message"),
+    [
+        ([{"succeededIndexes": "0-2"}], "0,1", None),
+        ([{"succeededIndexes": "0-2"}], "0-3", "Matched rules at index 0"),
+        ([{"succeededIndexes": "0-3", "succeededCount": 2}], "1,5", None),
+        ([{"succeededIndexes": "0-3", "succeededCount": 2}], "1,3", "Matched rules at index 0"),
+        ([{"succeededCount": 9}, {"succeededCount": 2}], "4,7", "Matched rules at index 1"),
+        ([{"succeededIndexes": "9"}, {"succeededCount": 1}], "2", "Matched rules at index 1"),
+    ],
+)
+def test_success_policy_rules_match_as_the_job_controller_matches_them(
+    rules: list[dict[str, Any]], succeeded: str, message: str | None
+) -> None:
+    done = indexes.parse(succeeded, 8)
+    assert indexes.match_success_policy({"rules": rules}, 8, done) == message
