@@ -45,11 +45,11 @@ fmt: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/k8s-dispatch demo
 
-# The tools the tests need (etcd, kube-apiserver, kube-controller-manager, helm, promtool, kueue from
+# The tools the tests need (etcd, kube-apiserver, kube-controller-manager, helm, promtool, kueue, weed from
 # their Go modules; checkov in a virtualenv of its own) in ~/.cache/k8s-dispatch/tools; a second
 # run finds them and does nothing.
 tools:
-	bash tools/build.sh etcd kube containerd helm promtool kueue checkov >/dev/null
+	bash tools/build.sh etcd kube containerd helm promtool kueue seaweedfs checkov >/dev/null
 
 # Installs what it needs, starts PostgreSQL and Redis if needed, builds the tools, runs the tests.
 test: $(STAMP) tools lint

@@ -4,6 +4,8 @@ builder (`workers.manifest`), the result reader (`workers.job_status`) and the r
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from k8s_dispatch.core.payloads import canonical_json
 
 INPUT_ENV = "K8S_DISPATCH_INPUT"
@@ -22,3 +24,28 @@ def encode_input(value: object) -> str:
             holding strings that are not valid Unicode (lone surrogates).
     """
     return canonical_json(value, what="value").replace("$", "\\u0024")
+
+
+# --- results in the object store (capabilities with `results: objectStore`) ------------------
+# Where the runner uploads this attempt's result: a presigned PUT URL (or, in the demo's
+# directory store, a file:// URL), written into the Job's env by the manifest builder. The Pod
+# holds no credentials: the URL can write this one key until it expires, nothing else.
+RESULT_URL_ENV = "K8S_DISPATCH_RESULT_URL"
+RESULT_KEY_ENV = "K8S_DISPATCH_RESULT_KEY"  # the object's key, repeated in the reference
+# The termination message of such a Job is then only a reference to the bytes: {REFERENCE_FIELD:
+# {"key": ..., "size": ..., "sha256": ...}}; delivery verifies the object against it.
+REFERENCE_FIELD = "k8s-dispatch.io/object"
+REFERENCE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class ResultUpload:
+    """Where one attempt's result goes: its key, and the URL that can write it (and only it)."""
+
+    key: str
+    url: str
+
+
+def result_reference(*, key: str, size: int, sha256: str) -> str:
+    """The termination message naming an uploaded result (canonical JSON, far under 4 KiB)."""
+    return canonical_json({REFERENCE_FIELD: {"v": REFERENCE_VERSION, "key": key, "size": size, "sha256": sha256}})

@@ -4,20 +4,41 @@ Reads the input JSON from `K8S_DISPATCH_INPUT`, calls `FUNCTION(input)` and writ
 result (at most 4 KiB) to `TERMINATION_MESSAGE_PATH` (default /dev/termination-log), exit 0.
 On any failure it writes nothing there and exits non-zero with the reason on stderr, which
 `terminationMessagePolicy: FallbackToLogsOnError` then shows as the termination message.
+
+With `K8S_DISPATCH_RESULT_URL` set (a capability whose results go to the object store), the
+result (bytes as they are, anything else as canonical JSON, of any size) is PUT to that URL
+with its Content-MD5, so the store refuses bytes damaged on the way; the termination message is
+then only the reference (key, size, SHA-256) that delivery verifies the object against. The
+standard library only: the Pod needs neither boto3 nor credentials.
 """
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import importlib
 import json
 import os
 import sys
+import tempfile
 import traceback
+import urllib.error
+import urllib.parse
+import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from k8s_dispatch.container.contract import INPUT_ENV, MAX_RESULT_BYTES, TERMINATION_MESSAGE_PATH, encode_input
+from k8s_dispatch.container.contract import (
+    INPUT_ENV,
+    MAX_RESULT_BYTES,
+    RESULT_KEY_ENV,
+    RESULT_URL_ENV,
+    TERMINATION_MESSAGE_PATH,
+    encode_input,
+    result_reference,
+)
 from k8s_dispatch.core.errors import InputNotSerialisable
+from k8s_dispatch.core.payloads import canonical_json
 
 TERMINATION_PATH_ENV = "TERMINATION_MESSAGE_PATH"
 USAGE = "usage: python -m k8s_dispatch.container.runner MODULE:FUNCTION"
@@ -81,6 +102,69 @@ def encode_result(result: Any) -> str:
     return text
 
 
+UPLOAD_TIMEOUT_S = 300.0  # each socket operation of the upload, not the whole transfer
+UPLOAD_ATTEMPTS = 3  # a connection reset or a 5xx is tried again; a 4xx (expired URL) is not
+
+
+def result_bytes(result: Any) -> bytes:
+    """What the object holds: bytes as they are, anything else as canonical JSON.
+
+    Raises:
+        RunnerError: the result is neither bytes nor JSON.
+    """
+    if isinstance(result, (bytes, bytearray, memoryview)):
+        return bytes(result)
+    try:
+        return canonical_json(result, what="the result").encode("utf-8")
+    except InputNotSerialisable as e:
+        raise RunnerError(f"the result of the function is not JSON: {e}", EXIT_FAILED) from e
+
+
+def upload(url: str, data: bytes) -> None:
+    """PUT `data` to the presigned `url` with its Content-MD5 (file:// URLs: written to a
+    temporary file and renamed, so the object appears whole or not at all).
+
+    Raises:
+        RunnerError: the store refused it (an expired URL, a bad signature) or stayed unreachable.
+    """
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme == "file":
+        path = urllib.parse.unquote(parts.path)
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".upload-")
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+        except OSError as e:
+            raise RunnerError(f"cannot write the result to {path}: {e}", EXIT_FAILED) from e
+        return
+    if parts.scheme not in ("http", "https"):
+        raise RunnerError(f"{RESULT_URL_ENV} is not an http(s) or file URL", EXIT_USAGE)
+    md5 = base64.b64encode(hashlib.md5(data, usedforsecurity=False).digest()).decode()
+    last = ""
+    for _ in range(UPLOAD_ATTEMPTS):
+        request = urllib.request.Request(
+            url,
+            data=data,
+            method="PUT",
+            headers={"Content-MD5": md5, "Content-Type": "application/octet-stream"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=UPLOAD_TIMEOUT_S) as response:
+                response.read()
+            return
+        except urllib.error.HTTPError as e:
+            with e:  # its socket closed here, not by the garbage collector
+                body = e.read()[:500].decode("utf-8", "replace")
+            if e.code < 500:
+                raise RunnerError(f"the object store refused the result: HTTP {e.code}: {body}", EXIT_FAILED) from e
+            last = f"HTTP {e.code}: {body}"
+        except OSError as e:  # URLError, a reset, a timeout
+            last = f"{type(e).__name__}: {e}"
+    raise RunnerError(f"cannot upload the result ({UPLOAD_ATTEMPTS} tries): {last}", EXIT_FAILED)
+
+
 def run(target: str, environ: Mapping[str, str]) -> int:
     """Run one function as described in the module docstring; returns the exit code."""
     try:
@@ -98,7 +182,14 @@ def run(target: str, environ: Mapping[str, str]) -> int:
         print(f"k8s_dispatch.container.runner: {target} raised; no result written", file=sys.stderr)
         return EXIT_FAILED
     try:
-        text = encode_result(result)
+        url = environ.get(RESULT_URL_ENV)
+        if url:
+            data = result_bytes(result)
+            upload(url, data)
+            key = environ.get(RESULT_KEY_ENV, "")
+            text = result_reference(key=key, size=len(data), sha256=hashlib.sha256(data).hexdigest())
+        else:
+            text = encode_result(result)
     except RunnerError as e:
         print(f"k8s_dispatch.container.runner: {e}", file=sys.stderr)
         return e.exit_code

@@ -14,7 +14,7 @@ from enum import StrEnum
 from functools import lru_cache
 from pathlib import Path
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from k8s_dispatch.core.errors import ConfigError
@@ -34,6 +34,14 @@ class PollMode(StrEnum):
 
     WATCH = "watch"
     LIST = "list"
+
+
+class AddressingStyle(StrEnum):
+    """How the object store's URLs name the bucket: in the path (self-hosted stores), as a host name, or boto3's pick."""
+
+    PATH = "path"
+    VIRTUAL = "virtual"
+    AUTO = "auto"
 
 
 class Settings(BaseSettings):
@@ -83,6 +91,29 @@ class Settings(BaseSettings):
     kube_qps: float = Field(default=300.0, ge=0, le=100_000)
     kube_burst: int = Field(default=600, ge=1, le=100_000)
 
+    # --- the object store (results larger than a termination message; artifacts/) ---------
+    # An S3-compatible endpoint (http(s)://host:port), or file:///dir for a local directory store
+    # (the demo's, one machine only). None: no object store, results stay termination messages.
+    object_store_endpoint: str | None = None
+    object_store_bucket: str = Field(default="k8s-dispatch", min_length=3, max_length=63)
+    object_store_prefix: str = Field(default="results", min_length=1, max_length=200)
+    object_store_region: str = "us-east-1"
+    object_store_addressing_style: AddressingStyle = AddressingStyle.PATH
+    # Credentials: these two, else a mounted Secret's folder holding files `access-key` and
+    # `secret-key`, else boto3's own chain (AWS_* variables, ~/.aws, a web identity token).
+    object_store_access_key: SecretStr | None = None
+    object_store_secret_key: SecretStr | None = None
+    object_store_credentials_dir: Path | None = None
+    # A presigned upload URL lives for the capability's deadlines plus this much.
+    object_store_url_slack_s: int = Field(default=600, ge=0, le=86_400)
+    # How long a read URL handed to the engine (`api.result_url`) lives.
+    object_store_read_url_s: int = Field(default=300, ge=1, le=604_800)
+    # Recorded results older than this are deleted by the artifacts sweep; 0: kept until deleted.
+    object_store_retention_days: int = Field(default=0, ge=0, le=36_500)
+    # An object that is not its dispatch's recorded result is deleted this long after the
+    # dispatch ended (or, with no dispatch row at all, after the object was written).
+    object_store_orphan_grace_s: float = Field(default=3600.0, ge=0)
+
     @field_validator("namespace")
     @classmethod
     def _namespace_is_dns_label(cls, value: str) -> str:
@@ -110,6 +141,31 @@ class Settings(BaseSettings):
         if "://" not in value:
             raise ValueError(f"{value!r} is not a URL (expected scheme://...)")
         return value
+
+    @field_validator("object_store_endpoint")
+    @classmethod
+    def _endpoint_is_url(cls, value: str | None) -> str | None:
+        if value is None or value == "":
+            return None
+        if not re.match(r"^(https?://[^/\s]+/?|file:///\S*)$", value):
+            raise ValueError(f"{value!r} is not an http(s)://host[:port] endpoint or a file:///path directory")
+        return value
+
+    @field_validator("object_store_prefix")
+    @classmethod
+    def _prefix_is_key_part(cls, value: str) -> str:
+        if value != value.strip("/") or "//" in value or not re.match(r"^[A-Za-z0-9!_.*'()/-]+$", value):
+            raise ValueError(f"{value!r} is not a key prefix (safe characters, no leading, trailing or double '/')")
+        return value
+
+    @model_validator(mode="after")
+    def _object_store_credentials(self) -> Settings:
+        if (self.object_store_access_key is None) != (self.object_store_secret_key is None):
+            raise ValueError("object_store_access_key and object_store_secret_key are set together or not at all")
+        folder = self.object_store_credentials_dir
+        if folder is not None and not all((folder / name).is_file() for name in ("access-key", "secret-key")):
+            raise ValueError(f"object_store_credentials_dir {str(folder)!r} lacks the files access-key and secret-key")
+        return self
 
     @model_validator(mode="after")
     def _capabilities_file_exists(self) -> Settings:

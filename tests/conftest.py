@@ -17,6 +17,7 @@ import psycopg
 import pytest
 import redis
 from clusters import LOCAL, REAL, ClusterHandle, local_handle, real_handle
+from objectstore import object_store, unique_prefix  # noqa: F401  (fixtures; starts building weed)
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.orm import Session, sessionmaker
 

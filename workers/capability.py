@@ -28,6 +28,14 @@ DEFAULT_MAX_DISRUPTIONS = 3
 
 EMPTY: Mapping[str, Any] = MappingProxyType({})
 
+# Where a capability's results go: its container's termination message (JSON, at most 4 KiB),
+# or the object store (any bytes, up to `max_result_bytes`), the message then a reference.
+RESULTS_TERMINATION_MESSAGE = "terminationMessage"
+RESULTS_OBJECT_STORE = "objectStore"
+RESULTS_KINDS = (RESULTS_TERMINATION_MESSAGE, RESULTS_OBJECT_STORE)
+DEFAULT_MAX_RESULT_BYTES = 1 << 30  # 1 GiB: a result larger than this fails ResultTooLarge
+MAX_RESULT_BYTES_LIMIT = 5 * (1 << 40)  # S3's largest object
+
 
 @dataclass(frozen=True)
 class StartPolicy:
@@ -74,6 +82,14 @@ class CapabilitySpec:
     # A Kueue LocalQueue in the Job's namespace: the Job is created suspended with Kueue's
     # queue-name label, and runs when Kueue admits (unsuspends) it. None: it runs at once.
     queue: str | None = None
+    # `objectStore`: results are uploaded through a presigned URL of the attempt and verified
+    # (size, SHA-256) before they are recorded; at most `max_result_bytes`.
+    results: str = RESULTS_TERMINATION_MESSAGE
+    max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES
+
+    @property
+    def results_in_object_store(self) -> bool:
+        return self.results == RESULTS_OBJECT_STORE
 
     @property
     def start_policy(self) -> StartPolicy:

@@ -15,7 +15,14 @@ from collections.abc import Mapping
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
-from k8s_dispatch.container.contract import INPUT_ENV, TERMINATION_MESSAGE_PATH, encode_input
+from k8s_dispatch.container.contract import (
+    INPUT_ENV,
+    RESULT_KEY_ENV,
+    RESULT_URL_ENV,
+    TERMINATION_MESSAGE_PATH,
+    ResultUpload,
+    encode_input,
+)
 from k8s_dispatch.core.errors import (
     InvalidId,
     InvalidManifest,
@@ -52,7 +59,7 @@ SECURITY_OVERRIDES_ANNOTATION = "k8s-dispatch.io/security-overrides"
 # Kueue's label naming the LocalQueue of a Job (sigs.k8s.io/kueue pkg/controller/constants).
 QUEUE_NAME_LABEL = "kueue.x-k8s.io/queue-name"
 
-RESERVED_ENV = frozenset({INPUT_ENV})
+RESERVED_ENV = frozenset({INPUT_ENV, RESULT_URL_ENV, RESULT_KEY_ENV})
 RESOURCE_KINDS = ("requests", "limits")
 # Labels the Job controller puts on a Job's pods itself; a template carrying them is refused.
 _CONTROLLER_LABELS = frozenset({"job-name", "controller-uid"})
@@ -90,9 +97,12 @@ def build_job(
     namespace: str,
     deployment: str,
     attempt: int = 0,
+    result_upload: ResultUpload | None = None,
 ) -> dict[str, Any]:
     """The batch/v1 Job that runs `ref`'s dispatch; `spec.namespace`, if set, wins over `namespace`.
     `deployment` (`Settings.effective_deployment`) is labelled on the Job and its Pods.
+    `result_upload` (`artifacts.result_upload`, for a capability whose results go to the object
+    store, and only for one): this attempt's key and the presigned URL that writes it, as env.
 
     Raises:
         InvalidId, InvalidIdempotencyKey: a field of `ref` is malformed.
@@ -117,6 +127,11 @@ def build_job(
         raise InvalidManifest(f"deployment {deployment!r} is not a label value")
     if not _is_int_in(attempt, 0, MAX_INT32):
         raise InvalidManifest(f"attempt {attempt!r} is not a non-negative integer")
+    if spec.results_in_object_store != (result_upload is not None):
+        raise InvalidManifest(
+            f"capability {spec.name!r} has results: {spec.results}, "
+            + ("but no upload URL was given" if result_upload is None else "so it takes no upload URL")
+        )
     text = encode_input(input)
 
     our_labels, our_annotations = job_labels.encode(ref, deployment=deployment)
@@ -138,6 +153,11 @@ def build_job(
     if spec.args:
         container["args"] = list(spec.args)
     container["env"] = [{"name": k, "value": v} for k, v in spec.env.items()] + [{"name": INPUT_ENV, "value": text}]
+    if result_upload is not None:
+        container["env"] += [
+            {"name": RESULT_URL_ENV, "value": result_upload.url},
+            {"name": RESULT_KEY_ENV, "value": result_upload.key},
+        ]
     container["resources"] = {kind: dict(spec.resources[kind]) for kind in RESOURCE_KINDS if kind in spec.resources}
     container["terminationMessagePath"] = TERMINATION_MESSAGE_PATH
     container["terminationMessagePolicy"] = TERMINATION_MESSAGE_POLICY

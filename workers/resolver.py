@@ -34,6 +34,8 @@ Schema (field names as Kubernetes spells them)::
         retryOnExitCodes: [75]         # exit codes counted against backoffLimit (Count): needs backoffLimit >= 1
         maxDisruptions: 3              # evictions/preemptions tolerated (never counted as failures); one more: Disrupted
         queue: team-a                  # a Kueue LocalQueue: Jobs created suspended, labelled for it; Kueue admits them
+        results: objectStore           # default terminationMessage (JSON <= 4 KiB); objectStore: any size, verified
+        maxResultBytes: 1073741824     # objectStore only: a larger result fails ResultTooLarge (default 1 GiB)
     limits:                            # optional: fair-share limits, see core/limits.py
       tenancies: {default: {maxRunning: 100}, acme: {maxRunning: 3, weight: 2}}
       capabilities: {demo.sha256: {maxRunning: 5}}
@@ -59,8 +61,13 @@ from k8s_dispatch.workers.capability import (
     DEFAULT_CONFIG_ERROR_TIMEOUT_S,
     DEFAULT_IMAGE_PULL_TIMEOUT_S,
     DEFAULT_MAX_DISRUPTIONS,
+    DEFAULT_MAX_RESULT_BYTES,
     DEFAULT_START_TIMEOUT_S,
     EMPTY,
+    MAX_RESULT_BYTES_LIMIT,
+    RESULTS_KINDS,
+    RESULTS_OBJECT_STORE,
+    RESULTS_TERMINATION_MESSAGE,
     CapabilitySpec,
 )
 from k8s_dispatch.workers.manifest import MAX_INT32, spec_problems
@@ -75,7 +82,7 @@ _FIELDS = (
     "activeDeadlineSeconds", "backoffLimit", "labels", "annotations",
     "runAsUser", "runAsGroup", "securityOverrides",
     "queueTimeoutSeconds", "startTimeoutSeconds", "imagePullTimeoutSeconds", "configErrorTimeoutSeconds",
-    "retryOnExitCodes", "failOnExitCodes", "maxDisruptions", "queue",
+    "retryOnExitCodes", "failOnExitCodes", "maxDisruptions", "queue", "results", "maxResultBytes",
 )  # fmt: skip
 _NULLABLE = ("activeDeadlineSeconds", "queueTimeoutSeconds")  # null: no limit
 # The clocks (seconds): config field -> CapabilitySpec attribute; each a positive integer.
@@ -113,7 +120,7 @@ class CapabilityResolver:
                 problems.append(f"{source}: capability {name!r}: field 'name': the spec is named {spec.name!r}")
             problems.extend(
                 f"{source}: capability {name!r}: field {fld!r}: {why}"
-                for fld, why in [*spec_problems(spec), *clock_problems(spec)]
+                for fld, why in [*spec_problems(spec), *clock_problems(spec), *results_problems(spec)]
             )
         limits = limits if limits is not None else Limits()
         problems.extend(
@@ -178,8 +185,18 @@ class CapabilityResolver:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> CapabilityResolver:
-        """The file named by `K8S_DISPATCH_CAPABILITIES`, else the demo capabilities."""
+        """The file named by `K8S_DISPATCH_CAPABILITIES`, else the demo capabilities.
+
+        Raises:
+            ConfigError: also when a capability's results go to an object store and none is configured.
+        """
         resolver = demo_resolver() if settings.capabilities is None else cls.from_file(settings.capabilities)
+        stored = sorted(name for name, spec in resolver._specs.items() if spec.results_in_object_store)
+        if stored and settings.object_store_endpoint is None:
+            raise ConfigError(
+                f"{resolver.source}: capabilities {stored} have results: {RESULTS_OBJECT_STORE}, "
+                "but no object store is configured (K8S_DISPATCH_OBJECT_STORE_ENDPOINT)"
+            )
         return resolver.with_default_namespace(settings.namespace)
 
     def with_default_namespace(self, namespace: str) -> CapabilityResolver:
@@ -325,12 +342,27 @@ def _parse_capability(name: object, fields: object, *, problems: list[str], sour
         fail_on_exit_codes=exit_codes("failOnExitCodes"),
         max_disruptions=integer("maxDisruptions", DEFAULT_MAX_DISRUPTIONS) or 0,
         queue=text("queue", optional=True),
+        results=text("results", optional=True) or RESULTS_TERMINATION_MESSAGE,
+        max_result_bytes=integer("maxResultBytes", DEFAULT_MAX_RESULT_BYTES) or 0,
     )
     if report.count:
         return None  # value checks on half-parsed fields would only repeat the type errors
-    for fld, why in [*spec_problems(spec), *clock_problems(spec)]:
+    for fld, why in [*spec_problems(spec), *clock_problems(spec), *results_problems(spec)]:
         report.add(fld, why)
+    if "maxResultBytes" in fields and not spec.results_in_object_store:
+        report.add("maxResultBytes", f"applies to results: {RESULTS_OBJECT_STORE} only")
     return None if report.count else spec
+
+
+def results_problems(spec: CapabilitySpec) -> list[tuple[str, str]]:
+    """What is wrong with where the spec's results go: (config field name, why) pairs."""
+    problems = []
+    if spec.results not in RESULTS_KINDS:
+        problems.append(("results", f"{spec.results!r} is not one of {', '.join(RESULTS_KINDS)}"))
+    size = spec.max_result_bytes
+    if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= MAX_RESULT_BYTES_LIMIT:
+        problems.append(("maxResultBytes", f"{size!r} is not a size in bytes from 1 to {MAX_RESULT_BYTES_LIMIT}"))
+    return problems
 
 
 def clock_problems(spec: CapabilitySpec) -> list[tuple[str, str]]:

@@ -1,0 +1,32 @@
+"""Where each attempt's result lives (pure): `PREFIX/DISPATCH_ID/ATTEMPT/result`.
+
+The dispatch id first, so every object of a dispatch is listed together and the cleanup can
+decide per dispatch; the attempt next, so a re-created Job never writes over the object of the
+attempt before it, whose bytes might be the ones recorded."""
+
+from __future__ import annotations
+
+from k8s_dispatch.core.ids import is_dispatch_id
+
+RESULT_NAME = "result"
+
+
+def result_key(prefix: str, dispatch_id: str, attempt: int) -> str:
+    return f"{prefix}/{dispatch_id}/{attempt}/{RESULT_NAME}"
+
+
+def dispatch_prefix(prefix: str, dispatch_id: str) -> str:
+    return f"{prefix}/{dispatch_id}/"
+
+
+def parse_key(prefix: str, key: str) -> tuple[str, int] | None:
+    """(dispatch id, attempt) of a result key under `prefix`; None for any other key."""
+    head = prefix + "/"
+    if not key.startswith(head):
+        return None
+    parts = key[len(head) :].split("/")
+    if len(parts) != 3 or parts[2] != RESULT_NAME or not is_dispatch_id(parts[0]) or not parts[1].isdigit():
+        return None
+    if parts[1] != str(int(parts[1])):  # one spelling per attempt: "01" is not attempt 1's key
+        return None
+    return parts[0], int(parts[1])

@@ -1,0 +1,224 @@
+"""The object store's operations we use, behind one small protocol with two implementations:
+`S3Store` (boto3, any S3-compatible endpoint) and `DirectoryStore` (a local folder, the demo's:
+no service to run, one machine only).
+
+boto3 because it is the reference S3 client: SigV4 presigning, paginated listing, streaming
+bodies, retries with backoff, and the standard credential chain (environment, shared files,
+web identity) an operator already knows; with the types-boto3 stubs it is checked by mypy.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import urllib.parse
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+from k8s_dispatch.artifacts.errors import ObjectStoreUnavailable, ResultObjectMissing
+
+if TYPE_CHECKING:
+    from types_boto3_s3 import S3Client
+
+    from k8s_dispatch.core.settings import Settings
+
+CHUNK_BYTES = 1 << 20
+MAX_PRESIGN_S = 7 * 24 * 3600  # SigV4's longest-lived presigned URL
+_MISSING = frozenset({"404", "NoSuchKey", "NotFound"})
+
+
+@dataclass(frozen=True)
+class StoredObject:
+    key: str
+    size: int
+    modified: datetime  # the store's clock
+
+
+class ObjectStore(Protocol):
+    def upload_url(self, key: str, expires_s: int) -> str: ...
+    def read_url(self, key: str, expires_s: int) -> str: ...
+    def size(self, key: str) -> int | None:
+        """The object's size; None if there is none."""
+        ...
+
+    def read(self, key: str) -> Iterator[bytes]:
+        """The object's bytes in chunks. Raises: ResultObjectMissing, ObjectStoreUnavailable."""
+        ...
+
+    def put(self, key: str, data: bytes) -> None: ...
+    def delete(self, key: str) -> None:
+        """Idempotent: deleting what is not there succeeds."""
+        ...
+
+    def list(self, prefix: str) -> Iterator[StoredObject]: ...
+
+
+class S3Store:
+    def __init__(self, client: S3Client, bucket: str) -> None:
+        self.client, self.bucket = client, bucket
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> S3Store:
+        import boto3
+        from botocore.config import Config
+
+        access, secret = _credentials(settings)
+        client = boto3.client(
+            "s3",
+            endpoint_url=settings.object_store_endpoint,
+            region_name=settings.object_store_region,
+            aws_access_key_id=access,
+            aws_secret_access_key=secret,
+            config=Config(
+                signature_version="s3v4",
+                s3={"addressing_style": settings.object_store_addressing_style.value},
+                connect_timeout=10,
+                read_timeout=60,
+                retries={"max_attempts": 3, "mode": "standard"},
+            ),
+        )
+        return cls(client, settings.object_store_bucket)
+
+    def upload_url(self, key: str, expires_s: int) -> str:
+        return self.client.generate_presigned_url(
+            "put_object", Params={"Bucket": self.bucket, "Key": key}, ExpiresIn=min(expires_s, MAX_PRESIGN_S)
+        )
+
+    def read_url(self, key: str, expires_s: int) -> str:
+        return self.client.generate_presigned_url(
+            "get_object", Params={"Bucket": self.bucket, "Key": key}, ExpiresIn=min(expires_s, MAX_PRESIGN_S)
+        )
+
+    def size(self, key: str) -> int | None:
+        with _translated(key, missing_ok=True):
+            return self.client.head_object(Bucket=self.bucket, Key=key)["ContentLength"]
+        return None  # the object is not there
+
+    def read(self, key: str) -> Iterator[bytes]:
+        with _translated(key):
+            body = self.client.get_object(Bucket=self.bucket, Key=key)["Body"]
+        try:
+            with _translated(key):
+                yield from body.iter_chunks(CHUNK_BYTES)
+        finally:
+            body.close()
+
+    def put(self, key: str, data: bytes) -> None:
+        with _translated(key):
+            self.client.put_object(Bucket=self.bucket, Key=key, Body=data)
+
+    def delete(self, key: str) -> None:
+        with _translated(key):
+            self.client.delete_object(Bucket=self.bucket, Key=key)
+
+    def list(self, prefix: str) -> Iterator[StoredObject]:
+        with _translated(prefix):
+            for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix):
+                for item in page.get("Contents", []):
+                    yield StoredObject(item["Key"], item["Size"], item["LastModified"])
+
+
+class DirectoryStore:
+    """Objects as files under `root/bucket/`; "presigned" URLs are file:// URLs, which only a
+    process on this machine (the demo's exec-mode runner) can use."""
+
+    def __init__(self, root: Path, bucket: str) -> None:
+        self.base = root / bucket
+
+    def _path(self, key: str) -> Path:
+        path = (self.base / key).resolve()
+        if self.base.resolve() not in path.parents:
+            raise ValueError(f"key {key!r} leaves the store")
+        return path
+
+    def upload_url(self, key: str, expires_s: int) -> str:
+        return self._path(key).as_uri()
+
+    def read_url(self, key: str, expires_s: int) -> str:
+        return self._path(key).as_uri()
+
+    def size(self, key: str) -> int | None:
+        try:
+            return self._path(key).stat().st_size
+        except FileNotFoundError:
+            return None
+
+    def read(self, key: str) -> Iterator[bytes]:
+        try:
+            f = self._path(key).open("rb")
+        except FileNotFoundError as e:
+            raise ResultObjectMissing(f"object store: no object {key}") from e
+        with f:
+            while chunk := f.read(CHUNK_BYTES):
+                yield chunk
+
+    def put(self, key: str, data: bytes) -> None:
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".upload-")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+
+    def delete(self, key: str) -> None:
+        self._path(key).unlink(missing_ok=True)
+
+    def list(self, prefix: str) -> Iterator[StoredObject]:
+        if not self.base.is_dir():
+            return
+        for path in sorted(self.base.rglob("*")):
+            key = path.relative_to(self.base).as_posix()
+            if path.is_file() and key.startswith(prefix) and not path.name.startswith(".upload-"):
+                stat = path.stat()
+                yield StoredObject(key, stat.st_size, datetime.fromtimestamp(stat.st_mtime, UTC))
+
+
+def open_store(settings: Settings) -> ObjectStore | None:
+    """The store the settings describe; None without an endpoint."""
+    endpoint = settings.object_store_endpoint
+    if endpoint is None:
+        return None
+    if endpoint.startswith("file://"):
+        return DirectoryStore(
+            Path(urllib.parse.unquote(urllib.parse.urlsplit(endpoint).path)), settings.object_store_bucket
+        )
+    return S3Store.from_settings(settings)
+
+
+def _credentials(settings: Settings) -> tuple[str | None, str | None]:
+    if settings.object_store_access_key is not None and settings.object_store_secret_key is not None:
+        return settings.object_store_access_key.get_secret_value(), settings.object_store_secret_key.get_secret_value()
+    folder = settings.object_store_credentials_dir
+    if folder is not None:  # a mounted Secret: read at start, as its files are then
+        return (folder / "access-key").read_text().strip(), (folder / "secret-key").read_text().strip()
+    return None, None  # boto3's own chain
+
+
+class _translated:
+    """Maps botocore's exceptions to ours: a missing object is `missing` (if allowed), anything
+    else that is the store's fault or unreachable is ObjectStoreUnavailable."""
+
+    def __init__(self, key: str, *, missing_ok: bool = False) -> None:
+        self.key, self.missing_ok = key, missing_ok
+
+    def __enter__(self) -> bool:
+        return False
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: object) -> bool:
+        if error is None:
+            return False
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        if isinstance(error, ClientError):
+            code = str(error.response.get("Error", {}).get("Code", ""))
+            if code in _MISSING:
+                if self.missing_ok:
+                    return True  # swallowed: the caller returns None
+                raise ResultObjectMissing(f"object store: no object {self.key}") from error
+            raise ObjectStoreUnavailable(f"object store: {self.key}: {code}: {error}") from error
+        if isinstance(error, (BotoCoreError, OSError)):
+            raise ObjectStoreUnavailable(f"object store unreachable: {self.key}: {error}") from error
+        return False

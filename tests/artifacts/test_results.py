@@ -1,0 +1,176 @@
+"""Results in a real object store (SeaweedFS): the runner's upload through a presigned URL,
+verification before anything is recorded, reads, deletes, and the store that cannot be reached."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+from funcs import random_bytes
+from objectstore import ObjectStoreServer
+
+from k8s_dispatch.artifacts import Artifacts, result_upload, verify_for_delivery
+from k8s_dispatch.artifacts.errors import ObjectStoreUnavailable, ResultObjectMissing
+from k8s_dispatch.artifacts.reference import ResultReference, parse_reference
+from k8s_dispatch.container import runner
+from k8s_dispatch.container.contract import RESULT_KEY_ENV, RESULT_URL_ENV, ResultUpload
+from k8s_dispatch.core.settings import load_settings
+from k8s_dispatch.store.models import EventType
+from k8s_dispatch.workers.capability import CapabilitySpec
+from k8s_dispatch.workers.resolver import CapabilityResolver
+
+MIB = 1 << 20
+
+
+def spec(max_result_bytes: int = 64 * MIB) -> CapabilitySpec:
+    return CapabilityResolver.from_mapping(
+        {
+            "capabilities": {
+                "big": {
+                    "worker": "w",
+                    "image": "i",
+                    "results": "objectStore",
+                    "maxResultBytes": max_result_bytes,
+                    "activeDeadlineSeconds": 60,
+                }
+            }
+        }
+    ).spec("big")
+
+
+@pytest.fixture
+def artifacts(object_store: ObjectStoreServer, unique_prefix: str) -> Artifacts:
+    built = Artifacts.from_settings(load_settings(object_store.env(unique_prefix)))
+    assert built is not None
+    return built
+
+
+def run_runner(tmp_path: Path, upload: ResultUpload, target: str, value: Any) -> tuple[int, str]:
+    """The runner as a Job's container runs it, with the env the manifest gives it."""
+    message = tmp_path / "termination-log"
+    env = {
+        "K8S_DISPATCH_INPUT": json.dumps(value),
+        RESULT_URL_ENV: upload.url,
+        RESULT_KEY_ENV: upload.key,
+        runner.TERMINATION_PATH_ENV: str(message),
+    }
+    code = runner.run(target, env)
+    return code, message.read_text() if message.exists() else ""
+
+
+def test_a_result_uploaded_by_the_runner_is_verified_read_and_deleted(artifacts: Artifacts, tmp_path: Path) -> None:
+    dispatch_id = str(uuid.uuid4())
+    upload = result_upload(artifacts, spec(), dispatch_id=dispatch_id, attempt=0)
+    assert upload is not None and upload.key == f"{artifacts.prefix}/{dispatch_id}/0/result"
+    assert "X-Amz-Signature=" in upload.url  # the Pod gets a URL, never the credentials
+    data = random_bytes({"seed": 1, "size": 3 * MIB + 17})
+
+    code, message = run_runner(tmp_path, upload, "funcs:random_bytes", {"seed": 1, "size": len(data)})
+
+    assert code == runner.EXIT_OK
+    assert len(message.encode()) < 4096
+    event, payload = verify_for_delivery(
+        artifacts, spec(), dispatch_id=dispatch_id, attempt=0, output=json.loads(message)
+    )
+    assert event is EventType.WORKER_COMPLETED, payload
+    reference = parse_reference(payload["output"])
+    assert reference == ResultReference(upload.key, len(data), hashlib.sha256(data).hexdigest())
+    assert b"".join(artifacts.read(reference)) == data
+    with urllib.request.urlopen(artifacts.read_url(reference, 60), timeout=30) as response:
+        assert response.read() == data  # the engine's short-lived URL, no credentials
+    artifacts.delete(reference)
+    assert artifacts.store.size(reference.key) is None
+    with pytest.raises(ResultObjectMissing):
+        b"".join(artifacts.read(reference))
+    artifacts.delete(reference)  # deleting twice is not an error
+
+
+def test_a_json_result_larger_than_a_termination_message(artifacts: Artifacts, tmp_path: Path) -> None:
+    dispatch_id = str(uuid.uuid4())
+    upload = result_upload(artifacts, spec(), dispatch_id=dispatch_id, attempt=2)
+    assert upload is not None
+    code, message = run_runner(tmp_path, upload, "funcs:rows", {"n": 5000})
+    assert code == runner.EXIT_OK
+    event, payload = verify_for_delivery(
+        artifacts, spec(), dispatch_id=dispatch_id, attempt=2, output=json.loads(message)
+    )
+    assert event is EventType.WORKER_COMPLETED
+    text = b"".join(artifacts.read(parse_reference(payload["output"])))
+    assert json.loads(text)[4999] == {"i": 4999, "square": 4999 * 4999}
+    assert len(text) > 4096
+
+
+def _uploaded(artifacts: Artifacts, dispatch_id: str, data: bytes, attempt: int = 0) -> ResultReference:
+    upload = result_upload(artifacts, spec(), dispatch_id=dispatch_id, attempt=attempt)
+    assert upload is not None
+    runner.upload(upload.url, data)
+    return ResultReference(upload.key, len(data), hashlib.sha256(data).hexdigest())
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        (lambda r: ResultReference(r.key, r.size + 1, r.sha256), "ResultObjectMismatch"),
+        (lambda r: ResultReference(r.key, r.size, hashlib.sha256(b"other").hexdigest()), "ResultObjectMismatch"),
+        (lambda r: ResultReference(r.key.replace("/0/", "/1/"), r.size, r.sha256), "InvalidResultReference"),
+        (lambda r: ResultReference(r.key, 65 * MIB, r.sha256), "ResultTooLarge"),
+    ],
+    ids=["size", "sha256", "another-attempts-key", "too-large"],
+)
+def test_a_reference_that_does_not_match_its_object_fails_typed(artifacts: Artifacts, change: Any, reason: str) -> None:
+    dispatch_id = str(uuid.uuid4())
+    reference = change(_uploaded(artifacts, dispatch_id, b"x" * 1000))
+    event, payload = verify_for_delivery(
+        artifacts, spec(), dispatch_id=dispatch_id, attempt=0, output=ResultReference.to_output(reference)
+    )
+    assert event is EventType.WORKER_FAILED
+    assert payload["reason"] == reason
+    assert "output" not in payload  # never a recorded reference to bytes that are not those
+
+
+def test_a_missing_object_and_a_malformed_reference_fail_typed(artifacts: Artifacts) -> None:
+    dispatch_id = str(uuid.uuid4())
+    never = ResultReference(artifacts.key(dispatch_id, 0), 10, hashlib.sha256(b"0123456789").hexdigest())
+    event, payload = verify_for_delivery(
+        artifacts, spec(), dispatch_id=dispatch_id, attempt=0, output=never.to_output()
+    )
+    assert (event, payload["reason"]) == (EventType.WORKER_FAILED, "ResultObjectMissing")
+    event, payload = verify_for_delivery(artifacts, spec(), dispatch_id=dispatch_id, attempt=0, output={"n": 1})
+    assert (event, payload["reason"]) == (EventType.WORKER_FAILED, "InvalidResultReference")
+
+
+def test_the_store_refuses_bytes_that_do_not_match_their_content_md5(artifacts: Artifacts) -> None:
+    upload = result_upload(artifacts, spec(), dispatch_id=str(uuid.uuid4()), attempt=0)
+    assert upload is not None
+    wrong = base64.b64encode(hashlib.md5(b"other", usedforsecurity=False).digest()).decode()
+    request = urllib.request.Request(upload.url, data=b"payload", method="PUT", headers={"Content-MD5": wrong})
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=30)
+    refused.value.close()
+    assert refused.value.code == 400
+    assert artifacts.store.size(upload.key) is None
+
+
+def test_a_url_for_one_key_writes_no_other(artifacts: Artifacts) -> None:
+    upload = result_upload(artifacts, spec(), dispatch_id=str(uuid.uuid4()), attempt=0)
+    assert upload is not None
+    forged = upload.url.replace("/0/result", "/1/result")
+    with pytest.raises(runner.RunnerError, match="HTTP 403"):
+        runner.upload(forged, b"data")
+
+
+def test_an_unreachable_store_is_transient_and_records_nothing(object_store: ObjectStoreServer) -> None:
+    env = object_store.env("down") | {"K8S_DISPATCH_OBJECT_STORE_ENDPOINT": "http://127.0.0.1:9"}
+    artifacts = Artifacts.from_settings(load_settings(env))
+    assert artifacts is not None
+    dispatch_id = str(uuid.uuid4())
+    reference = ResultReference(artifacts.key(dispatch_id, 0), 1, hashlib.sha256(b"x").hexdigest())
+    with pytest.raises(ObjectStoreUnavailable):
+        verify_for_delivery(artifacts, spec(), dispatch_id=dispatch_id, attempt=0, output=reference.to_output())
