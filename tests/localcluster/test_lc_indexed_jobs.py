@@ -230,6 +230,47 @@ def test_a_fail_index_rule_fails_the_index_without_retrying_it(sim: Api) -> None
     assert len(by_index(sim.pods_of("failix"))[2]) == 1
 
 
+def test_a_long_job_name_is_cut_to_fit_the_index_in_its_pods_names(sim: Api) -> None:
+    name = "j" * 60
+    sim.create_job(indexed(name, 2, 2))
+    sim.wait_job(name, "Complete", timeout=20)
+    names = sorted(p.metadata.name for p in sim.pods_of(name))
+    assert [n[:-5] for n in names] == ["j" * 55 + "-0-", "j" * 55 + "-1-"]
+    assert sorted(p.spec.hostname for p in sim.pods_of(name)) == [f"{name}-0", f"{name}-1"]
+
+
+def test_a_suspended_indexed_job_stops_its_pods_uncounted_and_reruns_those_indexes(sim: Api) -> None:
+    sim.create_job(indexed("pause", 3, 3, by_index={2: {"duration-ms": "4000"}}))
+    wait_for(lambda: sim.job("pause").status.completed_indexes == "0,1", what="indexes 0 and 1 done")
+    sim.batch.patch_namespaced_job("pause", sim.namespace, {"spec": {"suspend": True}})
+    wait_for(lambda: "Suspended" in condition_types(sim.job("pause")), what="suspended")
+    wait_for(lambda: [p.status.phase for p in by_index(sim.pods_of("pause")).get(2, [])] in ([], ["Failed"]),
+             what="index 2 stopped")  # fmt: skip
+    sim.batch.patch_namespaced_job("pause", sim.namespace, {"spec": {"suspend": False}})
+    job = sim.wait_job("pause", timeout=20)
+    assert condition_types(job) == ["SuccessCriteriaMet", "Complete"]
+    status = job_json(sim, "pause")["status"]
+    assert (status["completedIndexes"], status["succeeded"], "failed" in status) == ("0-2", 3, False)
+    assert [p.status.phase for p in by_index(sim.pods_of("pause"))[2]][-1:] == ["Succeeded"]
+
+
+def test_the_global_backoff_limit_fails_an_indexed_job_and_its_running_pods_count_as_failed(sim: Api) -> None:
+    sim.create_job(indexed("global", 3, 3, backoffLimit=0, by_index={0: {"outcome": "fail"}, 2: {"outcome": "hang"}}))
+    job = sim.wait_job("global", timeout=20)
+    assert reasons(job)[-1] == ("Failed", "BackoffLimitExceeded", "Job has reached the specified backoff limit")
+    status = job_json(sim, "global")["status"]
+    assert "failedIndexes" not in status and status["failed"] == 2  # index 0, and index 2 stopped
+    assert status.get("completedIndexes", "") in ("", "1")  # index 1 may or may not have finished first
+
+
+def test_an_active_deadline_fails_an_indexed_job(sim: Api) -> None:
+    sim.create_job(indexed("late", 2, 2, activeDeadlineSeconds=1, by_index={1: {"outcome": "hang"}}))
+    job = sim.wait_job("late", timeout=20)
+    assert reasons(job)[-1] == ("Failed", "DeadlineExceeded", "Job was active longer than specified deadline")
+    status = job_json(sim, "late")["status"]
+    assert (status["completedIndexes"], status["failed"]) == ("0", 1)
+
+
 # --- successPolicy ---------------------------------------------------------------------------
 
 
