@@ -32,6 +32,14 @@ SWEEP_TASK = "k8s-dispatch.sweep"  # the recovery sweep (tasks/recovery_tasks.py
 CLEANUP_TASK = "k8s-dispatch.cleanup"  # poll's follow-ups: disruptions, the bulk delete of delivered Jobs
 CLEANUP_POLLS = 5  # beat sends cleanup once per this many poll intervals
 ADMIT_TASK = "k8s-dispatch.admit"  # an admission pass under the limits (tasks/admission.py)
+# Orphans and expired results in the object store (tasks/artifacts_tasks.py), when one is configured.
+ARTIFACTS_CLEANUP_TASK = "k8s-dispatch.artifacts_cleanup"
+ARTIFACTS_CLEANUP_MIN_INTERVAL_S = 300.0
+
+
+def artifacts_cleanup_interval_s(settings: Settings) -> float:
+    """A LIST of the whole prefix per run: every sweep interval, but no more often than 5 minutes."""
+    return max(settings.sweep_interval_s, ARTIFACTS_CLEANUP_MIN_INTERVAL_S)
 
 
 def config(settings: Settings) -> dict[str, Any]:
@@ -69,6 +77,9 @@ def config(settings: Settings) -> dict[str, Any]:
         # orphan or respawn.
         "worker_pool": "threads",
         "worker_concurrency": settings.worker_concurrency,
+        # Celery's consumer on channels that survive a Redis restart (tasks/broker.py: Celery 5.7
+        # closes a lost connection in a way kombu's Redis channels answer with AttributeError).
+        "worker_consumer": "k8s_dispatch.tasks.broker:Consumer",
         # Time limits are enforced by the prefork pool only; under threads every I/O call
         # has its own timeout (Kubernetes requests, Redis sockets, database connects), which
         # is what bounds a task. Declared for anyone running `--pool prefork`.
@@ -95,7 +106,10 @@ def config(settings: Settings) -> dict[str, Any]:
             POLL_TASK: {"queue": SWEEP_QUEUE},
             CLEANUP_TASK: {"queue": SWEEP_QUEUE},
             SWEEP_TASK: {"queue": SWEEP_QUEUE},
+            ARTIFACTS_CLEANUP_TASK: {"queue": SWEEP_QUEUE},
         },
+        # Task modules besides the app's own `include` (Celery imports both at worker start).
+        "imports": ("k8s_dispatch.tasks.artifacts_tasks",),
         # --- beat ----------------------------------------------------------------------
         # Every entry is a plain interval, so beat needs no memory of last run times: the
         # in-memory scheduler writes no shelve file (nothing to leave behind, nothing for a
@@ -132,7 +146,20 @@ def config(settings: Settings) -> dict[str, Any]:
                 # The recovery sweep (workers also run one as they start, not superseded).
                 "options": {"queue": SWEEP_QUEUE},
             },
+            **_artifacts_schedule(settings),
         },
+    }
+
+
+def _artifacts_schedule(settings: Settings) -> dict[str, Any]:
+    if settings.object_store_endpoint is None:
+        return {}
+    return {
+        "artifacts-cleanup": {
+            "task": ARTIFACTS_CLEANUP_TASK,
+            "schedule": timedelta(seconds=artifacts_cleanup_interval_s(settings)),
+            "options": {"queue": SWEEP_QUEUE},
+        }
     }
 
 

@@ -10,12 +10,21 @@ it with `outcome(session, dispatch_id)` and treat a second notification as a rep
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy.orm import Session
 
-from k8s_dispatch import celeryconfig
+from k8s_dispatch import artifacts, celeryconfig
+from k8s_dispatch.artifacts.errors import (
+    NoStoredResult,
+    ObjectStoreUnavailable,
+    ResultObjectMismatch,
+    ResultObjectMissing,
+    ResultTooLarge,
+)
+from k8s_dispatch.artifacts.reference import ResultReference, is_reference, parse_reference
 from k8s_dispatch.core.errors import (
     ConfigError,
     DispatchError,
@@ -60,8 +69,14 @@ __all__ = [
     "InvalidId",
     "InvalidIdempotencyKey",
     "InvalidInput",
+    "NoStoredResult",
+    "ObjectStoreUnavailable",
     "Outcome",
     "Permanent",
+    "ResultObjectMismatch",
+    "ResultObjectMissing",
+    "ResultReference",
+    "ResultTooLarge",
     "ScheduleNotRecorded",
     "ScheduleRequest",
     "ScheduleResult",
@@ -73,15 +88,19 @@ __all__ = [
     "UnknownDispatch",
     "cancel_in_session",
     "create_case",
+    "delete_result",
     "get_settings",
     "make_engine",
     "make_sessionmaker",
     "migrate_database",
     "notification_config",
     "outcome",
+    "read_result",
+    "result_url",
     "schedule_in_session",
     "schedule_many_in_session",
     "send_schedule_until_recorded",
+    "stored_result",
     "transaction",
 ]
 
@@ -123,3 +142,68 @@ def notification_config(settings: Settings) -> dict[str, Any]:
         "worker_prefetch_multiplier",
     )
     return {key: ours[key] for key in keys if key in ours}
+
+
+# --- results in the object store (capabilities with `results: objectStore`) ------------------
+
+
+def stored_result(session: Session, dispatch_id: str) -> ResultReference | None:
+    """The verified reference the dispatch's WORKER_COMPLETED recorded (key, size, SHA-256);
+    None while it runs, if it failed or was cancelled, or if its result is a small one.
+
+    Raises:
+        InvalidId: `dispatch_id` is not a UUID.
+    """
+    ended = outcome(session, dispatch_id)
+    if ended is None or ended.event is not EventType.WORKER_COMPLETED:
+        return None
+    output = ended.payload.get("output")
+    return parse_reference(output) if is_reference(output) else None
+
+
+def read_result(session: Session, dispatch_id: str, *, settings: Settings | None = None) -> Iterator[bytes]:
+    """The dispatch's stored result, streamed in chunks (the bytes delivery verified).
+
+    Raises:
+        NoStoredResult: the dispatch has none (see `stored_result`).
+        ResultObjectMissing: it was deleted (`delete_result`, retention).
+        ObjectStoreUnavailable, ConfigError: no object store is configured.
+    """
+    store, reference = _stored(session, dispatch_id, settings)
+    return store.read(reference)
+
+
+def result_url(
+    session: Session, dispatch_id: str, *, settings: Settings | None = None, expires_s: int | None = None
+) -> str:
+    """A URL that reads the stored result without credentials, for `expires_s` seconds
+    (default `K8S_DISPATCH_OBJECT_STORE_READ_URL_S`). Signed locally: it does not check that the
+    object is still there.
+
+    Raises: NoStoredResult, ConfigError.
+    """
+    store, reference = _stored(session, dispatch_id, settings)
+    return store.read_url(reference, expires_s)
+
+
+def delete_result(session: Session, dispatch_id: str, *, settings: Settings | None = None) -> ResultReference:
+    """Delete the stored result (idempotent); the terminal event keeps its reference, and a
+    later read raises ResultObjectMissing.
+
+    Raises: NoStoredResult, ObjectStoreUnavailable, ConfigError.
+    """
+    store, reference = _stored(session, dispatch_id, settings)
+    store.delete(reference)
+    return reference
+
+
+def _stored(
+    session: Session, dispatch_id: str, settings: Settings | None
+) -> tuple[artifacts.Artifacts, ResultReference]:
+    reference = stored_result(session, dispatch_id)
+    if reference is None:
+        raise NoStoredResult(f"dispatch {dispatch_id} has no result in the object store")
+    store = artifacts.for_settings(settings or get_settings())
+    if store is None:
+        raise ConfigError("no object store is configured (K8S_DISPATCH_OBJECT_STORE_ENDPOINT)")
+    return store, reference
