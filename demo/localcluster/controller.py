@@ -21,7 +21,7 @@ from typing import Any
 
 from k8s_dispatch.demo.localcluster import events
 from k8s_dispatch.demo.localcluster.apierrors import ApiError
-from k8s_dispatch.demo.localcluster.indexedjob import BackoffRecord, add_index, indexed_pod, plan_indexed
+from k8s_dispatch.demo.localcluster.indexedjob import BackoffRecord, IndexedPod, add_index, indexed_pod, plan_indexed
 from k8s_dispatch.demo.localcluster.jobsync import TRACKING_FINALIZER, is_finished, plan_job, pod_view
 from k8s_dispatch.demo.localcluster.registry import DeleteOptions, Registry, is_terminal_pod
 from k8s_dispatch.demo.localcluster.resources import JOBS, PODS
@@ -97,6 +97,9 @@ class JobController:
         self._finished_at: dict[str, float] = {}
         self._last_failure: dict[str, float] = {}
         self._backoff: dict[str, BackoffRecord] = {}  # an Indexed Job's failures since its last success
+        # an Indexed Job's Pods as last seen (uid -> resourceVersion, view): a big Job's thousands
+        # of finished Pods are looked at by every sync, and most have not changed since the last
+        self._views: dict[str, dict[str, tuple[str, IndexedPod]]] = {}
         self._syncing = False
         self._coalesce = coalesce
         self.store.subscribe(self._on_event)
@@ -197,7 +200,7 @@ class JobController:
 
     def _forget(self, key: Key, uid: str) -> None:
         self._batched.pop(key, None)
-        for table in (self._start_at, self._finished_at, self._last_failure, self._backoff):
+        for table in (self._start_at, self._finished_at, self._last_failure, self._backoff, self._views):
             table.pop(uid, None)
         timer = self._timers.pop(key, None)
         if timer is not None:
@@ -297,9 +300,16 @@ class JobController:
     def _sync_indexed(self, key: Key, job: Entry, pods: list[Entry], t: float) -> None:
         """One sync of an unfinished Indexed Job (a finished one goes through plan_job: its TTL)."""
         policy = (job.obj.get("spec") or {}).get("podFailurePolicy")
+        seen = self._views.get(job.uid, {})
+        views: dict[str, tuple[str, IndexedPod]] = {}
+        for p in pods:
+            rv = p.meta.get("resourceVersion", "")
+            known = seen.get(p.uid)
+            views[p.uid] = known if known is not None and known[0] == rv else (rv, indexed_pod(p.obj, policy))
+        self._views[job.uid] = views
         plan = plan_indexed(
             job.obj,
-            [indexed_pod(p.obj, policy) for p in pods],
+            [view for _, view in views.values()],
             t,
             backoff=self._backoff.get(job.uid, BackoffRecord()),
             backoff_base=self._backoff_base,
@@ -326,6 +336,7 @@ class JobController:
         if plan.finished is not None:
             self._finished_at[job.uid] = t
             self._backoff.pop(job.uid, None)
+            self._views.pop(job.uid, None)
             if plan.finished["type"] == "Failed":
                 events.record(
                     self.registry, job, type=events.WARNING, reason=plan.finished.get("reason", ""),

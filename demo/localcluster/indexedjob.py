@@ -134,20 +134,24 @@ def indexed_pod(pod: dict[str, Any], policy: dict[str, Any] | None) -> IndexedPo
     status = pod.get("status") or {}
     ann = meta.get("annotations") or {}
     conds = status.get("conditions") or []
+    tracked = TRACKING_FINALIZER in (meta.get("finalizers") or [])
+    phase = status.get("phase", "Pending")
+    # a finish time serves the backoff of a Pod not counted yet: the others are many and need none
+    ended = tracked and (phase in ("Succeeded", "Failed") or bool(meta.get("deletionTimestamp")))
     return IndexedPod(
         namespace=meta.get("namespace", ""),
         name=meta["name"],
         uid=meta.get("uid", ""),
-        phase=status.get("phase", "Pending"),
+        phase=phase,
         deleting=bool(meta.get("deletionTimestamp")),
-        tracked=TRACKING_FINALIZER in (meta.get("finalizers") or []),
+        tracked=tracked,
         ready=any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds),
         restarts=sum(cs.get("restartCount", 0) for cs in status.get("containerStatuses") or []),
         created=meta.get("creationTimestamp", ""),
         index=completion_index(ann),
         failure_count=_count(ann.get(FAILURE_COUNT, 0)),
         ignored_count=_count(ann.get(IGNORED_FAILURE_COUNT, 0)),
-        finished_at=finished_time(pod),
+        finished_at=finished_time(pod) if ended else 0.0,
         scheduled=bool((pod.get("spec") or {}).get("nodeName")),
         policy=match(policy, pod),
     )
@@ -581,7 +585,7 @@ def _manage(
         busy = ix.with_indexes(busy, (p.index for p in pods if p.terminating and p.index >= 0))
     if failed_indexes is not None:
         busy = ix.merge(busy, failed_indexes)
-    pending = [i for i in range(completions) if not ix.has(busy, i)][:diff]
+    pending = ix.first_missing(busy, completions, diff)
     if per_index:
         now_ok, soonest = [], None
         for i in pending:

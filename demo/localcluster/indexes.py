@@ -6,8 +6,11 @@ strictly as kube-apiserver validates a status or a successPolicy (validateIndexe
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterable
 from typing import Any
+
+MAX_INDEX = 2**31  # above any index a Job can have
 
 Interval = tuple[int, int]  # first and last index, inclusive
 
@@ -32,7 +35,23 @@ def total(intervals: list[Interval]) -> int:
 
 
 def has(intervals: list[Interval], index: int) -> bool:
-    return any(first <= index <= last for first, last in intervals)
+    at = bisect.bisect_right(intervals, (index, MAX_INDEX)) - 1
+    return at >= 0 and intervals[at][0] <= index <= intervals[at][1]
+
+
+def first_missing(intervals: list[Interval], below: int, count: int) -> list[int]:
+    """The `count` lowest indexes under `below` that `intervals` lack (firstPendingIndexes)."""
+    out: list[int] = []
+    candidate = 0
+    for first, last in intervals:
+        while candidate < below and len(out) < count and candidate < first:
+            out.append(candidate)
+            candidate += 1
+        candidate = max(candidate, last + 1)
+    while candidate < below and len(out) < count:
+        out.append(candidate)
+        candidate += 1
+    return out
 
 
 def members(intervals: list[Interval]) -> Iterable[int]:
