@@ -35,7 +35,14 @@ class FieldErrorType(Enum):
 _NO_VALUE = object()
 
 
+class GoText(str):
+    """A value already written as kube-apiserver writes it (a Go struct's JSON, its fields in
+    declaration order and capitalised): shown as is."""
+
+
 def _go_value(value: Any) -> str:
+    if isinstance(value, GoText):
+        return str(value)
     if isinstance(value, str):
         return json.dumps(value)
     if isinstance(value, bool):

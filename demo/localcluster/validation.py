@@ -14,6 +14,7 @@ from k8s_dispatch.demo.localcluster import failurepolicy, indexes
 from k8s_dispatch.demo.localcluster.apierrors import (
     FieldError,
     FieldErrorType,
+    GoText,
     forbidden,
     invalid_value,
     not_supported,
@@ -308,10 +309,23 @@ def _indexed_errors(spec: dict[str, Any]) -> list[FieldError]:
     policy = spec.get("successPolicy")
     if policy is not None:
         if mode != "Indexed":
-            errs.append(invalid_value("spec.successPolicy", policy, "requires indexed completion mode"))
+            errs.append(
+                invalid_value("spec.successPolicy", _go_success_policy(policy), "requires indexed completion mode")
+            )
         else:
             errs += _success_policy_errors(policy, completions or 0)
     return errs
+
+
+def _go_success_policy(policy: Any) -> GoText:
+    """batch.SuccessPolicy as the API server shows it in an error (the internal struct's JSON)."""
+    rules = (policy.get("rules") if isinstance(policy, dict) else None) or []
+    go = [
+        {"SucceededIndexes": r.get("succeededIndexes"), "SucceededCount": r.get("succeededCount")}
+        for r in rules
+        if isinstance(r, dict)
+    ]
+    return GoText(json.dumps({"Rules": go if rules else None}, separators=(",", ":")))
 
 
 def _success_policy_errors(policy: Any, completions: int) -> list[FieldError]:

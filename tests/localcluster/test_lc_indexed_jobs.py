@@ -392,6 +392,34 @@ def test_the_api_server_refuses_bad_indexed_job_specs(sim: Api) -> None:
             'Invalid value: "FailIndex": requires the backoffLimitPerIndex to be set',
         )
     ]
+    assert _causes(sim, bad(successPolicy={"rules": [{"succeededCount": 1}]})) == [
+        (
+            "spec.successPolicy",
+            "FieldValueInvalid",
+            'Invalid value: {"Rules":[{"SucceededIndexes":null,"SucceededCount":1}]}: requires indexed completion mode',
+        )
+    ]
+    assert _causes(sim, bad(maxFailedIndexes=1)) == [
+        ("spec.backoffLimitPerIndex", "FieldValueRequired", "Required value: when maxFailedIndexes is specified"),
+        ("spec.maxFailedIndexes", "FieldValueInvalid", "Invalid value: 1: requires indexed completion mode"),
+    ]
+    assert _causes(sim, bad(completionMode="Indexed", completions=3, parallelism=100001)) == [
+        (
+            "spec.parallelism",
+            "FieldValueInvalid",
+            "Invalid value: 100001: must be less than or equal to 100000 when completion mode is Indexed",
+        )
+    ]
+    assert _causes(sim, bad(**ix, successPolicy={"rules": [{"succeededCount": 1}] * 21})) == [
+        ("spec.successPolicy.rules", "FieldValueTooMany", "Too many: 21: must have at most 20 items")
+    ]
+    assert _causes(sim, bad(**ix, successPolicy={"rules": [{"succeededCount": -1}]})) == [
+        (
+            "spec.successPolicy.rules[0].succeededCount",
+            "FieldValueInvalid",
+            "Invalid value: -1: must be greater than or equal to 0",
+        )
+    ]
     long = "n" * 62
     assert _causes(sim, job_manifest(long, completionMode="Indexed", completions=10, parallelism=1)) == [
         ("metadata.name", "FieldValueInvalid",
