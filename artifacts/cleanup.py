@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 
 import sqlalchemy as sa
 from sqlalchemy.orm import Session
@@ -26,6 +26,7 @@ from k8s_dispatch.artifacts.errors import InvalidResultReference
 from k8s_dispatch.artifacts.reference import parse_reference
 from k8s_dispatch.artifacts.service import Artifacts
 from k8s_dispatch.artifacts.store import StoredObject
+from k8s_dispatch.store.db import database_now
 from k8s_dispatch.store.models import TERMINAL_EVENT_TYPES, CaseEvent, Dispatch, EventType
 
 LOOKUP_CHUNK = 500  # dispatch ids per query
@@ -67,7 +68,7 @@ def clean(artifacts: Artifacts, sessions: Callable[[], Session], *, now: datetim
     report = CleanupReport()
     with sessions() as session:
         if now is None:
-            now = _db_now(session)
+            now = _aware(database_now(session))
         grace = timedelta(seconds=artifacts.orphan_grace_s)
         retention = timedelta(days=artifacts.retention_days) if artifacts.retention_days else None
         page: list[StoredObject] = []
@@ -148,19 +149,5 @@ def _lookup(session: Session, ids: Iterable[str]) -> tuple[set[str], dict[str, _
     return known, ended
 
 
-def _db_now(session: Session) -> datetime:
-    from k8s_dispatch.store.models import utcnow
-
-    value = session.execute(sa.select(sa.func.now())).scalar_one() if _is_postgres(session) else utcnow()
-    return _aware(value)
-
-
-def _is_postgres(session: Session) -> bool:
-    bind = session.get_bind()
-    return bind.dialect.name == "postgresql"
-
-
 def _aware(value: datetime) -> datetime:
-    from datetime import UTC
-
     return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
