@@ -2,7 +2,7 @@
 
 The same seed and options give the same plan, event for event, so a failed run can be
 replayed with the same faults (the timing of the system under test is not reproducible, the
-schedule is). `lab/chaos/run.py` carries the plan out against real processes.
+schedule is). `lab/chaos/faults.py` carries the plan out against real processes.
 """
 
 from __future__ import annotations

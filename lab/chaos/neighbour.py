@@ -22,6 +22,8 @@ import yaml
 from sqlalchemy.engine import make_url
 
 from k8s_dispatch.lab.chaos.checks import Verdict, judge, limit_peaks
+from k8s_dispatch.lab.chaos.convergence import of_deployment, open_slots, pending, read_ends
+from k8s_dispatch.lab.chaos.stores import conninfo, delete_prefix, drop_database
 from k8s_dispatch.lab.chaos.workload import TENANCIES, Expected, capabilities_config, cases, expected, workload
 from k8s_dispatch.ops.processes import ManagedProcess, celery_beat, celery_worker, wait_for_log
 
@@ -32,8 +34,6 @@ START_TIMEOUT_S = 90.0
 class Neighbour:
     def __init__(self, options: Any, *, tag: str, directory: Path, env: dict[str, str], values: dict[str, str],
                  count: int, stack: ExitStack) -> None:  # fmt: skip
-        from k8s_dispatch.lab.chaos import run as chaos
-
         self.options = options
         self.tag = f"{tag}n"
         self.dir = directory
@@ -45,26 +45,25 @@ class Neighbour:
         self.ids: dict[int, str] = {}
         self.ids_lock = threading.Lock()
         self.procs: dict[str, ManagedProcess] = {}
-        self.chaos = chaos
 
     def start(self) -> None:
         from celery import Celery
 
         from k8s_dispatch import celeryconfig
         from k8s_dispatch.core.settings import load_settings
-        from k8s_dispatch.store import dispatches
+        from k8s_dispatch.store import scheduling
         from k8s_dispatch.store.db import make_engine, make_sessionmaker, transaction
         from k8s_dispatch.store.migrate import upgrade
 
-        chaos, options = self.chaos, self.options
+        options = self.options
         self.dir.mkdir(parents=True, exist_ok=True)
         self.redis = redis.Redis.from_url(options.redis_url, socket_timeout=10, socket_connect_timeout=10)
         self.stack.callback(self.redis.close)
-        self.stack.callback(chaos._delete_prefix, self.redis, self.prefix)
+        self.stack.callback(delete_prefix, self.redis, self.prefix)
         name = f"k8s_dispatch_chaos_{self.tag}"
-        with psycopg.connect(chaos._conninfo(options.admin_database_url), autocommit=True, connect_timeout=10) as admin:
+        with psycopg.connect(conninfo(options.admin_database_url), autocommit=True, connect_timeout=10) as admin:
             admin.execute(f'CREATE DATABASE "{name}"')
-        self.stack.callback(chaos._drop_database, options.admin_database_url, name)
+        self.stack.callback(drop_database, options.admin_database_url, name)
         self.database = name
         db_url = make_url(options.admin_database_url).set(database=name).render_as_string(hide_password=False)
         upgrade(db_url)
@@ -85,7 +84,7 @@ class Neighbour:
         self.stack.callback(self.producer.close)
         with transaction(self.sessions) as session:
             for case_id, tenancy_id in cases(self.tag):
-                dispatches.create_case(session, case_id=case_id, tenancy_id=tenancy_id)
+                scheduling.create_case(session, case_id=case_id, tenancy_id=tenancy_id)
         worker = celery_worker(
             f"{NAME}-worker", env=env, log_dir=self.dir, concurrency=self.settings.worker_concurrency
         )
@@ -128,7 +127,7 @@ class Neighbour:
     def pending(self) -> int:
         with self.ids_lock:
             ids = list(self.ids.values())
-        return self.chaos.pending(self.sessions, ids, planned=len(self.planned))
+        return pending(self.sessions, ids, planned=len(self.planned))
 
     def revive(self) -> list[str]:
         notes = []
@@ -148,11 +147,11 @@ class Neighbour:
             for planned in self.planned:
                 dispatch_id = self.ids.get(planned.index, f"never-scheduled-{uuid.uuid4()}")
                 wanted[dispatch_id] = expected(planned.kind, planned.input, mode=self.options.mode)
-        rows, events, namespaces = self.chaos.read_ends(self.sessions, list(wanted))
+        rows, events, namespaces = read_ends(self.sessions, list(wanted))
         claims = [(k.decode(), int(self.redis.pttl(k))) for k in self.redis.scan_iter(match=f"{self.prefix}:claim:*")]
         limits = CapabilityResolver.from_settings(self.settings).limits
-        own = self.chaos.of_deployment(peaks, self.settings.effective_deployment)
+        own = of_deployment(peaks, self.settings.effective_deployment)
         named = [replace(p, scope=f"{NAME} {p.scope}") for p in limit_peaks(limits, own, tenancies=TENANCIES)]
         # jobs=(): what is left in the cluster is counted once, by the run, over every deployment's Jobs
         return judge(wanted, rows=rows, events=events, jobs=(), claims=claims, namespaces=namespaces,
-                     jobs_seen=jobs_seen, limits=named, open_slots=self.chaos.open_slots(self.sessions))  # fmt: skip
+                     jobs_seen=jobs_seen, limits=named, open_slots=open_slots(self.sessions))  # fmt: skip

@@ -1,0 +1,120 @@
+"""The chaos run's feeder: the engine's side, scheduling each planned dispatch at the run's rate
+(in its own transaction or as the Celery `schedule` task) and sending lost task calls again."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+
+import sqlalchemy as sa
+
+from k8s_dispatch.core.errors import DispatchError
+from k8s_dispatch.lab.chaos.options import RESEND_AFTER_S
+from k8s_dispatch.lab.chaos.state import RunState
+from k8s_dispatch.lab.chaos.stores import chunks
+from k8s_dispatch.lab.chaos.workload import Planned
+from k8s_dispatch.store.models import Dispatch
+
+log = logging.getLogger(__name__)
+
+
+class Feeder(RunState):
+    """The engine: schedules the planned dispatches at the run's rate, in the database or as the
+    `schedule` task, and sends a task call again when its dispatch is not recorded in time."""
+
+    def _feed(self) -> None:
+        try:
+            for planned in self.planned:
+                if not self._sleep_until(self.t0 + planned.index / self.options.rate):
+                    return
+                self._schedule(planned)
+            self.result.feed_s = time.monotonic() - self.t0
+        except BaseException as e:
+            self.feed_error = e
+
+    def _schedule(self, planned: Planned) -> None:
+        from kombu.exceptions import OperationalError
+
+        from k8s_dispatch.core.errors import DatabaseUnavailable
+        from k8s_dispatch.store.db import transaction
+        from k8s_dispatch.tasks.scheduling import schedule_many_in_session
+        from k8s_dispatch.workers.resolver import CapabilityResolver
+
+        # While the previous release runs on its schema, the engine sends the `schedule` task
+        # (its workers write the rows), as an engine whose library is not upgraded yet would.
+        if planned.via_task or self.old_schema:
+            dispatch_id = str(uuid.uuid4())
+            with self.ids_lock:
+                self.ids[planned.index] = dispatch_id
+                self.by_task[dispatch_id] = planned
+            try:
+                self._send_schedule(planned, dispatch_id)
+            except OperationalError as e:
+                log.warning("schedule task for %s not sent (%s); sent again later", dispatch_id, e)
+            return
+        resolver = getattr(self, "_resolver", None) or CapabilityResolver.from_settings(self.settings)
+        self._resolver = resolver  # the engine's router: replaced when the capability file changes
+        while not self.stop.is_set():
+            try:
+                with transaction(self.sessions) as session:
+                    (scheduled,) = schedule_many_in_session(
+                        session, [planned.request()], router=resolver,
+                        max_input_bytes=self.settings.max_input_bytes, via=self.producer,
+                    )  # fmt: skip
+            except DatabaseUnavailable as e:  # the engine retries its own transaction
+                log.warning("scheduling %s: %s; retrying", planned.idempotency_key, e)
+                time.sleep(0.2)
+                continue
+            with self.ids_lock:
+                self.ids[planned.index] = scheduled.dispatch_id
+            return
+
+    def _send_schedule(self, planned: Planned, dispatch_id: str) -> None:
+        from k8s_dispatch import celeryconfig as names
+
+        self.sent_at[dispatch_id] = time.monotonic()
+        self.sends[dispatch_id] += 1
+        self.producer.send_task(
+            names.SCHEDULE_TASK,
+            args=[planned.case_id, planned.tenancy_id, planned.capability, planned.input, planned.idempotency_key],
+            kwargs={"dispatch_id": dispatch_id},
+        )
+
+    def _resend_unrecorded(self) -> None:
+        """The engine's half of the `schedule` task: a call not recorded in time is sent again."""
+        from kombu.exceptions import OperationalError
+
+        now = time.monotonic()
+        with self.ids_lock:
+            waiting = {d: p for d, p in self.by_task.items() if d not in self.recorded}
+        due = {
+            d: p
+            for d, p in waiting.items()
+            if now - self.sent_at.get(d, 0.0) >= RESEND_AFTER_S * 2 ** max(0, self.sends[d] - 1)
+        }
+        if not due:
+            return
+        try:
+            present = self._existing(list(due))
+        except DispatchError as e:
+            log.warning("cannot read dispatches to resend: %s", e)
+            return
+        self.recorded |= present
+        for dispatch_id, planned in due.items():
+            if dispatch_id in present:
+                continue
+            try:
+                self._send_schedule(planned, dispatch_id)
+                self.result.resends += 1
+            except OperationalError as e:
+                log.warning("schedule task for %s not sent again (%s)", dispatch_id, e)
+
+    def _existing(self, ids: list[str]) -> set[str]:
+        from k8s_dispatch.store.db import transaction
+
+        found: set[str] = set()
+        with transaction(self.sessions) as session:
+            for chunk in chunks(ids):
+                found.update(session.scalars(sa.select(Dispatch.dispatch_id).where(Dispatch.dispatch_id.in_(chunk))))
+        return found
