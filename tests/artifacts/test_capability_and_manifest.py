@@ -4,20 +4,23 @@ the reference parsed strictly, and keys of one layout."""
 
 from __future__ import annotations
 
+import json
 import uuid
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from k8s_dispatch.artifacts import Artifacts, keys, result_upload
+from k8s_dispatch.artifacts import Artifacts, keys, result_upload, verify_for_delivery
 from k8s_dispatch.artifacts.errors import InvalidResultReference
 from k8s_dispatch.artifacts.reference import ResultReference, parse_reference
 from k8s_dispatch.artifacts.service import upload_expiry_s
 from k8s_dispatch.artifacts.store import MAX_PRESIGN_S, DirectoryStore
+from k8s_dispatch.container import runner
 from k8s_dispatch.container.contract import RESULT_KEY_ENV, RESULT_URL_ENV, ResultUpload
 from k8s_dispatch.core.errors import ConfigError, InvalidManifest
 from k8s_dispatch.core.settings import load_settings
+from k8s_dispatch.store.models import EventType
 from k8s_dispatch.workers.manifest import build_job
 from k8s_dispatch.workers.resolver import CapabilityResolver
 from k8s_dispatch.workers.types import CapabilityName, DispatchId, DispatchRef, WorkerName
@@ -124,3 +127,29 @@ def test_keys_have_one_spelling() -> None:
     assert keys.parse_key("p", keys.result_key("p", dispatch_id, 12)) == (dispatch_id, 12)
     for other in (f"p/{dispatch_id}/01/result", f"p/{dispatch_id}/1/log", "p/x/1/result", f"q/{dispatch_id}/1/result"):
         assert keys.parse_key("p", other) is None
+
+
+def test_the_directory_store_takes_the_runners_upload_whole(tmp_path: Path) -> None:
+    """The demo's store: the runner writes a file:// URL's file by a rename, so it appears whole."""
+    spec = resolver(results="objectStore").spec("big")
+    store = Artifacts.from_settings(
+        load_settings({"K8S_DISPATCH_OBJECT_STORE_ENDPOINT": (tmp_path / "objects").as_uri()})
+    )
+    assert store is not None
+    dispatch_id = str(uuid.uuid4())
+    upload = result_upload(store, spec, dispatch_id=dispatch_id, attempt=0)
+    assert upload is not None and upload.url.startswith("file://")
+    message = tmp_path / "termination-log"
+    env = {
+        "K8S_DISPATCH_INPUT": '{"n": 3000}',
+        RESULT_URL_ENV: upload.url,
+        RESULT_KEY_ENV: upload.key,
+        runner.TERMINATION_PATH_ENV: str(message),
+    }
+    assert runner.run("funcs:rows", env) == runner.EXIT_OK
+    event, payload = verify_for_delivery(
+        store, spec, dispatch_id=dispatch_id, attempt=0, output=json.loads(message.read_text())
+    )
+    assert event is EventType.WORKER_COMPLETED
+    assert [item.key for item in store.store.list(store.prefix + "/")] == [upload.key]  # no temporary file left
+    assert len(b"".join(store.read(parse_reference(payload["output"])))) > 4096
