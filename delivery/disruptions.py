@@ -16,6 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from k8s_dispatch.core.errors import LabelMismatch, UnknownCapability
+from k8s_dispatch.delivery import cleanup, records, terminal
 from k8s_dispatch.delivery.runtime import Runtime
 from k8s_dispatch.store.db import transaction
 from k8s_dispatch.store.disruptions import DisruptionEvent, record_disruptions
@@ -57,16 +58,14 @@ def record_pods(rt: Runtime, namespace: str, pods: Sequence[Mapping[str, Any]], 
     Raises:
         Transient: the API or the database is unavailable.
     """
-    from k8s_dispatch.delivery import delivery  # the completion path uses this module too
-
     found = _disrupted(pods)
     if not found:
         return []
-    records = delivery.load_records(rt, sorted({ref.dispatch_id for ref, _, _ in found}))
+    found_records = records.load_records(rt, sorted({ref.dispatch_id for ref, _, _ in found}))
     events: list[DisruptionEvent] = []
     pods_of: dict[str, list[tuple[failure_detail.Disruption, Mapping[str, Any]]]] = {}
     for ref, disruption, pod in found:
-        record = records.get(ref.dispatch_id)
+        record = found_records.get(ref.dispatch_id)
         if record is None or record.ref != ref:
             log.warning("disrupted pod %s/%s is no dispatch of ours; left alone", namespace, disruption.pod_name)
             continue
@@ -86,14 +85,14 @@ def record_pods(rt: Runtime, namespace: str, pods: Sequence[Mapping[str, Any]], 
     failed = []
     if enforce:
         for dispatch_id, disrupted in sorted(counted.items()):
-            record = records[dispatch_id]
+            record = found_records[dispatch_id]
             limit = _max_disruptions(rt, record.capability)
             if disrupted.state in TERMINAL_STATES or disrupted.total <= limit:
                 continue
             if _fail_disrupted(rt, record, [d for d, _ in pods_of[dispatch_id]], total=disrupted.total, limit=limit):
                 failed.append(dispatch_id)
-            delivery.cleanup_job(rt, *delivery.job_location(rt, record))
-    delivery.release_pods(rt, namespace, [pod for dispatch_id in counted for _, pod in pods_of[dispatch_id]])
+            cleanup.cleanup_job(rt, *records.job_location(rt, record))
+    cleanup.release_pods(rt, namespace, [pod for dispatch_id in counted for _, pod in pods_of[dispatch_id]])
     return failed
 
 
@@ -124,12 +123,10 @@ def _max_disruptions(rt: Runtime, capability: str) -> int:
 def _fail_disrupted(
     rt: Runtime, record: Any, disrupted: list[failure_detail.Disruption], *, total: int, limit: int
 ) -> bool:
-    from k8s_dispatch.delivery import delivery
-
     message = f"disrupted {total} times, more than the capability's maxDisruptions of {limit}"
     last = max(disrupted, key=lambda d: d.at or "")
     log.warning("dispatch %s: %s (the last: %s on node %s)", record.dispatch_id, message, last.reason, last.node)
     detail = {"disruptions": total, "last_disruption": last.payload()}
-    return delivery.fail_dispatch(
+    return terminal.fail_dispatch(
         rt, record.dispatch_id, reason=failure_detail.DISRUPTED, message=message, detail=detail
     )

@@ -30,7 +30,7 @@ import orjson
 import redis
 
 from k8s_dispatch.core.errors import ApiUnavailable, DispatchError
-from k8s_dispatch.delivery import delivery
+from k8s_dispatch.delivery.complete import job_snapshot
 from k8s_dispatch.workers import labels as job_labels
 from k8s_dispatch.workers import pod_health
 from k8s_dispatch.workers.job_status import job_state
@@ -90,7 +90,7 @@ def decide(event: Mapping[str, Any]) -> Step:
 class Position:
     """Where a namespace's watch stands: the version reached (None: never, or lost), the
     finished Jobs not yet delivered, and the running Jobs with no container started yet (what
-    the sweep's start checks read), by name, as last read (`delivery.job_snapshot`)."""
+    the sweep's start checks read), by name, as last read (`complete.job_snapshot`)."""
 
     version: str | None = None
     finished: dict[str, JsonDict] = field(default_factory=dict)
@@ -122,13 +122,13 @@ def apply(position: Position, events: Sequence[Mapping[str, Any]]) -> Applied:
             continue
         unstarted.pop(name, None)
         if step is Step.KEEP:
-            finished[name] = delivery.job_snapshot(job)
+            finished[name] = job_snapshot(job)
             continue
         finished.pop(name, None)
         if step is Step.FORGET and pod_health.unstarted(job):
-            unstarted[name] = delivery.job_snapshot(job)
+            unstarted[name] = job_snapshot(job)
         if step is Step.GONE:
-            gone.append(delivery.job_snapshot(job))
+            gone.append(job_snapshot(job))
     return Applied(Position(version, finished, unstarted), gone=gone, events=len(events))
 
 
@@ -532,8 +532,8 @@ def _relist(
         done = [job for job in items if job_state(job).terminal]
         out.finished += done
         out.handed_off += hand_off(done)
-        finished.update({_name(job): delivery.job_snapshot(job) for job in done})
-        unstarted.update({_name(job): delivery.job_snapshot(job) for job in items if pod_health.unstarted(job)})
+        finished.update({_name(job): job_snapshot(job) for job in done})
+        unstarted.update({_name(job): job_snapshot(job) for job in items if pod_health.unstarted(job)})
         token = (page.get("metadata") or {}).get("continue") or None
         if token is None:
             return Position(version, finished, unstarted)

@@ -1,7 +1,7 @@
 """One structured log line per dispatch state change, and its count in the metrics.
 
 Called right after the change committed (schedule, Job created, completed, failed,
-cancelled), from `tasks.jobs`, `delivery.delivery` and `recovery.sweep`. The line is
+cancelled), from `tasks.jobs`, `delivery` and `recovery.sweep`. The line is
 logfmt, so `grep dispatch_id=...` or any log pipeline finds every step of a dispatch:
 
     state-change state=COMPLETED dispatch_id=5f0c... case_id=case-7 tenancy_id=acme capability=demo.sha256

@@ -47,7 +47,7 @@ from k8s_dispatch.core.settings import Settings, load_settings
 from k8s_dispatch.demo import functions as demo_functions
 from k8s_dispatch.demo.localcluster import LocalCluster
 from k8s_dispatch.ops import interrupts, processes
-from k8s_dispatch.store import admission, dispatches
+from k8s_dispatch.store import admission, dispatches, scheduling
 from k8s_dispatch.store.db import make_engine, make_sessionmaker, transaction
 from k8s_dispatch.store.migrate import upgrade
 from k8s_dispatch.store.models import TERMINAL_EVENT_TYPES, TERMINAL_STATES, CaseEvent, Dispatch, DispatchState
@@ -101,8 +101,8 @@ class DemoRequest:
     expected: Any = None  # the output it must produce; None when it must fail
     must_fail: bool = False
 
-    def request(self) -> dispatches.ScheduleRequest:
-        return dispatches.ScheduleRequest(
+    def request(self) -> scheduling.ScheduleRequest:
+        return scheduling.ScheduleRequest(
             self.case_id, self.tenancy_id, self.capability, self.input, self.idempotency_key
         )
 
@@ -441,7 +441,7 @@ class _Demo:
         resolver = CapabilityResolver.from_settings(self.settings)
         with transaction(self.sessions) as session:
             for request in requests:
-                dispatches.create_case(session, case_id=request.case_id, tenancy_id=request.tenancy_id)
+                scheduling.create_case(session, case_id=request.case_id, tenancy_id=request.tenancy_id)
                 (result,) = schedule_many_in_session(
                     session, [request.request()], router=resolver,
                     max_input_bytes=self.settings.max_input_bytes, via=self.producer,

@@ -46,9 +46,9 @@ from k8s_dispatch.core.ids import check_dispatch_id
 from k8s_dispatch.core.settings import Settings, get_settings
 from k8s_dispatch.store import dispatches
 from k8s_dispatch.store.db import make_engine, make_sessionmaker, transaction
-from k8s_dispatch.store.dispatches import ScheduleRequest, ScheduleResult, create_case
 from k8s_dispatch.store.migrate import upgrade as migrate_database
 from k8s_dispatch.store.models import DispatchState, EventType
+from k8s_dispatch.store.scheduling import ScheduleRequest, ScheduleResult, create_case
 from k8s_dispatch.tasks.scheduling import (
     cancel_in_session,
     schedule_in_session,

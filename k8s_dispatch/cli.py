@@ -72,7 +72,7 @@ def schedule(
     Prints the dispatch id."""
     import json
 
-    from k8s_dispatch.store import dispatches
+    from k8s_dispatch.store import scheduling
     from k8s_dispatch.store.db import make_engine, make_sessionmaker, transaction
     from k8s_dispatch.tasks.scheduling import schedule_in_session
 
@@ -86,7 +86,7 @@ def schedule(
     try:
         with transaction(make_sessionmaker(engine)) as session:
             if create_case:
-                dispatches.create_case(session, case_id=case_id, tenancy_id=tenancy_id)
+                scheduling.create_case(session, case_id=case_id, tenancy_id=tenancy_id)
             result = schedule_in_session(
                 session,
                 case_id=case_id,

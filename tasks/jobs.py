@@ -1,6 +1,6 @@
 """The Celery tasks: schedule, create_job(s), poll, complete(_batch), cancel. Thin: ids in, work elsewhere.
 
-Each task hands its ids to `delivery.delivery` (the path the recovery sweep uses too) and
+Each task hands its ids to `delivery` (create, complete, cancel: the path the recovery sweep uses too) and
 lets the error tree drive Celery: `Transient` errors are retried with backoff and jitter,
 `Permanent` ones fail at once. Every task is idempotent, which is what makes late acks and
 redelivery after a lost worker safe.
@@ -22,11 +22,15 @@ from kombu.exceptions import ChannelError, LimitExceeded, OperationalError
 from k8s_dispatch import celeryconfig as names
 from k8s_dispatch.core.errors import DispatchError, Permanent, Transient
 from k8s_dispatch.core.settings import PollMode
-from k8s_dispatch.delivery import delivery, disruptions, handoff, jobwatch, statelog
+from k8s_dispatch.delivery import disruptions, handoff, jobwatch, statelog
+from k8s_dispatch.delivery.cancel import CANCELLED_REASON, cancel_dispatch
+from k8s_dispatch.delivery.cleanup import SELECTOR_CHUNK, delete_delivered_later, delete_noted
+from k8s_dispatch.delivery.complete import complete_job, complete_jobs, job_snapshot
 from k8s_dispatch.delivery.crashpoints import Point, crashpoint
+from k8s_dispatch.delivery.create import create_job_for, create_jobs_for
 from k8s_dispatch.delivery.metrics import METRICS, jobs_past_deadline, poll_lag_s
 from k8s_dispatch.delivery.runtime import Runtime
-from k8s_dispatch.store import dispatches
+from k8s_dispatch.store import scheduling
 from k8s_dispatch.store.db import transaction
 from k8s_dispatch.store.models import DispatchState, utcnow
 from k8s_dispatch.tasks import admission, lease, supersede
@@ -73,7 +77,7 @@ RETRY: RetryOptions = {
 # Measured (bench api_load, 1,000 Jobs of 60 s, poll every 2 s, one run each on a machine with a
 # load average of 8 on 2 cores): batches of about 5 gave 2.7 requests per Job and a completion
 # p99 of 4.0 s; about 10 gave 2.6 and 4.7 s.
-HANDOFF_BATCH_MAX = delivery.SELECTOR_CHUNK
+HANDOFF_BATCH_MAX = SELECTOR_CHUNK
 HANDOFF_BATCH_MIN = 5
 
 
@@ -97,7 +101,7 @@ def schedule(
     as `tasks.scheduling.send_schedule_until_recorded` does."""
     rt = get_runtime()
     with transaction(rt.sessions) as session:
-        result = dispatches.schedule(
+        result = scheduling.schedule(
             session,
             case_id=case_id,
             tenancy_id=tenancy_id,
@@ -142,7 +146,7 @@ def admit(periodic: bool = False) -> int:
 @app.task(name=names.CREATE_JOB_TASK, **RETRY)
 def create_job(dispatch_id: str) -> str:
     """One dispatch's Job (the `schedule` task's message, and messages queued before `create_jobs`)."""
-    return delivery.create_job_for(get_runtime(), dispatch_id).value
+    return create_job_for(get_runtime(), dispatch_id).value
 
 
 @app.task(name=names.CREATE_JOBS_TASK, **RETRY)
@@ -150,28 +154,28 @@ def create_jobs(dispatch_ids: list[str]) -> dict[str, int]:
     """A transaction's dispatches (`schedule_in_session`'s message), their Jobs created one after
     the other; a Transient error retries the whole batch (the Jobs made before it are marked,
     and adopted by the retry). How many of each outcome."""
-    return dict(Counter(outcome.value for outcome in delivery.create_jobs_for(get_runtime(), dispatch_ids).values()))
+    return dict(Counter(outcome.value for outcome in create_jobs_for(get_runtime(), dispatch_ids).values()))
 
 
 @app.task(name=names.COMPLETE_TASK, **RETRY)
 def complete(namespace: str, job_name: str) -> str:
     """One Job, read fresh (GET): for callers without a snapshot; poll sends `complete_batch`."""
-    return delivery.complete_job(get_runtime(), namespace, job_name).value
+    return complete_job(get_runtime(), namespace, job_name).value
 
 
 @app.task(bind=True, name=names.COMPLETE_BATCH_TASK, **RETRY)
 def complete_batch(
     self: Task[[str, list[dict[str, Any]]], dict[str, int]], namespace: str, jobs: list[dict[str, Any]]
 ) -> dict[str, int]:
-    """Finished Jobs of one namespace as poll's LIST saw them (`delivery.job_snapshot`): one
+    """Finished Jobs of one namespace as poll's LIST saw them (`complete.job_snapshot`): one
     Pod LIST for them all, no GET per Job, and the bulk delete left to the next cleanup (one for
     every batch of a cleanup interval). A Transient error stops the batch; the Jobs it left are
     retried (with backoff, as RETRY's) in a new message of their own.
     """
     rt = get_runtime()
-    done = delivery.complete_jobs(rt, namespace, jobs, delete=False)
+    done = complete_jobs(rt, namespace, jobs, delete=False)
     if done.released:  # removed by the next cleanup's one bulk delete for every batch since the last
-        delivery.delete_delivered_later(rt, namespace)
+        delete_delivered_later(rt, namespace)
     if done.error is not None:
         countdown = get_exponential_backoff_interval(
             factor=RETRY["retry_backoff"],
@@ -187,11 +191,11 @@ def complete_batch(
 
 
 @app.task(name=names.CANCEL_TASK, **RETRY)
-def cancel(dispatch_id: str, reason: str = delivery.CANCELLED_REASON, recorded: bool = False) -> bool:
+def cancel(dispatch_id: str, reason: str = CANCELLED_REASON, recorded: bool = False) -> bool:
     """Cancel by task call (the cancel lives only in this message until it runs), or, with
     `recorded`, `cancel_in_session`'s follow-up: the cancel is in the database already, this
     deletes the Job at once and notifies the engine (if lost, the sweep deletes the Job)."""
-    return delivery.cancel_dispatch(get_runtime(), dispatch_id, reason=reason, recorded=recorded)
+    return cancel_dispatch(get_runtime(), dispatch_id, reason=reason, recorded=recorded)
 
 
 # --- poll -----------------------------------------------------------------------------------
@@ -270,7 +274,7 @@ def cleanup() -> dict[str, int]:
     try:
         for namespace in rt.namespaces():
             failed += len(disruptions.scan(rt, namespace))
-            deleted += delivery.delete_noted(rt, namespace)
+            deleted += delete_noted(rt, namespace)
     except (Transient, redis.RedisError) as e:
         log.warning("cleanup stopped early (%s); the next one continues", e)
     return {"disrupted_failed": failed, "deleted": deleted}
@@ -326,7 +330,7 @@ def _hand_off(
     to their queued message; with `renew`, the markers of those handed off before are renewed);
     the number of Jobs handed off."""
     marked = handoff.mark(client, prefix, namespace, jobs, ttl_s, renew=renew)
-    fresh = [delivery.job_snapshot(job) for job, is_new in zip(jobs, marked, strict=True) if is_new]
+    fresh = [job_snapshot(job) for job, is_new in zip(jobs, marked, strict=True) if is_new]
     for batch in batches(fresh, workers=workers):
         complete_batch.delay(namespace, batch)
     return len(fresh)

@@ -31,9 +31,9 @@ from sqlalchemy.orm import Session, SessionTransaction, sessionmaker
 from k8s_dispatch import celeryconfig as names
 from k8s_dispatch.core.errors import DatabaseUnavailable, ScheduleNotRecorded
 from k8s_dispatch.core.ids import check_dispatch_id
-from k8s_dispatch.delivery import statelog
+from k8s_dispatch.delivery import statelog, terminal
 from k8s_dispatch.delivery.crashpoints import Point, crashpoint
-from k8s_dispatch.store import dispatches
+from k8s_dispatch.store import dispatches, scheduling
 from k8s_dispatch.store.db import transaction
 from k8s_dispatch.store.models import DispatchState, EventType
 from k8s_dispatch.tasks.app import app
@@ -49,7 +49,7 @@ _PENDING_KEY = "k8s_dispatch.pending_create_job"
 # transactions of 50, side by side): messages of 50 cost the worker 0.9-1.2 ms CPU per Job,
 # messages of 25 1.4-1.55 ms.
 CREATE_BATCH = 50
-CANCELLED_REASON = "Cancelled"  # as delivery.delivery's, the reason a cancel records by default
+CANCELLED_REASON = "Cancelled"  # as delivery.cancel's, the reason a cancel records by default
 
 
 def schedule_in_session(
@@ -60,18 +60,18 @@ def schedule_in_session(
     capability: str,
     input: Any,
     idempotency_key: str,
-    router: dispatches.CapabilityRouter,
+    router: scheduling.CapabilityRouter,
     max_input_bytes: int,
     dispatch_id: str | None = None,
     priority: int = 0,
     via: Celery | None = None,
     now: Any = None,
-) -> dispatches.ScheduleResult:
+) -> scheduling.ScheduleResult:
     """`store.dispatches.schedule` inside the caller's transaction; `create_jobs` is sent after commit.
 
-    Takes `dispatches.schedule`'s keyword arguments: `schedule_many_in_session` for one request.
+    Takes `scheduling.schedule`'s keyword arguments: `schedule_many_in_session` for one request.
     """
-    request = dispatches.ScheduleRequest(
+    request = scheduling.ScheduleRequest(
         case_id=case_id,
         tenancy_id=tenancy_id,
         capability=capability,
@@ -88,13 +88,13 @@ def schedule_in_session(
 
 def schedule_many_in_session(
     session: Session,
-    requests: Sequence[dispatches.ScheduleRequest],
+    requests: Sequence[scheduling.ScheduleRequest],
     *,
-    router: dispatches.CapabilityRouter,
+    router: scheduling.CapabilityRouter,
     max_input_bytes: int,
     via: Celery | None = None,
     now: Any = None,
-) -> list[dispatches.ScheduleResult]:
+) -> list[scheduling.ScheduleResult]:
     """`store.dispatches.schedule_many` inside the caller's transaction (all or nothing); the Jobs'
     creation is sent after the outermost commit, CREATE_BATCH dispatches per message.
 
@@ -104,7 +104,7 @@ def schedule_many_in_session(
     database and the recovery sweep creates their Jobs after the grace period. A repeated
     request is sent again (create_jobs is idempotent; a lost first message is covered).
     """
-    results = dispatches.schedule_many(session, requests, router=router, max_input_bytes=max_input_bytes, now=now)
+    results = scheduling.schedule_many(session, requests, router=router, max_input_bytes=max_input_bytes, now=now)
     sender = via if via is not None else app
     # Each new dispatch's state-change line travels with its pending id (logged after the
     # commit, dropped with a rolled-back SAVEPOINT), so no per-transaction hook of statelog's.
@@ -135,10 +135,11 @@ def cancel_in_session(
         UnknownDispatch: no such dispatch (nothing written).
     """
     check_dispatch_id(dispatch_id)
-    won = dispatches.record_terminal(session, dispatch_id, EventType.WORKER_CANCELLED, {"reason": reason})
+    event = dispatches.TerminalEvent(dispatch_id, EventType.WORKER_CANCELLED, {"reason": reason})
+    won = bool(terminal.record(session, [event]))
     if won:
         row = dispatches.get_dispatch(session, dispatch_id)
-        assert row is not None  # record_terminal raised UnknownDispatch otherwise
+        assert row is not None  # the write raised UnknownDispatch otherwise
         statelog.on_commit(
             session,
             DispatchState.CANCELLED,
@@ -230,7 +231,7 @@ def _after_commit_send(
     sender: Celery,
     *,
     task: str = names.CREATE_JOBS_TASK,
-    scheduled: Mapping[str, dispatches.ScheduleRequest] | None = None,
+    scheduled: Mapping[str, scheduling.ScheduleRequest] | None = None,
 ) -> None:
     # Remember the innermost SAVEPOINT the dispatches were written in: rolling that one back
     # takes them with it; releasing it hands them to the enclosing one.
@@ -247,7 +248,7 @@ class _Pending:
     sender: Celery
     savepoint: SessionTransaction | None  # None: written outside any SAVEPOINT
     task: str = names.CREATE_JOBS_TASK  # or CANCEL_TASK (a cancel_in_session), ADMIT_TASK (queued)
-    scheduled: dispatches.ScheduleRequest | None = None  # created by this transaction: log SCHEDULED
+    scheduled: scheduling.ScheduleRequest | None = None  # created by this transaction: log SCHEDULED
 
 
 # The hooks are the Session class's, installed once: one `event.listen` per session (the engine
@@ -257,7 +258,7 @@ class _Pending:
 def _on_commit(session: Session) -> None:
     if _PENDING_KEY not in session.info:
         return
-    # SQLAlchemy sends after_commit for a released SAVEPOINT too (dispatches.schedule_many uses
+    # SQLAlchemy sends after_commit for a released SAVEPOINT too (scheduling.schedule_many uses
     # one): only the outermost commit makes the rows visible to a worker.
     released = session.get_nested_transaction()
     if released is not None:

@@ -71,3 +71,17 @@ def test_test_modules_have_names_of_their_own() -> None:
     names = [p.name for p in (REPO / "tests").rglob("*.py") if "__pycache__" not in p.parts]
     repeated = sorted({n for n in names if names.count(n) > 1 and n != "conftest.py"})
     assert repeated == []
+
+
+def test_one_writer_of_terminal_events() -> None:
+    """Every end of a dispatch (completed, failed, cancelled, lost, timed out, given up by the
+    sweep) is written through `delivery.terminal.record`: nothing else of the product calls the
+    store's terminal-event writes."""
+    writes = {"record_terminal", "record_terminals"}
+    callers = sorted(
+        str(path.relative_to(REPO))
+        for path in python_files(*PRODUCT, "ops")
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in writes
+    )
+    assert callers == ["delivery/terminal.py"]

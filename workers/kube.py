@@ -93,7 +93,7 @@ WATCH_QUIET_S = 0.08
 # what is on its way from the socket, not the server's replay of what it has.
 KEPT_QUIET_S = 0.01
 # How many requests one task thread may have in flight at once (a completion's releases of its
-# batch's Jobs, `delivery.delivery`): the connection pool is sized for it.
+# batch's Jobs, `delivery.complete`): the connection pool is sized for it.
 REQUESTS_PER_THREAD = 4
 # A watch's reads wait at most its lifetime and this much more: the server ends it by then.
 WATCH_READ_SLACK_S = 5.0

@@ -18,8 +18,8 @@ Measured, each step on the small and the large queue in turn (the order alternat
   LIMITED's queue;
 - a pass when nothing is free: it must admit nothing;
 - `schedule` -> Job created through the real path for a dispatch of OTHER (a free slot) while
-  N wait in LIMITED's queue: `dispatches.schedule_many` (committed), a pass, then
-  `delivery.delivery.create_jobs_for` against localcluster; and, for LIMITED, a holder's end ->
+  N wait in LIMITED's queue: `scheduling.schedule_many` (committed), a pass, then
+  `delivery.create.create_jobs_for` against localcluster; and, for LIMITED, a holder's end ->
   a pass -> the admitted dispatch's Job created. (Celery's hop, the `admit` and `create_jobs`
   messages, is left out: it does not depend on N.)
 - the shared buffers a freed-slot pass's statements touch (their `EXPLAIN (ANALYZE, BUFFERS)`,
@@ -44,12 +44,12 @@ from typing import Any
 import sqlalchemy as sa
 
 from k8s_dispatch.core.settings import load_settings
-from k8s_dispatch.delivery.delivery import CreateOutcome, create_jobs_for
+from k8s_dispatch.delivery.create import CreateOutcome, create_jobs_for
 from k8s_dispatch.delivery.runtime import Runtime
 from k8s_dispatch.lab.bench import api_load, services, workload
 from k8s_dispatch.lab.bench.results import BenchResult, Figure, Ratio, Target
 from k8s_dispatch.lab.bench.sizes import Size
-from k8s_dispatch.store import admission, dispatches
+from k8s_dispatch.store import admission, dispatches, scheduling
 from k8s_dispatch.store.db import database_now, transaction
 from k8s_dispatch.store.models import EventType
 from k8s_dispatch.workers.kube import KubeClient
@@ -148,7 +148,7 @@ class _Side:
         for tenancy in (LIMITED, OTHER):
             case_id = f"case-{tenancy}"
             with transaction(self.rt.sessions) as session:
-                dispatches.create_case(session, case_id=case_id, tenancy_id=tenancy)
+                scheduling.create_case(session, case_id=case_id, tenancy_id=tenancy)
             self.cases[tenancy] = case_id
         self.schedule(LIMITED, SLOTS)
         admitted, _, _ = self.pass_()
@@ -171,13 +171,13 @@ class _Side:
 
     def schedule(self, tenancy: str, count: int) -> list[str]:
         requests = [
-            dispatches.ScheduleRequest(
+            scheduling.ScheduleRequest(
                 self.cases[tenancy], tenancy, CAPABILITY, workload.input_for(i), f"key-{next(self._keys)}"
             )
             for i in range(count)
         ]
         with transaction(self.rt.sessions) as session:
-            results = dispatches.schedule_many(
+            results = scheduling.schedule_many(
                 session, requests, router=self.rt.resolver, max_input_bytes=self.rt.settings.max_input_bytes
             )
         if any(r.state.value != "QUEUED" for r in results):
@@ -490,8 +490,8 @@ def _report(
     )
     result.notes.append(
         f"tenancy {LIMITED} maxRunning {SLOTS} (full), {OTHER} maxRunning {OTHER_SLOTS}; N written QUEUED by "
-        f"dispatches.schedule_many, {CHUNK} per transaction (autovacuum off for the table until measured 'right after the burst', then VACUUM ANALYZE and autovacuum back on); a pass: store.admission.admit in its own "
-        "transaction, timed to its commit; the paths: dispatches.schedule_many -> admit -> delivery.delivery.create_jobs_for "
+        f"scheduling.schedule_many, {CHUNK} per transaction (autovacuum off for the table until measured 'right after the burst', then VACUUM ANALYZE and autovacuum back on); a pass: store.admission.admit in its own "
+        "transaction, timed to its commit; the paths: scheduling.schedule_many -> admit -> delivery.create.create_jobs_for "
         "against localcluster (simulate), without Celery's hops; ratios: p50 per block of passes, large / small"
     )
     result.notes.append(

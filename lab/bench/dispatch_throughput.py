@@ -52,7 +52,7 @@ from k8s_dispatch.lab.bench.results import BenchResult, Figure, Ratio, Target
 from k8s_dispatch.lab.bench.sizes import Size
 from k8s_dispatch.lab.bench.timing import interleaved, paired_ratios, rates
 from k8s_dispatch.ops.processes import wait_until
-from k8s_dispatch.store import dispatches
+from k8s_dispatch.store import scheduling
 from k8s_dispatch.store.db import make_engine, make_sessionmaker, transaction
 from k8s_dispatch.store.models import Dispatch, DispatchState
 from k8s_dispatch.tasks.scheduling import CREATE_BATCH, schedule_in_session, schedule_many_in_session
@@ -248,7 +248,7 @@ class _Ours:
         from the first schedule call to the last Job created."""
         case_id = workload.new_case(self._sessions)
         requests = [
-            dispatches.ScheduleRequest(
+            scheduling.ScheduleRequest(
                 case_id, workload.TENANCY, workload.capability_for(i), workload.input_for(i), f"key-{uuid.uuid4()}"
             )
             for i in range(n)

@@ -1,7 +1,7 @@
 """The process whose memory figure 5 measures: one recovery sweep, configured only by
 K8S_DISPATCH_* settings, importing only the product (not the bench), as a worker's sweep runs.
 
-    python -m bench.sweep_child   # prints one JSON line: RSS before and after the sweep, its counts
+    python -m k8s_dispatch.lab.bench.sweep_child   # prints one JSON line: RSS before and after the sweep, its counts
 """
 
 from __future__ import annotations

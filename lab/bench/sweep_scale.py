@@ -4,7 +4,7 @@ Figure 4: one `recovery.sweep.run_sweep` against a raw paginated LIST of the sam
 official client (`BatchV1Api.list_namespaced_job`, `limit` + `_continue`, its default model
 objects), interleaved; and the API requests the sweep made, counted by the server, against what
 it should need: the LIST pages plus the calls of the Jobs that needed action.
-Figure 5: the peak RSS of a fresh process (`python -m bench.sweep_child`: a Runtime built from
+Figure 5: the peak RSS of a fresh process (`python -m k8s_dispatch.lab.bench.sweep_child`: a Runtime built from
 K8S_DISPATCH_* settings, one sweep, its peak RSS printed) for two N: flat if the sweep streams
 page by page. The smaller N is the first Jobs and rows of the larger, measured before the rest
 are added: one population serves both figures.
@@ -284,11 +284,11 @@ def _figure_5(result: BenchResult, memory: Mapping[int, Memory]) -> None:
 
 
 def sweep_in_child(values: Mapping[str, str]) -> dict[str, Any]:
-    """Run `python -m bench.sweep_child` with these settings (and no other K8S_DISPATCH_*); its JSON."""
+    """Run `python -m k8s_dispatch.lab.bench.sweep_child` with these settings (and no other K8S_DISPATCH_*); its JSON."""
     ours = services.deployment_env(values)
     env = {k: v for k, v in project_env(ours).items() if not k.startswith(services.ENV_PREFIX) or k in ours}
     done = subprocess.run(
-        [sys.executable, "-m", "bench.sweep_child"], env=env, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S
+        [sys.executable, "-m", "k8s_dispatch.lab.bench.sweep_child"], env=env, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S
     )
     if done.returncode != 0:
         raise RuntimeError(f"the sweep's process exited {done.returncode}:\n{done.stderr[-3000:]}")

@@ -16,7 +16,7 @@ import yaml
 from sqlalchemy.orm import Session, sessionmaker
 
 from k8s_dispatch.ops.processes import wait_until
-from k8s_dispatch.store import dispatches
+from k8s_dispatch.store import dispatches, scheduling
 from k8s_dispatch.store.db import transaction
 from k8s_dispatch.workers import labels as job_labels
 from k8s_dispatch.workers.job_status import job_state
@@ -105,7 +105,7 @@ def job_bodies(
 def new_case(sessions: sessionmaker[Session]) -> str:
     case_id = f"case-{uuid.uuid4().hex[:12]}"
     with transaction(sessions) as session:
-        dispatches.create_case(session, case_id=case_id, tenancy_id=TENANCY)
+        scheduling.create_case(session, case_id=case_id, tenancy_id=TENANCY)
     return case_id
 
 
@@ -120,18 +120,18 @@ def created_dispatches(
     capability_of: Callable[[int], str] = lambda i: INSTANT,
 ) -> list[tuple[DispatchRef, dict[str, Any]]]:
     """`count` dispatches written as an engine would (SCHEDULED), then marked created, in one
-    transaction and a few statements (`dispatches.schedule_many`, `dispatches.mark_created_many`): each
+    transaction and a few statements (`scheduling.schedule_many`, `dispatches.mark_created_many`): each
     one's ref and Job manifest (not created in the cluster), labelled for `deployment` (the
     settings' `effective_deployment` of the workers that are to deliver them). Instant Jobs
     unless `capability_of(i)` names another capability for dispatch i."""
     case_id = new_case(sessions)
     requests = [
-        dispatches.ScheduleRequest(case_id, TENANCY, capability_of(i), input_for(i), f"key-{uuid.uuid4()}")
+        scheduling.ScheduleRequest(case_id, TENANCY, capability_of(i), input_for(i), f"key-{uuid.uuid4()}")
         for i in range(count)
     ]
     made = []
     with transaction(sessions) as session:
-        results = dispatches.schedule_many(session, requests, router=caps, max_input_bytes=max_input_bytes)
+        results = scheduling.schedule_many(session, requests, router=caps, max_input_bytes=max_input_bytes)
         for _i, (request, result) in enumerate(zip(requests, results, strict=True)):
             ref = DispatchRef(
                 dispatch_id=DispatchId(result.dispatch_id),

@@ -1,4 +1,4 @@
-"""`python -m realcluster serve ...`"""
+"""`python -m k8s_dispatch.lab.realcluster serve ...`"""
 
 from k8s_dispatch.lab.realcluster.cli import realcluster
 

@@ -1,5 +1,5 @@
 """`realcluster serve`: a real control plane as one command (also `k8s-dispatch realcluster serve`
-and `python -m realcluster serve`). Builds the binaries on first use, writes the admin kubeconfig,
+and `python -m k8s_dispatch.lab realcluster serve`). Builds the binaries on first use, writes the admin kubeconfig,
 runs until SIGTERM/SIGINT, then stops every component and removes its files."""
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ RBAC caches, and refuses ServiceAccount tokens 403 (`clusterrole ... not found`)
 `POST /faultproxy/faults {"rate": 0.05, "latency_ms": 20}` (optionally `"kinds": ["503", "reset"]`
 to draw from those alone; GET: the settings and counts), bearer token from `--token-file`.
 
-    python -m realcluster.faultproxy --port P --upstream https://127.0.0.1:N --ca ca.crt \
+    python -m k8s_dispatch.lab.realcluster.faultproxy --port P --upstream https://127.0.0.1:N --ca ca.crt \
         --cert server.crt --key server.key --token-file control.token
 """
 
@@ -242,13 +242,13 @@ class Proxy:
 
 def process(plane: Any, *, port: int, token_file: Path, log_dir: Path, ready_gate: bool = True,
             name: str = "faultproxy") -> Any:  # fmt: skip
-    """`python -m realcluster.faultproxy` in front of `plane` (a started ControlPlane), serving with
+    """`python -m k8s_dispatch.lab.realcluster.faultproxy` in front of `plane` (a started ControlPlane), serving with
     its API server's certificate (CA-signed, loopback names), forwarding only while kube-apiserver
     is ready unless `ready_gate` is False; a ManagedProcess not yet started."""
     from k8s_dispatch.ops.processes import ManagedProcess, project_env
 
     keys = plane.directory / "pki"
-    argv = [sys.executable, "-m", "realcluster.faultproxy", "--port", str(port), "--upstream", plane.url,
+    argv = [sys.executable, "-m", "k8s_dispatch.lab.realcluster.faultproxy", "--port", str(port), "--upstream", plane.url,
             "--ca", str(keys / "ca.crt"), "--cert", str(keys / "apiserver.crt"), "--key", str(keys / "apiserver.key"),
             "--token-file", str(token_file)]  # fmt: skip
     if ready_gate:
@@ -312,7 +312,7 @@ async def _serve(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m realcluster.faultproxy", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m k8s_dispatch.lab.realcluster.faultproxy", description=__doc__.split("\n\n")[0])
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--upstream", required=True, help="kube-apiserver's URL")

@@ -134,7 +134,7 @@ def ignore_patterns() -> list[str]:
 
 
 @pytest.mark.parametrize(
-    "path", [".venv", ".git", ".env", "tests", "k8s-dispatch.db", "lab/bench/results", "kubeconfig"]
+    "path", [".venv", ".git", ".env", "tests", "k8s-dispatch.db", "lab", "lab/bench/results", "kubeconfig"]
 )
 def test_local_state_and_secrets_stay_out_of_the_context(ignore_patterns: list[str], path: str) -> None:
     assert _ignored(path, ignore_patterns)
@@ -142,7 +142,22 @@ def test_local_state_and_secrets_stay_out_of_the_context(ignore_patterns: list[s
 
 @pytest.mark.parametrize(
     "path",
-    ["pyproject.toml", "README.md", "requirements.lock", "celeryconfig.py", "k8s_dispatch", "tasks", "engine", "ops"],
+    [
+        "pyproject.toml",
+        "README.md",
+        "requirements.lock",
+        "celeryconfig.py",
+        "k8s_dispatch",
+        "tasks",
+        "recovery",
+        "delivery",
+        "workers",
+        "store",
+        "core",
+        "container",
+        "ops",
+        "demo",
+    ],
 )
 def test_what_pip_install_needs_is_in_the_context(ignore_patterns: list[str], path: str) -> None:
     # pyproject names README.md as the readme and installs these packages and modules.

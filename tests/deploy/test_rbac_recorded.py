@@ -22,12 +22,12 @@ from deploy_files import DEPLOY, role_permissions
 
 from k8s_dispatch.core.errors import ApiRejected
 from k8s_dispatch.core.settings import load_settings
-from k8s_dispatch.delivery import delivery, disruptions, jobwatch
+from k8s_dispatch.delivery import cancel, complete, create, disruptions, jobwatch, records
 from k8s_dispatch.delivery.runtime import Runtime
 from k8s_dispatch.demo.localcluster import LocalCluster
 from k8s_dispatch.ops.processes import wait_until
 from k8s_dispatch.recovery.sweep import run_sweep
-from k8s_dispatch.store import dispatches
+from k8s_dispatch.store import dispatches, scheduling
 from k8s_dispatch.store.db import transaction
 from k8s_dispatch.workers import labels as job_labels
 from k8s_dispatch.workers.job_status import job_state
@@ -91,8 +91,8 @@ def _migrated(url: str) -> str:
 def _schedule(rt: Runtime, capability: str) -> str:
     case_id = f"case-{uuid.uuid4().hex[:8]}"
     with transaction(rt.sessions) as session:
-        dispatches.create_case(session, case_id=case_id, tenancy_id="tenant-a")
-        return dispatches.schedule(
+        scheduling.create_case(session, case_id=case_id, tenancy_id="tenant-a")
+        return scheduling.schedule(
             session, case_id=case_id, tenancy_id="tenant-a", capability=capability, input={"n": 1},
             idempotency_key=f"key-{uuid.uuid4()}", router=rt.resolver, max_input_bytes=rt.settings.max_input_bytes,
         ).dispatch_id  # fmt: skip
@@ -109,10 +109,10 @@ def walk_the_delivery_path(rt: Runtime, *, timeout_s: float = 15) -> None:
     namespace = rt.settings.namespace
     done, running, failing = _schedule(rt, "sim.ok"), _schedule(rt, "sim.hang"), _schedule(rt, "sim.fail")
     for dispatch_id in (done, running, failing):
-        assert delivery.create_job_for(rt, dispatch_id) is delivery.CreateOutcome.CREATED
-    assert delivery.create_job_for(rt, done) is delivery.CreateOutcome.ADOPTED  # a duplicate message
+        assert create.create_job_for(rt, dispatch_id) is create.CreateOutcome.CREATED
+    assert create.create_job_for(rt, done) is create.CreateOutcome.ADOPTED  # a duplicate message
 
-    name = delivery.job_location(rt, delivery.load_record(rt, done))[1]
+    name = records.job_location(rt, records.load_record(rt, done))[1]
     wait_until(lambda: _finished(rt, namespace, name), timeout=timeout_s, what="the Job finished")
     finished = [j["metadata"]["name"] for page in rt.kube.iter_jobs(namespace, label_selector=job_labels.selector(),
                 page_size=rt.settings.poll_page_size) for j in page if job_state(j).terminal]  # fmt: skip
@@ -124,16 +124,16 @@ def walk_the_delivery_path(rt: Runtime, *, timeout_s: float = 15) -> None:
             hand_off=lambda jobs: 0,
         )  # fmt: skip
         assert polled.listed is not resumed, polled
-    assert delivery.complete_job(rt, namespace, name) is delivery.CompleteOutcome.COMPLETED
+    assert complete.complete_job(rt, namespace, name) is complete.CompleteOutcome.COMPLETED
     assert disruptions.scan(rt, namespace) == []  # poll's LIST of our failed Pods
-    bad = delivery.job_location(rt, delivery.load_record(rt, failing))[1]
+    bad = records.job_location(rt, records.load_record(rt, failing))[1]
     wait_until(lambda: _finished(rt, namespace, bad), timeout=timeout_s, what="the failing Job finished")
-    assert delivery.complete_job(rt, namespace, bad) is delivery.CompleteOutcome.COMPLETED
+    assert complete.complete_job(rt, namespace, bad) is complete.CompleteOutcome.COMPLETED
     with transaction(rt.sessions) as session:
         detail = dispatches.terminal_event(session, failing).payload["detail"]
     assert detail["log_tail"] == "it broke\n"  # read, not refused (which would only leave it out)
     assert [e["reason"] for e in detail["events"]] == ["BackoffLimitExceeded"]
-    assert delivery.cancel_dispatch(rt, running, reason="UserCancelled")
+    assert cancel.cancel_dispatch(rt, running, reason="UserCancelled")
 
     forged = DispatchRef(str(uuid.uuid4()), "case-x", "tenant-a", "sim.ok", "sim", "key-x")
     labels, annotations = job_labels.encode(forged, deployment=rt.settings.effective_deployment)

@@ -16,7 +16,7 @@ from rich.console import Console
 from k8s_dispatch.core.errors import InvalidId, UnknownDispatch
 from k8s_dispatch.core.limits import Limits, TenancyLimit
 from k8s_dispatch.ops.show import read_story, render
-from k8s_dispatch.store import admission, dispatches, migrate
+from k8s_dispatch.store import admission, dispatches, migrate, scheduling
 from k8s_dispatch.store.db import database_now, make_engine, make_sessionmaker, transaction
 from k8s_dispatch.store.disruptions import DisruptionEvent, record_disruptions
 from k8s_dispatch.store.models import EventType
@@ -42,8 +42,8 @@ def _failed_dispatch(url: str) -> str:
     sessions = make_sessionmaker(engine)
     try:
         with transaction(sessions) as session:
-            dispatches.create_case(session, case_id="c1", tenancy_id="acme")
-            dispatch_id = dispatches.schedule(
+            scheduling.create_case(session, case_id="c1", tenancy_id="acme")
+            dispatch_id = scheduling.schedule(
                 session, case_id="c1", tenancy_id="acme", capability="cap", input={}, idempotency_key="k",
                 router=Router(), max_input_bytes=1000,
             ).dispatch_id  # fmt: skip
@@ -122,9 +122,9 @@ def test_a_queued_dispatch_shows_its_place_in_its_queue_and_an_admitted_one_its_
     sessions = make_sessionmaker(engine)
     try:
         with transaction(sessions) as session:
-            dispatches.create_case(session, case_id="cq", tenancy_id="acme")
+            scheduling.create_case(session, case_id="cq", tenancy_id="acme")
             first, second, urgent = (
-                dispatches.schedule(
+                scheduling.schedule(
                     session, case_id="cq", tenancy_id="acme", capability="cap", input={"i": i},
                     idempotency_key=f"q{i}", router=LimitedRouter(), max_input_bytes=1000, priority=priority,
                     now=database_now(session) - timedelta(seconds=10 - i),  # first in: by time

@@ -18,7 +18,8 @@ import pytest
 from kubernetes import client, config
 
 from k8s_dispatch.core.settings import load_settings
-from k8s_dispatch.delivery import delivery
+from k8s_dispatch.delivery import create
+from k8s_dispatch.delivery.records import load_records
 from k8s_dispatch.delivery.runtime import Runtime
 from k8s_dispatch.lab.realcluster.controlplane import ControlPlane
 from k8s_dispatch.lab.realcluster.kueue import GROUP, VERSION, Kueue
@@ -156,7 +157,7 @@ def test_two_dispatches_of_a_one_job_queue_run_one_after_the_other_and_both_comp
     namespace = rt.settings.namespace
     make_queues(cp, namespace, cpu="1")  # room for one Job's `requests: {cpu: 1}`
     ids = [schedule(rt, "sim.kueue", {"i": i}) for i in range(2)]
-    delivery.create_jobs_for(rt, ids)
+    create.create_jobs_for(rt, ids)
     names = {job_name(d): d for d in ids}
 
     running_at_once = 0
@@ -169,7 +170,7 @@ def test_two_dispatches_of_a_one_job_queue_run_one_after_the_other_and_both_comp
     try:
         objects = custom(api)
         deadline = time.monotonic() + 120
-        while not all(r.state is not DispatchState.CREATED for r in delivery.load_records(rt, ids).values()):
+        while not all(r.state is not DispatchState.CREATED for r in load_records(rt, ids).values()):
             assert time.monotonic() < deadline, f"not delivered in time:\n{kueue.log_tail()}"
             now = time.monotonic()
             pages = rt.kube.iter_jobs(namespace, label_selector=job_labels.selector())
@@ -201,7 +202,7 @@ def test_two_dispatches_of_a_one_job_queue_run_one_after_the_other_and_both_comp
     [first] = set(names) - {second}
     # Kueue admitted the second only once the first's quota was freed: when it finished.
     assert resumed[second] >= finished[first], (resumed, finished)
-    records = delivery.load_records(rt, ids)
+    records = load_records(rt, ids)
     assert all(r.state is DispatchState.COMPLETED for r in records.values()), records
     for dispatch_id in ids:
         with transaction(rt.sessions) as session:

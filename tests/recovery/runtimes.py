@@ -14,7 +14,7 @@ from k8s_dispatch.core.errors import BrokerUnavailable
 from k8s_dispatch.delivery.runtime import Runtime
 from k8s_dispatch.demo.localcluster import LocalCluster
 from k8s_dispatch.demo.localcluster.quota import QUOTA_JOBS
-from k8s_dispatch.store import dispatches
+from k8s_dispatch.store import scheduling
 from k8s_dispatch.store.db import transaction
 
 
@@ -37,8 +37,8 @@ def schedule(rt: Runtime, capability: str = "sim.ok", input: Any = None, *, tena
     """One dispatch of `capability` on a new case (input `{"n": 1}` unless given); its id."""
     case_id = f"case-{uuid.uuid4().hex[:8]}"
     with transaction(rt.sessions) as session:
-        dispatches.create_case(session, case_id=case_id, tenancy_id=tenancy)
-        return dispatches.schedule(
+        scheduling.create_case(session, case_id=case_id, tenancy_id=tenancy)
+        return scheduling.schedule(
             session,
             case_id=case_id,
             tenancy_id=tenancy,

@@ -32,14 +32,14 @@ from forged_jobs import SIM, forge_job
 from k8s_dispatch import celeryconfig as names
 from k8s_dispatch.core.errors import ApiUnavailable
 from k8s_dispatch.core.settings import Settings, load_settings
-from k8s_dispatch.delivery import delivery, stats
+from k8s_dispatch.delivery import create, records, stats
 from k8s_dispatch.delivery.crashpoints import ENV_VAR as CRASH_AT
 from k8s_dispatch.delivery.crashpoints import Point
 from k8s_dispatch.delivery.runtime import Runtime
 from k8s_dispatch.demo.localcluster.cluster import token_from_kubeconfig
 from k8s_dispatch.ops.processes import ManagedProcess, celery_beat, celery_worker, wait_until
-from k8s_dispatch.recovery.sweep import ORPHANS_REPORTED
-from k8s_dispatch.store import dispatches, migrate
+from k8s_dispatch.recovery.executor import ORPHANS_REPORTED
+from k8s_dispatch.store import dispatches, migrate, scheduling
 from k8s_dispatch.store.db import transaction
 from k8s_dispatch.store.models import DispatchState, EventType
 from k8s_dispatch.tasks.recovery_tasks import STARTUP_SWEEP_DONE
@@ -122,7 +122,7 @@ class Site:
     def new_case(self, tenancy: str = "tenant-a") -> str:
         case_id = f"case-{uuid.uuid4().hex[:10]}"
         with transaction(self.rt.sessions) as session:
-            dispatches.create_case(session, case_id=case_id, tenancy_id=tenancy)
+            scheduling.create_case(session, case_id=case_id, tenancy_id=tenancy)
         return case_id
 
     def schedule(self, values: list[Any], *, send: bool = True) -> list[str]:
@@ -140,7 +140,7 @@ class Site:
                 result = (
                     schedule_in_session(session, via=self.producer, **request)
                     if send
-                    else dispatches.schedule(session, **request)
+                    else scheduling.schedule(session, **request)
                 )
                 ids.append(result.dispatch_id)
         return ids
@@ -376,7 +376,7 @@ def test_a_flushed_broker_loses_nothing(any_cluster, make_site):
     ids = site.schedule(values[:8])  # one create_jobs message queued (one transaction), nobody consuming
     finished = site.schedule(values[8:], send=False)
     for dispatch_id in finished:  # Jobs that ran while every worker was down
-        delivery.create_job_for(site.rt, dispatch_id)
+        create.create_job_for(site.rt, dispatch_id)
     site.wait(lambda: all(job_state(j).terminal for j in site.jobs()) and len(site.jobs()) == 4, what="4 jobs finished")
 
     assert site.rt.redis.llen(f"{site.prefix}:{names.JOBS_QUEUE}") == 1
@@ -398,7 +398,7 @@ def test_three_replicas_starting_at_once_on_300_finished_jobs_deliver_each_once(
     values = [{"replica": i} for i in range(300)]
     ids = site.schedule(values, send=False)
     with ThreadPoolExecutor(8) as pool:
-        list(pool.map(lambda d: delivery.create_job_for(site.rt, d), ids))
+        list(pool.map(lambda d: create.create_job_for(site.rt, d), ids))
     site.wait(lambda: sum(job_state(j).terminal for j in site.jobs()) == 300, what="300 jobs finished")
 
     started = time.monotonic()
@@ -489,7 +489,7 @@ def test_an_api_server_with_5_percent_errors_that_restarts_during_recovery_still
         values = [{"flaky": i} for i in range(30)]
         ids = site.schedule(values, send=False)  # rows only: no message will ever create their Jobs
         for dispatch_id in ids[:15]:  # Jobs that ran while every worker was down
-            delivery.create_job_for(site.rt, dispatch_id)
+            create.create_job_for(site.rt, dispatch_id)
         site.wait(lambda: sum(job_state(j).terminal for j in site.jobs()) == 15, what="15 jobs finished")
 
         served.faults(rate=0.05)
@@ -520,7 +520,7 @@ def test_a_forged_job_and_a_tenancy_mismatched_job_are_never_delivered(any_clust
     )  # fmt: skip
     forged = forge_job(site.rt.kube, site.namespace, forged_ref, deployment=site.settings.effective_deployment)
     [victim] = site.schedule([{"victim": 1}], send=False)
-    victim_ref = delivery.load_record(site.rt, victim).ref
+    victim_ref = records.load_record(site.rt, victim).ref
     forge_job(
         site.rt.kube,
         site.namespace,
@@ -580,7 +580,7 @@ def test_a_fresh_worker_recovers_its_backlog_at_start_before_running_any_task(an
     finished = site.schedule([{"done": i} for i in range(5)], send=False)  # category 2
     recorded = site.schedule([{"recorded": i} for i in range(3)], send=False)  # category 4
     for dispatch_id in finished + recorded:
-        delivery.create_job_for(site.rt, dispatch_id)
+        create.create_job_for(site.rt, dispatch_id)
     site.wait(lambda: len(site.jobs()) == 8 and all(job_state(j).terminal for j in site.jobs()), what="8 jobs finished")
     with transaction(site.rt.sessions) as session:
         for dispatch_id in recorded:

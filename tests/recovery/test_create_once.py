@@ -14,7 +14,7 @@ import pytest
 from runtimes import runtime_values, schedule, set_job_quota
 
 from k8s_dispatch.core.errors import NotFound
-from k8s_dispatch.delivery import delivery
+from k8s_dispatch.delivery import cancel, cleanup, complete, create, records
 from k8s_dispatch.delivery.runtime import Runtime
 from k8s_dispatch.demo.localcluster import LocalCluster
 from k8s_dispatch.ops.processes import wait_until
@@ -101,9 +101,9 @@ def in_thread(call: Callable[[], object]) -> tuple[threading.Thread, list[object
 
 def deliver_and_bulk_delete(rt: Runtime, snapshot: dict[str, Any]) -> int:
     """The completion path as poll's batches run it: deliver, then the namespace's bulk delete."""
-    done = delivery.complete_jobs(rt, rt.settings.namespace, [snapshot], delete=False)
-    assert done.outcomes == [delivery.CompleteOutcome.COMPLETED], done
-    return delivery.delete_delivered(rt, rt.settings.namespace)
+    done = complete.complete_jobs(rt, rt.settings.namespace, [snapshot], delete=False)
+    assert done.outcomes == [complete.CompleteOutcome.COMPLETED], done
+    return cleanup.delete_delivered(rt, rt.settings.namespace)
 
 
 @pytest.fixture
@@ -121,7 +121,7 @@ def test_a_delivery_and_bulk_delete_between_a_creates_read_and_its_post_never_ma
     rt: Runtime, late_rt: Runtime, sim_cluster: LocalCluster
 ) -> None:
     dispatch_id = schedule(rt, "sim.ok")
-    assert delivery.create_jobs_for(rt, [dispatch_id]) == {dispatch_id: delivery.CreateOutcome.CREATED}
+    assert create.create_jobs_for(rt, [dispatch_id]) == {dispatch_id: create.CreateOutcome.CREATED}
     snapshot = finished_job(rt, dispatch_id)
     before = creates(sim_cluster)
 
@@ -129,13 +129,13 @@ def test_a_delivery_and_bulk_delete_between_a_creates_read_and_its_post_never_ma
     # POST is answered 429 and waits RETRY_AFTER_S, while the finished Job is delivered and
     # bulk-deleted. Read-then-POST would make the Job again once the wait is over.
     sim_cluster.call(lambda core: core.faults.throttle(1, RETRY_AFTER_S))
-    late, late_out = in_thread(lambda: delivery.create_jobs_for(late_rt, [dispatch_id]))
+    late, late_out = in_thread(lambda: create.create_jobs_for(late_rt, [dispatch_id]))
     wait_until(lambda: sim_cluster.call(lambda core: core.faults.throttled) == 0, timeout=10, what="the 429 answered")
     deliverer, delivered = in_thread(lambda: deliver_and_bulk_delete(rt, snapshot))
     late.join(timeout=30)
     deliverer.join(timeout=30)
 
-    assert late_out == [{dispatch_id: delivery.CreateOutcome.ADOPTED}]  # it found the Job, made none
+    assert late_out == [{dispatch_id: create.CreateOutcome.ADOPTED}]  # it found the Job, made none
     assert delivered == [1]
     assert terminal_events(rt, dispatch_id) == [EventType.WORKER_COMPLETED]
     wait_until(lambda: gone(rt, dispatch_id), timeout=15, what="the delivered job deleted")
@@ -147,11 +147,11 @@ def test_a_delivery_waits_for_a_create_in_flight_and_the_create_sees_an_ended_di
 ) -> None:
     """The other order: the dispatch ended before the late create read it: nothing is made."""
     dispatch_id = schedule(rt, "sim.ok")
-    delivery.create_jobs_for(rt, [dispatch_id])
+    create.create_jobs_for(rt, [dispatch_id])
     assert deliver_and_bulk_delete(rt, finished_job(rt, dispatch_id)) == 1
     wait_until(lambda: gone(rt, dispatch_id), timeout=15, what="the delivered job deleted")
     before = creates(sim_cluster)
-    assert delivery.create_jobs_for(rt, [dispatch_id]) == {dispatch_id: delivery.CreateOutcome.SKIPPED}
+    assert create.create_jobs_for(rt, [dispatch_id]) == {dispatch_id: create.CreateOutcome.SKIPPED}
     assert creates(sim_cluster) == before and gone(rt, dispatch_id)
 
 
@@ -160,12 +160,12 @@ def test_a_cancel_recorded_during_a_create_waits_for_it_and_finds_its_job(rt: Ru
     already names the Job, which the cancel's clean-up (or the sweep) then deletes."""
     dispatch_id = schedule(rt, "sim.hang")
     sim_cluster.call(lambda core: core.faults.throttle(1, RETRY_AFTER_S))
-    create, created = in_thread(lambda: delivery.create_jobs_for(rt, [dispatch_id]))
+    creating, created = in_thread(lambda: create.create_jobs_for(rt, [dispatch_id]))
     wait_until(lambda: sim_cluster.call(lambda core: core.faults.throttled) == 0, timeout=10, what="the 429 answered")
-    cancel, cancelled = in_thread(lambda: delivery.cancel_dispatch(rt, dispatch_id))
-    create.join(timeout=30)
-    cancel.join(timeout=30)
-    assert created == [{dispatch_id: delivery.CreateOutcome.CREATED}] and cancelled == [True]
+    cancelling, cancelled = in_thread(lambda: cancel.cancel_dispatch(rt, dispatch_id))
+    creating.join(timeout=30)
+    cancelling.join(timeout=30)
+    assert created == [{dispatch_id: create.CreateOutcome.CREATED}] and cancelled == [True]
     assert terminal_events(rt, dispatch_id) == [EventType.WORKER_CANCELLED]
     wait_until(lambda: gone(rt, dispatch_id), timeout=15, what="the cancelled dispatch's job deleted")
 
@@ -181,31 +181,31 @@ def lose_job(rt: Runtime, dispatch_id: str) -> None:
 def test_a_lost_jobs_refused_recreates_spend_no_attempt(rt: Runtime, sim_cluster: LocalCluster) -> None:
     assert rt.settings.max_job_attempts == 3
     dispatch_id = schedule(rt, "sim.hang")
-    delivery.create_jobs_for(rt, [dispatch_id])
+    create.create_jobs_for(rt, [dispatch_id])
     lose_job(rt, dispatch_id)
     set_job_quota(sim_cluster, rt.settings.namespace, 0)  # "exceeded quota": wait, never fail
     for _ in range(rt.settings.max_job_attempts + 1):
         report = run_sweep(rt)
         assert report.categories[Category.JOB_LOST].errors == 1, report.to_dict()
-    record = delivery.load_record(rt, dispatch_id)
+    record = records.load_record(rt, dispatch_id)
     assert record is not None and (record.state, record.attempts) == (DispatchState.CREATED, 0)
     assert terminal_events(rt, dispatch_id) == []
 
     set_job_quota(sim_cluster, rt.settings.namespace, None)
     assert run_sweep(rt).categories[Category.JOB_LOST].acted == 1
-    record = delivery.load_record(rt, dispatch_id)
+    record = records.load_record(rt, dispatch_id)
     assert record is not None and (record.state, record.attempts) == (DispatchState.CREATED, 1)
     assert not gone(rt, dispatch_id)
 
 
 def test_a_rerun_decided_twice_makes_one_job_and_counts_one_attempt(rt: Runtime, sim_cluster) -> None:
     dispatch_id = schedule(rt, "sim.hang")
-    delivery.create_jobs_for(rt, [dispatch_id])
+    create.create_jobs_for(rt, [dispatch_id])
     lose_job(rt, dispatch_id)
     before = creates(sim_cluster)
-    again = {dispatch_id: delivery.Rerun(counted=0, attempt=1)}
-    outcomes = [delivery.create_jobs_for(rt, [dispatch_id], reruns=again) for _ in range(2)]
-    assert outcomes == [{dispatch_id: delivery.CreateOutcome.CREATED}, {dispatch_id: delivery.CreateOutcome.SKIPPED}]
+    again = {dispatch_id: create.Rerun(counted=0, attempt=1)}
+    outcomes = [create.create_jobs_for(rt, [dispatch_id], reruns=again) for _ in range(2)]
+    assert outcomes == [{dispatch_id: create.CreateOutcome.CREATED}, {dispatch_id: create.CreateOutcome.SKIPPED}]
     assert creates(sim_cluster) - before == 1
-    record = delivery.load_record(rt, dispatch_id)
+    record = records.load_record(rt, dispatch_id)
     assert record is not None and record.attempts == 1

@@ -12,7 +12,7 @@ from runtimes import runtime_values
 
 from k8s_dispatch.delivery.runtime import Runtime
 from k8s_dispatch.recovery import deadlines
-from k8s_dispatch.store import dispatches
+from k8s_dispatch.store import dispatches, scheduling
 from k8s_dispatch.store.db import database_now, transaction
 from k8s_dispatch.store.models import EventType
 
@@ -38,8 +38,8 @@ def runtime_env(sim_cluster, pg_url, redis_url, key_prefix, tmp_path) -> dict[st
 def created(rt: Runtime, capability: str, *, minutes_ago: float) -> str:
     case_id = f"case-{uuid.uuid4().hex[:8]}"
     with transaction(rt.sessions) as session:
-        dispatches.create_case(session, case_id=case_id, tenancy_id="t")
-        dispatch_id = dispatches.schedule(
+        scheduling.create_case(session, case_id=case_id, tenancy_id="t")
+        dispatch_id = scheduling.schedule(
             session, case_id=case_id, tenancy_id="t", capability=capability, input={}, idempotency_key=case_id,
             router=rt.resolver, max_input_bytes=1000,
         ).dispatch_id  # fmt: skip

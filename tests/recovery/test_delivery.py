@@ -21,23 +21,13 @@ from runtimes import Notified, runtime_values, schedule
 
 from k8s_dispatch.core.errors import ApiUnavailable, InvalidId, UnknownDispatch
 from k8s_dispatch.delivery import stats
-from k8s_dispatch.delivery.delivery import (
-    JOB_NAME_LABEL,
-    CompleteOutcome,
-    CreateOutcome,
-    cancel_dispatch,
-    cleanup_job,
-    complete_job,
-    complete_jobs,
-    create_job_for,
-    create_jobs_for,
-    delete_delivered_later,
-    delete_noted,
-    job_snapshot,
-    load_record,
-    notify_engine,
-)
+from k8s_dispatch.delivery.cancel import cancel_dispatch
+from k8s_dispatch.delivery.cleanup import JOB_NAME_LABEL, cleanup_job, delete_delivered_later, delete_noted
+from k8s_dispatch.delivery.complete import CompleteOutcome, complete_job, complete_jobs, job_snapshot
+from k8s_dispatch.delivery.create import CreateOutcome, create_job_for, create_jobs_for
+from k8s_dispatch.delivery.records import load_record
 from k8s_dispatch.delivery.runtime import Runtime
+from k8s_dispatch.delivery.terminal import notify_engine
 from k8s_dispatch.demo.localcluster import LocalCluster
 from k8s_dispatch.ops.processes import wait_until
 from k8s_dispatch.recovery.sweep import run_sweep

@@ -24,11 +24,12 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from k8s_dispatch.core.settings import load_settings
-from k8s_dispatch.delivery.delivery import CompleteOutcome, CreateOutcome, complete_jobs, create_jobs_for, job_snapshot
+from k8s_dispatch.delivery.complete import CompleteOutcome, complete_jobs, job_snapshot
+from k8s_dispatch.delivery.create import CreateOutcome, create_jobs_for
 from k8s_dispatch.delivery.runtime import Runtime
 from k8s_dispatch.demo.localcluster import LocalCluster
 from k8s_dispatch.ops.processes import wait_until
-from k8s_dispatch.store import dispatches
+from k8s_dispatch.store import dispatches, scheduling
 from k8s_dispatch.store.db import transaction
 from k8s_dispatch.store.models import DispatchState, EventType
 from k8s_dispatch.workers import labels as job_labels
@@ -112,8 +113,8 @@ def with_results(base: Runtime, results: list[bytes]) -> Runtime:
 def schedule(rt: Runtime, capability_name: str, input_: Any) -> str:
     case_id = f"case-{uuid.uuid4().hex[:8]}"
     with transaction(rt.sessions) as session:
-        dispatches.create_case(session, case_id=case_id, tenancy_id="tenant-p")
-        return dispatches.schedule(
+        scheduling.create_case(session, case_id=case_id, tenancy_id="tenant-p")
+        return scheduling.schedule(
             session, case_id=case_id, tenancy_id="tenant-p", capability=capability_name, input=input_,
             idempotency_key=f"key-{uuid.uuid4()}", router=rt.resolver, max_input_bytes=rt.settings.max_input_bytes,
         ).dispatch_id  # fmt: skip

@@ -15,11 +15,13 @@ from runtimes import set_job_quota
 
 from k8s_dispatch.core.errors import QuotaExceeded, Transient
 from k8s_dispatch.core.settings import load_settings
-from k8s_dispatch.delivery.delivery import CreateOutcome, cancel_dispatch, create_jobs_for, load_record
+from k8s_dispatch.delivery.cancel import cancel_dispatch
+from k8s_dispatch.delivery.create import CreateOutcome, create_jobs_for
+from k8s_dispatch.delivery.records import load_record
 from k8s_dispatch.delivery.runtime import Runtime
 from k8s_dispatch.demo.localcluster import LocalCluster
 from k8s_dispatch.ops.status import read_status
-from k8s_dispatch.store import dispatches, migrate
+from k8s_dispatch.store import dispatches, migrate, scheduling
 from k8s_dispatch.store.db import transaction
 from k8s_dispatch.store.models import DispatchState, EventType, utcnow
 from k8s_dispatch.workers.resolver import CapabilityResolver
@@ -57,8 +59,8 @@ def rt(cluster, new_pg_database, redis_url, key_prefix) -> Iterator[Runtime]:
 def schedule(rt: Runtime) -> str:
     case_id = f"case-{uuid.uuid4().hex[:8]}"
     with transaction(rt.sessions) as session:
-        dispatches.create_case(session, case_id=case_id, tenancy_id="tenant-q")
-        return dispatches.schedule(
+        scheduling.create_case(session, case_id=case_id, tenancy_id="tenant-q")
+        return scheduling.schedule(
             session, case_id=case_id, tenancy_id="tenant-q", capability="sim.hang", input={"n": 1},
             idempotency_key=f"key-{uuid.uuid4()}", router=rt.resolver, max_input_bytes=rt.settings.max_input_bytes,
         ).dispatch_id  # fmt: skip

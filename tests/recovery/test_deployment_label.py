@@ -13,12 +13,12 @@ import pytest
 
 from k8s_dispatch.core.errors import ConfigError
 from k8s_dispatch.core.settings import load_settings
-from k8s_dispatch.delivery.delivery import CreateOutcome, create_jobs_for
+from k8s_dispatch.delivery.create import CreateOutcome, create_jobs_for
 from k8s_dispatch.delivery.runtime import Runtime
 from k8s_dispatch.demo.localcluster import LocalCluster
 from k8s_dispatch.ops.processes import wait_until
 from k8s_dispatch.recovery.sweep import run_sweep
-from k8s_dispatch.store import dispatches, migrate
+from k8s_dispatch.store import dispatches, migrate, scheduling
 from k8s_dispatch.store.db import transaction
 from k8s_dispatch.store.models import EventType
 from k8s_dispatch.workers import labels as job_labels
@@ -82,13 +82,13 @@ def deployment(cluster, namespace, new_pg_database, redis_url, key_prefix) -> It
 def schedule(rt: Runtime, capability: str, count: int) -> list[str]:
     case_id = f"case-{uuid.uuid4().hex[:8]}"
     requests = [
-        dispatches.ScheduleRequest(case_id, "tenant-a", capability, {"i": i}, f"key-{uuid.uuid4()}")
+        scheduling.ScheduleRequest(case_id, "tenant-a", capability, {"i": i}, f"key-{uuid.uuid4()}")
         for i in range(count)
     ]
     with transaction(rt.sessions) as session:
-        dispatches.create_case(session, case_id=case_id, tenancy_id="tenant-a")
+        scheduling.create_case(session, case_id=case_id, tenancy_id="tenant-a")
         return [
-            r.dispatch_id for r in dispatches.schedule_many(session, requests, router=rt.resolver, max_input_bytes=1024)
+            r.dispatch_id for r in scheduling.schedule_many(session, requests, router=rt.resolver, max_input_bytes=1024)
         ]
 
 

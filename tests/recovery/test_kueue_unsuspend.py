@@ -18,7 +18,7 @@ import pytest
 from forged_jobs import SIM
 from runtimes import runtime_values, schedule
 
-from k8s_dispatch.delivery import delivery
+from k8s_dispatch.delivery import create, records
 from k8s_dispatch.delivery.runtime import Runtime
 from k8s_dispatch.demo.localcluster import startfaults
 from k8s_dispatch.ops.processes import wait_until
@@ -101,7 +101,7 @@ def events(rt: Runtime, dispatch_id: str) -> list[tuple[EventType, dict[str, Any
 
 
 def state(rt: Runtime, dispatch_id: str) -> DispatchState:
-    record = delivery.load_record(rt, dispatch_id)
+    record = records.load_record(rt, dispatch_id)
     assert record is not None
     return record.state
 
@@ -109,7 +109,7 @@ def state(rt: Runtime, dispatch_id: str) -> DispatchState:
 def queued(rt: Runtime, capability: str) -> str:
     """One dispatch of `capability` with its Job created: suspended, labelled for the queue."""
     dispatch_id = schedule(rt, capability)
-    delivery.create_jobs_for(rt, [dispatch_id])
+    create.create_jobs_for(rt, [dispatch_id])
     created = job(rt, dispatch_id)
     assert created["spec"]["suspend"] is True and created["metadata"]["labels"][QUEUE_NAME_LABEL] == QUEUE
     # The Job controller has seen it: Suspended=True on it, and it makes no Pod.

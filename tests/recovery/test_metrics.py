@@ -20,7 +20,7 @@ from k8s_dispatch.delivery import metrics, statelog
 from k8s_dispatch.delivery.metrics import DEADLINE_SLACK_S, Metrics, job_finished_at, jobs_past_deadline, poll_lag_s
 from k8s_dispatch.recovery.plan import Category
 from k8s_dispatch.recovery.report import SweepReport
-from k8s_dispatch.store import dispatches
+from k8s_dispatch.store import scheduling
 from k8s_dispatch.store.db import transaction
 
 NOW = datetime(2025, 3, 1, 12, 0, 0, tzinfo=UTC)
@@ -329,7 +329,7 @@ class Router:
 
 
 def schedule_one(session: Any, case_id: str) -> str:
-    result = dispatches.schedule(
+    result = scheduling.schedule(
         session,
         case_id=case_id,
         tenancy_id="acme",
@@ -349,7 +349,7 @@ def test_a_change_in_a_callers_transaction_is_logged_when_it_commits_and_never_i
     caplog.set_level(logging.INFO, logger="k8s_dispatch.state")
     case_id = f"case-{uuid.uuid4().hex[:8]}"
     with transaction(db_sessionmaker) as session:
-        dispatches.create_case(session, case_id=case_id, tenancy_id="acme")
+        scheduling.create_case(session, case_id=case_id, tenancy_id="acme")
 
     with pytest.raises(RuntimeError), transaction(db_sessionmaker) as session:
         schedule_one(session, case_id)

@@ -12,12 +12,12 @@ from typing import Any
 import pytest
 
 from k8s_dispatch.core.settings import load_settings
-from k8s_dispatch.delivery.delivery import CreateOutcome, create_jobs_for
+from k8s_dispatch.delivery.create import CreateOutcome, create_jobs_for
 from k8s_dispatch.delivery.runtime import Runtime
 from k8s_dispatch.demo.localcluster import LocalCluster
 from k8s_dispatch.ops.processes import wait_until
 from k8s_dispatch.recovery.sweep import run_sweep
-from k8s_dispatch.store import dispatches, migrate
+from k8s_dispatch.store import dispatches, migrate, scheduling
 from k8s_dispatch.store.db import transaction
 from k8s_dispatch.store.models import EventType
 from k8s_dispatch.workers import labels as job_labels
@@ -78,12 +78,12 @@ def fresh(prefix: str) -> str:
 def schedule(rt: Runtime, capability: str, count: int, *, router: Any = None) -> list[str]:
     case_id = f"case-{uuid.uuid4().hex[:8]}"
     requests = [
-        dispatches.ScheduleRequest(case_id, "tenant-a", capability, {"i": i}, f"key-{uuid.uuid4()}")
+        scheduling.ScheduleRequest(case_id, "tenant-a", capability, {"i": i}, f"key-{uuid.uuid4()}")
         for i in range(count)
     ]
     with transaction(rt.sessions) as session:
-        dispatches.create_case(session, case_id=case_id, tenancy_id="tenant-a")
-        results = dispatches.schedule_many(session, requests, router=router or rt.resolver, max_input_bytes=1024)
+        scheduling.create_case(session, case_id=case_id, tenancy_id="tenant-a")
+        results = scheduling.schedule_many(session, requests, router=router or rt.resolver, max_input_bytes=1024)
     return [r.dispatch_id for r in results]
 
 

@@ -18,13 +18,14 @@ import pytest
 from forged_jobs import SIM, forge_job
 from runtimes import Notified, runtime_values, schedule
 
-from k8s_dispatch.delivery import delivery
+from k8s_dispatch.delivery import complete, create, records
 from k8s_dispatch.delivery.runtime import Runtime
 from k8s_dispatch.demo.localcluster import LocalCluster
 from k8s_dispatch.ops.processes import wait_until
+from k8s_dispatch.recovery.executor import ORPHANS_REPORTED, Executor
 from k8s_dispatch.recovery.plan import Category, CompleteJob, CreateJob, RecreateJob
 from k8s_dispatch.recovery.report import SweepReport
-from k8s_dispatch.recovery.sweep import ORPHANS_REPORTED, Executor, run_sweep
+from k8s_dispatch.recovery.sweep import run_sweep
 from k8s_dispatch.store import dispatches, migrate
 from k8s_dispatch.store.db import transaction
 from k8s_dispatch.store.models import Dispatch, DispatchState, EventType, utcnow
@@ -110,7 +111,7 @@ def terminal_events(rt: Runtime, dispatch_id: str) -> list[tuple[str, Any]]:
 
 
 def record(rt: Runtime, dispatch_id: str) -> Any:
-    return delivery.load_record(rt, dispatch_id)
+    return records.load_record(rt, dispatch_id)
 
 
 def counts(report: SweepReport, category: Category) -> tuple[int, int, int, int]:
@@ -185,7 +186,7 @@ def test_a_job_in_a_namespace_the_config_no_longer_names_is_still_found_and_comp
     moved = {"capabilities": {"sim.ok": {**capability(), "namespace": old_namespace}}}
     before = make_runtime(notifier=notified, resolver=CapabilityResolver.from_mapping(moved, source="<before>"))
     dispatch_id = schedule(before, "sim.ok", {"moved": True})
-    delivery.create_job_for(before, dispatch_id)
+    create.create_job_for(before, dispatch_id)
     wait_finished(before, [job_name(dispatch_id)], namespace=old_namespace)
 
     after = make_runtime(notifier=notified)  # the capability's Jobs now go to the settings' namespace
@@ -204,7 +205,7 @@ def test_a_job_in_a_namespace_the_config_no_longer_names_is_still_found_and_comp
 
 def test_running_jobs_are_reported_and_a_job_never_marked_created_is_adopted(rt):
     marked = schedule(rt, "sim.hang")
-    delivery.create_job_for(rt, marked)
+    create.create_job_for(rt, marked)
     unmarked = schedule(rt, "sim.hang")
     # The crash after the Job's creation, before the row was marked: the Job exists, the row says SCHEDULED.
     rec = record(rt, unmarked)
@@ -233,10 +234,10 @@ def test_running_jobs_are_reported_and_a_job_never_marked_created_is_adopted(rt)
 
 def test_jobs_whose_end_is_recorded_are_cleaned_up_including_a_cancelled_running_one(cluster, rt, notified):
     done = schedule(rt, "sim.ok")
-    delivery.create_job_for(rt, done)
+    create.create_job_for(rt, done)
     wait_finished(rt, [job_name(done)])
     running = schedule(rt, "sim.hang")
-    delivery.create_job_for(rt, running)
+    create.create_job_for(rt, running)
     with transaction(rt.sessions) as session:  # the crash after the write, before the clean-up
         dispatches.record_terminal(session, done, EventType.WORKER_COMPLETED, {"output": {"by": "test"}})
         dispatches.record_terminal(session, running, EventType.WORKER_CANCELLED, {"reason": "Cancelled"})
@@ -266,11 +267,11 @@ def test_jobs_whose_end_is_recorded_are_cleaned_up_including_a_cancelled_running
 def test_a_delivered_job_the_bulk_delete_missed_is_in_no_category_and_the_sweep_deletes_it(cluster, rt, notified):
     ids = [schedule(rt, "sim.ok", {"i": i}) for i in range(3)]
     for dispatch_id in ids:
-        delivery.create_job_for(rt, dispatch_id)
+        create.create_job_for(rt, dispatch_id)
     wait_finished(rt, [job_name(d) for d in ids])
     for dispatch_id in ids:  # delivered and released; the bulk delete never came (a crash, an API error)
-        assert delivery.complete_job(rt, rt.settings.namespace, job_name(dispatch_id), delete=False) is (
-            delivery.CompleteOutcome.COMPLETED
+        assert complete.complete_job(rt, rt.settings.namespace, job_name(dispatch_id), delete=False) is (
+            complete.CompleteOutcome.COMPLETED
         )
     left = jobs(rt)
     assert set(left) == {job_name(d) for d in ids}
@@ -292,7 +293,7 @@ def test_a_pod_an_ended_dispatch_left_held_is_freed_and_one_of_an_open_dispatch_
     freed once the dispatch has ended, kept while it is open (its re-run may still need it)."""
     ended, open_ = schedule(rt, "sim.ok"), schedule(rt, "sim.ok")
     for dispatch_id in (ended, open_):
-        delivery.create_job_for(rt, dispatch_id)
+        create.create_job_for(rt, dispatch_id)
     wait_finished(rt, [job_name(ended), job_name(open_)])
     with transaction(rt.sessions) as session:  # recorded, then the crash before the release
         dispatches.record_terminal(session, ended, EventType.WORKER_COMPLETED, {"output": {"by": "test"}})
@@ -321,7 +322,7 @@ def test_a_pod_an_ended_dispatch_left_held_is_freed_and_one_of_an_open_dispatch_
 def test_a_lost_job_is_recreated_up_to_the_attempts_limit_then_fails_as_job_lost(rt, notified):
     assert rt.settings.max_job_attempts == 3
     dispatch_id = schedule(rt, "sim.hang")
-    delivery.create_job_for(rt, dispatch_id)
+    create.create_job_for(rt, dispatch_id)
     for attempt in (1, 2):
         lose_job(rt, dispatch_id)
         report = run_sweep(rt)
@@ -414,7 +415,7 @@ def test_a_dry_run_counts_everything_and_changes_nothing(make_runtime, notified)
     rt = make_runtime(notifier=notified, orphan_policy="delete")
     scheduled = schedule(rt, "sim.ok")
     finished = schedule(rt, "sim.ok")
-    delivery.create_job_for(rt, finished)
+    create.create_job_for(rt, finished)
     _, _forged, _victim = mismatched(rt)
     wait_finished(rt, [job_name(finished)])
     before = jobs(rt)
@@ -431,12 +432,12 @@ def test_a_dry_run_counts_everything_and_changes_nothing(make_runtime, notified)
 
 def test_stale_actions_find_nothing_left_to_do(rt):
     done = schedule(rt, "sim.ok")
-    delivery.create_job_for(rt, done)
+    create.create_job_for(rt, done)
     wait_finished(rt, [job_name(done)])
-    assert delivery.complete_job(rt, rt.settings.namespace, job_name(done)) is delivery.CompleteOutcome.COMPLETED
+    assert complete.complete_job(rt, rt.settings.namespace, job_name(done)) is complete.CompleteOutcome.COMPLETED
     wait_until(lambda: not jobs(rt), what="job cleaned up", timeout=15.0)
     lost = schedule(rt, "sim.hang")
-    delivery.create_job_for(rt, lost)
+    create.create_job_for(rt, lost)
     lose_job(rt, lost)
     where = dict(namespace=rt.settings.namespace)
 
@@ -466,10 +467,10 @@ def test_sweeps_racing_each_other_deliver_each_result_once(make_runtime):
     values = [{"i": i} for i in range(30)]
     ids = [schedule(rt, "sim.ok", v) for v in values]
     for dispatch_id in ids:
-        delivery.create_job_for(rt, dispatch_id)
+        create.create_job_for(rt, dispatch_id)
     lost = [schedule(rt, "sim.hang") for _ in range(3)]
     for dispatch_id in lost:
-        delivery.create_job_for(rt, dispatch_id)
+        create.create_job_for(rt, dispatch_id)
         lose_job(rt, dispatch_id)
     wait_finished(rt, [job_name(d) for d in ids])
 
@@ -499,10 +500,10 @@ def test_sweeps_racing_each_other_deliver_each_result_once(make_runtime):
 
 def test_a_notification_that_failed_is_sent_by_the_sweep(rt, notified):
     dispatch_id = schedule(rt, "sim.ok")
-    delivery.create_job_for(rt, dispatch_id)
+    create.create_job_for(rt, dispatch_id)
     wait_finished(rt, [job_name(dispatch_id)])
     notified.fail = True
-    assert delivery.complete_job(rt, rt.settings.namespace, job_name(dispatch_id)) is delivery.CompleteOutcome.COMPLETED
+    assert complete.complete_job(rt, rt.settings.namespace, job_name(dispatch_id)) is complete.CompleteOutcome.COMPLETED
     assert notified.ids == [] and not record(rt, dispatch_id).notified
 
     failing = run_sweep(rt)

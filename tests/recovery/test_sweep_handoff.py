@@ -18,14 +18,14 @@ import yaml
 from forged_jobs import SIM
 
 from k8s_dispatch.core.settings import load_settings
-from k8s_dispatch.delivery import delivery, handoff
+from k8s_dispatch.delivery import create, handoff
 from k8s_dispatch.delivery.runtime import Runtime
 from k8s_dispatch.demo.localcluster import LocalCluster
 from k8s_dispatch.ops.processes import free_port, wait_until
 from k8s_dispatch.recovery.plan import Category
 from k8s_dispatch.recovery.report import SweepReport
 from k8s_dispatch.recovery.sweep import run_sweep
-from k8s_dispatch.store import dispatches, migrate
+from k8s_dispatch.store import dispatches, migrate, scheduling
 from k8s_dispatch.store.db import transaction
 from k8s_dispatch.store.models import EventType
 from k8s_dispatch.workers import labels as job_labels
@@ -89,9 +89,9 @@ def finished_jobs(rt: Runtime, count: int) -> list[str]:
     for i in range(count):
         case_id = f"case-{uuid.uuid4().hex[:8]}"
         with transaction(rt.sessions) as session:
-            dispatches.create_case(session, case_id=case_id, tenancy_id="tenant-a")
+            scheduling.create_case(session, case_id=case_id, tenancy_id="tenant-a")
             ids.append(
-                dispatches.schedule(
+                scheduling.schedule(
                     session,
                     case_id=case_id,
                     tenancy_id="tenant-a",
@@ -103,7 +103,7 @@ def finished_jobs(rt: Runtime, count: int) -> list[str]:
                 ).dispatch_id
             )
     for dispatch_id in ids:
-        delivery.create_job_for(rt, dispatch_id)
+        create.create_job_for(rt, dispatch_id)
 
     def done() -> bool:
         current = listed(rt)

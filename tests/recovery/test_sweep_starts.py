@@ -15,7 +15,7 @@ import pytest
 from forged_jobs import SIM
 from runtimes import runtime_values, schedule
 
-from k8s_dispatch.delivery import delivery
+from k8s_dispatch.delivery import cancel, create, records, unstarted
 from k8s_dispatch.delivery.runtime import Runtime
 from k8s_dispatch.demo.localcluster import LocalCluster, startfaults
 from k8s_dispatch.ops.processes import wait_until
@@ -60,7 +60,7 @@ def runtime_env(cluster, new_pg_database, redis_url, key_prefix, tmp_path) -> di
 
 def started(rt: Runtime, capability: str, count: int) -> list[str]:
     ids = [schedule(rt, capability) for _ in range(count)]
-    delivery.create_jobs_for(rt, ids)
+    create.create_jobs_for(rt, ids)
     return ids
 
 
@@ -123,7 +123,7 @@ def test_pods_are_read_once_per_page_of_unstarted_jobs_past_the_grace_and_never_
     assert report.categories[Category.RUNNING].acted == 0  # Unschedulable waits for the start clock
 
     for dispatch_id in [d for d in _open(rt)]:
-        delivery.cancel_dispatch(rt, dispatch_id)
+        cancel.cancel_dispatch(rt, dispatch_id)
     started(rt, "sim.runs", PAGE + 1)
     settled(rt, 0, PAGE + 1)
     wait_until(lambda: all(j["status"].get("ready") for j in _jobs(rt)), what="jobs ready", timeout=20.0)
@@ -132,7 +132,7 @@ def test_pods_are_read_once_per_page_of_unstarted_jobs_past_the_grace_and_never_
     old, report = sweep_pod_lists(cluster, rt, now=now + timedelta(seconds=START_S * 2))
     assert old == young  # running Jobs cost no Pod read, even far past their start clock
     assert report.categories[Category.RUNNING].acted == 0
-    assert all(record.state is DispatchState.CREATED for record in delivery.load_records(rt, _open(rt)).values())
+    assert all(record.state is DispatchState.CREATED for record in records.load_records(rt, _open(rt)).values())
 
 
 def test_at_the_start_clock_an_unschedulable_job_fails_once_and_leaves_nothing(cluster, rt, notified):
@@ -165,34 +165,34 @@ def test_a_give_up_rechecks_the_row_and_the_pods_before_failing(cluster, rt):
     settled(rt, 1, 0)
     namespace, name = rt.settings.namespace, job_name(dispatch_id)
     job = rt.kube.get_job(namespace, name)
-    record = delivery.load_record(rt, dispatch_id)
+    record = records.load_record(rt, dispatch_id)
     kwargs = dict(
         dispatch_id=dispatch_id,
         snapshot=job,
         decide=lambda p, e: assess(job, p, age=timedelta(0), policy=_policy(), events=e),
     )
     # the plan's attempt is not the row's any more (a re-creation since): nothing is done
-    assert delivery.fail_unstarted(rt, namespace, name, attempts=record.attempts + 1, **kwargs) is None
+    assert unstarted.fail_unstarted(rt, namespace, name, attempts=record.attempts + 1, **kwargs) is None
     # the Pods read again say wait (here: the clock, judged afresh, has not run out)
-    assert delivery.fail_unstarted(rt, namespace, name, attempts=record.attempts, **kwargs) is None
+    assert unstarted.fail_unstarted(rt, namespace, name, attempts=record.attempts, **kwargs) is None
     held = rt.guard.claim(dispatch_id)  # another replica is on it
     assert held is not None
     try:
-        verdict = delivery.fail_unstarted(
+        verdict = unstarted.fail_unstarted(
             rt, namespace, name, attempts=record.attempts, dispatch_id=dispatch_id, snapshot=job,
             decide=lambda p, e: assess(job, p, age=timedelta(seconds=START_S), policy=_policy(), events=e),
         )  # fmt: skip
         assert verdict is None
     finally:
         rt.guard.release(held)
-    assert delivery.load_record(rt, dispatch_id).state is DispatchState.CREATED
+    assert records.load_record(rt, dispatch_id).state is DispatchState.CREATED
     assert assess(job, pods(rt), age=timedelta(seconds=1), policy=_policy()) == WAIT
-    verdict = delivery.fail_unstarted(
+    verdict = unstarted.fail_unstarted(
         rt, namespace, name, attempts=record.attempts, dispatch_id=dispatch_id, snapshot=job,
         decide=lambda p, e: assess(job, p, age=timedelta(seconds=START_S), policy=_policy(), events=e),
     )  # fmt: skip
     assert verdict is not None and verdict.reason == "Unschedulable"
-    assert delivery.load_record(rt, dispatch_id).state is DispatchState.FAILED
+    assert records.load_record(rt, dispatch_id).state is DispatchState.FAILED
 
 
 def _policy() -> StartPolicy:

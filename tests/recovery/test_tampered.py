@@ -17,7 +17,7 @@ import pytest
 from runtimes import runtime_values, schedule
 
 from k8s_dispatch.core.errors import NotFound
-from k8s_dispatch.delivery import delivery
+from k8s_dispatch.delivery import create
 from k8s_dispatch.delivery.runtime import Runtime
 from k8s_dispatch.demo.localcluster import LocalCluster
 from k8s_dispatch.ops.processes import wait_until
@@ -96,7 +96,7 @@ def terminal_events(rt: Runtime, dispatch_id: str) -> list[tuple[str, Any]]:
 
 def created(rt: Runtime, capability: str) -> tuple[str, str]:
     dispatch_id = schedule(rt, capability)
-    delivery.create_job_for(rt, dispatch_id)
+    create.create_job_for(rt, dispatch_id)
     assert row(rt, dispatch_id).state == DispatchState.CREATED
     return dispatch_id, job_name(dispatch_id)
 

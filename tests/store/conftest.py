@@ -14,7 +14,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
 from k8s_dispatch.core.errors import UnknownCapability
-from k8s_dispatch.store import dispatches
+from k8s_dispatch.store import scheduling
 from k8s_dispatch.store.db import transaction
 from k8s_dispatch.store.models import CaseEvent, CaseInstance, Dispatch
 
@@ -53,17 +53,17 @@ def new_case() -> Callable[[sessionmaker[Session]], Case]:
     def make(sm: sessionmaker[Session]) -> Case:
         case = Case(case_id=f"case-{uuid.uuid4().hex}", tenancy_id=f"tenancy-{uuid.uuid4().hex[:12]}")
         with transaction(sm) as session:
-            dispatches.create_case(session, case_id=case.case_id, tenancy_id=case.tenancy_id)
+            scheduling.create_case(session, case_id=case.case_id, tenancy_id=case.tenancy_id)
         return case
 
     return make
 
 
 @pytest.fixture
-def schedule_for(router: StaticRouter) -> Callable[..., dispatches.ScheduleResult]:
+def schedule_for(router: StaticRouter) -> Callable[..., scheduling.ScheduleResult]:
     """`schedule_for(sm, case, **overrides)`: schedule an echo with a fresh key, committed."""
 
-    def run(sm: sessionmaker[Session], case: Case, **overrides: Any) -> dispatches.ScheduleResult:
+    def run(sm: sessionmaker[Session], case: Case, **overrides: Any) -> scheduling.ScheduleResult:
         request: dict[str, Any] = {
             "case_id": case.case_id,
             "tenancy_id": case.tenancy_id,
@@ -75,7 +75,7 @@ def schedule_for(router: StaticRouter) -> Callable[..., dispatches.ScheduleResul
         }
         request.update(overrides)
         with transaction(sm) as session:
-            return dispatches.schedule(session, **request)
+            return scheduling.schedule(session, **request)
 
     return run
 

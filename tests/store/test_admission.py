@@ -15,7 +15,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import Session, sessionmaker
 
 from k8s_dispatch.core.limits import Limits, TenancyLimit
-from k8s_dispatch.store import admission, dispatches, migrate
+from k8s_dispatch.store import admission, dispatches, migrate, scheduling
 from k8s_dispatch.store.db import database_now, make_engine, make_sessionmaker, transaction
 from k8s_dispatch.store.models import Dispatch, DispatchState, EventType
 from tests.store.conftest import MAX_INPUT_BYTES, StaticRouter, run_concurrently
@@ -53,11 +53,11 @@ def _sessions(url: str) -> Iterator[sessionmaker[Session]]:
 def schedule(sm: sessionmaker[Session], router: LimitedRouter, tenancy: str, n: int, **kw: Any) -> list[str]:
     case_id = f"case-{uuid.uuid4().hex[:8]}"
     with transaction(sm) as session:
-        dispatches.create_case(session, case_id=case_id, tenancy_id=tenancy)
+        scheduling.create_case(session, case_id=case_id, tenancy_id=tenancy)
     with transaction(sm) as session:
-        results = dispatches.schedule_many(
+        results = scheduling.schedule_many(
             session,
-            [dispatches.ScheduleRequest(case_id, tenancy, kw.get("capability", "echo"), {"i": i}, f"k-{uuid.uuid4()}",
+            [scheduling.ScheduleRequest(case_id, tenancy, kw.get("capability", "echo"), {"i": i}, f"k-{uuid.uuid4()}",
                                    priority=kw.get("priority", 0)) for i in range(n)],
             router=router, max_input_bytes=MAX_INPUT_BYTES,
         )  # fmt: skip

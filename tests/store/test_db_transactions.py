@@ -12,7 +12,7 @@ import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 
 from k8s_dispatch.core.errors import DatabaseUnavailable, Transient
-from k8s_dispatch.store import dispatches
+from k8s_dispatch.store import dispatches, scheduling
 from k8s_dispatch.store.db import database_now, make_sessionmaker, normalise_url, transaction
 from k8s_dispatch.store.models import CaseInstance
 
@@ -55,9 +55,9 @@ def test_sqlite_enforces_foreign_keys(sqlite_url, engine_factory) -> None:
 def test_transaction_commits_on_success_and_rolls_back_on_error(db_sessionmaker) -> None:
     kept, dropped = f"kept-{uuid.uuid4().hex}", f"dropped-{uuid.uuid4().hex}"
     with transaction(db_sessionmaker) as session:
-        dispatches.create_case(session, case_id=kept, tenancy_id="t")
+        scheduling.create_case(session, case_id=kept, tenancy_id="t")
     with pytest.raises(RuntimeError), transaction(db_sessionmaker) as session:
-        dispatches.create_case(session, case_id=dropped, tenancy_id="t")
+        scheduling.create_case(session, case_id=dropped, tenancy_id="t")
         raise RuntimeError("boom")
     with transaction(db_sessionmaker) as session:
         assert session.get(CaseInstance, kept) is not None
@@ -67,7 +67,7 @@ def test_transaction_commits_on_success_and_rolls_back_on_error(db_sessionmaker)
 def test_a_query_error_is_not_mistaken_for_an_outage(db_sessionmaker) -> None:
     case_id = f"dup-{uuid.uuid4().hex}"
     with transaction(db_sessionmaker) as session:
-        dispatches.create_case(session, case_id=case_id, tenancy_id="t")
+        scheduling.create_case(session, case_id=case_id, tenancy_id="t")
     with pytest.raises(IntegrityError), transaction(db_sessionmaker) as session:
         session.add(CaseInstance(id=case_id, tenancy_id="t"))
 
@@ -102,9 +102,9 @@ def test_the_database_clock_is_aware_utc_and_what_rows_are_written_with(db_sessi
     case_id = f"case-{uuid.uuid4().hex[:8]}"
     with transaction(db_sessionmaker) as session:
         before = database_now(session)
-        dispatches.create_case(session, case_id=case_id, tenancy_id="t")
+        scheduling.create_case(session, case_id=case_id, tenancy_id="t")
     with transaction(db_sessionmaker) as session:
-        dispatch_id = dispatches.schedule(
+        dispatch_id = scheduling.schedule(
             session, case_id=case_id, tenancy_id="t", capability="demo.sha256", input={"text": "x"},
             idempotency_key="k", router=_Router(), max_input_bytes=1024,
         ).dispatch_id  # fmt: skip

@@ -13,7 +13,7 @@ import uuid
 import pytest
 import sqlalchemy as sa
 
-from k8s_dispatch.store import dispatches
+from k8s_dispatch.store import dispatches, scheduling
 from k8s_dispatch.store.db import make_sessionmaker, transaction
 from k8s_dispatch.store.models import CaseEvent, Dispatch, DispatchState
 
@@ -62,11 +62,11 @@ def test_schedule_many_with_the_same_keys_in_opposite_orders_never_deadlocks(
 
     def schedule(round_: int, thread: int) -> dict[str, str]:
         requests = [
-            dispatches.ScheduleRequest(case.case_id, case.tenancy_id, "echo", {"key": key}, key)
+            scheduling.ScheduleRequest(case.case_id, case.tenancy_id, "echo", {"key": key}, key)
             for key in orders(keys[round_], thread)
         ]
         with transaction(pg_sessions) as session:  # a deadlock would raise DatabaseUnavailable here
-            results = dispatches.schedule_many(session, requests, router=router, max_input_bytes=MAX_INPUT_BYTES)
+            results = scheduling.schedule_many(session, requests, router=router, max_input_bytes=MAX_INPUT_BYTES)
         return {request.idempotency_key: result.dispatch_id for request, result in zip(requests, results, strict=True)}
 
     results = race(THREADS, ROUNDS, schedule)

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from k8s_dispatch.core.errors import ConfigError
-from k8s_dispatch.store import dispatches
+from k8s_dispatch.store import dispatches, scheduling
 from k8s_dispatch.store.db import transaction
 from k8s_dispatch.store.models import DispatchState
 from tests.store.conftest import MAX_INPUT_BYTES, StaticRouter
@@ -28,8 +28,8 @@ class NamespaceRouter(StaticRouter):
         return self.namespaces.get(capability)
 
 
-def request(case: Any, capability: str = "echo") -> dispatches.ScheduleRequest:
-    return dispatches.ScheduleRequest(case.case_id, case.tenancy_id, capability, {"n": 1}, f"key-{uuid.uuid4().hex}")
+def request(case: Any, capability: str = "echo") -> scheduling.ScheduleRequest:
+    return scheduling.ScheduleRequest(case.case_id, case.tenancy_id, capability, {"n": 1}, f"key-{uuid.uuid4().hex}")
 
 
 def namespace_of(sm: Any, dispatch_id: str) -> str | None:
@@ -43,7 +43,7 @@ def test_schedule_records_the_namespace_the_router_names_now(db_sessionmaker, ne
     case = new_case(db_sessionmaker)
     router = NamespaceRouter({"echo": "w", "sleep": "w"}, {"echo": "ns-a"})  # sleep names none
     with transaction(db_sessionmaker) as session:
-        echo, sleep = dispatches.schedule_many(
+        echo, sleep = scheduling.schedule_many(
             session, [request(case), request(case, "sleep")], router=router, max_input_bytes=MAX_INPUT_BYTES
         )
     assert namespace_of(db_sessionmaker, echo.dispatch_id) == "ns-a"
@@ -51,7 +51,7 @@ def test_schedule_records_the_namespace_the_router_names_now(db_sessionmaker, ne
 
     router.namespaces["echo"] = "ns-b"  # the config moves: the dispatch scheduled before does not
     with transaction(db_sessionmaker) as session:
-        later = dispatches.schedule_many(session, [request(case)], router=router, max_input_bytes=MAX_INPUT_BYTES)[0]
+        later = scheduling.schedule_many(session, [request(case)], router=router, max_input_bytes=MAX_INPUT_BYTES)[0]
         moved = dispatches.fix_job_namespaces(session, {echo.dispatch_id: "ns-b"})
     assert moved == {echo.dispatch_id: "ns-a"}
     assert namespace_of(db_sessionmaker, echo.dispatch_id) == "ns-a"
@@ -63,7 +63,7 @@ def test_a_router_without_namespaces_leaves_the_namespace_to_the_first_worker(
 ) -> None:
     case = new_case(db_sessionmaker)
     with transaction(db_sessionmaker) as session:
-        result = dispatches.schedule_many(session, [request(case)], router=router, max_input_bytes=MAX_INPUT_BYTES)[0]
+        result = scheduling.schedule_many(session, [request(case)], router=router, max_input_bytes=MAX_INPUT_BYTES)[0]
     assert namespace_of(db_sessionmaker, result.dispatch_id) is None
     missing = str(uuid.uuid4())
     with transaction(db_sessionmaker) as session:
@@ -79,7 +79,7 @@ def test_mark_created_never_overwrites_the_recorded_namespace(db_sessionmaker, n
     case = new_case(db_sessionmaker)
     router = NamespaceRouter({"echo": "w"}, {"echo": "ns-a"})
     with transaction(db_sessionmaker) as session:
-        result = dispatches.schedule_many(session, [request(case)], router=router, max_input_bytes=MAX_INPUT_BYTES)[0]
+        result = scheduling.schedule_many(session, [request(case)], router=router, max_input_bytes=MAX_INPUT_BYTES)[0]
     name = f"kd-{result.dispatch_id}"
     with transaction(db_sessionmaker) as session:
         marked = dispatches.mark_created_many(session, [dispatches.CreatedJob(result.dispatch_id, name, "ns-b", 0)])
@@ -98,5 +98,5 @@ def test_a_router_naming_an_invalid_namespace_is_refused_and_nothing_is_written(
     router = NamespaceRouter({"echo": "w"}, {"echo": bad})
     before = count_rows(db_sessionmaker)
     with pytest.raises(ConfigError, match="namespace"), transaction(db_sessionmaker) as session:
-        dispatches.schedule_many(session, [request(case)], router=router, max_input_bytes=MAX_INPUT_BYTES)
+        scheduling.schedule_many(session, [request(case)], router=router, max_input_bytes=MAX_INPUT_BYTES)
     assert count_rows(db_sessionmaker) == before

@@ -13,11 +13,11 @@ import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 
 from k8s_dispatch.core.errors import InputNotSerialisable, InvalidInput, UnknownDispatch
-from k8s_dispatch.store import dispatches
+from k8s_dispatch.store import dispatches, scheduling
 from k8s_dispatch.store.db import transaction
 from k8s_dispatch.store.models import CaseEvent, CaseInstance, DispatchState, EventType
 
-Schedule = Callable[..., dispatches.ScheduleResult]
+Schedule = Callable[..., scheduling.ScheduleResult]
 T0 = datetime(2024, 5, 1, 12, 0, tzinfo=UTC)
 
 

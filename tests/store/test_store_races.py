@@ -12,7 +12,7 @@ import sqlalchemy as sa
 from sqlalchemy import event
 from sqlalchemy.exc import IntegrityError
 
-from k8s_dispatch.store import dispatches
+from k8s_dispatch.store import dispatches, scheduling
 from k8s_dispatch.store.db import make_sessionmaker, transaction
 from k8s_dispatch.store.models import (
     STATE_FOR_TERMINAL_EVENT,
@@ -114,10 +114,10 @@ def test_eight_connections_schedule_one_key_one_dispatch(
 
     keys = [f"race-{uuid.uuid4().hex}" for _ in range(rounds)]
 
-    def schedule(round_: int, thread: int) -> tuple[str, dispatches.ScheduleResult]:
+    def schedule(round_: int, thread: int) -> tuple[str, scheduling.ScheduleResult]:
         proposed = str(uuid.uuid4())  # every thread proposes its own id: only one can stick
         with transaction(sm) as session:
-            result = dispatches.schedule(
+            result = scheduling.schedule(
                 session,
                 case_id=case.case_id,
                 tenancy_id=case.tenancy_id,

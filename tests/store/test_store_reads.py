@@ -9,11 +9,11 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from k8s_dispatch.store import dispatches
+from k8s_dispatch.store import dispatches, scheduling
 from k8s_dispatch.store.db import transaction
 from k8s_dispatch.store.models import DispatchState, EventType
 
-Schedule = Callable[..., dispatches.ScheduleResult]
+Schedule = Callable[..., scheduling.ScheduleResult]
 T0 = datetime(2024, 5, 1, 12, 0, tzinfo=UTC)
 
 

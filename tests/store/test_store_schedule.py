@@ -26,13 +26,13 @@ from k8s_dispatch.core.errors import (
     UnknownCapability,
     UnknownCase,
 )
-from k8s_dispatch.store import dispatches
+from k8s_dispatch.store import dispatches, scheduling
 from k8s_dispatch.store.db import transaction
 from k8s_dispatch.store.models import CaseEvent, Dispatch, DispatchState, EventType
 
 LIMIT = 1000  # max_input_bytes in the size tests
 
-Schedule = Callable[..., dispatches.ScheduleResult]
+Schedule = Callable[..., scheduling.ScheduleResult]
 
 
 def test_schedule_writes_the_dispatch_and_its_event_together(db_sessionmaker, new_case, schedule_for: Schedule) -> None:
@@ -78,7 +78,7 @@ def test_same_key_twice_gives_one_dispatch_and_one_event(
     again = schedule_for(
         db_sessionmaker, case, idempotency_key="same", input={"y": (1, 2), "x": 1}, dispatch_id=str(uuid.uuid4())
     )
-    assert again == dispatches.ScheduleResult(
+    assert again == scheduling.ScheduleResult(
         dispatch_id=first.dispatch_id, created=False, state=DispatchState.SCHEDULED
     )
     assert count_rows(db_sessionmaker) == before
@@ -250,7 +250,7 @@ def test_the_same_key_for_a_different_request_is_a_conflict(
     if change.pop("case", None):  # another case of the same tenancy
         change["case_id"] = f"other-{uuid.uuid4().hex}"
         with transaction(db_sessionmaker) as session:
-            dispatches.create_case(session, case_id=change["case_id"], tenancy_id=case.tenancy_id)
+            scheduling.create_case(session, case_id=change["case_id"], tenancy_id=case.tenancy_id)
     before = count_rows(db_sessionmaker)
     with pytest.raises(IdempotencyConflict) as raised:
         schedule_for(db_sessionmaker, case, idempotency_key="reused", **change)
@@ -275,8 +275,8 @@ def test_a_refused_request_leaves_the_callers_transaction_usable(db_sessionmaker
     )
     with transaction(db_sessionmaker) as session:
         with pytest.raises(InputTooLarge):
-            dispatches.schedule(session, input="x" * 200, idempotency_key="a", **request)
-        ok = dispatches.schedule(session, input="small", idempotency_key="b", **request)
+            scheduling.schedule(session, input="x" * 200, idempotency_key="a", **request)
+        ok = scheduling.schedule(session, input="small", idempotency_key="b", **request)
     with transaction(db_sessionmaker) as session:
         assert dispatches.get_dispatch(session, ok.dispatch_id) is not None
         assert session.scalar(sa.select(sa.func.count()).where(Dispatch.tenancy_id == case.tenancy_id)) == 1

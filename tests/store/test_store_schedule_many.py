@@ -13,14 +13,14 @@ import sqlalchemy as sa
 from sqlalchemy import event
 
 from k8s_dispatch.core.errors import IdempotencyConflict, InputTooLarge, InvalidId, UnknownCapability, UnknownCase
-from k8s_dispatch.store import dispatches
+from k8s_dispatch.store import scheduling
 from k8s_dispatch.store.db import make_sessionmaker, transaction
 from k8s_dispatch.store.models import CaseEvent, Dispatch, DispatchState, EventType
 
 MAX_INPUT_BYTES = 1000
 
 
-def req(case, key: str | None = None, **overrides: Any) -> dispatches.ScheduleRequest:
+def req(case, key: str | None = None, **overrides: Any) -> scheduling.ScheduleRequest:
     fields = dict(
         case_id=case.case_id,
         tenancy_id=case.tenancy_id,
@@ -28,12 +28,12 @@ def req(case, key: str | None = None, **overrides: Any) -> dispatches.ScheduleRe
         input={"n": 1},
         idempotency_key=key or f"key-{uuid.uuid4()}",
     )
-    return dispatches.ScheduleRequest(**{**fields, **overrides})
+    return scheduling.ScheduleRequest(**{**fields, **overrides})
 
 
-def schedule_many(sm, requests, router) -> list[dispatches.ScheduleResult]:
+def schedule_many(sm, requests, router) -> list[scheduling.ScheduleResult]:
     with transaction(sm) as session:
-        return dispatches.schedule_many(session, requests, router=router, max_input_bytes=MAX_INPUT_BYTES)
+        return scheduling.schedule_many(session, requests, router=router, max_input_bytes=MAX_INPUT_BYTES)
 
 
 @pytest.mark.parametrize(
@@ -80,7 +80,7 @@ def test_repeats_within_and_across_batches_are_one_dispatch_each(db_sessionmaker
     )
     new, old_again, new_again, other = results
     assert [r.created for r in results] == [True, False, False, True]
-    assert old_again == dispatches.ScheduleResult(old.dispatch_id, created=False, state=DispatchState.SCHEDULED)
+    assert old_again == scheduling.ScheduleResult(old.dispatch_id, created=False, state=DispatchState.SCHEDULED)
     assert new_again.dispatch_id == new.dispatch_id and other.dispatch_id != new.dispatch_id
     with transaction(db_sessionmaker) as session:
         rows = session.scalars(sa.select(Dispatch).where(Dispatch.case_id == case.case_id)).all()

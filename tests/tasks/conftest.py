@@ -29,7 +29,7 @@ from k8s_dispatch import celeryconfig
 from k8s_dispatch.core.settings import Settings, load_settings
 from k8s_dispatch.demo.localcluster import LocalCluster
 from k8s_dispatch.ops import processes
-from k8s_dispatch.store import dispatches, migrate
+from k8s_dispatch.store import dispatches, migrate, scheduling
 from k8s_dispatch.store.db import make_engine, make_sessionmaker, transaction
 from k8s_dispatch.store.models import Dispatch, EventType
 from k8s_dispatch.workers import labels as job_labels
@@ -130,7 +130,7 @@ class Deployment:
     def new_case(self, tenancy: str = "tenant-a") -> str:
         case_id = f"case-{uuid.uuid4().hex[:10]}"
         with transaction(self.sessions) as session:
-            dispatches.create_case(session, case_id=case_id, tenancy_id=tenancy)
+            scheduling.create_case(session, case_id=case_id, tenancy_id=tenancy)
         return case_id
 
     def schedule_batch(self, capability: str, count: int) -> list[str]:
@@ -141,7 +141,7 @@ class Deployment:
 
         case_id = self.new_case()
         requests = [
-            dispatches.ScheduleRequest(case_id, "tenant-a", capability, {"i": i}, f"key-{uuid.uuid4()}")
+            scheduling.ScheduleRequest(case_id, "tenant-a", capability, {"i": i}, f"key-{uuid.uuid4()}")
             for i in range(count)
         ]
         with transaction(self.sessions) as session:

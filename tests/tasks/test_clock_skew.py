@@ -20,7 +20,7 @@ from k8s_dispatch import celeryconfig as names
 from k8s_dispatch.delivery.stats import Stats
 from k8s_dispatch.ops import processes
 from k8s_dispatch.recovery.sweep import SWEEPS_RUN
-from k8s_dispatch.store import dispatches
+from k8s_dispatch.store import dispatches, scheduling
 from k8s_dispatch.store.db import database_now, transaction
 from k8s_dispatch.store.models import EventType
 from k8s_dispatch.tasks.recovery_tasks import STARTUP_SWEEP_DONE
@@ -100,7 +100,7 @@ def test_the_sweeps_grace_period_runs_on_the_databases_clock(deploy, sim_cluster
     d.start_beat()
     case_id = d.new_case()
     with transaction(d.sessions) as session:  # no create_jobs message: the sweep's category 1
-        dispatch_id = dispatches.schedule(
+        dispatch_id = scheduling.schedule(
             session,
             case_id=case_id,
             tenancy_id="tenant-a",

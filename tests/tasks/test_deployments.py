@@ -13,7 +13,7 @@ from k8s_dispatch.delivery.crashpoints import ENV_VAR as CRASH_AT
 from k8s_dispatch.delivery.crashpoints import Point
 from k8s_dispatch.delivery.stats import Stats
 from k8s_dispatch.demo.localcluster import LocalCluster
-from k8s_dispatch.recovery.sweep import ORPHANS_REPORTED
+from k8s_dispatch.recovery.executor import ORPHANS_REPORTED
 from k8s_dispatch.store.db import transaction
 from k8s_dispatch.store.models import EventType
 from k8s_dispatch.tasks.scheduling import schedule_in_session

@@ -17,7 +17,7 @@ import pytest
 
 from k8s_dispatch import celeryconfig as names
 from k8s_dispatch.core.errors import ScheduleNotRecorded, Transient, UnknownDispatch
-from k8s_dispatch.delivery import delivery
+from k8s_dispatch.delivery import complete, create
 from k8s_dispatch.delivery.runtime import Runtime
 from k8s_dispatch.recovery.sweep import run_sweep
 from k8s_dispatch.store import dispatches
@@ -124,18 +124,18 @@ def test_a_cancel_in_session_racing_completions_leaves_exactly_one_terminal_even
     rt = Runtime.from_settings(d.settings)
     try:
         ids = d.schedule_batch("sim.ok", 30)
-        delivery.create_jobs_for(rt, ids)
+        create.create_jobs_for(rt, ids)
         d.wait(lambda: len([j for j in d.jobs() if job_state(j).terminal]) == len(ids), what="every Job finished")
-        snapshots = {j["metadata"]["name"]: delivery.job_snapshot(j) for j in d.jobs()}
+        snapshots = {j["metadata"]["name"]: complete.job_snapshot(j) for j in d.jobs()}
         barrier = threading.Barrier(2)
         cancelled: dict[str, bool] = {}
         errors: list[BaseException] = []
 
-        def complete() -> None:
+        def complete_in_order() -> None:
             barrier.wait()
             try:  # in id order, one by one, while the cancels come the other way: they meet
                 for dispatch_id in ids:
-                    delivery.complete_job(
+                    complete.complete_job(
                         rt, d.namespace, job_name(dispatch_id), snapshot=snapshots[job_name(dispatch_id)]
                     )
             except BaseException as e:
@@ -150,7 +150,7 @@ def test_a_cancel_in_session_racing_completions_leaves_exactly_one_terminal_even
             except BaseException as e:
                 errors.append(e)
 
-        threads = [threading.Thread(target=complete), threading.Thread(target=cancel)]
+        threads = [threading.Thread(target=complete_in_order), threading.Thread(target=cancel)]
         for t in threads:
             t.start()
         for t in threads:

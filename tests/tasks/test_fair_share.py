@@ -17,7 +17,7 @@ import sqlalchemy as sa
 
 from k8s_dispatch.delivery.crashpoints import ENV_VAR as CRASH_AT
 from k8s_dispatch.delivery.crashpoints import Point
-from k8s_dispatch.store import dispatches
+from k8s_dispatch.store import dispatches, scheduling
 from k8s_dispatch.store.db import transaction
 from k8s_dispatch.store.models import HOLDING_STATES, Dispatch, DispatchState
 from k8s_dispatch.tasks.scheduling import schedule_many_in_session
@@ -67,7 +67,7 @@ def sample(d, stop: threading.Event, out: Samples) -> None:
 def schedule(d, tenancy: str, router: CapabilityResolver, *, count: int = PER_TENANCY) -> list[str]:
     case_id = d.new_case(tenancy)
     requests = [
-        dispatches.ScheduleRequest(case_id, tenancy, "sim.ok", {"i": i}, f"key-{uuid.uuid4()}") for i in range(count)
+        scheduling.ScheduleRequest(case_id, tenancy, "sim.ok", {"i": i}, f"key-{uuid.uuid4()}") for i in range(count)
     ]
     with transaction(d.sessions) as session:
         results = schedule_many_in_session(

@@ -12,7 +12,7 @@ import uuid
 
 from k8s_dispatch import celeryconfig as names
 from k8s_dispatch.delivery import jobwatch
-from k8s_dispatch.store import dispatches
+from k8s_dispatch.store import dispatches, scheduling
 from k8s_dispatch.store.db import transaction
 from k8s_dispatch.store.models import DispatchState, EventType
 from k8s_dispatch.tasks.scheduling import schedule_many_in_session
@@ -35,7 +35,7 @@ def test_a_lost_cancel_has_its_job_deleted_by_the_sweep_and_its_slot_held_until_
     d.start_beat()
     case_id = d.new_case("solo")
     requests = [
-        dispatches.ScheduleRequest(case_id, "solo", "sim.long", {"i": i}, f"k-{uuid.uuid4()}") for i in range(2)
+        scheduling.ScheduleRequest(case_id, "solo", "sim.long", {"i": i}, f"k-{uuid.uuid4()}") for i in range(2)
     ]
     with transaction(d.sessions) as session:
         results = schedule_many_in_session(
@@ -107,7 +107,7 @@ def test_a_failure_read_from_its_finished_job_frees_its_slot_at_once_not_a_sweep
     d.start_beat()
     case_id = d.new_case("solo")
     requests = [
-        dispatches.ScheduleRequest(case_id, "solo", "sim.fail", {"i": i}, f"k-{uuid.uuid4()}") for i in range(3)
+        scheduling.ScheduleRequest(case_id, "solo", "sim.fail", {"i": i}, f"k-{uuid.uuid4()}") for i in range(3)
     ]
     with transaction(d.sessions) as session:
         ids = [
@@ -136,7 +136,7 @@ def test_a_cancel_sent_as_usual_frees_its_slot_once_its_job_is_gone_not_a_sweep_
     d.start_beat()
     case_id = d.new_case("solo")
     requests = [
-        dispatches.ScheduleRequest(case_id, "solo", "sim.long", {"i": i}, f"k-{uuid.uuid4()}") for i in range(2)
+        scheduling.ScheduleRequest(case_id, "solo", "sim.long", {"i": i}, f"k-{uuid.uuid4()}") for i in range(2)
     ]
     with transaction(d.sessions) as session:
         schedule_many_in_session(

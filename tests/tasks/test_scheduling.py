@@ -14,7 +14,7 @@ import redis
 
 from k8s_dispatch import celeryconfig
 from k8s_dispatch.core.errors import UnknownCapability
-from k8s_dispatch.store import dispatches
+from k8s_dispatch.store import dispatches, scheduling
 from k8s_dispatch.store.db import transaction
 from k8s_dispatch.tasks.scheduling import CREATE_BATCH, schedule_in_session, schedule_many_in_session
 from k8s_dispatch.workers.resolver import demo_resolver
@@ -48,7 +48,7 @@ def request(case_id: str, **overrides):
 def new_case(sessions) -> str:
     case_id = f"case-{uuid.uuid4().hex[:8]}"
     with transaction(sessions) as session:
-        dispatches.create_case(session, case_id=case_id, tenancy_id="tenant-a")
+        scheduling.create_case(session, case_id=case_id, tenancy_id="tenant-a")
     return case_id
 
 
@@ -113,9 +113,9 @@ def test_a_transaction_of_60_dispatches_is_sent_in_batches_after_its_commit(worl
     case_id = new_case(sessions)
     router = demo_resolver()
 
-    def requests(n: int) -> list[dispatches.ScheduleRequest]:
+    def requests(n: int) -> list[scheduling.ScheduleRequest]:
         return [
-            dispatches.ScheduleRequest(case_id, "tenant-a", "demo.wordcount", {"i": i}, f"key-{uuid.uuid4()}")
+            scheduling.ScheduleRequest(case_id, "tenant-a", "demo.wordcount", {"i": i}, f"key-{uuid.uuid4()}")
             for i in range(n)
         ]
 

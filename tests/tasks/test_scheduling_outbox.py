@@ -18,7 +18,7 @@ from test_scheduling import new_case, request
 
 from k8s_dispatch import celeryconfig
 from k8s_dispatch.ops.processes import wait_until
-from k8s_dispatch.store import dispatches
+from k8s_dispatch.store import dispatches, scheduling
 from k8s_dispatch.store.db import transaction
 from k8s_dispatch.store.models import CaseEvent, Dispatch
 from k8s_dispatch.tasks.scheduling import CREATE_BATCH, schedule_in_session, schedule_many_in_session
@@ -96,8 +96,8 @@ def test_a_one_dispatch_transaction_writes_the_general_paths_rows_with_two_state
         general, _ = schedule_many_in_session(
             session,
             [
-                dispatches.ScheduleRequest(**two),
-                dispatches.ScheduleRequest(**{**two, "idempotency_key": f"k-{uuid.uuid4()}"}),
+                scheduling.ScheduleRequest(**two),
+                scheduling.ScheduleRequest(**{**two, "idempotency_key": f"k-{uuid.uuid4()}"}),
             ],
             router=router,
             max_input_bytes=limit,

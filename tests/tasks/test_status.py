@@ -19,7 +19,7 @@ from rich.console import Console
 
 from k8s_dispatch.core.limits import Limits, TenancyLimit
 from k8s_dispatch.ops.status import CreateWait, Failure, Pending, StatusReport, format_age, read_status, render
-from k8s_dispatch.store import admission, dispatches, migrate
+from k8s_dispatch.store import admission, dispatches, migrate, scheduling
 from k8s_dispatch.store.db import make_engine, make_sessionmaker, transaction
 from k8s_dispatch.store.models import EventType
 
@@ -49,10 +49,10 @@ def populate(url: str) -> dict[str, str]:
     ids: dict[str, str] = {}
     try:
         with transaction(make_sessionmaker(engine)) as session:
-            dispatches.create_case(session, case_id="case-1", tenancy_id="acme")
+            scheduling.create_case(session, case_id="case-1", tenancy_id="acme")
 
             def schedule(name: str, minutes_ago: float, capability: str = "demo.x") -> str:
-                ids[name] = dispatches.schedule(
+                ids[name] = scheduling.schedule(
                     session,
                     case_id="case-1",
                     tenancy_id="acme",
@@ -265,9 +265,9 @@ def test_the_fair_share_rows_show_running_queued_the_oldest_and_how_full_each_li
     try:
         sessions = make_sessionmaker(engine)
         with transaction(sessions) as session:
-            dispatches.create_case(session, case_id="case-q", tenancy_id="acme")
+            scheduling.create_case(session, case_id="case-q", tenancy_id="acme")
             for i in range(5):
-                dispatches.schedule(
+                scheduling.schedule(
                     session, case_id="case-q", tenancy_id="acme", capability="demo.x", input={"i": i},
                     idempotency_key=f"q-{i}", router=LimitedRouter(limits), max_input_bytes=1000,
                     now=NOW - timedelta(minutes=10 - i),

@@ -25,7 +25,7 @@ TIMEOUT_S = 60
 
 
 def run_runner(
-    args: list[str], *, input_text: str | None, result_path: Path | None
+    args: list[str], *, input_text: str | None, result_path: Path | None, module: str = "k8s_dispatch.container.runner"
 ) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k not in (INPUT_ENV, "TERMINATION_MESSAGE_PATH")}
     env["PYTHONPATH"] = str(ROOT)
@@ -34,13 +34,26 @@ def run_runner(
     if result_path is not None:
         env["TERMINATION_MESSAGE_PATH"] = str(result_path)
     return subprocess.run(
-        [sys.executable, "-m", "k8s_dispatch.container.runner", *args],
+        [sys.executable, "-m", module, *args],
         env=env,
         capture_output=True,
         text=True,
         timeout=TIMEOUT_S,
         cwd=ROOT,
     )
+
+
+def test_the_old_runner_path_still_runs_and_says_it_moved(tmp_path: Path) -> None:
+    """Capability files written for 0.1 name `k8s_dispatch.workers.runner`: it runs the same
+    runner, with a deprecation line on stderr."""
+    result_path = tmp_path / "termination-log"
+    proc = run_runner(
+        ["k8s_dispatch.demo.functions:wordcount"], input_text=encode_input({"text": "a b"}),
+        result_path=result_path, module="k8s_dispatch.workers.runner",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(result_path.read_text(encoding="utf-8")) == {"lines": 0, "words": 2, "chars": 3}
+    assert "deprecated" in proc.stderr and "k8s_dispatch.container.runner" in proc.stderr
 
 
 @pytest.mark.parametrize(
