@@ -268,7 +268,9 @@ def test_an_active_deadline_fails_an_indexed_job(sim: Api) -> None:
     job = sim.wait_job("late", timeout=20)
     assert reasons(job)[-1] == ("Failed", "DeadlineExceeded", "Job was active longer than specified deadline")
     status = job_json(sim, "late")["status"]
-    assert (status["completedIndexes"], status["failed"]) == ("0", 1)
+    # index 1 never ends and counts as failed; index 0 (20 ms) has succeeded unless the machine is slow
+    done = status.get("completedIndexes", "")
+    assert done in ("0", "") and status["failed"] == (1 if done else 2)
 
 
 # --- successPolicy ---------------------------------------------------------------------------
