@@ -9,7 +9,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from k8s_dispatch.artifacts import Artifacts
 from k8s_dispatch.artifacts.reference import ResultReference
-from k8s_dispatch.store import dispatches
+from k8s_dispatch.store import dispatches, scheduling
 from k8s_dispatch.store.db import transaction
 from k8s_dispatch.store.models import EventType
 from k8s_dispatch.workers.resolver import CapabilityResolver
@@ -22,8 +22,8 @@ RESOLVER = CapabilityResolver.from_mapping(
 def schedule(sm: sessionmaker[Session]) -> str:
     case_id = f"case-{uuid.uuid4().hex}"
     with transaction(sm) as session:
-        dispatches.create_case(session, case_id=case_id, tenancy_id="t")
-        result = dispatches.schedule(
+        scheduling.create_case(session, case_id=case_id, tenancy_id="t")
+        result = scheduling.schedule(
             session,
             case_id=case_id,
             tenancy_id="t",
