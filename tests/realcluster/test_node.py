@@ -93,9 +93,9 @@ def test_the_kubelet_runs_on_cgroup_v1_with_cgroupfs_and_serves_only_loopback(tm
 
 
 def test_a_pod_subnet_is_one_no_route_on_the_host_uses() -> None:
-    routes = "default via 10.0.0.1 dev eth0\n10.88.1.0/24 dev kdaaa proto kernel scope link src 10.88.1.1\n"
-    assert node.pod_subnet(routes, pick=lambda n: 0) == "10.88.2.0/24"  # 1 is another node's
-    taken = "".join(f"10.88.{n}.0/24 dev kd{n}\n" for n in range(1, 255))
+    routes = "default via 10.0.0.1 dev eth0\n10.88.5.0/24 dev kdaaa proto kernel scope link src 10.88.5.1\n"
+    assert node.pod_subnet(routes, pick=lambda n: 0) == "10.88.8.0/22"  # 10.88.4.0/22 holds another node's
+    taken = "".join(f"10.88.{4 * k}.0/22 dev kd{k}\n" for k in range(1, 64))
     with pytest.raises(node.NodeFailed, match="taken"):
         node.pod_subnet(taken)
 
