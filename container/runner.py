@@ -6,9 +6,9 @@ On any failure it writes nothing there and exits non-zero with the reason on std
 `terminationMessagePolicy: FallbackToLogsOnError` then shows as the termination message.
 
 With `K8S_DISPATCH_RESULT_URL` set (a capability whose results go to the object store), the
-result (bytes as they are, anything else as canonical JSON, of any size) is PUT to that URL
-with its Content-MD5, so the store refuses bytes damaged on the way; the termination message is
-then only the reference (key, size, SHA-256) that delivery verifies the object against. The
+result (bytes as they are, a `pathlib.Path` the function wrote as that file's bytes, anything
+else as canonical JSON; of any size) is PUT to that URL with its Content-MD5, so the store
+refuses bytes damaged on the way; the termination message is then only the reference (key, size, SHA-256) that delivery verifies the object against. The
 standard library only: the Pod needs neither boto3 nor credentials.
 """
 
@@ -17,8 +17,10 @@ from __future__ import annotations
 import base64
 import hashlib
 import importlib
+import io
 import json
 import os
+import shutil
 import sys
 import tempfile
 import traceback
@@ -26,7 +28,8 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from pathlib import Path
+from typing import Any, BinaryIO
 
 from k8s_dispatch.container.contract import (
     INPUT_ENV,
@@ -103,65 +106,94 @@ def encode_result(result: Any) -> str:
 
 
 UPLOAD_TIMEOUT_S = 300.0  # each socket operation of the upload, not the whole transfer
-UPLOAD_ATTEMPTS = 3  # a connection reset or a 5xx is tried again; a 4xx (expired URL) is not
+UPLOAD_ATTEMPTS = 3
+CHUNK_BYTES = 1 << 20  # a connection reset or a 5xx is tried again; a 4xx (expired URL) is not
 
 
-def result_bytes(result: Any) -> bytes:
-    """What the object holds: bytes as they are, anything else as canonical JSON.
+def result_bytes(result: Any) -> bytes | Path:
+    """What the object holds: bytes as they are, a file the function wrote (a `pathlib.Path`:
+    streamed, never read whole into memory), anything else as canonical JSON.
 
     Raises:
-        RunnerError: the result is neither bytes nor JSON.
+        RunnerError: the result is none of those.
     """
     if isinstance(result, (bytes, bytearray, memoryview)):
         return bytes(result)
+    if isinstance(result, Path):
+        if not result.is_file():
+            raise RunnerError(f"the result names {str(result)!r}, which is not a file", EXIT_FAILED)
+        return result
     try:
         return canonical_json(result, what="the result").encode("utf-8")
     except InputNotSerialisable as e:
         raise RunnerError(f"the result of the function is not JSON: {e}", EXIT_FAILED) from e
 
 
-def upload(url: str, data: bytes) -> None:
-    """PUT `data` to the presigned `url` with its Content-MD5 (file:// URLs: written to a
-    temporary file and renamed, so the object appears whole or not at all).
+def _digests(source: bytes | Path) -> tuple[int, str, str]:
+    """Size, base64 MD5 (Content-MD5) and hex SHA-256 (the reference), in one pass."""
+    md5, sha256 = hashlib.md5(usedforsecurity=False), hashlib.sha256()
+    size = 0
+    with _open(source) as f:
+        while chunk := f.read(CHUNK_BYTES):
+            md5.update(chunk)
+            sha256.update(chunk)
+            size += len(chunk)
+    return size, base64.b64encode(md5.digest()).decode(), sha256.hexdigest()
+
+
+def _open(source: bytes | Path) -> BinaryIO:
+    return io.BytesIO(source) if isinstance(source, bytes) else source.open("rb")
+
+
+def upload(url: str, source: bytes | Path) -> tuple[int, str]:
+    """PUT `source` (bytes, or a file streamed) to the presigned `url` with its Content-MD5, so
+    the store refuses bytes damaged on the way; file:// URLs (the demo's directory store): a
+    temporary file renamed into place, so the object appears whole or not at all. Returns the
+    size and SHA-256 of what was sent.
 
     Raises:
         RunnerError: the store refused it (an expired URL, a bad signature) or stayed unreachable.
     """
+    size, md5, sha256 = _digests(source)
     parts = urllib.parse.urlsplit(url)
     if parts.scheme == "file":
         path = urllib.parse.unquote(parts.path)
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".upload-")
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
+            with os.fdopen(fd, "wb") as out, _open(source) as f:
+                shutil.copyfileobj(f, out, CHUNK_BYTES)
             os.replace(tmp, path)
         except OSError as e:
             raise RunnerError(f"cannot write the result to {path}: {e}", EXIT_FAILED) from e
-        return
+        return size, sha256
     if parts.scheme not in ("http", "https"):
         raise RunnerError(f"{RESULT_URL_ENV} is not an http(s) or file URL", EXIT_USAGE)
-    md5 = base64.b64encode(hashlib.md5(data, usedforsecurity=False).digest()).decode()
     last = ""
     for _ in range(UPLOAD_ATTEMPTS):
-        request = urllib.request.Request(
-            url,
-            data=data,
-            method="PUT",
-            headers={"Content-MD5": md5, "Content-Type": "application/octet-stream"},
-        )
-        try:
-            with urllib.request.urlopen(request, timeout=UPLOAD_TIMEOUT_S) as response:
-                response.read()
-            return
-        except urllib.error.HTTPError as e:
-            with e:  # its socket closed here, not by the garbage collector
-                body = e.read()[:500].decode("utf-8", "replace")
-            if e.code < 500:
-                raise RunnerError(f"the object store refused the result: HTTP {e.code}: {body}", EXIT_FAILED) from e
-            last = f"HTTP {e.code}: {body}"
-        except OSError as e:  # URLError, a reset, a timeout
-            last = f"{type(e).__name__}: {e}"
+        with _open(source) as body:
+            request = urllib.request.Request(
+                url,
+                data=body,
+                method="PUT",
+                headers={
+                    "Content-MD5": md5,
+                    "Content-Length": str(size),
+                    "Content-Type": "application/octet-stream",
+                },
+            )
+            try:
+                with urllib.request.urlopen(request, timeout=UPLOAD_TIMEOUT_S) as response:
+                    response.read()
+                return size, sha256
+            except urllib.error.HTTPError as e:
+                with e:  # its socket closed here, not by the garbage collector
+                    text = e.read()[:500].decode("utf-8", "replace")
+                if e.code < 500:
+                    raise RunnerError(f"the object store refused the result: HTTP {e.code}: {text}", EXIT_FAILED) from e
+                last = f"HTTP {e.code}: {text}"
+            except OSError as e:  # URLError, a reset, a timeout
+                last = f"{type(e).__name__}: {e}"
     raise RunnerError(f"cannot upload the result ({UPLOAD_ATTEMPTS} tries): {last}", EXIT_FAILED)
 
 
@@ -184,10 +216,8 @@ def run(target: str, environ: Mapping[str, str]) -> int:
     try:
         url = environ.get(RESULT_URL_ENV)
         if url:
-            data = result_bytes(result)
-            upload(url, data)
-            key = environ.get(RESULT_KEY_ENV, "")
-            text = result_reference(key=key, size=len(data), sha256=hashlib.sha256(data).hexdigest())
+            size, sha256 = upload(url, result_bytes(result))
+            text = result_reference(key=environ.get(RESULT_KEY_ENV, ""), size=size, sha256=sha256)
         else:
             text = encode_result(result)
     except RunnerError as e:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import tempfile
+from pathlib import Path
 from typing import Any
 
 
@@ -19,3 +21,10 @@ def random_bytes(spec: dict[str, Any]) -> bytes:
 def rows(spec: dict[str, Any]) -> list[dict[str, int]]:
     """A JSON result far larger than a termination message holds."""
     return [{"i": i, "square": i * i} for i in range(spec["n"])]
+
+
+def file_of(spec: dict[str, Any]) -> Path:
+    """A result written to a file (a model, a report): the runner streams the file itself."""
+    path = Path(tempfile.mkdtemp()) / "result.bin"
+    path.write_bytes(random_bytes(spec))
+    return path

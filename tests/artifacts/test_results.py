@@ -107,6 +107,20 @@ def test_a_json_result_larger_than_a_termination_message(artifacts: Artifacts, t
     assert len(text) > 4096
 
 
+def test_a_file_the_function_wrote_is_streamed_as_the_result(artifacts: Artifacts, tmp_path: Path) -> None:
+    dispatch_id = str(uuid.uuid4())
+    upload = result_upload(artifacts, spec(), dispatch_id=dispatch_id, attempt=0)
+    assert upload is not None
+    value = {"seed": 3, "size": 2 * MIB + 5}
+    code, message = run_runner(tmp_path, upload, "funcs:file_of", value)
+    assert code == runner.EXIT_OK
+    event, payload = verify_for_delivery(
+        artifacts, spec(), dispatch_id=dispatch_id, attempt=0, output=json.loads(message)
+    )
+    assert event is EventType.WORKER_COMPLETED
+    assert b"".join(artifacts.read(parse_reference(payload["output"]))) == random_bytes(value)
+
+
 def _uploaded(artifacts: Artifacts, dispatch_id: str, data: bytes, attempt: int = 0) -> ResultReference:
     upload = result_upload(artifacts, spec(), dispatch_id=dispatch_id, attempt=attempt)
     assert upload is not None
