@@ -9,6 +9,7 @@ fixture waits for it. With the tool cached the script only hashes its inputs and
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import secrets
@@ -31,6 +32,7 @@ _build_log = tempfile.NamedTemporaryFile(prefix="weed-build-", suffix=".log", de
 _build = subprocess.Popen(
     ["bash", str(BUILD_SCRIPT), "seaweedfs"], stdout=subprocess.PIPE, stderr=_build_log, text=True
 )
+atexit.register(os.unlink, _build_log.name)  # its tail is in the failure message if it failed
 
 
 def weed_binary() -> Path:
