@@ -6,12 +6,19 @@ the tests with its logs: nothing falls back to the node agent."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from clusters import ClusterHandle, real_handle
 
 from tests.tasks.conftest import deploy  # noqa: F401  (the fixture: real worker and beat processes, for the kubelet node)
+
+# tests/recovery's helpers import each other by module name (forged_jobs, runtimes), as pytest makes
+# them importable for the tests beside them; the kubelet's crash matrix reuses that suite's site.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "recovery"))
+from tests.recovery.test_crash_matrix import make_site  # noqa: F401  (the fixture: a site with crash points)
 
 
 @pytest.fixture(scope="session")
