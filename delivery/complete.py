@@ -20,6 +20,8 @@ from typing import Any
 
 from sqlalchemy.exc import DBAPIError
 
+from k8s_dispatch import artifacts
+from k8s_dispatch.artifacts.errors import ObjectStoreUnavailable
 from k8s_dispatch.core.errors import (
     DispatchError,
     InvalidInput,
@@ -252,11 +254,17 @@ class _Batch:
             if done is None:  # not terminal after all (the same rule as job_state): poll again later
                 item.outcome = CompleteOutcome.RUNNING
                 continue
+            try:
+                verified = self._verified(item, done)
+            except ObjectStoreUnavailable as e:  # nothing recorded, nothing released: the next poll or sweep
+                log.warning("dispatch %s: its result cannot be verified now: %s", item.dispatch_id, e)
+                item.outcome = CompleteOutcome.RUNNING
+                continue
             first[item.dispatch_id] = item
             if done.lost:  # succeeded, but no Pod holds the result any more: `_rerun` runs it again
                 item.lost = True
                 continue
-            event_type, payload = terminal_event(done)
+            event_type, payload = verified or terminal_event(done)
             if event_type is EventType.WORKER_FAILED:
                 payload = self._why(item, payload)
             # A payload the store cannot keep fails its own dispatch here, never the batch.
@@ -265,6 +273,26 @@ class _Batch:
             )
         for item in repeats:  # a repeat of a lost result is run again once, by its first entry
             item.outcome = CompleteOutcome.RERUN if first[item.dispatch_id].lost else CompleteOutcome.ALREADY_TERMINAL
+
+    def _verified(self, item: _Item, done: Completion) -> tuple[EventType, dict[str, Any]] | None:
+        """For a succeeded Job whose capability stores its results: the event its verified
+        reference records (or the failure verification found); None for every other Job.
+
+        Raises:
+            ObjectStoreUnavailable: the store cannot say now.
+        """
+        if not done.succeeded or done.lost or item.record.capability not in self.rt.resolver:
+            return None
+        spec = self.rt.resolver.spec(item.record.capability)
+        if not spec.results_in_object_store:
+            return None
+        return artifacts.verify_for_delivery(
+            artifacts.for_settings(self.rt.settings),
+            spec,
+            dispatch_id=item.dispatch_id,
+            attempt=item.attempt,
+            output=done.output,
+        )
 
     def _record(self, items: Sequence[_Item]) -> set[str]:
         """Write the decided events in ONE transaction and settle their Jobs' outcomes; the

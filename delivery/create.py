@@ -16,9 +16,11 @@ from enum import StrEnum
 
 from sqlalchemy.orm import Session
 
+from k8s_dispatch import artifacts
 from k8s_dispatch.core.errors import (
     AlreadyExists,
     ApiRejected,
+    ConfigError,
     Conflict,
     InvalidInput,
     InvalidManifest,
@@ -264,12 +266,17 @@ def _create(rt: Runtime, record: DispatchRecord, rerun: Rerun | None = None) -> 
             namespace=rt.settings.namespace,
             deployment=rt.settings.effective_deployment,
             attempt=attempt,
+            # This attempt's key and presigned PUT URL (signed locally, no request), for a
+            # capability whose results go to the object store; None for the others.
+            result_upload=artifacts.result_upload(
+                artifacts.for_settings(rt.settings), spec, dispatch_id=record.dispatch_id, attempt=attempt
+            ),
         )
     except UnknownCapability as e:
         # Removed from the config since scheduling: a Job made before still runs and is
         # delivered; with none, the dispatch fails with that reason.
         return _adopt_or_fail(rt, record, e)
-    except (InvalidManifest, InvalidInput) as e:
+    except (InvalidManifest, InvalidInput, ConfigError) as e:
         # The config changed since scheduling, or the row holds what no Job can carry.
         return _failed(e)
     namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]

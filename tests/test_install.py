@@ -52,7 +52,7 @@ def fresh_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     venv = root / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     python = str(venv / "bin" / "python")
-    uv = [sys.executable, "-m", "uv", "pip", "install", "-q", "--python", python]
+    uv = [sys.executable, "-m", "uv", "pip", "install", "-q", "--compile-bytecode", "--python", python]
     subprocess.run([*uv, "--require-hashes", "-r", str(REPO / "requirements.lock")], check=True, timeout=600)
     subprocess.run([*uv, "--no-deps", str(wheel)], check=True, timeout=300)
     return venv
@@ -114,6 +114,29 @@ def test_the_bare_wheel_is_the_product_alone(fresh_venv: Path, engine_dir: Path)
     assert "pip install 'k8s-dispatch[demo]'" in demo.stderr
     assert subprocess.run([str(fresh_venv / "bin" / "k8s-dispatch"), "--help"], cwd=engine_dir, env=env,
                           capture_output=True, timeout=120).returncode == 0  # fmt: skip
+
+
+def test_the_demo_extra_makes_the_demo_run(fresh_venv: Path, engine_dir: Path) -> None:
+    """`pip install 'k8s-dispatch[demo]'` then `k8s-dispatch demo`: the demo's own dependencies come
+    with the extra (at the versions the tests lock), and the whole demo runs from the installed wheel."""
+    (wheel,) = (fresh_venv.parent / "wheels").glob("k8s_dispatch-*.whl")
+    install = [
+        sys.executable,
+        "-m",
+        "uv",
+        "pip",
+        "install",
+        "-q",
+        "--compile-bytecode",
+        "--python",
+        str(fresh_venv / "bin" / "python"),
+    ]
+    subprocess.run([*install, "-c", str(REPO / "requirements-test.lock"), f"{wheel}[demo]"], check=True, timeout=600)
+    demo = subprocess.run(
+        [str(fresh_venv / "bin" / "k8s-dispatch"), "demo", "--count", "3", "--broker", "embedded", "--timeout", "240"],
+        cwd=engine_dir, env=clean_env(fresh_venv, {}), capture_output=True, text=True, timeout=420,
+    )  # fmt: skip
+    assert demo.returncode == 0, (demo.stdout[-3000:], demo.stderr[-3000:])
 
 
 def clean_env(venv: Path, settings: dict[str, str]) -> dict[str, str]:
