@@ -1,16 +1,18 @@
-"""The chaos run, short (CI): `k8s-dispatch chaos` as a user runs it, a few hundred dispatches under
-SIGKILLs of workers and beat, one broker flush, 5% API errors, an API server restart, a database
-connection kill, a restart of the run's own PostgreSQL, a rolling upgrade from the previous commit
-across `k8s-dispatch migrate`, a worker's clock stepped 10 minutes forward and beat's 10 minutes
-back, cancels whose message is lost, and 50 namespaces (48 idle), on each cluster: localcluster, and
-the real control plane (kube-apiserver restarted on the same etcd; the API errors, resets and lost
-responses from the fault proxy in front of it). Nothing may be lost, doubled, wrong or left over;
-and the run must leave no process, server, worktree or temp dir behind, also when it is interrupted.
+"""The chaos run, short (CI): `python -m k8s_dispatch.lab chaos` as a developer runs it, a few
+hundred dispatches under SIGKILLs of workers and beat, one broker flush, 5% API errors, an API
+server restart, a database connection kill, a restart of the run's own PostgreSQL, a rolling upgrade
+from the previous commit across `k8s-dispatch migrate`, a worker's clock stepped 10 minutes forward
+and beat's 10 minutes back, cancels whose message is lost, and 50 namespaces (48 idle), on each
+cluster: localcluster, and the real control plane (kube-apiserver restarted on the same etcd; the
+API errors, resets and lost responses from the fault proxy in front of it). Nothing may be lost,
+doubled, wrong or left over; and the run must leave no process, server, worktree or temp dir
+behind, also when it is interrupted.
 
-Two classes of the full run are left out here (`--skip`): a restart of the run's own Redis (a busy
-Celery 5.7 worker can exit on it: kombu restores its unacknowledged messages through a connection
-already gone) and hand-edited Jobs (their dispatches end in bounded time, but not always within
-this run's deadline); both stay in the default `make chaos`.
+Two classes of the full run are still left out here (`--skip`): a restart of the run's own Redis
+(busy workers now live through it: tests/chaos/test_redis_restart.py) and hand-edited Jobs. With
+both, one short localcluster run converged in 413 s of its 420 and the next not within the
+subprocess's 850 s, on a machine at a load of 50-75; on the real control plane the fault proxy cut
+requests while kube-apiserver was ready. Both stay in the default `make chaos`.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import pytest
 import redis
 
 REPO = Path(__file__).resolve().parents[2]
-CLI = [sys.executable, "-c", "import sys; from k8s_dispatch.cli import main; sys.exit(main())"]
+CLI = [sys.executable, "-c", "import sys; from k8s_dispatch.lab.cli import main; sys.exit(main())"]  # the lab's CLI
 FINAL_LINE = re.compile(
     r"^chaos: dispatched=(?P<dispatched>\d+) terminal=(?P<terminal>\d+) lost=(?P<lost>\d+) "
     r"duplicates=(?P<duplicates>\d+) wrong_output=(?P<wrong_output>\d+) leftover_jobs=(?P<leftover_jobs>\d+) "
@@ -38,7 +40,6 @@ FINAL_LINE = re.compile(
     r"kills=(?P<kills>\d+) broker_flushes=(?P<broker_flushes>\d+) api_faults=(?P<api_faults>\d+) "
     r"converged_s=(?P<converged_s>[\d.]+|timeout) seed=(?P<seed>\d+)$"
 )
-SKIPPED = ["--skip", "redis_restart", "--skip", "label_edit"]  # see the module's docstring
 # The shared servers the other tests use: the run must leave them alone (it brings its own).
 SHARED_REDIS_URL = "redis://127.0.0.1:6379/0"
 SHARED_ADMIN_URL = os.environ.get("K8S_DISPATCH_TEST_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
@@ -95,6 +96,7 @@ def processes_mentioning(text: str, *, besides: int | None = None) -> list[str]:
     return found
 
 
+SKIPPED = ["--skip", "redis_restart", "--skip", "label_edit"]  # see the module's docstring
 CLUSTERS = ["localcluster", "realcluster"]
 
 
@@ -204,9 +206,13 @@ def test_an_interrupted_run_still_removes_its_processes_servers_and_temp_dirs(tm
             proc.send_signal(signal.SIGINT)
             code = proc.wait(timeout=120)
         finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+            if proc.poll() is None:  # failed before its interrupt: it still removes what it started
+                proc.send_signal(signal.SIGINT)
+                try:
+                    proc.wait(timeout=120)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
     text = " ".join(stderr_path.read_text().split())
     found = re.search(r"temp dirs ((?:/\S+ ?)+)", text)
     assert found, text
