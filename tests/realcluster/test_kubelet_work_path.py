@@ -6,11 +6,13 @@ and refuses a name that is no reference, kube-scheduler refuses a request no nod
 kubelet kills a real `sleep` at `activeDeadlineSeconds` and on a cancel, serves the log tail of a container
 that failed, and `kubectl drain` (the Eviction API) disrupts a running dispatch that completes once
 after `kubectl uncordon`. Each dispatch ends in exactly one terminal event with the node's cause.
+The same path runs as deploy/rbac.yaml's ServiceAccount, every request decided by the real authorizer.
 """
 
 from __future__ import annotations
 
 import subprocess
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -237,3 +239,43 @@ def test_kubectl_drain_mid_run_is_a_disruption_and_the_dispatch_completes_once_a
     disruption = story[1][1]
     assert (disruption["reason"], disruption["pod"], disruption["node"]) == ("EvictionByEvictionAPI", first, NODE_NAME)
     assert_no_pod_left(d)
+
+
+def test_the_roles_service_account_runs_the_work_path_on_a_real_node_through_the_real_authorizer(
+    deploy, kubelet_cluster, tmp_path
+):
+    """Worker and beat with deploy/rbac.yaml's ServiceAccount (a TokenRequest token): every request
+    they make is decided by kube-apiserver's RBAC authorizer, the kubelet's `pods/log` included."""
+    namespace = f"rbac-{uuid.uuid4().hex[:8]}"
+    kubeconfig = kubelet_cluster.service_account_kubeconfig(
+        namespace, tmp_path / "worker.kubeconfig", rbac_file=ROOT / "deploy" / "rbac.yaml"
+    )
+    argv = b"sleep\x00619\x00"
+    capabilities = {
+        "echo": EXAMPLE["echo"],
+        "fails": busybox("echo it broke; exit 3"),
+        "long": busybox("trap 'exit 143' TERM; sleep 619 & wait $!"),
+    }
+    d = deploy(
+        kubelet_cluster, capabilities=capabilities, namespace=namespace, kubeconfig=str(kubeconfig),
+        sweep_interval_s=str(SWEEP_S), sweep_grace_s="1",
+    )  # fmt: skip
+    d.start_worker("w1", wait=False).wait_for_log(" ready.", timeout_s=120)  # a cold start on a busy machine
+    d.start_beat()
+    [echo_id], [fails_id], [long_id] = (d.schedule_batch(c, 1) for c in ("echo", "fails", "long"))
+    d.wait(lambda: _processes(argv), timeout_s=60, what="the long container's sleep running on the host")
+    d.send(names.CANCEL_TASK, long_id, reason="UserCancelled")
+    events = d.wait_terminal([echo_id, fails_id, long_id], timeout_s=120)
+    assert events[echo_id] == [(EventType.WORKER_COMPLETED, {"output": {"echo": {"i": 0}}})]
+    assert events[long_id] == [(EventType.WORKER_CANCELLED, {"reason": "UserCancelled"})]
+    [(event, payload)] = events[fails_id]
+    assert (event, payload["detail"]["exit_code"]) == (EventType.WORKER_FAILED, 3), payload
+    assert payload["detail"]["log_tail"] == "it broke\n"  # pods/log, granted by the Role
+    assert_no_pod_left(d)
+    assert sorted(d.notifications()) == sorted([echo_id, fails_id, long_id])
+    refused = [line for p in d.procs for line in p.log().splitlines() if "Forbidden" in line or " 403" in line]
+    assert not refused, refused
+    # the worker's identity is the ServiceAccount's: the authorizer refuses it what the Role does not grant
+    token = yaml.safe_load(kubeconfig.read_text())["users"][0]["user"]["token"]
+    status, _, _ = kubelet_cluster.raw("GET", f"/api/v1/namespaces/{namespace}/pods/x/exec", token=token)
+    assert status == 403
