@@ -20,6 +20,7 @@ import argparse
 import dataclasses
 import enum
 import importlib
+import importlib.util
 import re
 import sys
 import textwrap
@@ -27,6 +28,8 @@ import typing
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
+
+from pydantic import SecretStr
 
 DOCS = Path(__file__).resolve().parent
 SETTINGS_PAGE = DOCS / "reference" / "settings.md"
@@ -109,6 +112,41 @@ SETTING_DESCRIPTIONS: dict[str, str] = {
         "Requests the budget lets through at once after a quiet spell. A `429` with `Retry-After` "
         "pauses every request of the process that long (at most 10 s)."
     ),
+    "object_store_endpoint": (
+        "The S3-compatible object store that holds the results of capabilities with `results: objectStore` "
+        "(`http(s)://host[:port]`), or a directory (`file:///path`) for a single machine. Unset: no object "
+        "store; such a capability is refused at start."
+    ),
+    "object_store_bucket": "The bucket results are written to; it must exist.",
+    "object_store_prefix": "The key prefix under which every result is written (`<prefix>/<dispatch id>/<attempt>`).",
+    "object_store_region": "The region the object store's URLs are signed for.",
+    "object_store_addressing_style": (
+        "How URLs name the bucket: in the path (`path`, self-hosted stores), as a host name (`virtual`), "
+        "or boto3's choice (`auto`)."
+    ),
+    "object_store_access_key": (
+        "The object store's access key, set together with the secret key. Unset: the files of "
+        "`K8S_DISPATCH_OBJECT_STORE_CREDENTIALS_DIR`, else boto3's own chain (`AWS_*` variables, `~/.aws`, "
+        "a web identity token)."
+    ),
+    "object_store_secret_key": "The object store's secret key, set together with the access key.",
+    "object_store_credentials_dir": (
+        "A folder holding the files `access-key` and `secret-key` (a mounted Secret), read when the two keys "
+        "are not set."
+    ),
+    "object_store_url_slack_s": (
+        "A presigned upload URL handed to a Job lives for the capability's deadlines plus this much. The Pod "
+        "holds no credentials: the URL is all it can write with."
+    ),
+    "object_store_read_url_s": "How long a read URL handed to the engine (`api.result_url`) lives.",
+    "object_store_retention_days": (
+        "Recorded results older than this are deleted by the results' clean-up. `0`: kept until deleted "
+        "(`api.delete_result`)."
+    ),
+    "object_store_orphan_grace_s": (
+        "An object that is not its dispatch's recorded result (a failed or superseded attempt's) is deleted "
+        "this long after the dispatch ended, or after it was written when there is no dispatch."
+    ),
 }
 
 # Pydantic validators of the settings model, by function name: the rule each enforces.
@@ -117,6 +155,15 @@ VALIDATOR_RULES: dict[str, str] = {
     "_deployment_is_label_value": "a label value: 1-63 letters, digits, `-`, `_` or `.`, alphanumeric at both ends",
     "_url_has_scheme": "a URL (`scheme://...`)",
     "_capabilities_file_exists": "the file must exist",
+    "_endpoint_is_url": "`http(s)://host[:port]` or `file:///path`",
+    "_prefix_is_key_part": "letters, digits and `!_.*'()/-`, with no leading, trailing or double `/`",
+    "_object_store_credentials": "the access key and the secret key are set together or not at all; a "
+    "credentials folder must hold the files `access-key` and `secret-key`",
+}
+# Model validators (they see the whole model) and the settings whose rule they are.
+MODEL_VALIDATOR_FIELDS: dict[str, tuple[str, ...]] = {
+    "_capabilities_file_exists": ("capabilities",),
+    "_object_store_credentials": ("object_store_access_key", "object_store_secret_key", "object_store_credentials_dir"),
 }
 
 # Fields whose default is None in the model, and what None means.
@@ -125,6 +172,10 @@ NONE_DEFAULTS: dict[str, str] = {
     "capabilities": "the demo capabilities",
     "kubeconfig": "in-cluster, else `~/.kube/config`",
     "deployment": "from the key prefix",
+    "object_store_endpoint": "no object store",
+    "object_store_access_key": "the credentials folder, else boto3's chain",
+    "object_store_secret_key": "the credentials folder, else boto3's chain",
+    "object_store_credentials_dir": "none",
 }
 
 _BOUNDS: dict[str, str] = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}
@@ -136,7 +187,14 @@ def _type_name(annotation: Any) -> str:
         return _type_name(args[0])
     if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
         return "one of " + ", ".join(f"`{member.value}`" for member in annotation)
-    names = {str: "string", int: "integer", float: "number", bool: "boolean", Path: "file path"}
+    names = {
+        str: "string",
+        int: "integer",
+        float: "number",
+        bool: "boolean",
+        Path: "file path",
+        SecretStr: "secret string",
+    }
     if annotation in names:
         return names[annotation]
     raise ReferenceError(f"settings: no name for the type {annotation!r}")
@@ -186,8 +244,10 @@ def render_settings() -> str:
             continue
         for field_name in decorator.info.fields:
             validated.setdefault(field_name, []).append(VALIDATOR_RULES[function])
-    if "_capabilities_file_exists" in decorators.model_validators:
-        validated.setdefault("capabilities", []).append(VALIDATOR_RULES["_capabilities_file_exists"])
+    for function, field_names in MODEL_VALIDATOR_FIELDS.items():
+        if function in decorators.model_validators:
+            for field_name in field_names:
+                validated.setdefault(field_name, []).append(VALIDATOR_RULES[function])
     problems += [
         f"settings: model validator {function} has no rule in VALIDATOR_RULES"
         for function in decorators.model_validators
@@ -277,6 +337,8 @@ FIELD_RULES: dict[str, str] = {
     "failOnExitCodes": "exit codes 1-255, no repeats",
     "maxDisruptions": "an integer from 0 to 1000",
     "queue": "a Kueue LocalQueue name: a DNS-1123 subdomain of at most 63 characters",
+    "results": "`terminationMessage` or `objectStore`; `objectStore` needs `K8S_DISPATCH_OBJECT_STORE_ENDPOINT`",
+    "maxResultBytes": "a size in bytes from 1 to 5 TiB (S3's largest object); only with `results: objectStore`",
 }
 
 # What each field is for, in words; its example and the comment beside it come from the
@@ -328,6 +390,13 @@ FIELD_NOTES: dict[str, str] = {
         "A Kueue LocalQueue in the Job's namespace: the Job is created suspended with Kueue's queue-name "
         "label, and runs when Kueue admits it."
     ),
+    "results": (
+        "Where the Job's result goes. `terminationMessage`: the container's termination message, JSON of at "
+        "most 4 KiB. `objectStore`: any size, written by the container to the object store through a "
+        "presigned URL (the Pod holds no credentials), its termination message only a reference (key, size, "
+        "SHA-256) that delivery verifies against the object before it records anything."
+    ),
+    "maxResultBytes": "The largest result a Job may write to the object store; a larger one fails `ResultTooLarge`.",
 }
 
 _SPEC_ATTRIBUTE = {"worker": "worker_name"}
@@ -498,11 +567,23 @@ def _annotation_text(annotation: Any) -> str:
 PAGES: dict[Path, Callable[[], str]] = {SETTINGS_PAGE: render_settings, CAPABILITIES_PAGE: render_capabilities}
 
 
+def bench_generator() -> Any:
+    """docs/gen_bench.py, which renders the Benchmarks pages from the published bench runs: checked
+    and written with these pages, so that `make lint` holds both to their sources."""
+    spec = importlib.util.spec_from_file_location("gen_bench", DOCS / "gen_bench.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve names through it
+    spec.loader.exec_module(module)
+    return module
+
+
 def stale_pages() -> list[Path]:
-    """The pages whose committed text differs from what the code renders now."""
-    return [
+    """The pages whose committed text differs from what the code (or a published bench run) renders now."""
+    stale = [
         page for page, render in PAGES.items() if not page.is_file() or page.read_text(encoding="utf-8") != render()
     ]
+    return stale + list(bench_generator().stale_pages())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -511,19 +592,21 @@ def main(argv: list[str] | None = None) -> int:
     action.add_argument("--check", action="store_true", help="exit 1 if a page differs from the code")
     action.add_argument("--write", action="store_true", help="write the pages")
     args = parser.parse_args(argv)
+    bench = bench_generator()
     try:
         if args.write:
             for page, render in PAGES.items():
                 page.parent.mkdir(parents=True, exist_ok=True)
                 page.write_text(render(), encoding="utf-8")
+            bench.write()
             return 0
         stale = stale_pages()
-    except ReferenceError as e:
+    except (ReferenceError, bench.BenchDocsError) as e:
         print(f"gen_reference: {e}", file=sys.stderr)
         return 2
     for page in stale:
         print(
-            f"{page.relative_to(DOCS.parent)} differs from the code: run python docs/gen_reference.py --write",
+            f"{page.relative_to(DOCS.parent)} differs from its source: run python docs/gen_reference.py --write",
             file=sys.stderr,
         )
     return 1 if stale else 0

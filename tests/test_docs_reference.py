@@ -3,7 +3,10 @@
 The configuration reference pages are generated from the code (docs/gen_reference.py): they must
 be what the code renders now. Every alert of the rules files has its runbook page, listed in the
 site's navigation, and its `runbook_url` annotation points at that page on the published site.
-The proofs the guarantees page cites exist, and the pages carry no run diaries.
+The proofs the guarantees page cites exist, and the pages carry no run diaries. The Benchmarks
+pages are generated from the published bench runs (docs/gen_bench.py), one page per benchmark a run
+holds. The README stays a front page: under 200 lines, its engine example intact, its links into
+the site resolving.
 """
 
 from __future__ import annotations
@@ -30,8 +33,12 @@ RULE_FILES = {
 }
 
 
-def _generator() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("gen_reference", DOCS / "gen_reference.py")
+README = ROOT / "README.md"
+README_MAX_LINES = 200
+
+
+def _generator(name: str = "gen_reference") -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, DOCS / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses and typing resolve names through it
@@ -140,3 +147,58 @@ def test_other_languages_page_names_every_column_and_the_schema_head() -> None:
     columns = [column.name for model in (Dispatch, CaseEvent) for column in model.__table__.columns]
     assert [name for name in columns if f"`{name}`" not in text] == []
     assert f"revision `{migrate.head()}`" in text
+
+
+def test_readme_stays_under_200_lines() -> None:
+    lines = README.read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines: move the detail into docs/"
+
+
+def test_readme_keeps_its_engine_example() -> None:
+    """tests/test_install.py runs these two blocks verbatim from the README."""
+    text = README.read_text(encoding="utf-8")
+    for name in ("tasks.py", "schedule.py"):
+        assert f"<!-- engine-example: {name} -->\n```python\n" in text
+
+
+def test_readme_links_resolve() -> None:
+    """The README's links into the repository and the site lead to files that exist."""
+    text = README.read_text(encoding="utf-8")
+    targets = re.findall(r"\]\(([^)\s]+)\)", text)
+    local = [t.split("#")[0] for t in targets if "://" not in t and not t.startswith("#")]
+    assert local, "the README links nowhere into the site"
+    assert sorted(t for t in local if not (ROOT / t).exists()) == []
+
+
+def test_readme_says_what_it_solves_once() -> None:
+    """The problem and the durable stores are stated once, at the top, not again further down."""
+    text = " ".join(README.read_text(encoding="utf-8").split())
+    assert text.count("durable stores") == 1
+    assert "The cluster and the database are the only durable stores" in text
+    assert text.index("durable stores") < text.index("## The two commands")
+
+
+def test_benchmark_pages_are_what_the_runs_render() -> None:
+    bench = _generator("gen_bench")
+    stale = bench.stale_pages()
+    assert not stale, (
+        f"{[str(p.relative_to(ROOT)) for p in stale]} differ from the runs: python docs/gen_bench.py --write"
+    )
+
+
+def test_every_benchmark_page_is_in_the_navigation() -> None:
+    bench = _generator("gen_bench")
+    nav = _nav_pages(_mkdocs()["nav"])
+    pages = {str(page.relative_to(DOCS)) for page in bench.pages()}
+    assert pages, "no benchmark run is published"
+    assert sorted(pages - nav) == []
+    assert sorted(p for p in nav if p.startswith("benchmarks/") and p not in pages) == []
+
+
+def test_every_published_run_names_its_machine_and_load() -> None:
+    bench = _generator("gen_bench")
+    for run in bench.runs():
+        machine = run.data["machine"]
+        assert machine["cpus"] and machine["load_average_at_start"] and machine["load_average_at_end"], run.path
+        page_texts = [page.read_text(encoding="utf-8") for page in (DOCS / "benchmarks").glob("*.md")]
+        assert any(run.heading in text and run.path.name in text for text in page_texts), run.path
