@@ -193,3 +193,112 @@ def pause_image(pause: Path, *, name: str = PAUSE) -> Image:
     if not pause.is_file():
         raise ImageBuildFailed(f"{pause} is missing: build it with tools/build.sh containerd")
     return Image(name, (*_base(), Entry("pause", 0o755, data=pause.read_bytes())), entrypoint=("/pause",))
+
+
+# --- images of several layers with a config of their own (the product's image: tools/image.py) ---
+
+
+@dataclass(frozen=True)
+class ImageConfig:
+    """What an image's config says besides its layers: how its process runs, and its labels."""
+
+    cmd: tuple[str, ...]
+    env: tuple[str, ...]
+    user: str = ""
+    working_dir: str = ""
+    exposed_ports: tuple[str, ...] = ()  # "5555/tcp"
+    stop_signal: str = ""
+    labels: tuple[tuple[str, str], ...] = ()
+
+
+def _owned_info(
+    name: str, *, mode: int, mtime: int, owner: tuple[int, int], kind: bytes = tarfile.REGTYPE, size: int = 0,
+    target: str = "",
+) -> tarfile.TarInfo:  # fmt: skip
+    info = _info(name, mode=mode, kind=kind, size=size, target=target)
+    info.mtime, (info.uid, info.gid) = mtime, owner
+    return info
+
+
+def layer_at(entries: tuple[Entry, ...], *, mtime: int, owners: dict[str, tuple[int, int]] | None = None) -> bytes:
+    """`layer`, with every entry's time `mtime` (SOURCE_DATE_EPOCH) and the numeric owners `owners`
+    names (path -> (uid, gid); root otherwise): nothing of the building host's users gets in."""
+    owners = owners or {}
+    paths = {e.path: e for e in entries}
+    for e in entries:
+        parts = e.path.split("/")[:-1]
+        for i in range(1, len(parts) + 1):
+            paths.setdefault("/".join(parts[:i]), Entry("/".join(parts[:i]), 0o755))
+    members: list[tuple[tarfile.TarInfo, bytes | None]] = []
+    for path in sorted(paths):
+        e, owner = paths[path], owners.get(path, (0, 0))
+        if e.is_dir:
+            info = _owned_info(path + "/", mode=e.mode, mtime=mtime, owner=owner, kind=tarfile.DIRTYPE)
+            members.append((info, None))
+        elif e.target is not None:
+            info = _owned_info(path, mode=e.mode, mtime=mtime, owner=owner, kind=tarfile.SYMTYPE, target=e.target)
+            members.append((info, None))
+        else:
+            assert e.data is not None
+            members.append((_owned_info(path, mode=e.mode, mtime=mtime, owner=owner, size=len(e.data)), e.data))
+    return _tar(members)
+
+
+def config_blob(layers: list[bytes], config: ImageConfig, *, created: str, history: list[str]) -> bytes:
+    """The image config (canonical JSON) of `layers` (uncompressed: each digest is its diff_id)."""
+    doc: dict[str, object] = {
+        "architecture": _architecture(),
+        "os": "linux",
+        "created": created,
+        "config": {
+            "Env": list(config.env),
+            "Cmd": list(config.cmd),
+            **({"User": config.user} if config.user else {}),
+            **({"WorkingDir": config.working_dir} if config.working_dir else {}),
+            **({"ExposedPorts": {p: {} for p in config.exposed_ports}} if config.exposed_ports else {}),
+            **({"StopSignal": config.stop_signal} if config.stop_signal else {}),
+            **({"Labels": dict(config.labels)} if config.labels else {}),
+        },
+        "rootfs": {"type": "layers", "diff_ids": [_digest(blob) for blob in layers]},
+        "history": [{"created": created, "created_by": h} for h in history],
+    }
+    return _canonical(doc)
+
+
+def layout_archive(name: str, layers: list[bytes], config: bytes) -> tuple[bytes, str]:
+    """The image-layout tar (what `ctr images import` takes) of an image `name` made of `layers` and
+    `config`, and its manifest's digest (pure: same inputs, same bytes)."""
+    manifest = {
+        "schemaVersion": 2,
+        "mediaType": MEDIA_MANIFEST,
+        "config": {"mediaType": MEDIA_CONFIG, "digest": _digest(config), "size": len(config)},
+        "layers": [{"mediaType": MEDIA_LAYER, "digest": _digest(b), "size": len(b)} for b in layers],
+    }
+    manifest_blob = _canonical(manifest)
+    manifest_digest = _digest(manifest_blob)
+    index = {
+        "schemaVersion": 2,
+        "mediaType": MEDIA_INDEX,
+        "manifests": [
+            {
+                "mediaType": MEDIA_MANIFEST,
+                "digest": manifest_digest,
+                "size": len(manifest_blob),
+                "annotations": {
+                    "io.containerd.image.name": name,
+                    "org.opencontainers.image.ref.name": name.rsplit(":", 1)[1],
+                },
+            }
+        ],
+    }
+    files: dict[str, bytes] = {
+        "oci-layout": _canonical({"imageLayoutVersion": "1.0.0"}),
+        "index.json": _canonical(index),
+    }
+    for blob in (*layers, config, manifest_blob):
+        files["blobs/sha256/" + _digest(blob).removeprefix("sha256:")] = blob
+    members: list[tuple[tarfile.TarInfo, bytes | None]] = [
+        (_info(d, mode=0o755, kind=tarfile.DIRTYPE), None) for d in ("blobs/", "blobs/sha256/")
+    ]
+    members += [(_info(n, mode=0o644, size=len(data)), data) for n, data in sorted(files.items())]
+    return _tar(members), manifest_digest

@@ -22,7 +22,7 @@ helm.sh/chart: {{ printf "%s-%s" .ctx.Chart.Name .ctx.Chart.Version }}
 {{- end -}}
 
 {{- define "kd.image" -}}
-{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{ .Values.image.repository }}:{{ .Values.image.tag | default (.Chart.AppVersion | replace "+" "_") }}
 {{- end -}}
 
 {{/* The capability file's text: capabilities.inline (text, or a mapping as YAML), else the chart's default. */}}
@@ -60,6 +60,10 @@ annotations:
 
 {{/* nodeSelector, tolerations, affinity and the pod's securityContext (the restricted profile). */}}
 {{- define "kd.podSpecCommon" -}}
+{{- with .Values.hostAliases }}
+hostAliases:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
 {{- with .Values.imagePullSecrets }}
 imagePullSecrets:
   {{- toYaml . | nindent 2 }}
@@ -111,6 +115,9 @@ securityContext:
       fieldPath: metadata.namespace
 - name: K8S_DISPATCH_CAPABILITIES
   value: /etc/k8s-dispatch/{{ .Values.capabilities.key }}
+{{- with .Values.extraEnv }}
+{{ toYaml . }}
+{{- end }}
 {{- end -}}
 
 {{- define "kd.mounts" -}}
