@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test bench chaos chaos-short install tools clean lock lint fmt dist
+.PHONY: demo test bench chaos chaos-short install tools clean lock lint fmt dist image
 
 # A virtualenv with exactly the locked dependencies (hashes checked) and the package, editable;
 # redone when pyproject.toml or the lock changes.
@@ -35,7 +35,7 @@ lint: $(STAMP)
 	$(BIN)/mypy
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/python docs/gen_reference.py --check
-	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --quiet --strict --site-dir $(or $(TMPDIR),/tmp)/k8s-dispatch-site
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir $(or $(TMPDIR),/tmp)/k8s-dispatch-site
 
 fmt: $(STAMP)
 	$(BIN)/ruff check --fix .
@@ -73,6 +73,11 @@ dist: $(STAMP)
 	$(BIN)/uv build --quiet --out-dir dist .
 	$(BIN)/uv tool run --quiet --from 'twine==6.2.0' twine check --strict dist/*
 	$(BIN)/python tools/release.py chart dist
+
+# The product's OCI image (an OCI layout archive in dist/), assembled by our own code from Debian's
+# packages and the locked virtualenv: no Docker, no registry; the same inputs give the same digest.
+image: $(STAMP)
+	$(BIN)/python tools/image.py build --out dist
 
 clean:
 	rm -rf $(VENV) dist *.egg-info .pytest_cache .hypothesis .mypy_cache .ruff_cache

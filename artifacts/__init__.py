@@ -1,4 +1,4 @@
-"""Results larger than a termination message, in an S3-compatible object store (issue 28).
+"""Results larger than a termination message, in an S3-compatible object store.
 
 Each attempt of a dispatch's Job writes its result to a key of its own through a presigned PUT
 URL (the Pod holds no credentials); its termination message is only a reference (key, size,

@@ -61,8 +61,8 @@ from k8s_dispatch.workers.manifest import CONTAINER_NAME
 log = logging.getLogger(__name__)
 
 # A batch's releases (a Job's Pods, then the Job: one or two patches each) run this many Jobs at
-# a time: each patch is a write the API server commits to etcd, 20-35 ms each on a busy control
-# plane, which one after the other made a batch of 6 wait 0.4 s for them.
+# a time: each patch is a write the API server commits to etcd, tens of milliseconds on a busy
+# control plane, which one after the other would add up for every batch.
 RELEASE_CONCURRENCY = REQUESTS_PER_THREAD
 
 

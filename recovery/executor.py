@@ -145,8 +145,8 @@ class Executor:
         Jobs (`CompleteJob` with the LIST's snapshot) that poll handed to a queued completion
         are left to it (`_deferred`); the others of each namespace are delivered in one call,
         which lists their Pods once, where the other actions stand. So are recorded Jobs still
-        there (`CleanUpJob`) that a completion is releasing now: with about 80 Jobs finishing a
-        second, a sweep reading 5,000 met a hundred, and each cost a patch that found no Job.
+        there (`CleanUpJob`) that a completion is releasing now: while Jobs finish quickly, a
+        sweep's page meets many such, and each would cost a patch that finds no Job.
         """
         running = 0
         together: dict[tuple[type, str], list[Any]] = {}  # (CompleteJob or CleanUpJob, namespace)

@@ -77,7 +77,7 @@ def _ping_when_idle(engine: Engine, *, idle_s: float) -> None:
     """Ping a pooled connection before handing it out only if it was idle for `idle_s`.
 
     SQLAlchemy's `pool_pre_ping` pings at every checkout: one more round trip per transaction,
-    a quarter of a short one's (the create path runs two: lab/bench/dispatch_throughput.py). A
+    a large share of a short one's (the create path runs two). A
     connection back from use a moment ago was alive then; one that sat idle (a restarted
     server, a killed backend) is pinged, and a dead one is replaced before anyone sees it
     (`DisconnectionError` makes the pool invalidate it and check out another).

@@ -4,7 +4,7 @@
 Passes run when a dispatch is queued (the `admit` task, sent after the schedule commits), when
 dispatches end or their Jobs stop (inline, in the worker that recorded it: `Runtime.on_ended`), and every
 poll interval from beat (the net under lost messages and crashed workers). The triggered ones
-are coalesced through Redis (a burst of 10,000 queued schedules runs a few passes, not 10,000);
+are coalesced through Redis (a burst of queued schedules runs a few passes, not one each);
 beat's runs regardless. Correctness never rests on Redis: the database's admission turn makes
 any number of passes safe, and a pass that was skipped is covered by the next one.
 """

@@ -73,10 +73,8 @@ RETRY: RetryOptions = {
 }
 # Finished Jobs per `complete_batch` message: at most HANDOFF_BATCH_MAX (one Pod LIST's selector
 # chunk), and no fewer than HANDOFF_BATCH_MIN, so a page's Jobs are shared among the worker's
-# threads (latency) without costing a Pod LIST and a bulk delete for every one or two (API load).
-# Measured (bench api_load, 1,000 Jobs of 60 s, poll every 2 s, one run each on a machine with a
-# load average of 8 on 2 cores): batches of about 5 gave 2.7 requests per Job and a completion
-# p99 of 4.0 s; about 10 gave 2.6 and 4.7 s.
+# threads (latency) without costing a Pod LIST and a bulk delete for every one or two (API load):
+# the trade-off is measured by the `api_load` benchmark (docs/benchmarks/).
 HANDOFF_BATCH_MAX = SELECTOR_CHUNK
 HANDOFF_BATCH_MIN = 5
 

@@ -18,10 +18,10 @@ from collections.abc import Callable, Sequence
 
 log = logging.getLogger(__name__)
 
-# How long the outbox's thread lets ids gather while commits keep coming: at 100 commits/s,
-# 5 per message (a message costs the engine ~0.75 ms CPU and the worker ~5 ms, whatever its
-# size), and never more than this added to a Job's creation, only while several threads commit
-# at once; `batch` ids waiting go at once.
+# How long the outbox's thread lets ids gather while commits keep coming: a message costs the
+# engine and the worker about the same whatever its size, so ids that arrive together share one;
+# never more than this is added to a Job's creation, only while several threads commit at once;
+# `batch` ids waiting go at once.
 LINGER_S = 0.05
 # Lingers with nothing gathered before the outbox's thread stops and commits send again
 # themselves: a steady stream of commits never falls back to a message each.

@@ -45,9 +45,8 @@ _PENDING_KEY = "k8s_dispatch.pending_create_job"
 # Dispatch ids per `create_jobs` message. A worker's thread creates a message's Jobs one after
 # the other, so a batch is also the unit of parallelism: 50 keeps a fan-out of hundreds spread
 # over the worker's threads while the per-message costs (broker round trips, the records' read,
-# the one marking transaction) are paid once per 50 Jobs. Measured (lab/bench/dispatch_throughput.py,
-# transactions of 50, side by side): messages of 50 cost the worker 0.9-1.2 ms CPU per Job,
-# messages of 25 1.4-1.55 ms.
+# the one marking transaction) are paid once per 50 Jobs (the `dispatch_throughput` benchmark
+# compares batch sizes side by side: docs/benchmarks/).
 CREATE_BATCH = 50
 CANCELLED_REASON = "Cancelled"  # as delivery.cancel's, the reason a cancel records by default
 

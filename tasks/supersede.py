@@ -2,8 +2,8 @@
 started shortly before skips itself, judged by a Redis key with a TTL (`SET NX PX`).
 
 Why not Celery's `expires`: beat stamps an absolute time with ITS clock and the worker compares
-it with ITS OWN, so a worker 6 s ahead of beat dropped every poll (expires 5 s) and 31 s ahead
-every sweep, silently. A key's TTL is counted by Redis alone, so no two hosts' clocks are ever
+it with ITS OWN, so a worker whose clock runs ahead of beat's by more than the expiry drops every
+such message, silently. A key's TTL is counted by Redis alone, so no two hosts' clocks are ever
 compared. The effect `expires` was there for is kept: after a stall (workers busy or down) the
 polls queued behind it are run one by one, and all but the first skip at the cost of one SET.
 A skipped run is never a lost one: the first run does the work, and beat sends another every

@@ -167,8 +167,9 @@ class ExecRunner:
         returncode = await process.wait()
         finished = now()
         code = exit_code(returncode)
-        with open(message_path, "rb") as f:
-            message = f.read(MAX_MESSAGE).decode(errors="replace")
+        with open(message_path, "rb") as f:  # the kubelet keeps a longer message's last 4 KiB
+            f.seek(max(0, f.seek(0, os.SEEK_END) - MAX_MESSAGE))
+            message = f.read().decode(errors="replace")
         policy = container.get("terminationMessagePolicy", "File")
         if not message and code != 0 and policy == "FallbackToLogsOnError":
             message = tail((run.dir / "log").read_bytes())

@@ -49,7 +49,7 @@ OOM_EXIT_CODE = 137
 FALLBACK_LOG_BYTES = 2048  # what FallbackToLogsOnError takes of the log
 CONTROLLER_UID = "batch.kubernetes.io/controller-uid"
 INPUT_ENV = "K8S_DISPATCH_INPUT"
-MAX_MESSAGE = 4096
+MAX_MESSAGE = 4096  # the kubelet keeps a longer message's last 4 KiB
 
 
 class Callbacks(Protocol):
@@ -173,7 +173,7 @@ def _plan(pod: dict[str, Any]) -> Plan:
             written = base64.b64decode(ann[RESULT_BASE64], validate=True)
         except (binascii.Error, ValueError):
             written = b""
-        return Plan(duration, outcome, exit_code, written[:MAX_MESSAGE].decode(errors="replace"))
+        return Plan(duration, outcome, exit_code, written[-MAX_MESSAGE:].decode(errors="replace"))
     if RESULT in ann:
         message = ann[RESULT]
     else:
@@ -187,7 +187,7 @@ def _plan(pod: dict[str, Any]) -> Plan:
         except ValueError:
             parsed = raw
         message = dumps({"simulated": True, "input": parsed}).decode()
-    return Plan(duration, outcome, exit_code, message.encode()[:MAX_MESSAGE].decode(errors="ignore"))
+    return Plan(duration, outcome, exit_code, message.encode()[-MAX_MESSAGE:].decode(errors="ignore"))
 
 
 class SimRunner:

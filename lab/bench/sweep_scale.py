@@ -288,7 +288,11 @@ def sweep_in_child(values: Mapping[str, str]) -> dict[str, Any]:
     ours = services.deployment_env(values)
     env = {k: v for k, v in project_env(ours).items() if not k.startswith(services.ENV_PREFIX) or k in ours}
     done = subprocess.run(
-        [sys.executable, "-m", "k8s_dispatch.lab.bench.sweep_child"], env=env, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S
+        [sys.executable, "-m", "k8s_dispatch.lab.bench.sweep_child"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=CHILD_TIMEOUT_S,
     )
     if done.returncode != 0:
         raise RuntimeError(f"the sweep's process exited {done.returncode}:\n{done.stderr[-3000:]}")

@@ -5,7 +5,7 @@ switch the API faults on and off, count them, and bring back a component that di
   started on the same state; the faults are its own (`/localcluster/faults`).
 - `RealChaosCluster`: the real control plane (etcd, kube-apiserver, kube-controller-manager, the
   node agent); a restart is `ControlPlane.restart_apiserver` (same port, same etcd). kube-apiserver
-  has no fault injection: the workers reach it through `realcluster.faultproxy`, which answers
+  has no fault injection: the workers reach it through `lab.realcluster.faultproxy`, which answers
   500/503/429 Status bodies, resets connections and loses responses after forwarding. The workers
   authenticate with a ServiceAccount token bound to `deploy/rbac.yaml`'s Role, so the real
   authorizer judges every call they make. The harness's own reads go straight to kube-apiserver

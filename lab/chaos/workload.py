@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from k8s_dispatch.store.dispatches import ScheduleRequest
 from k8s_dispatch.store.models import EventType
+from k8s_dispatch.store.scheduling import ScheduleRequest
 
 SIM = "localcluster.k8s-dispatch.io/"  # localcluster's simulate-mode annotations
 IMAGE = "k8s-dispatch-chaos:local"  # never pulled: localcluster runs or simulates it

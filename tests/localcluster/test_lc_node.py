@@ -296,8 +296,9 @@ def test_a_job_that_fails_reports_its_exit_code_and_message(node: Node) -> None:
     )
 
 
-def test_a_long_result_is_cut_at_4_kib(node: Node) -> None:
-    node.batch.create_namespaced_job(node.namespace, _job("long", node.mode, message="x" * 5000))
+def test_a_long_result_keeps_its_last_4_kib(node: Node) -> None:
+    """As the kubelet does: the end of the file, so the start (here the `{`) is what is cut."""
+    node.batch.create_namespaced_job(node.namespace, _job("long", node.mode, message="{" + "x" * 5000))
     assert _terminated(node.wait_pod("long", "Succeeded")).message == "x" * 4096
 
 
