@@ -85,7 +85,7 @@ def test_the_wheel_adds_one_import_name_and_none_of_the_engines(fresh_venv: Path
     assert out.stdout.split() == ["the", "engine", "the", "engine", "engine", "k8s-dispatch"]
 
 
-PRODUCT_PACKAGES = ("core", "store", "workers", "delivery", "recovery", "tasks", "container", "ops")
+PRODUCT_PACKAGES = ("core", "store", "workers", "artifacts", "delivery", "recovery", "tasks", "container", "ops")
 
 
 def test_the_bare_wheel_is_the_product_alone(fresh_venv: Path, engine_dir: Path) -> None:

@@ -8,8 +8,8 @@ import tomllib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-FOLDERS = ("tasks", "workers", "recovery", "delivery", "store", "core", "container", "ops", "demo", "lab")
-PRODUCT = ("core", "store", "workers", "delivery", "recovery", "tasks", "container")
+FOLDERS = ("tasks", "workers", "recovery", "delivery", "store", "core", "container", "artifacts", "ops", "demo", "lab")
+PRODUCT = ("core", "store", "workers", "artifacts", "delivery", "recovery", "tasks", "container")
 NOT_FOR_THE_PRODUCT = ("demo", "lab", "ops")
 
 
