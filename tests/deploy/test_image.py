@@ -155,6 +155,7 @@ def test_local_state_and_secrets_stay_out_of_the_context(ignore_patterns: list[s
         "store",
         "core",
         "container",
+        "artifacts",
         "ops",
         "demo",
     ],
