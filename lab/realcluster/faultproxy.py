@@ -128,6 +128,11 @@ def _cut(request: web.Request) -> web.Response:
     return web.Response(status=500)  # never reaches the client: its connection is gone
 
 
+def _client_gone(request: web.Request) -> bool:
+    """The client closed its connection (what a write to it failed on)."""
+    return request.transport is None or request.transport.is_closing()
+
+
 @dataclass
 class Proxy:
     upstream: str
@@ -215,8 +220,10 @@ class Proxy:
                 await response.write_eof()
                 return response
         except (TimeoutError, ClientError, OSError):
-            # kube-apiserver down or gone mid-answer: so is the client's connection
-            if self.health_token is not None:
+            # kube-apiserver down or gone mid-answer: so is the client's connection. A client that
+            # went itself (a watch closed at the end of its slice, a timeout) says nothing of the
+            # server: every other request would be cut until the next check.
+            if self.health_token is not None and not _client_gone(request):
                 self.ready = False  # until a check says otherwise
             return _cut(request)
 

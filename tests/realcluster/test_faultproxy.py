@@ -170,3 +170,25 @@ def test_nothing_is_forwarded_while_kube_apiserver_is_not_ready(real_cluster: Cl
         proc.stop()
     assert (report["ready"], report["unready_cuts"], report["injected"]) == (False, 1, 0)
     assert real_cluster.raw("GET", f"/api/v1/namespaces/{ns}/configmaps/gated")[0] == 404
+
+
+def test_a_client_that_leaves_a_watch_does_not_close_the_gate(
+    faults_off: ClusterHandle, real_cluster: ClusterHandle
+) -> None:
+    """A worker closes its watch at the end of each slice: the proxy's next write to it fails, which
+    says nothing of kube-apiserver. Requests that follow are forwarded, never cut as if it were not
+    ready (which cut every request of a chaos run until the next readiness check)."""
+    ns = real_cluster.ensure_namespace("faultproxy-leave")
+    with faults_off.api_client() as api, real_cluster.api_client() as direct:
+        core, behind = client.CoreV1Api(api), client.CoreV1Api(direct)
+        for round_ in range(3):
+            stream = core.list_namespaced_config_map(ns, watch=True, timeout_seconds=60, _preload_content=False)
+            behind.create_namespaced_config_map(ns, config_map(f"seen-{round_}"))
+            assert stream.read(1)  # the watch is open and answering
+            stream.close()  # the client leaves; the next events written to it fail in the proxy
+            for i in range(3):
+                behind.create_namespaced_config_map(ns, config_map(f"after-{round_}-{i}"))
+            for _ in range(20):  # requests through the proxy meanwhile: every one forwarded
+                assert core.read_namespaced_config_map(f"seen-{round_}", ns).data == {"k": "v"}
+    report = set_faults(faults_off)
+    assert (report["ready"], report["unready_cuts"]) == (True, 0)
