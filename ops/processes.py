@@ -1,5 +1,5 @@
 """Start, stop and kill the project's processes as real subprocesses, the way the README tells a
-user to start them (`celery -A k8s_dispatch.tasks worker`, `celery -A k8s_dispatch.tasks beat`, `python -m localcluster
+user to start them (`celery -A k8s_dispatch.tasks worker`, `celery -A k8s_dispatch.tasks beat`, `python -m k8s_dispatch.demo.localcluster
 serve`). Used by the demo, the chaos run, the benchmarks and the process tests.
 
 Each process runs in its own session (process group), so a kill takes its children with it,
@@ -200,7 +200,7 @@ def localcluster_server(
     env: Mapping[str, str] | None = None,
     name: str = "localcluster",
 ) -> ManagedProcess:
-    """`python -m localcluster serve`; wait for `LISTENING` in its log. With `state` and fixed
+    """`python -m k8s_dispatch.demo.localcluster serve`; wait for `LISTENING` in its log. With `state` and fixed
     ports (`port`: http, `tls_port`: the https one the kubeconfig names), a restart comes back
     with the same objects at the same URLs (and the same token and certificate, read back from
     next to `kubeconfig`)."""

@@ -1,4 +1,4 @@
-"""`python -m localcluster serve ...`"""
+"""`python -m k8s_dispatch.demo.localcluster serve ...`"""
 
 from k8s_dispatch.demo.localcluster.cli import localcluster
 

@@ -1,5 +1,5 @@
 """`localcluster serve`: the cluster as a process (also `k8s-dispatch localcluster serve` and
-`python -m localcluster serve`). Prints `listening on http://HOST:PORT`, writes the kubeconfig,
+`python -m k8s_dispatch.demo.localcluster serve`). Prints `listening on http://HOST:PORT`, writes the kubeconfig,
 runs until SIGTERM/SIGINT and saves --state on the way out. The process runs on uvloop: a
 quarter less time per HTTP request than asyncio's own loop.
 

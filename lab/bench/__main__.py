@@ -1,7 +1,7 @@
-"""`python -m bench` (`make bench`): every benchmark, a table of figures and targets, and JSON.
+"""`python -m k8s_dispatch.lab.bench` (`make bench`): every benchmark, a table of figures and targets, and JSON.
 
-    python -m bench [--smoke | --full] [--only NAME ...] [--cluster local|real|both] [--results PATH] [--json-out PATH]
-    python -m bench --plot [--results PATH] [--png PATH]
+    python -m k8s_dispatch.lab.bench [--smoke | --full] [--only NAME ...] [--cluster local|real|both] [--results PATH] [--json-out PATH]
+    python -m k8s_dispatch.lab.bench --plot [--results PATH] [--png PATH]
 
 Sizes (lab/bench/sizes.py): quick by default (`make bench`, about 2 minutes on 2 cores), `--full`
 (`make bench FULL=1`), `--smoke` (seconds, for the test suite; targets not judged). Results go
@@ -58,7 +58,7 @@ CLUSTERS = {"local": (services.LOCAL,), "real": (services.REAL,), "both": (servi
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m k8s_dispatch.lab.bench", description=__doc__.splitlines()[0])
     sizes = parser.add_mutually_exclusive_group()
     sizes.add_argument("--full", dest="size", action="store_const", const="full",
                        help="the issues' sizes (make bench FULL=1): several minutes")  # fmt: skip

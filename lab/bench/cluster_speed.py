@@ -118,7 +118,9 @@ def run(ctx: services.BenchContext, size: Size) -> BenchResult:
             paired_ratios(list_s["kube"], list_s["server"]),
         ),
     ]
-    result.notes.append("server: `python -m localcluster serve --mode simulate --no-tls` in its own process")
+    result.notes.append(
+        "server: `python -m k8s_dispatch.demo.localcluster serve --mode simulate --no-tls` in its own process"
+    )
     result.notes.append("listed Jobs are suspended ones built by workers.manifest.build_job")
     return result
 

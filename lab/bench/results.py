@@ -4,7 +4,7 @@ A `Figure` is one measured quantity (its samples, one per round, and their media
 compares two variants measured side by side, round by round; either may carry a `Target`, a
 goal from an issue, and `ref` (e.g. "8.1": issue 8, figure 1) to say which. Targets are
 judged only at the sizes meant for it (quick and full, not smoke). `BenchRun.to_dict` is the
-JSON `python -m bench` writes: per figure `name`, `value` (the median), `unit`, `target`, `met`.
+JSON `python -m k8s_dispatch.lab.bench` writes: per figure `name`, `value` (the median), `unit`, `target`, `met`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The real services a bench run uses, each its own and cleaned up at the end.
 
 A PostgreSQL database created (and migrated) for the run and dropped after it; a Redis key
-prefix unique to the run, its keys deleted after it; an API server (`python -m localcluster serve`,
+prefix unique to the run, its keys deleted after it; an API server (`python -m k8s_dispatch.demo.localcluster serve`,
 or the real control plane of `realcluster`) and `celery -A tasks worker|beat` as subprocesses
 (via `ops.processes`), configured only through K8S_DISPATCH_* variables, as a deployment is.
 """

@@ -1,5 +1,5 @@
 """The chaos run: the whole system abused on a seeded schedule, then checked for anything lost,
-doubled, wrong or left over (`k8s-dispatch chaos`, `make chaos`).
+doubled, wrong or left over (`python -m k8s_dispatch.lab chaos`, `make chaos`).
 
 `run(options)` starts a PostgreSQL instance and a redis-server of its own (`lab.chaos.services`:
 restarting them hurts no one else), the cluster (`localcluster serve`, or the real control plane

@@ -1,4 +1,4 @@
-"""`realcluster serve`: a real control plane as one command (also `k8s-dispatch realcluster serve`
+"""`realcluster serve`: a real control plane as one command (also `python -m k8s_dispatch.lab realcluster serve`
 and `python -m k8s_dispatch.lab realcluster serve`). Builds the binaries on first use, writes the admin kubeconfig,
 runs until SIGTERM/SIGINT, then stops every component and removes its files."""
 

@@ -1,5 +1,5 @@
 """Authentication, fault injection (in process and through the fault endpoint), and --state
-persistence across a restart of a `python -m localcluster serve` process."""
+persistence across a restart of a `python -m k8s_dispatch.demo.localcluster serve` process."""
 
 from __future__ import annotations
 

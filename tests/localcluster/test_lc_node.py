@@ -1,4 +1,4 @@
-"""The node agent (`python -m localcluster node`) as a separate process against localcluster with
+"""The node agent (`python -m k8s_dispatch.demo.localcluster node`) as a separate process against localcluster with
 no kubelet of its own (`LocalCluster(kubelet=False)`), in both modes: the Node and its Lease, the
 binding of unscheduled Pods, Pod statuses through pods/status, deletion with the grace period,
 `kubectl logs` proxied to the agent's HTTPS log endpoint, restarts and a clean shutdown. The

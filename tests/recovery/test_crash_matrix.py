@@ -441,7 +441,7 @@ def free_port() -> int:
 
 
 class ServedCluster:
-    """`python -m localcluster serve` as a subprocess, restartable with its state kept."""
+    """`python -m k8s_dispatch.demo.localcluster serve` as a subprocess, restartable with its state kept."""
 
     def __init__(self, tmp: Path) -> None:
         self.kubeconfig = tmp / "kubeconfig"
