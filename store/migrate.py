@@ -37,7 +37,10 @@ def upgrade(url: str, revision: str = "head") -> None:
         DatabaseUnavailable: the server could not be reached.
     """
     check_reachable(url)
-    command.upgrade(_config(url), revision)
+    try:
+        command.upgrade(_config(url), revision)
+    except (exc.OperationalError, exc.InterfaceError) as e:  # the server went away meanwhile
+        raise database_error(url, e) from e
 
 
 def check_reachable(url: str) -> None:

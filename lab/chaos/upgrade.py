@@ -13,6 +13,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -86,10 +88,19 @@ class PreviousRelease:
 
 
 def migrate_to_head(database_url: str, *, env: Mapping[str, str]) -> str:
-    """`k8s-dispatch migrate` of this release, as an operator runs it. Raises RuntimeError."""
+    """`k8s-dispatch migrate` of this release, as an operator runs it: again while it says the
+    database server cannot be reached (a restart of it, another fault of the run, may overlap),
+    for up to MIGRATE_TIMEOUT_S. Raises RuntimeError."""
     code = "import sys; from k8s_dispatch.cli import main; sys.exit(main(['migrate']))"
-    return _checked([sys.executable, "-c", code], env=dict(env) | {"K8S_DISPATCH_DATABASE_URL": database_url},
-                    cwd=REPO, what="k8s-dispatch migrate")  # fmt: skip
+    deadline = time.monotonic() + MIGRATE_TIMEOUT_S
+    while True:
+        try:
+            return _checked([sys.executable, "-c", code], env=dict(env) | {"K8S_DISPATCH_DATABASE_URL": database_url},
+                            cwd=REPO, what="k8s-dispatch migrate")  # fmt: skip
+        except RuntimeError as e:
+            if "DatabaseUnavailable" not in str(e) or time.monotonic() > deadline:
+                raise
+        threading.Event().wait(1.0)  # the server is restarting: as an operator would, try again
 
 
 def _checked(argv: list[str], *, env: Mapping[str, str], cwd: Path, what: str) -> str:
