@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools
 import html.parser
 import os
-import shutil
 import subprocess
 import sys
 import threading
@@ -23,8 +22,7 @@ from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from selenium import webdriver
-from selenium.webdriver.chrome.service import Service
+from headless import chromium
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support.ui import WebDriverWait
@@ -151,20 +149,8 @@ class _QuietHandler(SimpleHTTPRequestHandler):
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[WebDriver]:
-    """Headless Chromium through Debian's chromedriver (tests/services.sh installs both)."""
-    chromium, chromedriver = shutil.which("chromium"), shutil.which("chromedriver")
-    assert chromium and chromedriver, "chromium and chromium-driver are not installed: run tests/services.sh"
-    options = webdriver.ChromeOptions()
-    options.binary_location = chromium
-    for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
-        options.add_argument(argument)
-    options.add_argument(f"--window-size={WINDOW[0]},{WINDOW[1]}")
-    driver = webdriver.Chrome(service=Service(executable_path=chromedriver), options=options)
-    driver.set_page_load_timeout(60)
-    try:
+    with chromium(window=WINDOW, page_load_timeout_s=60) as driver:
         yield driver
-    finally:
-        driver.quit()
 
 
 @pytest.mark.parametrize(("path", "heading", "title"), PAGES, ids=[p or "home" for p, _, _ in PAGES])

@@ -7,7 +7,6 @@ finds the `complete_batch` that delivered the dispatches. Screenshots go to the 
 from __future__ import annotations
 
 import math
-import shutil
 import time
 import urllib.request
 import uuid
@@ -16,9 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from selenium import webdriver
+from headless import chromium
 from selenium.common.exceptions import StaleElementReferenceException, WebDriverException
-from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 
@@ -39,20 +37,8 @@ def answers(port: int) -> bool:
 
 @pytest.fixture
 def browser() -> Iterator[WebDriver]:
-    """Headless Chromium through Debian's chromedriver (tests/services.sh installs both)."""
-    chromium, chromedriver = shutil.which("chromium"), shutil.which("chromedriver")
-    assert chromium and chromedriver, "chromium and chromium-driver are not installed: run tests/services.sh"
-    options = webdriver.ChromeOptions()
-    options.binary_location = chromium
-    for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
-        options.add_argument(argument)
-    options.add_argument(f"--window-size={WINDOW[0]},{WINDOW[1]}")
-    driver = webdriver.Chrome(service=Service(executable_path=chromedriver), options=options)
-    driver.set_page_load_timeout(30)
-    try:
+    with chromium(window=WINDOW, page_load_timeout_s=30) as driver:
         yield driver
-    finally:
-        driver.quit()
 
 
 @pytest.fixture
