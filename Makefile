@@ -51,6 +51,11 @@ demo: $(STAMP)
 tools:
 	bash tools/build.sh etcd kube containerd helm promtool kueue seaweedfs checkov >/dev/null
 
+# The suite mostly waits on clusters and worker processes: its files run side by side on this many
+# workers (tests/conftest.py keeps a file, the real node's tests and the chaos runs together).
+TEST_WORKERS ?= 3
+PYTEST_ARGS ?= -n $(TEST_WORKERS) --dist loadgroup --durations=25
+
 # Installs what it needs, starts PostgreSQL and Redis if needed, builds the tools, runs the tests.
 test: $(STAMP) tools lint
 	bash tests/services.sh

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import psycopg
@@ -187,3 +188,21 @@ def any_cluster(request: pytest.FixtureRequest) -> ClusterHandle:
 def cluster_under_test(request: pytest.FixtureRequest) -> ClusterHandle:
     """Each cluster in turn: the test runs on localcluster and on the real control plane."""
     return request.getfixturevalue("local_sim_cluster" if request.param == LOCAL else "real_cluster")
+
+
+CHAOS = Path(__file__).parent / "chaos"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """`make test` runs the files side by side (pytest-xdist, `--dist loadgroup`): a file's tests
+    stay on one worker, as they share its module's cluster; the tests on the real node share one
+    worker (one kubelet, containerd and pod network per machine), and so do the chaos runs (each
+    loads the machine as a production incident would)."""
+    for item in items:
+        if "kubelet_cluster" in getattr(item, "fixturenames", ()):
+            group = "kubelet"
+        elif item.path.is_relative_to(CHAOS):
+            group = "chaos"
+        else:
+            group = str(item.path)
+        item.add_marker(pytest.mark.xdist_group(group))
