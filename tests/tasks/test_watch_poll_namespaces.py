@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import re
 import time
-from statistics import median
 from datetime import datetime
+from statistics import median
 
 from k8s_dispatch import celeryconfig as names
 from k8s_dispatch.delivery import jobwatch
