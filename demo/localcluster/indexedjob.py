@@ -15,12 +15,11 @@ Pod needs no uid: its index in completedIndexes is the record).
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from k8s_dispatch.demo.localcluster import indexes as ix
-from k8s_dispatch.demo.localcluster.failurepolicy import Match, match
-from k8s_dispatch.demo.localcluster.jobsync import TRACKING_FINALIZER, condition
+from k8s_dispatch.demo.localcluster.jobsync import PodView, condition, pod_view
 from k8s_dispatch.demo.localcluster.timestamps import parse_rfc3339, rfc3339
 
 COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"
@@ -41,37 +40,15 @@ SUCCESS_POLICY = "SuccessPolicy"
 POD_FAILURE_POLICY = "PodFailurePolicy"
 
 
-@dataclass(frozen=True)
-class IndexedPod:
-    """What the controller needs to know of one Pod of an Indexed Job."""
+@dataclass(frozen=True, kw_only=True)
+class IndexedPod(PodView):
+    """What the controller needs to know of one Pod of an Indexed Job: a Pod's view and its index."""
 
-    namespace: str
-    name: str
-    uid: str
-    phase: str
-    deleting: bool
-    tracked: bool
-    ready: bool
-    restarts: int
-    created: str
     index: int  # -1: none or not a number
     failure_count: int
     ignored_count: int
     finished_at: float
     scheduled: bool
-    policy: Match | None = None
-
-    @property
-    def terminal(self) -> bool:
-        return self.phase in ("Succeeded", "Failed")
-
-    @property
-    def active(self) -> bool:
-        return not self.terminal and not self.deleting
-
-    @property
-    def terminating(self) -> bool:
-        return not self.terminal and self.deleting
 
 
 def _count(text: Any) -> int:
@@ -130,30 +107,17 @@ def finished_time(pod: dict[str, Any]) -> float:
 
 
 def indexed_pod(pod: dict[str, Any], policy: dict[str, Any] | None) -> IndexedPod:
-    meta = pod["metadata"]
-    status = pod.get("status") or {}
-    ann = meta.get("annotations") or {}
-    conds = status.get("conditions") or []
-    tracked = TRACKING_FINALIZER in (meta.get("finalizers") or [])
-    phase = status.get("phase", "Pending")
+    view = pod_view(pod, policy)
+    ann = pod["metadata"].get("annotations") or {}
     # a finish time serves the backoff of a Pod not counted yet: the others are many and need none
-    ended = tracked and (phase in ("Succeeded", "Failed") or bool(meta.get("deletionTimestamp")))
+    ended = view.tracked and (view.terminal or view.deleting)
     return IndexedPod(
-        namespace=meta.get("namespace", ""),
-        name=meta["name"],
-        uid=meta.get("uid", ""),
-        phase=phase,
-        deleting=bool(meta.get("deletionTimestamp")),
-        tracked=tracked,
-        ready=any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds),
-        restarts=sum(cs.get("restartCount", 0) for cs in status.get("containerStatuses") or []),
-        created=meta.get("creationTimestamp", ""),
+        **{f.name: getattr(view, f.name) for f in fields(PodView)},
         index=completion_index(ann),
         failure_count=_count(ann.get(FAILURE_COUNT, 0)),
         ignored_count=_count(ann.get(IGNORED_FAILURE_COUNT, 0)),
         finished_at=finished_time(pod) if ended else 0.0,
         scheduled=bool((pod.get("spec") or {}).get("nodeName")),
-        policy=match(policy, pod),
     )
 
 
