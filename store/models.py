@@ -264,6 +264,10 @@ class Dispatch(Base):
     # When the sweep first found its Job's labels or annotations disagreeing with the row (a
     # hand edit): the clock after which it fails `JobTampered`; cleared if the Job agrees again.
     job_tampered_at: Mapped[datetime | None] = mapped_column(nullable=True)
+    # A secret input (`schedule(..., secret=True)`), as a Fernet token (store/secret_inputs.py): then
+    # `input` is null and the event log holds no trace of it; a re-created Job's Secret is made
+    # from it again.
+    secret_input: Mapped[str | None] = mapped_column(sa.Text(), nullable=True)
 
     @property
     def terminal(self) -> bool:
