@@ -21,7 +21,7 @@ import time
 import urllib.parse
 import uuid
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, suppress
+from contextlib import AbstractContextManager, contextmanager, suppress
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -68,27 +68,10 @@ def capability_config(job_s: float) -> dict[str, Any]:
     }  # fmt: skip
 
 
-@contextmanager
-def node_cluster(directory: Path, *, node: str, kube_api_qps: int) -> Iterator[services.Cluster]:
+def node_cluster(directory: Path, *, node: str, kube_api_qps: int) -> AbstractContextManager[services.Cluster]:
     """The real control plane with `node` ("agent", in exec mode: the same script as a host process,
     or KUBELET), its audit log on, as services.cluster(kind=REAL) makes it."""
-    from k8s_dispatch.lab.realcluster.controlplane import ControlPlane, remove
-
-    directory.mkdir(parents=True, exist_ok=True)
-    policy, audit_log = directory / "audit-policy.yaml", directory / "audit.log"
-    policy.write_text(services.AUDIT_POLICY)
-    plane = ControlPlane(
-        directory=directory, mode="exec", node=node, kube_api_qps=kube_api_qps,
-        apiserver_args=(f"--audit-policy-file={policy}", f"--audit-log-path={audit_log}", "--audit-log-format=json",
-                        "--audit-log-maxsize=0"),
-    )  # fmt: skip
-    plane.start()
-    try:
-        yield services.Cluster(kind=services.REAL, url=plane.url, token=plane.token, kubeconfig=plane.kubeconfig,
-                               ca_file=directory / "pki" / "ca.crt", audit_log=audit_log, plane=plane)  # fmt: skip
-    finally:
-        plane.stop()
-        remove(directory)
+    return services.real_cluster(directory, kube_api_qps=kube_api_qps, mode="exec", node=node)
 
 
 @dataclass

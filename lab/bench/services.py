@@ -192,7 +192,7 @@ def cluster(work_dir: Path, *, name: str, kind: str = LOCAL, kube_api_qps: int =
     kube-apiserver (audit log on), kube-controller-manager (`kube_api_qps`: its client budget)
     and our node agent in simulate mode, in `work_dir/name`."""
     if kind == REAL:
-        with _real_cluster(work_dir / name, kube_api_qps=kube_api_qps) as real:
+        with real_cluster(work_dir / name, kube_api_qps=kube_api_qps) as real:
             yield real
         return
     kubeconfig = work_dir / f"{name}.kubeconfig"
@@ -210,7 +210,11 @@ def cluster(work_dir: Path, *, name: str, kind: str = LOCAL, kube_api_qps: int =
 
 
 @contextmanager
-def _real_cluster(directory: Path, *, kube_api_qps: int) -> Iterator[Cluster]:
+def real_cluster(
+    directory: Path, *, kube_api_qps: int, mode: str = "simulate", node: str = "agent"
+) -> Iterator[Cluster]:
+    """The real control plane in `directory` with its audit log on: our node agent in `mode`, or
+    (`node="kubelet"`) a real node."""
     from k8s_dispatch.lab.realcluster.controlplane import (  # built on first use: only when asked for
         ControlPlane,
         remove,
@@ -220,7 +224,7 @@ def _real_cluster(directory: Path, *, kube_api_qps: int) -> Iterator[Cluster]:
     policy, audit_log = directory / "audit-policy.yaml", directory / "audit.log"
     policy.write_text(AUDIT_POLICY)
     plane = ControlPlane(
-        directory=directory, mode="simulate", kube_api_qps=kube_api_qps,
+        directory=directory, mode=mode, node=node, kube_api_qps=kube_api_qps,
         apiserver_args=(f"--audit-policy-file={policy}", f"--audit-log-path={audit_log}", "--audit-log-format=json",
                         "--audit-log-maxsize=0"),
     )  # fmt: skip
