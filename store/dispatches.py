@@ -176,24 +176,6 @@ def _fix_namespace_statement() -> sa.Update:
 _FIX_NAMESPACE = _fix_namespace_statement()
 
 
-def record_attempt(session: Session, dispatch_id: str, *, now: datetime | None = None) -> int:
-    """Count one more attempt at creating the dispatch's Job; returns the new count.
-
-    Raises:
-        UnknownDispatch
-    """
-    attempts = session.execute(
-        sa.update(Dispatch)
-        .where(Dispatch.dispatch_id == dispatch_id)
-        .values(attempts=Dispatch.attempts + 1, updated_at=now or database_now(session))
-        .returning(Dispatch.attempts)
-        .execution_options(synchronize_session="fetch")
-    ).scalar_one_or_none()
-    if attempts is None:
-        raise UnknownDispatch(f"dispatch {dispatch_id!r} does not exist")
-    return attempts
-
-
 def record_create_error(session: Session, dispatch_id: str, *, message: str, now: datetime | None = None) -> bool:
     """Record why the dispatch's Job could not be created for now (a create to be retried: 403
     exceeded quota, the API unavailable), for `status` to show; False, changing nothing, if the

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 from forged_jobs import SIM, forge_job
 from runtimes import Notified, runtime_values, schedule
 
@@ -444,7 +445,7 @@ def test_stale_actions_find_nothing_left_to_do(rt):
     # Planned from a page read before normal work finished `done`, and before another sweep
     # re-created `lost` (its attempts moved on).
     with transaction(rt.sessions) as session:
-        dispatches.record_attempt(session, lost)
+        session.execute(sa.update(Dispatch).where(Dispatch.dispatch_id == lost).values(attempts=Dispatch.attempts + 1))
     report = SweepReport(dry_run=False, started_at=utcnow())
     with Executor(rt, report, dry_run=False) as executor:
         executor.all(

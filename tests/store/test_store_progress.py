@@ -1,4 +1,4 @@
-"""A dispatch's progress after scheduling: `mark_created`, `record_attempt`, `record_terminal`,
+"""A dispatch's progress after scheduling: `mark_created`, `record_terminal`,
 and the unique indexes that make one terminal event per dispatch a fact of the database."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def _dispatch(sm, dispatch_id: str):
     return dispatch
 
 
-# --- mark_created / record_attempt ---------------------------------------------------------
+# --- mark_created -----------------------------------------------------------------------
 
 
 def test_mark_created_records_the_job(db_sessionmaker, new_case, schedule_for: Schedule) -> None:
@@ -111,20 +111,11 @@ def test_mark_created_many_marks_a_mixed_batch_and_leaves_terminal_rows_alone(
             )
 
 
-def test_record_attempt_counts_up(db_sessionmaker, new_case, schedule_for: Schedule) -> None:
-    result = schedule_for(db_sessionmaker, new_case(db_sessionmaker))
-    with transaction(db_sessionmaker) as session:
-        assert [dispatches.record_attempt(session, result.dispatch_id) for _ in range(3)] == [1, 2, 3]
-    assert _dispatch(db_sessionmaker, result.dispatch_id).attempts == 3
-
-
 def test_unknown_dispatch_is_refused_by_every_update(db_sessionmaker) -> None:
     missing = str(uuid.uuid4())
     with transaction(db_sessionmaker) as session:
         with pytest.raises(UnknownDispatch):
             dispatches.mark_created(session, missing, job_name="j", namespace="n", attempt=1)
-        with pytest.raises(UnknownDispatch):
-            dispatches.record_attempt(session, missing)
         with pytest.raises(UnknownDispatch):
             dispatches.record_terminal(session, missing, EventType.WORKER_COMPLETED, {})
 
