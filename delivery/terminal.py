@@ -20,7 +20,7 @@ from k8s_dispatch.core.errors import Transient
 from k8s_dispatch.delivery import statelog, stats
 from k8s_dispatch.delivery.runtime import Runtime
 from k8s_dispatch.delivery.statelog import DispatchLike
-from k8s_dispatch.store import dispatches
+from k8s_dispatch.store import dispatches, maps
 from k8s_dispatch.store.db import transaction
 from k8s_dispatch.store.models import STATE_FOR_TERMINAL_EVENT, EventType
 
@@ -37,7 +37,24 @@ def record(session: Session, events: Sequence[dispatches.TerminalEvent]) -> set[
     Raises:
         UnknownDispatch, InvalidInput, InputNotSerialisable: nothing is written.
     """
-    return dispatches.record_terminals(session, events) if events else set()
+    if not events:
+        return set()
+    won = dispatches.record_terminals(session, events)
+    if won:  # a map's end ends its open items, in the same transaction (cancelled or failed with it)
+        ends = {e.dispatch_id: (e.type, e.payload.get("reason")) for e in events if e.dispatch_id in won}
+        maps.end_open_items(session, ends)
+    return won
+
+
+def record_items(session: Session, ends: Sequence[maps.ItemEnd]) -> set[tuple[str, int]]:
+    """Write map items' ends in the caller's transaction; the (dispatch, item) pairs this call
+    won. The primary key on (dispatch, item) is the arbiter, as the terminal event's index is
+    for a dispatch (`store.maps.record_item_ends`).
+
+    Raises:
+        InputNotSerialisable: a payload the store cannot keep (nothing is written).
+    """
+    return maps.record_item_ends(session, ends)
 
 
 def announce(rt: Runtime, ended: Sequence[tuple[DispatchLike, dispatches.TerminalEvent]]) -> set[str]:

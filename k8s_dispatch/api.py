@@ -44,11 +44,12 @@ from k8s_dispatch.core.errors import (
 )
 from k8s_dispatch.core.ids import check_dispatch_id
 from k8s_dispatch.core.settings import Settings, get_settings
-from k8s_dispatch.store import dispatches
+from k8s_dispatch.store import dispatches, maps
 from k8s_dispatch.store.db import make_engine, make_sessionmaker, transaction
 from k8s_dispatch.store.migrate import upgrade as migrate_database
-from k8s_dispatch.store.models import DispatchState, EventType
+from k8s_dispatch.store.models import DispatchState, EventType, ItemEventType
 from k8s_dispatch.store.scheduling import ScheduleRequest, ScheduleResult, create_case
+from k8s_dispatch.tasks.maps import schedule_map_in_session
 from k8s_dispatch.tasks.scheduling import (
     cancel_in_session,
     schedule_in_session,
@@ -69,6 +70,8 @@ __all__ = [
     "InvalidId",
     "InvalidIdempotencyKey",
     "InvalidInput",
+    "ItemEventType",
+    "ItemOutcome",
     "NoStoredResult",
     "ObjectStoreUnavailable",
     "Outcome",
@@ -90,6 +93,7 @@ __all__ = [
     "create_case",
     "delete_result",
     "get_settings",
+    "item_outcomes",
     "make_engine",
     "make_sessionmaker",
     "migrate_database",
@@ -99,6 +103,7 @@ __all__ = [
     "result_url",
     "schedule_in_session",
     "schedule_many_in_session",
+    "schedule_map_in_session",
     "send_schedule_until_recorded",
     "stored_result",
     "transaction",
@@ -125,6 +130,29 @@ def outcome(session: Session, dispatch_id: str) -> Outcome | None:
     if event is None:
         return None
     return Outcome(dispatch_id=dispatch_id, event=EventType(event.type), payload=dict(event.payload or {}))
+
+
+@dataclass(frozen=True)
+class ItemOutcome:
+    """One item's end in a map dispatch, as its one item event recorded it."""
+
+    index: int
+    event: ItemEventType  # WORKER_ITEM_COMPLETED, WORKER_ITEM_FAILED or WORKER_ITEM_CANCELLED
+    payload: dict[str, Any]  # {"item": index, "output": ...}, or {"item": index, "reason": ..., ...}
+
+
+def item_outcomes(session: Session, dispatch_id: str) -> list[ItemOutcome]:
+    """The ended items of a map dispatch (`schedule_map_in_session`), in the order they ended:
+    the engine reads progress here while the map runs; each item appears once.
+
+    Raises:
+        InvalidId: `dispatch_id` is not a UUID.
+    """
+    check_dispatch_id(dispatch_id)
+    return [
+        ItemOutcome(index=int(e.payload["item"]), event=ItemEventType(e.type), payload=dict(e.payload))
+        for e in maps.item_events(session, dispatch_id)
+    ]
 
 
 def notification_config(settings: Settings) -> dict[str, Any]:

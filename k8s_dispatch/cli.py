@@ -7,7 +7,7 @@ start fast and never touch the broker, the database or the cluster on their own.
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TextIO
 
 import click
 
@@ -96,6 +96,79 @@ def schedule(
                 idempotency_key=idempotency_key,
                 router=resolver,
                 max_input_bytes=settings.max_input_bytes,
+                dispatch_id=dispatch_id,
+                priority=priority,
+            )
+    finally:
+        engine.dispose()
+    if as_json:
+        click.echo(
+            json.dumps({"dispatch_id": result.dispatch_id, "created": result.created, "state": result.state.value})
+        )
+    else:
+        click.echo(result.dispatch_id)
+
+
+@cli.command("schedule-map")
+@click.option("--case", "case_id", required=True, help="The engine's case id.")
+@click.option("--tenancy", "tenancy_id", required=True, help="The case's tenancy.")
+@click.option("--capability", required=True, help="A capability of K8S_DISPATCH_CAPABILITIES.")
+@click.option(
+    "--items", "items_file", required=True, type=click.File("r"), help="A JSON array of item inputs ('-': stdin)."
+)
+@click.option("--idempotency-key", required=True, help="Scheduling twice with one key is one map.")
+@click.option("--parallelism", required=True, type=int, help="How many items run at once.")
+@click.option("--max-failed-items", default=None, type=int, help="Stop the map once more items than this failed.")
+@click.option("--min-succeeded", default=None, type=int, help="The map passes with this many (default: every item).")
+@click.option("--dispatch-id", default=None, help="A UUID to use as the map's dispatch id (default: a new one).")
+@click.option("--priority", default=0, show_default=True, type=int, help="Within its tenancy's queue: higher first.")
+@click.option("--create-case", is_flag=True, help="Create the case first if it does not exist.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def schedule_map(
+    case_id: str,
+    tenancy_id: str,
+    capability: str,
+    items_file: TextIO,
+    idempotency_key: str,
+    parallelism: int,
+    max_failed_items: int | None,
+    min_succeeded: int | None,
+    dispatch_id: str | None,
+    priority: int,
+    create_case: bool,
+    as_json: bool,
+) -> None:
+    """Schedule a map dispatch: one capability over many items, run as one Indexed Job, each item
+    ending in its own event. Prints the map's dispatch id."""
+    import json
+
+    from k8s_dispatch.store import scheduling
+    from k8s_dispatch.store.db import make_engine, make_sessionmaker, transaction
+    from k8s_dispatch.tasks.maps import schedule_map_in_session
+
+    try:
+        items = json.load(items_file)
+    except ValueError as e:
+        raise click.BadParameter(f"not JSON: {e}", param_hint="--items") from e
+    settings = _settings_with_database()
+    resolver = _resolver(settings)
+    engine = make_engine(settings.database_url)
+    try:
+        with transaction(make_sessionmaker(engine)) as session:
+            if create_case:
+                scheduling.create_case(session, case_id=case_id, tenancy_id=tenancy_id)
+            result = schedule_map_in_session(
+                session,
+                case_id=case_id,
+                tenancy_id=tenancy_id,
+                capability=capability,
+                items=items,
+                idempotency_key=idempotency_key,
+                parallelism=parallelism,
+                router=resolver,
+                max_input_bytes=settings.max_input_bytes,
+                max_failed_items=max_failed_items,
+                min_succeeded=min_succeeded,
                 dispatch_id=dispatch_id,
                 priority=priority,
             )

@@ -284,3 +284,66 @@ class DispatchAdmission(Base):
 
     id: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
     passes: Mapped[int] = mapped_column(sa.BigInteger(), default=0, server_default="0")
+
+
+# --- fan-out (issue 29): a map dispatch over items, as one Indexed Job --------------------------
+
+
+class ItemEventType(StrEnum):
+    """An item's one end, written to the engine's log beside its map's events (`store/maps.py`)."""
+
+    ITEM_COMPLETED = "WORKER_ITEM_COMPLETED"
+    ITEM_FAILED = "WORKER_ITEM_FAILED"
+    ITEM_CANCELLED = "WORKER_ITEM_CANCELLED"
+
+
+# The item end a map's own terminal event imposes on the items still open when it is recorded.
+ITEM_END_FOR_MAP_END: dict[EventType, ItemEventType] = {
+    EventType.WORKER_COMPLETED: ItemEventType.ITEM_FAILED,
+    EventType.WORKER_FAILED: ItemEventType.ITEM_FAILED,
+    EventType.WORKER_CANCELLED: ItemEventType.ITEM_CANCELLED,
+}
+
+
+class DispatchMap(Base):
+    """A map dispatch's shape: its `dispatches` row is the map; this says it is one, and how it runs."""
+
+    __tablename__ = "dispatch_maps"
+
+    dispatch_id: Mapped[str] = mapped_column(
+        sa.String(36), sa.ForeignKey("dispatches.dispatch_id", ondelete="CASCADE"), primary_key=True
+    )
+    items: Mapped[int] = mapped_column()  # the Indexed Job's completions
+    parallelism: Mapped[int] = mapped_column()
+    max_failed_items: Mapped[int | None] = mapped_column(nullable=True)  # maxFailedIndexes; None: no limit
+    min_succeeded: Mapped[int | None] = mapped_column(nullable=True)  # None: every item must succeed
+    created_at: Mapped[datetime] = mapped_column(default=utcnow, server_default=sa.func.now())
+
+
+class MapItem(Base):
+    """One item's input, by its index (the Pod's JOB_COMPLETION_INDEX)."""
+
+    __tablename__ = "map_items"
+
+    dispatch_id: Mapped[str] = mapped_column(
+        sa.String(36), sa.ForeignKey("dispatch_maps.dispatch_id", ondelete="CASCADE"), primary_key=True
+    )
+    item_index: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+    input: Mapped[Any] = mapped_column(sa.JSON())
+
+
+class MapItemEnd(Base):
+    """An item's one end. The primary key (dispatch, item) is the arbiter: an end is written by
+    `INSERT ... ON CONFLICT DO NOTHING`, and only the writer that inserted it writes the item's
+    event to the engine's log (`event_id`)."""
+
+    __tablename__ = "map_item_ends"
+
+    dispatch_id: Mapped[str] = mapped_column(
+        sa.String(36), sa.ForeignKey("dispatch_maps.dispatch_id", ondelete="CASCADE"), primary_key=True
+    )
+    item_index: Mapped[int] = mapped_column(primary_key=True, autoincrement=False)
+    type: Mapped[str] = mapped_column(sa.String(64))  # an ItemEventType
+    output: Mapped[Any] = mapped_column(sa.JSON(none_as_null=True), nullable=True)
+    reason: Mapped[str | None] = mapped_column(sa.Text(), nullable=True)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow, server_default=sa.func.now())
