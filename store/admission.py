@@ -4,8 +4,8 @@ A pass runs in the caller's transaction: it takes the admission turn (the one ro
 `dispatch_admission`, locked until commit: replicas' passes run one after the other), counts
 what holds slots of the limited tenancies and capabilities, reads the first few dispatches of
 each queue with work, lets `core.limits.choose` decide, and moves the chosen QUEUED ->
-SCHEDULED. After the commit their Jobs are created like any scheduled dispatch's; a crash in
-between leaves them SCHEDULED, holding their slot, for the sweep to create (never a second
+SCHEDULED. After the commit the pass's worker makes their Jobs (`tasks/admission.py`); a crash
+in between leaves them SCHEDULED, holding their slot, for the sweep to create (never a second
 slot, never a leaked one). A slot frees when the terminal event is recorded: the count reads
 states, not Jobs.
 

@@ -1,5 +1,6 @@
-"""Admission under Celery: run a pass (`store.admission`) and send the admitted dispatches'
-`create_jobs`; when to run one.
+"""Admission under Celery: run a pass (`store.admission`) and make the admitted dispatches' Jobs
+in the same worker thread (a `create_jobs` message only for what the API refused for now); when
+to run one.
 
 Passes run when a dispatch is queued (the `admit` task, sent after the schedule commits), when
 dispatches end or their Jobs stop (inline, in the worker that recorded it: `Runtime.on_ended`), and every
@@ -22,6 +23,7 @@ from k8s_dispatch import celeryconfig as names
 from k8s_dispatch.core.errors import DispatchError
 from k8s_dispatch.delivery import statelog
 from k8s_dispatch.delivery.crashpoints import Point, crashpoint
+from k8s_dispatch.delivery.create import create_jobs_for
 from k8s_dispatch.delivery.metrics import METRICS
 from k8s_dispatch.delivery.runtime import Runtime
 from k8s_dispatch.recovery import sweep
@@ -38,8 +40,9 @@ RUNNING_LEASE_MS = 10_000
 
 
 def run_pass(rt: Runtime, sender: Celery) -> list[admission.Admitted]:
-    """One admission pass, committed, then `create_jobs` sent for what it admitted (a lost
-    message, or a crash before it, leaves them SCHEDULED for the sweep: their slots held).
+    """One admission pass, committed, then the admitted dispatches' Jobs made here
+    (`create_admitted`). A crash before they are made leaves them SCHEDULED for the sweep, their
+    slots held.
 
     Raises:
         Transient: the database is unavailable (nothing admitted).
@@ -55,7 +58,35 @@ def run_pass(rt: Runtime, sender: Celery) -> list[admission.Admitted]:
             DispatchState.SCHEDULED, dispatch_id=a.dispatch_id, case_id=a.case_id, tenancy_id=a.tenancy_id,
             capability=a.capability, via="admission", waited_s=round(a.waited_s, 3),
         )  # fmt: skip
-    ids = [a.dispatch_id for a in admitted]
+    create_admitted(rt, sender, [a.dispatch_id for a in admitted])
+    return admitted
+
+
+def create_admitted(rt: Runtime, sender: Celery, dispatch_ids: Sequence[str]) -> None:
+    """Make the Jobs of dispatches just admitted, CREATE_BATCH at a time, in this thread.
+
+    Why not a `create_jobs` message: a slot is held from admission, and a message waits its turn
+    behind everything queued on the jobs queue (an engine's schedules, its re-sent ones) for a
+    worker thread, which overlapping sweeps and slow passes may all hold under load: every slot
+    admission fills then stays held by a dispatch with no Job until the sweep makes it, and
+    admission admits nothing meanwhile. A batch the API refuses for now (a Transient: 429, 5xx, a full quota) goes to
+    `create_jobs`, retried with backoff, as does the rest after it; a message that cannot be sent
+    leaves them SCHEDULED for the sweep. Never raises a DispatchError."""
+    ids = list(dispatch_ids)
+    for start in range(0, len(ids), CREATE_BATCH):
+        batch = ids[start : start + CREATE_BATCH]
+        try:
+            create_jobs_for(rt, batch)
+        except DispatchError as e:  # a Transient, or a typed refusal of the batch: the task decides again
+            log.info(
+                "%d admitted dispatches: their jobs cannot be made now (%s); create_jobs retries", len(ids) - start, e
+            )
+            _send_creates(sender, ids[start:])
+            return
+
+
+def _send_creates(sender: Celery, dispatch_ids: Sequence[str]) -> None:
+    ids = list(dispatch_ids)
     for start in range(0, len(ids), CREATE_BATCH):
         batch = ids[start : start + CREATE_BATCH]
         try:
@@ -64,7 +95,6 @@ def run_pass(rt: Runtime, sender: Celery) -> list[admission.Admitted]:
             log.warning(
                 "%d dispatches admitted but create_jobs was not sent (%s); the sweep creates them", len(batch), e
             )
-    return admitted
 
 
 def run_coalesced(rt: Runtime, sender: Celery) -> int:
