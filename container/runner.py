@@ -79,8 +79,16 @@ def load_function(target: str) -> Callable[[Any], Any]:
     return obj
 
 
+# A map's Pod (an Indexed Job's, `workers.indexed`): its items' inputs as one JSON array, and the
+# index the Job controller gave this Pod; the function is called with its own item's input only.
+ITEMS_ENV = "K8S_DISPATCH_ITEMS"
+INDEX_ENV = "JOB_COMPLETION_INDEX"
+
+
 def read_input(environ: Mapping[str, str]) -> Any:
-    """Raises: RunnerError: the variable is missing or not JSON."""
+    """Raises: RunnerError: the variable is missing or not JSON (a map's: no item at the index)."""
+    if ITEMS_ENV in environ:
+        return _read_item(environ)
     text = environ.get(INPUT_ENV)
     if text is None:
         raise RunnerError(f"{INPUT_ENV} is not set", EXIT_USAGE)
@@ -88,6 +96,17 @@ def read_input(environ: Mapping[str, str]) -> Any:
         return json.loads(text)
     except ValueError as e:
         raise RunnerError(f"{INPUT_ENV} is not JSON: {e}", EXIT_USAGE) from e
+
+
+def _read_item(environ: Mapping[str, str]) -> Any:
+    try:
+        items = json.loads(environ[ITEMS_ENV])
+        index = int(environ.get(INDEX_ENV, ""))
+    except ValueError as e:
+        raise RunnerError(f"{ITEMS_ENV} or {INDEX_ENV} is not valid: {e}", EXIT_USAGE) from e
+    if not isinstance(items, list) or not 0 <= index < len(items):
+        raise RunnerError(f"{ITEMS_ENV} has no item {index}", EXIT_USAGE)
+    return items[index]
 
 
 def encode_result(result: Any) -> str:

@@ -33,7 +33,7 @@ from k8s_dispatch.core.errors import (
     UnknownDispatch,
 )
 from k8s_dispatch.core.payloads import canonical_json
-from k8s_dispatch.delivery import disruptions, stats, terminal
+from k8s_dispatch.delivery import disruptions, items, stats, terminal
 from k8s_dispatch.delivery.attempts import JOB_LOST_REASON, out_of_attempts
 from k8s_dispatch.delivery.cleanup import (
     controller_uids,
@@ -54,6 +54,7 @@ from k8s_dispatch.store.db import transaction
 from k8s_dispatch.store.models import EventType
 from k8s_dispatch.workers import failure_detail
 from k8s_dispatch.workers import labels as job_labels
+from k8s_dispatch.workers.indexed import is_map_job
 from k8s_dispatch.workers.job_status import RESULT_NOT_JSON, Completion, completion, job_state
 from k8s_dispatch.workers.kube import REQUESTS_PER_THREAD
 from k8s_dispatch.workers.manifest import CONTAINER_NAME
@@ -125,15 +126,21 @@ def complete_jobs(rt: Runtime, namespace: str, jobs: Sequence[Mapping[str, Any]]
     namespace; a caller that makes many calls passes False and calls `delete_delivered` once.
     A bulk delete that fails is only logged: the next one, or the sweep's, removes those Jobs.
     """
-    batch = _Batch(rt, namespace, jobs)
+    # Map dispatches' Indexed Jobs, running or finished: item by item (`delivery.items`).
+    mapped = items.deliver_maps(rt, namespace, [job for job in jobs if is_map_job(job)])
+    outcomes = [CompleteOutcome(o) for o in mapped.outcomes]
+    jobs = [job for job in jobs if not is_map_job(job)]
+    batch = _Batch(rt, namespace, jobs if mapped.error is None else [])
     try:
         batch.deliver()
     except Transient as e:
         left = len(jobs) - len(batch.outcomes)
         log.warning("completing jobs in %s stopped (%s); %d left to retry", namespace, e, left)
-        done = Completed(batch.outcomes, unavailable=list(jobs[len(batch.outcomes) :]), error=e)
+        done = Completed(outcomes + batch.outcomes, unavailable=list(jobs[len(batch.outcomes) :]), error=e)
     else:
-        done = Completed(batch.outcomes)
+        done = Completed(outcomes + batch.outcomes)
+    if mapped.error is not None:
+        done = Completed(outcomes, unavailable=[*mapped.unavailable, *jobs], error=mapped.error)
     if delete and done.released:
         try:
             delete_delivered(rt, namespace)

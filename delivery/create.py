@@ -39,10 +39,11 @@ from k8s_dispatch.delivery.crashpoints import Point, crashpoint
 from k8s_dispatch.delivery.reconstruct import DispatchRecord, context_from_job
 from k8s_dispatch.delivery.records import refuse_job
 from k8s_dispatch.delivery.runtime import Runtime
-from k8s_dispatch.store import dispatches
+from k8s_dispatch.store import dispatches, maps
 from k8s_dispatch.store.db import transaction
 from k8s_dispatch.store.models import DispatchState, EventType
 from k8s_dispatch.workers import labels as job_labels
+from k8s_dispatch.workers.indexed import indexed_job
 from k8s_dispatch.workers.manifest import build_job, job_name
 from k8s_dispatch.workers.pod_health import QUEUE_TIMEOUT
 
@@ -142,13 +143,15 @@ def create_jobs_for(
     with transaction(rt.sessions) as session:
         rows = dispatches.lock_dispatch_rows(session, ids)
         records = _with_namespaces(rt, session, {d: DispatchRecord.from_row(row) for d, row in rows.items()})
+        # Map dispatches (store/maps.py) among them, with their items: each one Indexed Job.
+        shapes = maps.map_shapes(session, [d for d, r in records.items() if not r.terminal], inputs=True)
         for dispatch_id in ids:
             record = records.get(dispatch_id)
             if record is None:
                 log.warning("no dispatch %s: no Job to create", dispatch_id)
                 continue
             try:
-                step = _create(rt, record, reruns.get(dispatch_id))
+                step = _create(rt, record, reruns.get(dispatch_id), shapes.get(dispatch_id))
             except queue_clock.QUEUE_WAITS as e:
                 if not _queue_timed_out(rt, session, record):
                     _note_create_error(session, record, e)
@@ -243,7 +246,9 @@ def _with_namespaces(rt: Runtime, session: Session, records: dict[str, DispatchR
     }
 
 
-def _create(rt: Runtime, record: DispatchRecord, rerun: Rerun | None = None) -> _Step:
+def _create(
+    rt: Runtime, record: DispatchRecord, rerun: Rerun | None = None, shape: maps.MapShape | None = None
+) -> _Step:
     """Create (or adopt) one dispatch's Job, in the namespace its row records; called with its
     row locked, writes nothing to the database (the caller records what it returns)."""
     if record.terminal:
@@ -272,6 +277,10 @@ def _create(rt: Runtime, record: DispatchRecord, rerun: Rerun | None = None) -> 
                 artifacts.for_settings(rt.settings), spec, dispatch_id=record.dispatch_id, attempt=attempt
             ),
         )
+        if shape is not None:  # a map: its Job made Indexed, one Pod per item (workers/indexed.py)
+            body = indexed_job(
+                body, inputs=shape.inputs, parallelism=shape.parallelism, max_failed_items=shape.max_failed_items
+            )
     except UnknownCapability as e:
         # Removed from the config since scheduling: a Job made before still runs and is
         # delivered; with none, the dispatch fails with that reason.

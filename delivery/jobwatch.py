@@ -33,6 +33,7 @@ from k8s_dispatch.core.errors import ApiUnavailable, DispatchError
 from k8s_dispatch.delivery.complete import job_snapshot
 from k8s_dispatch.workers import labels as job_labels
 from k8s_dispatch.workers import pod_health
+from k8s_dispatch.workers.indexed import is_map_job
 from k8s_dispatch.workers.job_status import job_state
 from k8s_dispatch.workers.kube import Hold, KubeClient
 
@@ -86,6 +87,12 @@ def decide(event: Mapping[str, Any]) -> Step:
     return Step.KEEP if job_state(job).terminal else Step.FORGET
 
 
+def _running_map(job: Mapping[str, Any]) -> bool:
+    """A map's Indexed Job that runs: handed off on each change seen, not kept among the finished
+    (its items are delivered as their Pods finish, `delivery.items`; it costs per change)."""
+    return is_map_job(job) and not job_state(job).terminal
+
+
 @dataclass
 class Position:
     """Where a namespace's watch stands: the version reached (None: never, or lost), the
@@ -104,6 +111,7 @@ class Applied:
     position: Position
     gone: list[JsonDict] = field(default_factory=list)  # Jobs that left without delivery
     events: int = 0
+    maps: list[JsonDict] = field(default_factory=list)  # running maps' Jobs that changed (`_running_map`)
 
 
 def apply(position: Position, events: Sequence[Mapping[str, Any]]) -> Applied:
@@ -112,6 +120,7 @@ def apply(position: Position, events: Sequence[Mapping[str, Any]]) -> Applied:
     finished, unstarted = dict(position.finished), dict(position.unstarted)
     version = position.version
     gone: list[JsonDict] = []
+    maps: dict[str, JsonDict] = {}
     for event in events:
         job = event.get("object") or {}
         metadata = job.get("metadata") or {}
@@ -129,7 +138,10 @@ def apply(position: Position, events: Sequence[Mapping[str, Any]]) -> Applied:
             unstarted[name] = job_snapshot(job)
         if step is Step.GONE:
             gone.append(job_snapshot(job))
-    return Applied(Position(version, finished, unstarted), gone=gone, events=len(events))
+        maps.pop(name, None)
+        if step is Step.FORGET and _running_map(job):
+            maps[name] = job_snapshot(job)
+    return Applied(Position(version, finished, unstarted), gone=gone, events=len(events), maps=list(maps.values()))
 
 
 def bound_s(poll_interval_s: float) -> float:
@@ -494,7 +506,7 @@ def _advance(
                 applied = apply(before, watched.events)
                 out.position, out.seen, out.gone = applied.position, applied.events, applied.gone
                 out.finished = list(applied.position.finished.values())
-                out.handed_off = hand_off(out.finished)
+                out.handed_off = hand_off(out.finished + applied.maps)
                 return out
     out.listed = True
     out.position = _relist(kube, namespace, selector=selector, page_size=page_size, hand_off=hand_off, out=out)
@@ -531,7 +543,7 @@ def _relist(
         out.seen += len(items)
         done = [job for job in items if job_state(job).terminal]
         out.finished += done
-        out.handed_off += hand_off(done)
+        out.handed_off += hand_off(done + [job for job in items if _running_map(job)])
         finished.update({_name(job): job_snapshot(job) for job in done})
         unstarted.update({_name(job): job_snapshot(job) for job in items if pod_health.unstarted(job)})
         token = (page.get("metadata") or {}).get("continue") or None

@@ -1,0 +1,274 @@
+"""Deliver a map's items as their Pods finish, and the map itself when its Indexed Job ends.
+
+A map's Job is handed to the completion path while it runs, not only once it has finished
+(`delivery.jobwatch` keeps it among the Jobs to hand off), and `complete.complete_jobs` passes it
+here. Per hand-off: the Job's Pods listed once; each finished Pod's item decided (`decide`, pure):
+a succeeded Pod's result, or the failure of an index the Job controller gave up on
+(`failedIndexes`); the ends written in one transaction through `terminal.record_items` (the
+primary key on (dispatch, item) is the arbiter); then the Pods whose item is recorded, or whose
+index was retried, are freed of our finalizer. Once the Job has ended, the items still open end
+with the Job's reason and the map's own terminal event is written in the same transaction,
+saying how many items succeeded and failed and why the map passed or failed; then the Job is
+released, as any delivered Job is.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from k8s_dispatch.core.errors import LabelMismatch, TenancyMismatch, Transient, UnknownDispatch
+from k8s_dispatch.delivery import handoff, terminal
+from k8s_dispatch.delivery.cleanup import controller_uids, pods_by_job, release_job, release_pods
+from k8s_dispatch.delivery.reconstruct import DeliveryContext, context_from_job
+from k8s_dispatch.delivery.records import job_location, load_records, refuse_job
+from k8s_dispatch.delivery.runtime import Runtime
+from k8s_dispatch.store import dispatches, maps
+from k8s_dispatch.store.db import transaction
+from k8s_dispatch.store.models import EventType, ItemEventType
+from k8s_dispatch.workers import failure_detail
+from k8s_dispatch.workers import labels as job_labels
+from k8s_dispatch.workers.indexed import failure_count, pod_index, status_indexes
+from k8s_dispatch.workers.job_status import job_state, parse_result, pick_termination
+
+log = logging.getLogger(__name__)
+
+ITEMS_FAILED = "ItemsFailed"  # the map's reason when too few items succeeded
+ITEM_RESULT_LOST = "ItemResultLost"  # an index the Job counts succeeded, with no Pod holding its result
+_IGNORED_FAILURE_COUNT = "batch.kubernetes.io/job-index-ignored-failure-count"
+# The Job's own reasons that only say "some items failed": the map's reason is then ITEMS_FAILED.
+_ITEM_REASONS = frozenset({"FailedIndexes", None})
+
+# What one map Job came to, as `complete.CompleteOutcome` values.
+COMPLETED, ALREADY_TERMINAL, RUNNING, CLAIMED_ELSEWHERE, REFUSED = (
+    "completed", "already_terminal", "running", "claimed_elsewhere", "refused",
+)  # fmt: skip
+
+
+@dataclass
+class Decided:
+    """What a map Job's Pods say now (pure result of `decide`)."""
+
+    ends: list[maps.ItemEnd] = field(default_factory=list)  # items ending now
+    retried: list[Mapping[str, Any]] = field(default_factory=list)  # failed Pods whose index ran again
+
+
+@dataclass
+class Delivered:
+    """What `deliver_maps` did: an outcome per Job (in order), and the Jobs a Transient error left."""
+
+    outcomes: list[str] = field(default_factory=list)
+    unavailable: list[Mapping[str, Any]] = field(default_factory=list)
+    error: Transient | None = None
+
+
+def _attempt(pod: Mapping[str, Any]) -> int:
+    """Which run of its index a Pod is: failures counted, and disruptions (ignored) too."""
+    annotations = (pod.get("metadata") or {}).get("annotations") or {}
+    try:
+        ignored = max(0, int(str(annotations.get(_IGNORED_FAILURE_COUNT, "0"))))
+    except ValueError:
+        ignored = 0
+    return failure_count(pod) + ignored
+
+
+def _phase(pod: Mapping[str, Any]) -> str:
+    return str((pod.get("status") or {}).get("phase", ""))
+
+
+def item_end(dispatch_id: str, index: int, pod: Mapping[str, Any]) -> maps.ItemEnd:
+    """The end a finished Pod gives its item (pure): its result, or why it failed."""
+    termination = pick_termination([pod])
+    if _phase(pod) == "Succeeded":
+        result = parse_result(termination.message if termination else None, exit_ok=True)
+        if result.ok:
+            return maps.ItemEnd(dispatch_id, index, ItemEventType.ITEM_COMPLETED, {"output": result.output})
+        return maps.ItemEnd(
+            dispatch_id, index, ItemEventType.ITEM_FAILED, {"reason": result.reason, "message": result.detail}
+        )
+    if termination is None:
+        reason = str((pod.get("status") or {}).get("reason") or "PodFailed")
+        message = (pod.get("status") or {}).get("message")
+        return maps.ItemEnd(dispatch_id, index, ItemEventType.ITEM_FAILED, {"reason": reason, "message": message})
+    result = parse_result(termination.message, exit_ok=False)
+    payload: dict[str, Any] = {
+        "reason": failure_detail.OOM_KILLED if termination.reason == failure_detail.OOM_KILLED else result.reason,
+        "exit_code": termination.exit_code,
+    }
+    if result.detail:
+        payload["message"] = result.detail
+    return maps.ItemEnd(dispatch_id, index, ItemEventType.ITEM_FAILED, payload)
+
+
+def decide(
+    dispatch_id: str, job: Mapping[str, Any], pods: Sequence[Mapping[str, Any]], ended: Mapping[int, str], items: int
+) -> Decided:
+    """The items a map Job's finished Pods end now, and the Pods that were retried (pure).
+
+    A succeeded Pod ends its item. A failed one ends its item only once the Job controller gave
+    its index up (`failedIndexes`) or the Job ended; while a later Pod of its index exists it
+    was retried (freed, no end); otherwise it waits for the next look. Items already `ended`
+    are skipped (their Pods are freed by the caller).
+    """
+    _, failed_indexes = status_indexes(job)
+    job_ended = job_state(job).terminal
+    latest: dict[int, int] = {}
+    for pod in pods:
+        index = pod_index(pod)
+        if index is not None:
+            latest[index] = max(latest.get(index, 0), _attempt(pod))
+    out = Decided()
+    chosen: dict[int, Mapping[str, Any]] = {}
+    for pod in pods:
+        index = pod_index(pod)
+        phase = _phase(pod)
+        if index is None or not 0 <= index < items or phase not in ("Succeeded", "Failed") or index in ended:
+            continue
+        if phase == "Succeeded":
+            chosen[index] = pod  # a success speaks for its index, whatever failed before it
+        elif _attempt(pod) < latest[index]:
+            out.retried.append(pod)
+        elif (index in failed_indexes or job_ended) and _phase(chosen.get(index, {})) != "Succeeded":
+            chosen[index] = pod
+    out.ends = [item_end(dispatch_id, index, pod) for index, pod in sorted(chosen.items())]
+    return out
+
+
+def map_event(
+    dispatch_id: str, job: Mapping[str, Any], shape: maps.MapShape, counts: Mapping[str, int]
+) -> dispatches.TerminalEvent:
+    """The map's one terminal event once every item has ended (pure): how many succeeded and
+    failed, and why the map passed or failed."""
+    succeeded = counts.get(ItemEventType.ITEM_COMPLETED.value, 0)
+    failed = counts.get(ItemEventType.ITEM_FAILED.value, 0) + counts.get(ItemEventType.ITEM_CANCELLED.value, 0)
+    needed = shape.items if shape.min_succeeded is None else shape.min_succeeded
+    summary = {"items": shape.items, "succeeded": succeeded, "failed": failed, "needed": needed}
+    if shape.passed(succeeded):
+        return dispatches.TerminalEvent(dispatch_id, EventType.WORKER_COMPLETED, {"output": summary})
+    job_reason = job_state(job).reason
+    reason = ITEMS_FAILED if job_reason in _ITEM_REASONS else job_reason
+    message = f"{succeeded} of {shape.items} items succeeded, {needed} needed"
+    if job_reason not in _ITEM_REASONS:
+        message += f"; the Job ended {job_reason}"
+    return dispatches.TerminalEvent(
+        dispatch_id, EventType.WORKER_FAILED, {"reason": reason, "message": message, "detail": summary}
+    )
+
+
+def open_item_ends(
+    dispatch_id: str, job: Mapping[str, Any], shape: maps.MapShape, ended: Mapping[int, str]
+) -> list[maps.ItemEnd]:
+    """Once the Job has ended: an end for each item no Pod ended (pure). An index the Job counts
+    succeeded whose result no Pod holds any more is ITEM_RESULT_LOST; any other ends with the
+    Job's reason (it never ran, or ran when the Job stopped)."""
+    completed, _ = status_indexes(job)
+    reason = job_state(job).reason or "JobEnded"
+    ends = []
+    for index in range(shape.items):
+        if index in ended:
+            continue
+        if index in completed:
+            payload = {
+                "reason": ITEM_RESULT_LOST,
+                "message": "the Job counts this item succeeded; no Pod holds its result",
+            }
+        else:
+            payload = {"reason": reason, "message": "the Job ended before this item did"}
+        ends.append(maps.ItemEnd(dispatch_id, index, ItemEventType.ITEM_FAILED, payload))
+    return ends
+
+
+def deliver_maps(rt: Runtime, namespace: str, jobs: Sequence[Mapping[str, Any]]) -> Delivered:
+    """Deliver map Jobs of one namespace as a LIST or a watch read them, running or finished.
+    A Transient error stops the batch: the Jobs not yet dealt with are returned to retry."""
+    done = Delivered()
+    contexts = _contexts(rt, jobs)
+    for position, (job, context) in enumerate(zip(jobs, contexts, strict=True)):
+        try:
+            done.outcomes.append(_deliver(rt, namespace, job, context))
+        except Transient as e:
+            log.warning("delivering map jobs in %s stopped (%s); %d left to retry", namespace, e, len(jobs) - position)
+            done.unavailable = list(jobs[position:])
+            done.error = e
+            break
+    return done
+
+
+def _deliver(rt: Runtime, namespace: str, job: Mapping[str, Any], context: DeliveryContext | None) -> str:
+    if context is None:
+        return REFUSED
+    dispatch_id, name = context.dispatch_id, context.job_name
+    uid = (job.get("metadata") or {}).get("uid")
+    if context.record.terminal:  # ended already (cancelled, or delivered by another): clean up
+        release_pods(rt, namespace, pods_by_job(rt, namespace, [name])[name])
+        release_job(rt, namespace, name, snapshot=job)
+        return ALREADY_TERMINAL
+    if not job_state(job).terminal:
+        # This change is being delivered: the next one is handed off again at once (poll's
+        # marker is per Job, and would hold every change of a running map back for its TTL).
+        try:
+            rt.redis.delete(handoff.key(rt.settings.key_prefix, namespace, job))
+        except redis.RedisError as e:  # the marker expires by itself: only later
+            log.info("the hand-off marker of %s/%s stays (%s)", namespace, context.job_name, e)
+    claim = rt.guard.claim_many([dispatch_id]).get(dispatch_id)
+    if claim is None:
+        return CLAIMED_ELSEWHERE
+    try:
+        pods = [p for p in pods_by_job(rt, namespace, [name])[name] if controller_uids(p) <= {uid}]
+        finished = job_state(job).terminal
+        with transaction(rt.sessions) as session:
+            shape = maps.map_shapes(session, [dispatch_id])[dispatch_id]
+            ended = maps.ended_items(session, dispatch_id)
+            decided = decide(dispatch_id, job, pods, ended, shape.items)
+            terminal.record_items(session, decided.ends)
+            now_ended = {**ended, **{e.item_index: e.type.value for e in decided.ends}}
+            won: set[str] = set()
+            event, row = None, None
+            if finished:
+                terminal.record_items(session, open_item_ends(dispatch_id, job, shape, now_ended))
+                event = map_event(dispatch_id, job, shape, maps.item_counts(session, dispatch_id))
+                won = terminal.record(session, [event])
+                row = dispatches.get_dispatch(session, dispatch_id)
+        if event is not None and won:
+            assert row is not None
+            terminal.announce(rt, [(row, event)])
+        free = [
+            p
+            for p in pods
+            if finished or (pod_index(p) in now_ended and _phase(p) in ("Succeeded", "Failed")) or p in decided.retried
+        ]
+        release_pods(rt, namespace, free)
+        if not finished:
+            return RUNNING
+        release_job(rt, namespace, name, snapshot=job)
+        return COMPLETED if won else ALREADY_TERMINAL
+    finally:
+        rt.guard.release_many([claim])
+
+
+def _contexts(rt: Runtime, jobs: Sequence[Mapping[str, Any]]) -> list[DeliveryContext | None]:
+    """Each map Job matched to its dispatch (one query), or None where it must not be delivered."""
+    refs: list[Any] = []
+    for job in jobs:
+        metadata = job.get("metadata") or {}
+        try:
+            refs.append(job_labels.decode(metadata.get("labels"), metadata.get("annotations")))
+        except LabelMismatch as e:
+            refs.append(e)
+    records = load_records(rt, [ref.dispatch_id for ref in refs if not isinstance(ref, LabelMismatch)])
+    contexts: list[DeliveryContext | None] = []
+    for job, ref in zip(jobs, refs, strict=True):
+        try:
+            if isinstance(ref, LabelMismatch):
+                raise ref
+            record = records.get(ref.dispatch_id)
+            expected = job_location(rt, record)[0] if record is not None and record.job_namespace is None else None
+            contexts.append(context_from_job(job, record, expected_namespace=expected))
+        except (LabelMismatch, TenancyMismatch, UnknownDispatch) as e:
+            refuse_job(rt, job, e)
+            contexts.append(None)
+    return contexts

@@ -1,0 +1,166 @@
+"""Map dispatches (fan-out, issue 29) end to end with real `celery -A k8s_dispatch.tasks worker|beat`
+processes, PostgreSQL, Redis and each cluster (localcluster, and the real control plane with our
+node agent): a map over 20 items, some failing by design, is one Indexed Job; every item ends in
+exactly one item event with its own output or reason, recorded as its Pod finishes (before the
+map ends), the map in one terminal event with its counts, and no Job or held Pod is left. A
+worker SIGKILLed mid-map still leaves each finished item delivered once.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+from k8s_dispatch import api
+from k8s_dispatch.store import dispatches
+from k8s_dispatch.store.db import transaction
+from k8s_dispatch.store.models import DispatchState, EventType
+from k8s_dispatch.workers import labels as job_labels
+from k8s_dispatch.workers.indexed import is_map_job
+from k8s_dispatch.workers.manifest import FINALIZER, job_name
+from k8s_dispatch.workers.resolver import CapabilityResolver
+
+SIM = "localcluster.k8s-dispatch.io/"
+ITEMS = 20
+FAILING = {3, 7, 11}
+
+
+def capability(duration_ms: int) -> dict[str, Any]:
+    """Each index's Pod returns {"i": index}; the FAILING ones exit 2 with a log line saying so."""
+    by_index = {
+        str(i): {"outcome": "fail", "exit-code": "2", "log": f"bad item {i}\n"}
+        if i in FAILING
+        else {"result": {"i": i}}
+        for i in range(ITEMS)
+    }
+    return {
+        "worker": "sim",
+        "image": "sim:1",
+        "backoffLimit": 0,
+        "annotations": {SIM + "duration-ms": str(duration_ms), SIM + "by-index": json.dumps(by_index)},
+    }
+
+
+def schedule_map(d: Any, **kwargs: Any) -> str:
+    with transaction(d.sessions) as session:
+        case_id = f"case-{uuid.uuid4().hex[:10]}"
+        api.create_case(session, case_id=case_id, tenancy_id="tenant-a")
+        result = api.schedule_map_in_session(
+            session,
+            case_id=case_id,
+            tenancy_id="tenant-a",
+            capability="sim.map",
+            items=[{"n": i} for i in range(ITEMS)],
+            idempotency_key=f"map-{uuid.uuid4().hex}",
+            router=CapabilityResolver.from_settings(d.settings),
+            max_input_bytes=d.settings.max_input_bytes,
+            via=d.producer,
+            **kwargs,
+        )
+    return result.dispatch_id
+
+
+def items_of(d: Any, map_id: str) -> list[api.ItemOutcome]:
+    with transaction(d.sessions) as session:
+        return api.item_outcomes(session, map_id)
+
+
+def check_items(outcomes: list[api.ItemOutcome]) -> None:
+    """One event per item, each with its own output, or the failure its Pod had."""
+    assert sorted(o.index for o in outcomes) == list(range(ITEMS)), [o.index for o in outcomes]
+    for o in outcomes:
+        if o.index in FAILING:
+            assert o.event is api.ItemEventType.ITEM_FAILED, o
+            assert (o.payload["reason"], o.payload["exit_code"]) == ("ContainerFailed", 2), o
+            assert f"bad item {o.index}" in o.payload["message"], o
+        else:
+            assert o.event is api.ItemEventType.ITEM_COMPLETED, o
+            assert o.payload == {"item": o.index, "output": {"i": o.index}}, o
+
+
+def assert_nothing_left(d: Any) -> None:
+    d.wait_no_jobs(timeout_s=30)
+
+    def held() -> list[str]:
+        pods = d.kube.list_pods(d.namespace, label_selector=job_labels.selector())
+        return [p["metadata"]["name"] for p in pods if FINALIZER in (p["metadata"].get("finalizers") or [])]
+
+    d.wait(lambda: not held(), timeout_s=30, what="no Pod holding our finalizer")
+
+
+def test_a_map_ends_each_item_once_as_its_pod_finishes_and_the_map_once(deploy, any_cluster):
+    d = deploy(any_cluster, capabilities={"sim.map": capability(400)})
+    d.start_worker("w1")
+    d.start_beat()
+    map_id = schedule_map(d, parallelism=4, min_succeeded=15)
+    job = d.wait(
+        lambda: next((j for j in d.jobs() if j["metadata"]["name"] == job_name(map_id)), None), what="the map's Job"
+    )
+    assert is_map_job(job) and job["spec"]["completionMode"] == "Indexed"
+    assert (job["spec"]["completions"], job["spec"]["parallelism"]) == (ITEMS, 4)
+    # Items are recorded while the map runs: the engine sees progress.
+    d.wait(lambda: items_of(d, map_id) and not d.all_terminal([map_id]), what="an item ended before its map")
+
+    [(event, payload)] = d.wait_terminal([map_id], timeout_s=90)[map_id]
+    assert event == EventType.WORKER_COMPLETED.value, payload
+    assert payload == {"output": {"items": ITEMS, "succeeded": ITEMS - 3, "failed": 3, "needed": 15}}
+    check_items(items_of(d, map_id))
+    with transaction(d.sessions) as session:
+        events = dispatches.events_for(session, map_id)
+    ended_at = next(e.created_at for e in events if e.type == EventType.WORKER_COMPLETED.value)
+    assert any(e.created_at < ended_at for e in events if e.type.startswith("WORKER_ITEM_")), "all at the end"
+    d.wait(lambda: map_id in d.notifications(), what="the engine told of the map")
+    assert_nothing_left(d)
+
+
+def test_a_map_that_needs_every_item_fails_saying_how_many_did(deploy, any_cluster):
+    d = deploy(any_cluster, capabilities={"sim.map": capability(50)})
+    d.start_worker("w1")
+    d.start_beat()
+    map_id = schedule_map(d, parallelism=5)
+    [(event, payload)] = d.wait_terminal([map_id], timeout_s=90)[map_id]
+    assert event == EventType.WORKER_FAILED.value, payload
+    assert (
+        payload["reason"] == "ItemsFailed"
+        and payload["message"] == f"{ITEMS - 3} of {ITEMS} items succeeded, {ITEMS} needed"
+    )
+    assert payload["detail"] == {"items": ITEMS, "succeeded": ITEMS - 3, "failed": 3, "needed": ITEMS}
+    check_items(items_of(d, map_id))
+    assert_nothing_left(d)
+
+
+def test_a_worker_killed_mid_map_still_delivers_each_item_once(deploy, any_cluster):
+    d = deploy(any_cluster, capabilities={"sim.map": capability(700)})
+    w1 = d.start_worker("w1")
+    d.start_beat()
+    map_id = schedule_map(d, parallelism=2, min_succeeded=1)
+    d.wait(lambda: len(items_of(d, map_id)) >= 3, timeout_s=60, what="3 items ended")
+    w1.managed.kill()  # SIGKILL, mid-map: whatever it held is left half done
+    d.procs.remove(w1)
+    assert not d.all_terminal([map_id])
+    d.start_worker("w2")
+    [(event, payload)] = d.wait_terminal([map_id], timeout_s=120)[map_id]
+    assert event == EventType.WORKER_COMPLETED.value, payload
+    assert payload["output"]["succeeded"] == ITEMS - 3
+    check_items(items_of(d, map_id))
+    with transaction(d.sessions) as session:
+        row = dispatches.get_dispatch(session, map_id)
+    assert row is not None and row.state is DispatchState.COMPLETED
+    assert_nothing_left(d)
+
+
+def test_cancel_ends_every_unfinished_item_once(deploy, any_cluster):
+    d = deploy(any_cluster, capabilities={"sim.map": capability(1500)})
+    d.start_worker("w1")
+    d.start_beat()
+    map_id = schedule_map(d, parallelism=2)
+    d.wait(lambda: len(items_of(d, map_id)) >= 1, timeout_s=60, what="an item ended")
+    with transaction(d.sessions) as session:
+        assert api.cancel_in_session(session, map_id, via=d.producer)
+    outcomes = items_of(d, map_id)
+    assert sorted(o.index for o in outcomes) == list(range(ITEMS))
+    cancelled = [o for o in outcomes if o.event is api.ItemEventType.ITEM_CANCELLED]
+    assert cancelled and all(o.payload["reason"] == "Cancelled" for o in cancelled)
+    assert_nothing_left(d)
+    assert sorted(o.index for o in items_of(d, map_id)) == list(range(ITEMS))  # nothing after the cancel
