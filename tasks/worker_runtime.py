@@ -3,7 +3,10 @@
 The worker-init hook builds it before the worker consumes anything, so a broken capability file
 stops the process at start with the file, capability and field in the message, and start-up
 recovery finds the resolver ready. Dispatches that end free fair-share slots: the Runtime's
-`on_ended` runs an admission pass (`tasks.admission`).
+`on_ended` runs an admission pass (`tasks.admission`). When it stops (SIGTERM: Celery's warm
+shutdown, once running tasks have ended), the worker makes its last pass over our Pods being
+deleted (`delivery.shutdown`) before it closes the Runtime: a drain that evicts the workers with
+the Job Pods they would read is not left waiting for Pods only a worker can let go.
 """
 
 from __future__ import annotations
@@ -58,8 +61,13 @@ def _build_runtime_at_start(**_: Any) -> None:
 
 @signals.worker_shutdown.connect
 def _close_runtime(**_: Any) -> None:
+    from k8s_dispatch.delivery.shutdown import last_pass
+
     global _runtime
     with _runtime_lock:
         if _runtime is not None:
-            _runtime.close()
-            _runtime = None
+            try:
+                last_pass(_runtime)
+            finally:
+                _runtime.close()
+                _runtime = None

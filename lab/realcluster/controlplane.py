@@ -3,7 +3,8 @@ CA, static-token authentication, RBAC authorization) and kube-controller-manager
 garbage-collector, TTL-after-finished, ServiceAccount, namespace and Pod-GC controllers, plus a node:
 localcluster's node agent (`node="agent"`, the default: no scheduler, the agent binds the Pods), or
 a real one (`node="kubelet"`: kube-scheduler, the kubelet and containerd, `lab/realcluster/node.py`,
-with the node lifecycle and root-CA publisher controllers a kubelet's Pods need).
+with the node lifecycle and root-CA publisher controllers a kubelet's Pods need, and the Deployment,
+ReplicaSet and disruption controllers the Helm chart's workloads and PodDisruptionBudget need).
 
     with ControlPlane(directory=tmp, mode="simulate") as cp:
         config.load_kube_config(config_file=str(cp.kubeconfig))
@@ -37,8 +38,10 @@ NODE_NAME = "k8s-dispatch-node"
 SERVICE_CIDR = "10.96.0.0/24"  # only a setting: nothing is ever sent to it
 CONTROLLERS = "job,garbagecollector,ttl-after-finished,serviceaccount,serviceaccount-token,namespace,podgc"
 # A kubelet's node also needs its not-ready taint lifted and `kube-root-ca.crt` in every namespace
-# (a ServiceAccount token volume mounts it).
-KUBELET_CONTROLLERS = CONTROLLERS + ",nodelifecycle,root-ca-cert-publisher"
+# (a ServiceAccount token volume mounts it); the chart installed on it (tests/realcluster's product
+# image) runs Deployments, and a drain's evictions are judged against its PodDisruptionBudget,
+# whose status only the disruption controller writes (without it every eviction is refused).
+KUBELET_CONTROLLERS = CONTROLLERS + ",nodelifecycle,root-ca-cert-publisher,deployment,replicaset,disruption"
 NODE_KINDS = ("agent", "kubelet")
 UNINITIALIZED_TAINT = "node.cloudprovider.kubernetes.io/uninitialized"  # the kubelet's, with an external cloud provider
 

@@ -1,12 +1,17 @@
-"""The Dockerfile and .dockerignore, checked by parsing them: base image, runtime dependencies
-only, a numeric non-root user shared with deploy/, and nothing local in the build context.
+"""The Dockerfile and .dockerignore, checked by parsing them: the image tools/image.py builds
+(Debian's python3.X from Debian's packages, the venv, environment, user and command), runtime
+dependencies only, a numeric non-root user shared with deploy/, and nothing local in the build context.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import importlib.util
 import re
 import shlex
+import sys
+from pathlib import Path
+from types import ModuleType
 
 import pytest
 from deploy_files import DEPLOY, DOCKERFILE, DOCKERIGNORE, load_docs
@@ -37,12 +42,52 @@ def _final_stage() -> list[Instruction]:
     return instructions[last_from:]
 
 
-def test_runtime_image_is_python_312_slim() -> None:
-    (_, base) = _final_stage()[0]
-    assert base.split()[0] == "python:3.12-slim"
-    for op, args in _instructions():
-        if op == "FROM":
-            assert args.split()[0] == "python:3.12-slim", "every stage builds on the same base"
+def _image_tool() -> ModuleType:
+    """tools/image.py, the image's builder without Docker, as the module it is when run."""
+    spec = importlib.util.spec_from_file_location("image_tool", DOCKERFILE.parent / "tools" / "image.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _debian_codename() -> str:
+    """The release whose installed packages tools/image.py takes (this host's)."""
+    fields = dict(line.split("=", 1) for line in Path("/etc/os-release").read_text().splitlines() if "=" in line)
+    assert fields.get("ID") == "debian", "tools/image.py builds from Debian's packages"
+    return fields["VERSION_CODENAME"].strip('"')
+
+
+def test_every_stage_builds_on_the_debian_release_tools_image_takes_its_packages_from() -> None:
+    bases = [args.split()[0] for op, args in _instructions() if op == "FROM"]
+    assert bases and set(bases) == {f"debian:{_debian_codename()}-slim"}
+
+
+def test_the_runtime_stage_installs_the_packages_tools_image_lays_out() -> None:
+    """tools/image.py's base layer is its ROOTS (and their dependencies) for the venv's Python;
+    the Dockerfile's final stage installs the same from apt, and nothing else."""
+    tool = _image_tool()
+    minor = f"{sys.version_info.major}.{sys.version_info.minor}"
+    runs = [args for op, args in _final_stage() if op == "RUN" and "apt-get install" in args]
+    assert len(runs) == 1
+    words = runs[0].split("apt-get install", 1)[1].split("&&", 1)[0].split()
+    assert {w for w in words if not w.startswith("-")} == {root.format(minor=minor) for root in tool.ROOTS}
+
+
+def test_the_image_has_the_environment_venv_user_and_command_tools_image_gives_it() -> None:
+    tool = _image_tool()
+    final = _final_stage()
+    env = " ".join(args for op, args in final if op == "ENV").split()
+    for setting in (tool.PATH_ENV, f"VIRTUAL_ENV=/{tool.VENV}", "LANG=C.UTF-8", "PYTHONUNBUFFERED=1",
+                    "PYTHONDONTWRITEBYTECODE=1"):  # fmt: skip
+        assert setting in env, setting
+    assert ("COPY", f"--from=venv /{tool.VENV} /{tool.VENV}") in final
+    assert [args for op, args in final if op == "WORKDIR"] == [f"/{tool.APP}"]
+    assert [args for op, args in final if op == "USER"] == [f"{tool.UID}:{tool.GID}"]
+    assert [args for op, args in final if op == "CMD"] == [str(list(tool.CMD)).replace("'", '"')]
+    compiled = [args for op, args in final if op == "RUN" and "compileall" in args]
+    assert len(compiled) == 1 and "--invalidation-mode unchecked-hash" in compiled[0]
 
 
 def test_runs_as_a_numeric_non_root_user() -> None:
@@ -105,9 +150,14 @@ def test_installs_exactly_the_locked_runtime_dependencies() -> None:
             assert "--no-deps" in words, words
 
 
-def test_pip_keeps_no_cache_in_the_image() -> None:
-    env = " ".join(args for op, args in _final_stage() if op == "ENV")
+def test_pip_keeps_no_cache_and_stays_out_of_the_runtime_image() -> None:
+    instructions = _instructions()
+    last_from = max(i for i, (op, _) in enumerate(instructions) if op == "FROM")
+    env = " ".join(args for op, args in instructions[:last_from] if op == "ENV")
     assert "PIP_NO_CACHE_DIR=1" in env
+    final_runs = " ".join(args for op, args in _final_stage() if op == "RUN")
+    assert "pip " not in final_runs  # the venv is copied in, built; pip itself is uninstalled from it
+    assert "pip uninstall --yes pip setuptools" in " ".join(args for op, args in instructions[:last_from])
 
 
 def test_default_command_is_the_worker() -> None:

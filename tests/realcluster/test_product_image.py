@@ -1,7 +1,11 @@
 """The product as its users run it: the OCI image tools/image.py assembles here (no Docker), imported
 into the real node's containerd, and the Helm chart installed onto that node. Worker, beat and
 Flower run as Pods from that image; a dispatch scheduled from outside (the engine's side: this test)
-completes exactly once; Flower, behind its login, lists our tasks.
+completes exactly once; Flower, behind its login, lists our tasks; `kubectl drain` of the node
+evicts them all, the Job's Pod of a running dispatch too, and ends (the stopping worker records
+that Pod's disruption and lets it go: delivery/shutdown.py); after `kubectl uncordon` they come
+back and every dispatch ends once, no Job left. The control plane runs the Deployment, ReplicaSet
+and disruption controllers the chart needs (lab/realcluster/controlplane.py's KUBELET_CONTROLLERS).
 
 The node's Pods are on a bridge of their own with no default route (lab/realcluster/node.py): of
 this host they reach the bridge's address alone, not 127.0.0.1 where kube-apiserver, PostgreSQL
@@ -36,12 +40,12 @@ import pytest
 import yaml
 from sqlalchemy.engine import make_url
 
-from k8s_dispatch.lab.realcluster import binaries
 from k8s_dispatch.lab.realcluster.binaries import build as build_tool
-from k8s_dispatch.ops.processes import ManagedProcess, project_env
+from k8s_dispatch.lab.realcluster.controlplane import NODE_NAME
 from k8s_dispatch.store import dispatches
 from k8s_dispatch.store.db import transaction
 from k8s_dispatch.store.models import EventType
+from k8s_dispatch.workers import labels as job_labels
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "deploy" / "helm" / "k8s-dispatch"
@@ -171,21 +175,6 @@ def gateway(cluster: Any) -> str:
 
 
 @pytest.fixture
-def workload_controllers(kubelet_cluster: Any, tmp_path: Path) -> Iterator[None]:
-    """The controllers a chart's Deployments and PodDisruptionBudget need, which the session's
-    control plane does not run (its dispatch Jobs need none of them): a second
-    kube-controller-manager with only those, for this test."""
-    plane = kubelet_cluster.backend
-    proc = ManagedProcess("kube-controller-manager-workloads", [
-        str(binaries.control_plane().kube_controller_manager), f"--kubeconfig={plane.kubeconfig}",
-        "--controllers=deployment,replicaset,disruption", "--leader-elect=false",
-        "--bind-address=127.0.0.1", "--secure-port=0",
-    ], project_env({}), tmp_path / "kube-controller-manager-workloads.log").start()  # fmt: skip
-    yield
-    proc.stop(timeout=20)
-
-
-@pytest.fixture
 def relay(kubelet_cluster: Any) -> Iterator[Relay]:
     r = Relay(gateway(kubelet_cluster))
     yield r
@@ -236,15 +225,15 @@ def flower_get(pod: dict[str, Any], path: str, auth: str | None) -> tuple[int, b
 
 SLOW = {  # ends on the eviction's SIGTERM, so a drain mid-run is a disruption; else says done
     "worker": "shell", "image": "busybox:1.36", "command": ["sh", "-c"],
-    "args": ["""trap 'exit 143' TERM; sleep 6 & wait $!; printf '{"done": true}' > /dev/termination-log"""],
+    "args": ["""trap 'exit 143' TERM; sleep 10 & wait $!; printf '{"done": true}' > /dev/termination-log"""],
     "resources": {"requests": {"cpu": "10m", "memory": "16Mi"}, "limits": {"memory": "32Mi"}},
     "activeDeadlineSeconds": 120, "runAsUser": 65534, "runAsGroup": 65534, "backoffLimit": 0,
 }  # fmt: skip
 
 
 @pytest.mark.timeout(900)
-def test_the_chart_runs_on_the_node_from_the_image_and_flower_shows_the_work(
-    deploy: Any, kubelet_cluster: Any, workload_controllers: None, relay: Relay, tmp_path: Path
+def test_the_chart_runs_on_the_node_from_the_image_flower_shows_the_work_and_a_drain_loses_nothing(
+    deploy: Any, kubelet_cluster: Any, relay: Relay, tmp_path: Path
 ) -> None:
     built = image_tool().build(tmp_path / "image")  # cached: the test above built the same inputs
     node = kubelet_cluster.backend.kubelet_node
@@ -269,7 +258,7 @@ def test_the_chart_runs_on_the_node_from_the_image_and_flower_shows_the_work(
     assert made.returncode == 0, made.stderr
     values = {
         "image": {"tag": built.name.rsplit(":", 1)[1], "pullPolicy": "Never"},
-        "worker": {"replicas": 1},
+        "worker": {"replicas": 1},  # the drain's case: every worker on the node it drains
         # CPU shares follow requests: on a busy host 50m leaves beat and Flower too little to start
         # before their liveness probes give up
         "beat": {"resources": {"requests": {"cpu": "500m", "memory": "192Mi"}}},
@@ -320,9 +309,39 @@ def test_the_chart_runs_on_the_node_from_the_image_and_flower_shows_the_work(
     status, page = flower_get(flower, "/tasks", flower_auth)
     assert status == 200 and b"<html" in page.lower()
 
-    # (`kubectl drain` of this one node is not here: it waits for the Job's Pod, which our
-    # finalizer keeps until a worker records its disruption, while it evicts the only worker.)
-    assert sorted(d.notifications()) == [first]
+    # A drain mid-run evicts every Pod, the Job's too, and ends: the evicted worker, stopping, records
+    # the Job Pod's disruption and lets it go. Nothing is lost once the node is back.
+    [second] = d.schedule_batch("slow", 1)
+
+    def job_pod_running() -> list[str]:
+        return [
+            p["metadata"]["name"]
+            for p in d.kube.list_pods(d.namespace, label_selector=job_labels.selector())
+            if any("running" in (s.get("state") or {}) for s in p["status"].get("containerStatuses") or [])
+        ]
+
+    [evicted] = d.wait(job_pod_running, timeout_s=60, what="the second dispatch's container running")
+    try:
+        drained = kubectl(kubelet_cluster, "drain", NODE_NAME, "--ignore-daemonsets", "--delete-emptydir-data",
+                          "--timeout=200s", timeout=240)  # fmt: skip
+        assert drained.returncode == 0, (
+            drained.stdout + drained.stderr + kubectl(kubelet_cluster, "-n", d.namespace, "get", "pods,events").stdout
+        )
+        for component in ("worker", "beat", "flower"):
+            assert f"pod/{RELEASE}-{component}-" in drained.stdout, drained.stdout
+        assert f"pod/{evicted} evicted" in drained.stdout, drained.stdout
+        [third] = d.schedule_batch("slow", 1)  # while no worker runs: it waits in Redis
+        assert d.terminal_events([second, third]) == {second: [], third: []}
+    finally:
+        uncordoned = kubectl(kubelet_cluster, "uncordon", NODE_NAME)
+    assert uncordoned.returncode == 0, uncordoned.stderr
+    d.wait_terminal([second, third], timeout_s=240)
+    assert ended_once(d, second) == [EventType.WORKER_SCHEDULED, EventType.WORKER_DISRUPTED, EventType.WORKER_COMPLETED]
+    assert ended_once(d, third) == [EventType.WORKER_SCHEDULED, EventType.WORKER_COMPLETED]
+    d.wait_no_jobs(timeout_s=120)
+    for component in ("worker", "beat", "flower"):
+        d.wait(lambda c=component: running(d, c), timeout_s=120, what=f"the {component} back")
+    assert sorted(d.notifications()) == sorted([first, second, third])
     uninstalled = subprocess.run(
         [str(helm), "uninstall", RELEASE, "--namespace", d.namespace, "--kubeconfig", str(kubelet_cluster.kubeconfig),
          "--wait", "--timeout", "120s"], capture_output=True, text=True, timeout=180,
