@@ -335,7 +335,9 @@ class _Batch:
         to None (its Job is then never delivered: logged and counted as refused)."""
         try:
             with transaction(self.rt.sessions) as session:
-                return terminal.record(session, [item.event for item in writing if item.event is not None])
+                # No map among them (`complete_jobs` hands maps to `delivery.items`): no look for one.
+                events = [item.event for item in writing if item.event is not None]
+                return terminal.record(session, events, maps_among=False)
         except (Permanent, DBAPIError) as e:  # DatabaseUnavailable (Transient) stops the batch
             log.warning("the batch's terminal events were refused (%s); writing each alone", _why(e))
         won: set[str] = set()
@@ -369,7 +371,7 @@ class _Batch:
 
     def _write_alone(self, event: dispatches.TerminalEvent) -> set[str]:
         with transaction(self.rt.sessions) as session:
-            return terminal.record(session, [event])
+            return terminal.record(session, [event], maps_among=False)
 
     def _rerun(self, items: Sequence[_Item]) -> None:
         """Settle the Jobs whose result was lost: each run again as a lost Job is (`rerun_lost`),

@@ -27,12 +27,14 @@ from k8s_dispatch.store.models import STATE_FOR_TERMINAL_EVENT, EventType
 log = logging.getLogger(__name__)
 
 
-def record(session: Session, events: Sequence[dispatches.TerminalEvent]) -> set[str]:
+def record(session: Session, events: Sequence[dispatches.TerminalEvent], *, maps_among: bool = True) -> set[str]:
     """Write these terminal events in the caller's transaction; the dispatch ids this call won.
 
     A dispatch that has its end already is left as it is (the unique index decides between
     racing writers); the row's update takes the dispatch's row lock, which is what keeps a
     create from making a Job for a dispatch that ends meanwhile (`delivery.create`).
+    A map's end ends its items still open, cancelled or failed with it (`store.maps.end_open_items`:
+    one SELECT for the maps among the ended); `maps_among=False` is a caller that holds no map.
 
     Raises:
         UnknownDispatch, InvalidInput, InputNotSerialisable: nothing is written.
@@ -40,7 +42,7 @@ def record(session: Session, events: Sequence[dispatches.TerminalEvent]) -> set[
     if not events:
         return set()
     won = dispatches.record_terminals(session, events)
-    if won:  # a map's end ends its open items, in the same transaction (cancelled or failed with it)
+    if won and maps_among:
         ends = {e.dispatch_id: (e.type, e.payload.get("reason")) for e in events if e.dispatch_id in won}
         maps.end_open_items(session, ends)
     return won
