@@ -1,5 +1,8 @@
 """Retention and orphans: the objects under our prefix that must go (run by a beat task).
 
+Inputs too large for a Job's env (`PREFIX/DISPATCH_ID/input`) are objects of their dispatch
+like its results: kept while it runs, orphans once it has ended.
+
 An object is its dispatch's *recorded result* when the dispatch's terminal event is a
 WORKER_COMPLETED whose output references its key. Every other object is an orphan (a losing or
 superseded attempt, a failed or cancelled dispatch, an upload delivery refused), deleted once
@@ -92,17 +95,19 @@ def _settle(
     retention: timedelta | None,
     report: CleanupReport,
 ) -> None:
-    parsed = {item.key: keys.parse_key(artifacts.prefix, item.key) for item in page}
-    ids = {p[0] for p in parsed.values() if p is not None}
+    parsed = {item.key: keys.dispatch_of(artifacts.prefix, item.key) for item in page}
+    ids = {p for p in parsed.values() if p is not None}
     known, ended = _lookup(session, ids)
     for item in page:
         report.listed += 1
-        where = parsed[item.key]
-        if where is None or where[0] not in known:  # not ours to match: by its own age
+        owner = parsed[item.key]
+        if owner is None or owner not in known:  # not ours to match: by its own age
             orphan_since: datetime | None = _aware(item.modified)
             expired = False
         else:
-            end = ended.get(where[0])
+            # A stored input is needed while its dispatch runs (any attempt may read it) and never
+            # recorded: it goes with the dispatch's other objects once the dispatch has ended.
+            end = ended.get(owner)
             if end is None:  # still running: an attempt may be uploading now
                 report.kept += 1
                 continue

@@ -1,4 +1,5 @@
-"""Where each attempt's result lives (pure): `PREFIX/DISPATCH_ID/ATTEMPT/result`.
+"""Where each attempt's result lives (pure): `PREFIX/DISPATCH_ID/ATTEMPT/result`; a dispatch's
+input too large for its Job's env: `PREFIX/DISPATCH_ID/input` (the same bytes for every attempt).
 
 The dispatch id first, so every object of a dispatch is listed together and the cleanup can
 decide per dispatch; the attempt next, so a re-created Job never writes over the object of the
@@ -9,10 +10,27 @@ from __future__ import annotations
 from k8s_dispatch.core.ids import is_dispatch_id
 
 RESULT_NAME = "result"
+INPUT_NAME = "input"
 
 
 def result_key(prefix: str, dispatch_id: str, attempt: int) -> str:
     return f"{prefix}/{dispatch_id}/{attempt}/{RESULT_NAME}"
+
+
+def input_key(prefix: str, dispatch_id: str) -> str:
+    return f"{prefix}/{dispatch_id}/{INPUT_NAME}"
+
+
+def dispatch_of(prefix: str, key: str) -> str | None:
+    """The dispatch id of a result or input key under `prefix`; None for any other key."""
+    result = parse_key(prefix, key)
+    if result is not None:
+        return result[0]
+    head = prefix + "/"
+    parts = key[len(head) :].split("/") if key.startswith(head) else []
+    if len(parts) == 2 and parts[1] == INPUT_NAME and is_dispatch_id(parts[0]):
+        return parts[0]
+    return None
 
 
 def dispatch_prefix(prefix: str, dispatch_id: str) -> str:

@@ -49,3 +49,37 @@ class ResultUpload:
 def result_reference(*, key: str, size: int, sha256: str) -> str:
     """The termination message naming an uploaded result (canonical JSON, far under 4 KiB)."""
     return canonical_json({REFERENCE_FIELD: {"v": REFERENCE_VERSION, "key": key, "size": size, "sha256": sha256}})
+
+
+# --- inputs larger than the env carries (stored in the object store by the create step) -------
+# The Job's env then holds no input, only where to read it (a presigned GET URL of this attempt,
+# expiring after the capability's deadlines: read-only, this one key) and what it must be: the
+# runner checks size and SHA-256 before it calls the function, and fails typed otherwise.
+INPUT_URL_ENV = "K8S_DISPATCH_INPUT_URL"
+INPUT_REF_ENV = "K8S_DISPATCH_INPUT_REF"  # canonical JSON {REFERENCE_FIELD: {v, key, size, sha256}}
+INPUT_MISMATCH = "InputObjectMismatch"  # the first word of the termination message of such a failure
+INPUT_UNREADABLE = "InputObjectUnreadable"  # the store refused the read or stayed unreachable
+
+
+@dataclass(frozen=True)
+class InputDownload:
+    """Where one attempt reads its input: the object's key, size, SHA-256 and a URL that reads it."""
+
+    key: str
+    size: int
+    sha256: str
+    url: str
+
+    def reference(self) -> str:
+        return result_reference(key=self.key, size=self.size, sha256=self.sha256)
+
+
+# --- secret inputs: from a Secret of the Job's own, never from the Job's spec -----------------
+# The Secret is named for the Job, holds the input's JSON under SECRET_INPUT_KEY and is owned by
+# the Job (deleted with it); the container's INPUT_ENV is a secretKeyRef to it.
+SECRET_NAME_SUFFIX = "-input"
+SECRET_INPUT_KEY = "input"
+
+
+def secret_name(job_name: str) -> str:
+    return job_name + SECRET_NAME_SUFFIX

@@ -10,6 +10,12 @@ result (bytes as they are, a `pathlib.Path` the function wrote as that file's by
 else as canonical JSON; of any size) is PUT to that URL with its Content-MD5, so the store
 refuses bytes damaged on the way; the termination message is then only the reference (key, size, SHA-256) that delivery verifies the object against. The
 standard library only: the Pod needs neither boto3 nor credentials.
+
+With `K8S_DISPATCH_INPUT_URL` set (an input larger than the env carries), the input is read from
+that URL and checked against `K8S_DISPATCH_INPUT_REF` (size and SHA-256) before the function is
+called: bytes that are not the ones scheduled end the run with `InputObjectMismatch` as the first
+word of the termination message, never a run on them. A secret input arrives in
+`K8S_DISPATCH_INPUT` from the Job's own Secret, as any input; the runner never prints an input.
 """
 
 from __future__ import annotations
@@ -33,7 +39,12 @@ from typing import Any, BinaryIO
 
 from k8s_dispatch.container.contract import (
     INPUT_ENV,
+    INPUT_MISMATCH,
+    INPUT_REF_ENV,
+    INPUT_UNREADABLE,
+    INPUT_URL_ENV,
     MAX_RESULT_BYTES,
+    REFERENCE_FIELD,
     RESULT_KEY_ENV,
     RESULT_URL_ENV,
     TERMINATION_MESSAGE_PATH,
@@ -52,11 +63,13 @@ EXIT_USAGE = 2  # bad arguments, missing/invalid input, or the function cannot b
 
 
 class RunnerError(Exception):
-    """A failure the runner reports in one line, with its exit code."""
+    """A failure the runner reports in one line, with its exit code; one with a `reason` is also
+    the termination message (`REASON: message`), so delivery shows it whatever the log holds."""
 
-    def __init__(self, message: str, exit_code: int) -> None:
+    def __init__(self, message: str, exit_code: int, *, reason: str | None = None) -> None:
         super().__init__(message)
         self.exit_code = exit_code
+        self.reason = reason
 
 
 def load_function(target: str) -> Callable[[Any], Any]:
@@ -89,13 +102,76 @@ def read_input(environ: Mapping[str, str]) -> Any:
     """Raises: RunnerError: the variable is missing or not JSON (a map's: no item at the index)."""
     if ITEMS_ENV in environ:
         return _read_item(environ)
+    url = environ.get(INPUT_URL_ENV)
+    if url:  # an input larger than the env carries: checked against its reference first
+        data = download_input(url, environ.get(INPUT_REF_ENV, ""))
+        try:
+            return json.loads(data.decode("utf-8"))
+        except ValueError as e:
+            raise RunnerError(f"the stored input is not JSON: {e}", EXIT_USAGE) from e
     text = environ.get(INPUT_ENV)
     if text is None:
         raise RunnerError(f"{INPUT_ENV} is not set", EXIT_USAGE)
     try:
         return json.loads(text)
     except ValueError as e:
+        # json's message quotes no input, only where it failed: a secret input stays unprinted.
         raise RunnerError(f"{INPUT_ENV} is not JSON: {e}", EXIT_USAGE) from e
+
+
+def _input_reference(text: str) -> tuple[str, int, str]:
+    """(key, size, sha256) of `K8S_DISPATCH_INPUT_REF`. Raises: RunnerError."""
+    try:
+        body = json.loads(text)[REFERENCE_FIELD]
+        key, size, sha256 = body["key"], body["size"], body["sha256"]
+    except (ValueError, TypeError, KeyError) as e:
+        raise RunnerError(f"{INPUT_REF_ENV} is not an object reference: {e!r}", EXIT_USAGE) from e
+    if not isinstance(key, str) or isinstance(size, bool) or not isinstance(size, int) or not isinstance(sha256, str):
+        raise RunnerError(f"{INPUT_REF_ENV} is not an object reference", EXIT_USAGE)
+    return key, size, sha256
+
+
+def download_input(url: str, reference: str) -> bytes:
+    """The stored input's bytes, once their size and SHA-256 are the reference's. At most one
+    byte past the size the reference names is read: a larger object is refused, not loaded.
+
+    Raises:
+        RunnerError: reason InputObjectMismatch (other bytes), InputObjectUnreadable (the store
+            refused the read, or stayed unreachable).
+    """
+    key, size, sha256 = _input_reference(reference)
+    last = ""
+    for _ in range(UPLOAD_ATTEMPTS):
+        try:
+            with urllib.request.urlopen(url, timeout=UPLOAD_TIMEOUT_S) as response:
+                data: bytes = response.read(size + 1)
+            break
+        except urllib.error.HTTPError as e:
+            with e:  # its socket closed here, not by the garbage collector
+                text = e.read()[:500].decode("utf-8", "replace")
+            if e.code < 500:
+                raise RunnerError(
+                    f"the object store refused the input {key}: HTTP {e.code}: {text}",
+                    EXIT_USAGE,
+                    reason=INPUT_UNREADABLE,
+                ) from e
+            last = f"HTTP {e.code}: {text}"
+        except OSError as e:  # URLError, a reset, a timeout
+            last = f"{type(e).__name__}: {e}"
+    else:
+        raise RunnerError(
+            f"cannot read the input {key} ({UPLOAD_ATTEMPTS} tries): {last}", EXIT_USAGE, reason=INPUT_UNREADABLE
+        )
+    digest = hashlib.sha256(data[: size + 1]).hexdigest()
+    if len(data) != size or digest != sha256:
+        read = f"more than {size}" if len(data) > size else str(len(data))
+        raise RunnerError(
+            f"the input object {key} ({read} bytes, SHA-256 {digest}) is not the one its reference names "
+            f"({size} bytes, SHA-256 {sha256}); the function was not called",
+            EXIT_USAGE,
+            reason=INPUT_MISMATCH,
+        )
+    return data
 
 
 def _read_item(environ: Mapping[str, str]) -> Any:
@@ -225,6 +301,8 @@ def run(target: str, environ: Mapping[str, str]) -> int:
         print(f"k8s_dispatch.container.runner: {e}", file=sys.stderr)
         if e.__cause__ is not None:
             traceback.print_exception(e.__cause__, file=sys.stderr)
+        if e.reason is not None:
+            _write_message(environ, f"{e.reason}: {e}")
         return e.exit_code
     try:
         result = function(value)
@@ -250,6 +328,16 @@ def run(target: str, environ: Mapping[str, str]) -> int:
         print(f"k8s_dispatch.container.runner: cannot write the result to {path}: {e}", file=sys.stderr)
         return EXIT_FAILED
     return EXIT_OK
+
+
+def _write_message(environ: Mapping[str, str], text: str) -> None:
+    """A typed failure's termination message (best effort: the log says it too)."""
+    path = environ.get(TERMINATION_PATH_ENV) or TERMINATION_MESSAGE_PATH
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text[:MAX_RESULT_BYTES])
+    except OSError:
+        pass
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -103,6 +103,20 @@ class InputTooLarge(InvalidInput):
     reason = "InputTooLarge"
 
 
+class SecretInputKeyMissing(ConfigError):
+    """A secret input was scheduled and no `K8S_DISPATCH_INPUT_KEY` is set: it cannot be kept
+    encrypted, so it is not kept at all."""
+
+    reason = "SecretInputKeyMissing"
+
+
+class SecretInputUnreadable(Permanent):
+    """A dispatch's secret input cannot be decrypted with any configured key (its key was
+    rotated away while it waited): its Job cannot be given its input."""
+
+    reason = "SecretInputUnreadable"
+
+
 class IdempotencyConflict(InvalidInput):
     """The idempotency key was used before for a different request (case, capability, input)."""
 

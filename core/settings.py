@@ -7,6 +7,7 @@ and a first try run with nothing set.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import re
 from collections.abc import Mapping
@@ -42,6 +43,15 @@ class AddressingStyle(StrEnum):
     PATH = "path"
     VIRTUAL = "virtual"
     AUTO = "auto"
+
+
+def is_fernet_key(text: str) -> bool:
+    """Whether `text` is a Fernet key: url-safe base64 of 32 bytes (checked here, where the
+    setting is read, without importing `cryptography` into every process)."""
+    try:
+        return len(base64.urlsafe_b64decode(text.encode("ascii"))) == 32 and len(text) == 44
+    except (ValueError, UnicodeEncodeError):
+        return False
 
 
 class Settings(BaseSettings):
@@ -113,6 +123,15 @@ class Settings(BaseSettings):
     # An object that is not its dispatch's recorded result is deleted this long after the
     # dispatch ended (or, with no dispatch row at all, after the object was written).
     object_store_orphan_grace_s: float = Field(default=3600.0, ge=0)
+    # An input larger than `max_input_bytes` (what a Job's env carries) goes to the object store,
+    # up to this size; without an object store such an input is refused (InputTooLarge).
+    object_store_max_input_bytes: int = Field(default=64 * 1024 * 1024, gt=0, le=5 * 1024**3)
+
+    # --- secret inputs (`schedule(..., secret=True)`) -----------------------------------------
+    # Fernet keys (url-safe base64 of 32 bytes), comma-separated: the first encrypts secret
+    # inputs at rest, every one decrypts (rotation: put the new key first, keep the old ones
+    # until no dispatch sealed with them is running). None: a secret input is refused.
+    input_key: SecretStr | None = None
 
     @field_validator("namespace")
     @classmethod
@@ -156,6 +175,23 @@ class Settings(BaseSettings):
     def _prefix_is_key_part(cls, value: str) -> str:
         if value != value.strip("/") or "//" in value or not re.match(r"^[A-Za-z0-9!_.*'()/-]+$", value):
             raise ValueError(f"{value!r} is not a key prefix (safe characters, no leading, trailing or double '/')")
+        return value
+
+    @property
+    def max_stored_input_bytes(self) -> int | None:
+        """The largest input `schedule` takes: `object_store_max_input_bytes` with an object
+        store, else None (inputs then stay within `max_input_bytes`)."""
+        return self.object_store_max_input_bytes if self.object_store_endpoint is not None else None
+
+    @field_validator("input_key")
+    @classmethod
+    def _input_keys_are_fernet_keys(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is None or not value.get_secret_value().strip():
+            return None
+        for i, key in enumerate(value.get_secret_value().split(",")):
+            if not is_fernet_key(key.strip()):
+                # The key itself is never echoed: only which one is wrong.
+                raise ValueError(f"key {i + 1} is not a Fernet key (url-safe base64 of 32 bytes)")
         return value
 
     @model_validator(mode="after")

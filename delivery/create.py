@@ -5,6 +5,11 @@ is marked (`create_jobs_for`): a terminal event takes that lock too, so no dispa
 have its Job delivered and deleted, between a create's read and its POST. The Job's name is
 derived from the dispatch id, so a retried or duplicated create meets a 409 and adopts the Job
 after checking its labels.
+
+A secret input's Job gets its input from a Secret made right after the Job (its ownerReference
+needs the Job's uid): the kubelet holds the container back until the Secret exists, and a create
+that stopped between the two (a crash, a 5xx) is completed by the retry that adopts the Job.
+An input too large for the env is written to the object store first (`artifacts.inputs`).
 """
 
 from __future__ import annotations
@@ -13,10 +18,12 @@ import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
+from typing import Any
 
 from sqlalchemy.orm import Session
 
 from k8s_dispatch import artifacts
+from k8s_dispatch.artifacts.inputs import input_download
 from k8s_dispatch.core.errors import (
     AlreadyExists,
     ApiRejected,
@@ -27,12 +34,14 @@ from k8s_dispatch.core.errors import (
     LabelMismatch,
     NotFound,
     Permanent,
+    SecretInputUnreadable,
     TenancyMismatch,
     Transient,
     UnknownCapability,
     UnknownDispatch,
 )
 from k8s_dispatch.core.ids import check_dispatch_id
+from k8s_dispatch.core.payloads import canonical_json
 from k8s_dispatch.delivery import queue_clock, statelog, terminal
 from k8s_dispatch.delivery.cleanup import cleanup_job, label_deployment
 from k8s_dispatch.delivery.crashpoints import Point, crashpoint
@@ -42,9 +51,10 @@ from k8s_dispatch.delivery.runtime import Runtime
 from k8s_dispatch.store import dispatches, maps
 from k8s_dispatch.store.db import transaction
 from k8s_dispatch.store.models import DispatchState, EventType
+from k8s_dispatch.store.secret_inputs import unseal
 from k8s_dispatch.workers import labels as job_labels
 from k8s_dispatch.workers.indexed import indexed_job
-from k8s_dispatch.workers.manifest import build_job, job_name
+from k8s_dispatch.workers.manifest import build_job, input_secret, job_name
 from k8s_dispatch.workers.pod_health import QUEUE_TIMEOUT
 
 log = logging.getLogger(__name__)
@@ -151,7 +161,9 @@ def create_jobs_for(
                 log.warning("no dispatch %s: no Job to create", dispatch_id)
                 continue
             try:
-                step = _create(rt, record, reruns.get(dispatch_id), shapes.get(dispatch_id))
+                step = _create(
+                    rt, record, reruns.get(dispatch_id), shapes.get(dispatch_id), sealed=rows[dispatch_id].secret_input
+                )
             except queue_clock.QUEUE_WAITS as e:
                 if not _queue_timed_out(rt, session, record):
                     _note_create_error(session, record, e)
@@ -247,10 +259,16 @@ def _with_namespaces(rt: Runtime, session: Session, records: dict[str, DispatchR
 
 
 def _create(
-    rt: Runtime, record: DispatchRecord, rerun: Rerun | None = None, shape: maps.MapShape | None = None
+    rt: Runtime,
+    record: DispatchRecord,
+    rerun: Rerun | None = None,
+    shape: maps.MapShape | None = None,
+    *,
+    sealed: str | None = None,
 ) -> _Step:
     """Create (or adopt) one dispatch's Job, in the namespace its row records; called with its
-    row locked, writes nothing to the database (the caller records what it returns)."""
+    row locked, writes nothing to the database (the caller records what it returns). `sealed`:
+    the row's secret input (a Fernet token), opened here for the Job's Secret alone."""
     if record.terminal:
         return _Step(CreateOutcome.SKIPPED)
     if record.state is DispatchState.QUEUED:  # a create sent before admission would exceed its limit
@@ -264,6 +282,20 @@ def _create(
         spec = rt.resolver.spec(record.capability)
         if record.job_namespace is not None:  # fixed when scheduled: the config may have moved since
             spec = replace(spec, namespace=record.job_namespace)
+        secret_text = unseal(sealed, rt.settings.input_key) if sealed is not None else None
+        # An input too large for the env: written to the object store (again, by a later attempt:
+        # the same bytes), the Job given a URL that reads it and its reference.
+        download = (
+            None
+            if secret_text is not None
+            else input_download(
+                artifacts.for_settings(rt.settings),
+                spec,
+                dispatch_id=record.dispatch_id,
+                text=canonical_json(record.input),
+                max_inline_bytes=rt.settings.max_input_bytes,
+            )
+        )
         body = build_job(
             record.ref,
             input=record.input,
@@ -276,6 +308,8 @@ def _create(
             result_upload=artifacts.result_upload(
                 artifacts.for_settings(rt.settings), spec, dispatch_id=record.dispatch_id, attempt=attempt
             ),
+            input_download=download,
+            secret_input=secret_text is not None,
         )
         if shape is not None:  # a map: its Job made Indexed, one Pod per item (workers/indexed.py)
             body = indexed_job(
@@ -285,19 +319,24 @@ def _create(
         # Removed from the config since scheduling: a Job made before still runs and is
         # delivered; with none, the dispatch fails with that reason.
         return _adopt_or_fail(rt, record, e)
-    except (InvalidManifest, InvalidInput, ConfigError) as e:
-        # The config changed since scheduling, or the row holds what no Job can carry.
+    except (InvalidManifest, InvalidInput, ConfigError, SecretInputUnreadable) as e:
+        # The config changed since scheduling, or the row holds what no Job can carry (a secret
+        # input no configured key opens, a large input and no object store now).
         return _failed(e)
     namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
 
     crashpoint(Point.BEFORE_JOB_CREATE)
     try:
-        rt.kube.create_job(namespace, body)
+        created = rt.kube.create_job(namespace, body)
     except AlreadyExists:
-        return _adopt(rt, record, namespace=namespace, name=name, attempt=attempt)
+        return _adopt(rt, record, namespace=namespace, name=name, attempt=attempt, secret_text=secret_text)
     except (ApiRejected, InvalidManifest, NotFound) as e:
         # 400/403/422 (and 404: the namespace does not exist): the API's reason and message.
         return _failed(e)
+    if secret_text is not None:
+        failure = _ensure_secret(rt, created, secret_text)
+        if failure is not None:
+            return failure
     crashpoint(Point.AFTER_JOB_CREATE)
     return _Step(CreateOutcome.CREATED, _Made(record, CreateOutcome.CREATED, namespace, name, attempt))
 
@@ -315,7 +354,46 @@ def _adopt_or_fail(rt: Runtime, record: DispatchRecord, error: UnknownCapability
         return _failed(error)
 
 
-def _adopt(rt: Runtime, record: DispatchRecord, *, namespace: str, name: str, attempt: int) -> _Step:
+def _ensure_secret(rt: Runtime, job: dict[str, Any], text: str) -> _Step | None:
+    """Make the Job's secret-input Secret, owned by `job`; None once it is there. A Secret of
+    that name owned by another Job (an earlier attempt's, which the garbage collector has not
+    removed yet) is waited out: Conflict, and the retry adopts the Job and makes it then.
+
+    Raises:
+        Conflict: an earlier Job's Secret is still there.
+        Transient: the API is unavailable.
+    """
+    body = input_secret(job, text=text)
+    meta = body["metadata"]
+    try:
+        rt.kube.create_secret(meta["namespace"], body)
+        return None
+    except AlreadyExists:
+        pass
+    except (ApiRejected, InvalidManifest, NotFound) as e:
+        # Refused for good (no RBAC right on Secrets, a cluster that serves none): the dispatch
+        # fails; its Job, whose container waits for the Secret, is stopped as any failed one's.
+        return _failed(e)
+    try:
+        owners = rt.kube.get_secret_owners(meta["namespace"], meta["name"])
+    except NotFound as e:  # deleted between the two: make it on the retry
+        raise Conflict(f"secret {meta['namespace']}/{meta['name']} vanished; making it again") from e
+    if meta["ownerReferences"][0]["uid"] not in owners:
+        raise Conflict(
+            f"secret {meta['namespace']}/{meta['name']} belongs to an earlier Job; made once the garbage collector removed it"
+        )
+    return None
+
+
+def _adopt(
+    rt: Runtime,
+    record: DispatchRecord,
+    *,
+    namespace: str,
+    name: str,
+    attempt: int,
+    secret_text: str | None = None,
+) -> _Step:
     """A Job with the dispatch's name exists: adopt it if its labels say it is this dispatch's
     (one made before the deployment label existed gets ours: it is this deployment's Job), at
     the attempt its labels say (a re-run that found its Job there counts nothing more)."""
@@ -336,5 +414,9 @@ def _adopt(rt: Runtime, record: DispatchRecord, *, namespace: str, name: str, at
         # it would count an attempt that never ran. Create this one once that one is gone.
         raise Conflict(f"job {namespace}/{name} of attempt {context.attempt} is being deleted; "
                        f"attempt {attempt} is created once it is gone")  # fmt: skip
+    if secret_text is not None and not context.deleting:  # a create stopped before its Secret
+        failure = _ensure_secret(rt, job, secret_text)
+        if failure is not None:
+            return failure
     log.info("adopted existing job %s/%s for dispatch %s", namespace, name, record.dispatch_id)
     return _Step(CreateOutcome.ADOPTED, _Made(record, CreateOutcome.ADOPTED, namespace, name, context.attempt))

@@ -147,6 +147,14 @@ SETTING_DESCRIPTIONS: dict[str, str] = {
         "An object that is not its dispatch's recorded result (a failed or superseded attempt's) is deleted "
         "this long after the dispatch ended, or after it was written when there is no dispatch."
     ),
+    "object_store_max_input_bytes": (
+        "With an object store, an input larger than `max_input_bytes` is kept there up to this size; the Job "
+        "gets a presigned read URL and the input's SHA-256, which the runner checks (docs: Large and secret inputs)."
+    ),
+    "input_key": (
+        "Fernet keys, comma-separated: the first encrypts secret inputs (`secret=True`) at rest, every one "
+        "decrypts (rotation: the new key first). Unset: a secret input is refused (`SecretInputKeyMissing`)."
+    ),
 }
 
 # Pydantic validators of the settings model, by function name: the rule each enforces.
@@ -159,6 +167,7 @@ VALIDATOR_RULES: dict[str, str] = {
     "_prefix_is_key_part": "letters, digits and `!_.*'()/-`, with no leading, trailing or double `/`",
     "_object_store_credentials": "the access key and the secret key are set together or not at all; a "
     "credentials folder must hold the files `access-key` and `secret-key`",
+    "_input_keys_are_fernet_keys": "each key is a Fernet key: url-safe base64 of 32 bytes",
 }
 # Model validators (they see the whole model) and the settings whose rule they are.
 MODEL_VALIDATOR_FIELDS: dict[str, tuple[str, ...]] = {
@@ -176,6 +185,7 @@ NONE_DEFAULTS: dict[str, str] = {
     "object_store_access_key": "the credentials folder, else boto3's chain",
     "object_store_secret_key": "the credentials folder, else boto3's chain",
     "object_store_credentials_dir": "none",
+    "input_key": "no key: secret inputs refused",
 }
 
 _BOUNDS: dict[str, str] = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}

@@ -126,7 +126,9 @@ def read_story(session: Session, dispatch_id: str) -> Story:
     if row is None:
         raise UnknownDispatch(f"dispatch {dispatch_id} does not exist")
     events = [
-        StoryEvent(e.id, e.type, e.created_at, e.payload if isinstance(e.payload, dict) else {"value": e.payload})
+        StoryEvent(
+            e.id, e.type, e.created_at, _redacted(e.payload if isinstance(e.payload, dict) else {"value": e.payload})
+        )
         for e in dispatches.events_for(session, dispatch_id)
     ]
     return Story(
@@ -207,6 +209,17 @@ def render(story: Story) -> Group:
             lines.append(Text("  log tail:", style="italic"))
             lines.append(Text("\n".join("    " + line for line in str(failure["log_tail"]).splitlines()), style="dim"))
     return Group(*lines)
+
+
+SECRET_SHOWN = "(secret: kept encrypted, never shown)"
+
+
+def _redacted(payload: dict[str, Any]) -> dict[str, Any]:
+    """A secret input's event says so in place of its input (which it never holds: this also
+    covers a row an engine wrote itself with the input in it)."""
+    if payload.get("secret") is True and "input" in payload:
+        return {**payload, "input": SECRET_SHOWN}
+    return payload
 
 
 def _exit(failure: dict[str, Any]) -> str | None:

@@ -15,6 +15,7 @@ from datetime import datetime
 from typing import Any, Protocol
 
 import sqlalchemy as sa
+from pydantic import SecretStr
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.orm import Session
 
@@ -40,6 +41,7 @@ from k8s_dispatch.store.models import (
     DispatchState,
     EventType,
 )
+from k8s_dispatch.store.secret_inputs import seal, unseal
 
 
 class CapabilityRouter(Protocol):
@@ -109,6 +111,9 @@ class ScheduleRequest:
     idempotency_key: str
     dispatch_id: str | None = None  # else a fresh uuid4
     priority: int = 0  # within its tenancy's queue, when a limit queues it: higher first
+    # Kept only encrypted (store/secret_inputs.py), never in the event log; its Job gets it from
+    # a Secret of its own.
+    secret: bool = False
 
 
 def schedule(
@@ -123,12 +128,23 @@ def schedule(
     max_input_bytes: int,
     dispatch_id: str | None = None,
     priority: int = 0,
+    secret: bool = False,
+    input_key: SecretStr | None = None,
+    max_stored_input_bytes: int | None = None,
     now: datetime | None = None,
 ) -> ScheduleResult:
     """Write a dispatch (SCHEDULED, or QUEUED under a limit) and its WORKER_SCHEDULED event in
     the caller's transaction: `schedule_many` for one request (its rules, errors and idempotency)."""
-    request = ScheduleRequest(case_id, tenancy_id, capability, input, idempotency_key, dispatch_id, priority)
-    return schedule_many(session, [request], router=router, max_input_bytes=max_input_bytes, now=now)[0]
+    request = ScheduleRequest(case_id, tenancy_id, capability, input, idempotency_key, dispatch_id, priority, secret)
+    return schedule_many(
+        session,
+        [request],
+        router=router,
+        max_input_bytes=max_input_bytes,
+        input_key=input_key,
+        max_stored_input_bytes=max_stored_input_bytes,
+        now=now,
+    )[0]
 
 
 def schedule_many(
@@ -137,6 +153,8 @@ def schedule_many(
     *,
     router: CapabilityRouter,
     max_input_bytes: int,
+    input_key: SecretStr | None = None,
+    max_stored_input_bytes: int | None = None,
     now: datetime | None = None,
 ) -> list[ScheduleResult]:
     """Write dispatches (SCHEDULED) and their WORKER_SCHEDULED events in the caller's
@@ -155,9 +173,17 @@ def schedule_many(
     COMMITTED, PostgreSQL's default). The event's payload holds capability, worker_name,
     idempotency_key and input.
 
+    Inputs: at most `max_input_bytes` of canonical JSON (what a Job's env carries), or up to
+    `max_stored_input_bytes` when the caller has an object store for the larger ones (its
+    create step stores them there: `artifacts.inputs`). A request with `secret=True` has its
+    input sealed with `input_key` (store/secret_inputs.py) into `dispatches.secret_input`:
+    its `input` column and its event hold null (the event says `"secret": true`), and a
+    repeat is compared with the opened seal.
+
     Raises (all before anything of the batch is written; the first bad request's error):
         InvalidId: case_id or tenancy_id invalid; dispatch_id not a UUID or already in use.
         InvalidIdempotencyKey, InputNotSerialisable, InputTooLarge
+        SecretInputKeyMissing: a secret input, and no `input_key`.
         InvalidInput: priority is not an integer within 32 bits.
         UnknownCapability: from `router`.
         UnknownCase, TenancyMismatch: the case is missing or belongs to another tenancy.
@@ -167,7 +193,15 @@ def schedule_many(
     namespace_for = getattr(router, "namespace_for", None)
     limits: Limits = getattr(router, "limits", None) or Limits()
     prepared = [
-        _prepare(request, router=router, namespace_for=namespace_for, limits=limits, max_input_bytes=max_input_bytes)
+        _prepare(
+            request,
+            router=router,
+            namespace_for=namespace_for,
+            limits=limits,
+            max_input_bytes=max_input_bytes,
+            input_key=input_key,
+            max_stored_input_bytes=max_stored_input_bytes,
+        )
         for request in requests
     ]
     if not prepared:
@@ -180,17 +214,17 @@ def schedule_many(
         if _insert_one(session, p, now=now or database_now(session)):
             return [ScheduleResult(dispatch_id=p.dispatch_id, created=True, state=p.state)]
     existing = dispatches_by_key(session, {(p.tenancy_id, p.idempotency_key) for p in prepared})
-    new = _new_dispatches(session, prepared, existing)
+    new = _new_dispatches(session, prepared, existing, input_key)
     if new:
-        existing.update(_insert(session, new, now=now or database_now(session)))
+        existing.update(_insert(session, new, now=now or database_now(session), input_key=input_key))
     written = {(p.tenancy_id, p.idempotency_key): p for p in new}
     results = []
     for p in prepared:
         key = (p.tenancy_id, p.idempotency_key)
         if key in existing:
-            results.append(_repeat(existing[key], p))
+            results.append(_repeat(existing[key], p, input_key))
         elif p.repeat:
-            results.append(_repeat(written[key], p))
+            results.append(_repeat(written[key], p, input_key))
         else:
             results.append(ScheduleResult(dispatch_id=p.dispatch_id, created=True, state=p.state))
     return results
@@ -208,7 +242,8 @@ class _Prepared:
     worker_name: str
     idempotency_key: str
     encoded_input: str
-    input: Any  # plain JSON types, as stored
+    input: Any  # plain JSON types, as stored (None for a secret input)
+    secret_input: str | None = None  # a secret input's Fernet token
     job_namespace: str | None = None  # where its Job goes, fixed now (None: by the first worker)
     priority: int = 0
     state: DispatchState = DispatchState.SCHEDULED  # QUEUED: a limit covers it
@@ -222,6 +257,8 @@ def _prepare(
     namespace_for: Callable[[str], str | None] | None,
     limits: Limits,
     max_input_bytes: int,
+    input_key: SecretStr | None,
+    max_stored_input_bytes: int | None,
 ) -> _Prepared:
     """The checks that need no database, in `schedule`'s documented order."""
     check_id("case_id", request.case_id)
@@ -229,7 +266,15 @@ def _prepare(
     chosen_by_caller = request.dispatch_id is not None
     dispatch_id = check_dispatch_id(request.dispatch_id) if chosen_by_caller else str(uuid.uuid4())
     check_idempotency_key(request.idempotency_key)
-    encoded = encode_input(request.input, max_bytes=max_input_bytes)
+    if not isinstance(request.secret, bool):
+        raise InvalidInput(f"secret must be True or False, got {show_value(request.secret)}")
+    secret = request.secret
+    # A secret input goes to its Job as a Secret's value, never to the object store: the inline limit.
+    limit = (
+        max_input_bytes if secret or max_stored_input_bytes is None else max(max_input_bytes, max_stored_input_bytes)
+    )
+    encoded = encode_input(request.input, max_bytes=limit)
+    sealed = seal(encoded, input_key) if secret else None
     priority = request.priority
     if isinstance(priority, bool) or not isinstance(priority, int) or not -MAX_INT32 - 1 <= priority <= MAX_INT32:
         raise InvalidInput(f"priority must be an integer within 32 bits, got {show_value(priority)}")
@@ -249,7 +294,8 @@ def _prepare(
         worker_name=worker_name,
         idempotency_key=request.idempotency_key,
         encoded_input=encoded,
-        input=json.loads(encoded),  # tuples become lists, as on reading
+        input=None if secret else json.loads(encoded),  # tuples become lists, as on reading
+        secret_input=sealed,
         job_namespace=namespace,
         priority=priority,
         state=DispatchState.QUEUED if limits.limits(request.tenancy_id, capability) else DispatchState.SCHEDULED,
@@ -257,7 +303,7 @@ def _prepare(
 
 
 def _new_dispatches(
-    session: Session, prepared: list[_Prepared], existing: dict[tuple[str, str], Any]
+    session: Session, prepared: list[_Prepared], existing: dict[tuple[str, str], Any], input_key: SecretStr | None
 ) -> list[_Prepared]:
     """The requests to insert (a key's first request, if the key is not in `existing`), once
     every request was found consistent with the database and with the rest of the batch."""
@@ -265,9 +311,9 @@ def _new_dispatches(
     for p in prepared:
         key = (p.tenancy_id, p.idempotency_key)
         if key in existing:
-            _repeat(existing[key], p)
+            _repeat(existing[key], p, input_key)
         elif key in new:
-            _repeat(new[key], p)
+            _repeat(new[key], p, input_key)
             p.repeat = True
         else:
             new[key] = p
@@ -289,7 +335,9 @@ def _new_dispatches(
     return list(new.values())
 
 
-def _insert(session: Session, new: list[_Prepared], *, now: datetime) -> dict[tuple[str, str], Any]:
+def _insert(
+    session: Session, new: list[_Prepared], *, now: datetime, input_key: SecretStr | None
+) -> dict[tuple[str, str], Any]:
     """Insert `new`'s dispatch rows (skipping any whose key or id got taken meanwhile) and the
     events of those inserted, in one SAVEPOINT; the winners of the keys that got taken.
 
@@ -312,7 +360,7 @@ def _insert(session: Session, new: list[_Prepared], *, now: datetime) -> dict[tu
             winner = winners.get((p.tenancy_id, p.idempotency_key))
             if winner is None:
                 raise InvalidId(f"dispatch_id {p.dispatch_id} is already used by another request")
-            _repeat(winner, p)
+            _repeat(winner, p, input_key)
         events = [_event_row(p, now) for p in new if p.dispatch_id in inserted]
         if events:  # RETURNING makes this one multi-row INSERT too, not an executemany
             session.execute(sa.insert(CaseEvent.__table__).returning(CaseEvent.__table__.c.id), events)
@@ -341,7 +389,7 @@ _INSERT_ONE: list[tuple[sa.Insert, sa.Insert]] = []
 # `_dispatch_row`'s keys less the two the case's row gives.
 _ONE_ROW_COLUMNS = (
     "dispatch_id", "capability", "worker_name", "idempotency_key", "input", "state", "job_namespace", "attempts",
-    "priority", "created_at", "updated_at",
+    "priority", "created_at", "updated_at", "secret_input",
 )  # fmt: skip
 
 
@@ -382,6 +430,7 @@ def _dispatch_row(p: _Prepared, now: datetime) -> dict[str, Any]:
         priority=p.priority,
         created_at=now,
         updated_at=now,
+        secret_input=p.secret_input,
     )
 
 
@@ -392,6 +441,8 @@ def _event_row(p: _Prepared, now: datetime) -> dict[str, Any]:
         "idempotency_key": p.idempotency_key,
         "input": p.input,
     }
+    if p.secret_input is not None:  # the input is kept sealed in its dispatch row alone
+        payload["secret"] = True
     return dict(
         case_id=p.case_id,
         dispatch_id=p.dispatch_id,
@@ -401,15 +452,23 @@ def _event_row(p: _Prepared, now: datetime) -> dict[str, Any]:
     )
 
 
-def _repeat(existing: Any, request: _Prepared) -> ScheduleResult:
+def _repeat(existing: Any, request: _Prepared, input_key: SecretStr | None) -> ScheduleResult:
     """The result of a repeated request, if it is the same request as `existing`'s (a
-    dispatch row, or the batch's earlier request with the same key)."""
+    dispatch row, or the batch's earlier request with the same key). A secret input is
+    compared opened (its seal differs each time); a secret one never equals a plain one."""
+    existing_secret = getattr(existing, "secret_input", None)
+    if (existing_secret is None) != (request.secret_input is None):
+        same_input = False
+    elif existing_secret is not None:
+        same_input = unseal(existing_secret, input_key) == request.encoded_input
+    else:
+        same_input = canonical_json(existing.input) == request.encoded_input
     differences = [
         name
         for name, same in (
             ("case_id", existing.case_id == request.case_id),
             ("capability", existing.capability == request.capability),
-            ("input", canonical_json(existing.input) == request.encoded_input),
+            ("input", same_input),
         )
         if not same
     ]

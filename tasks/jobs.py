@@ -8,6 +8,7 @@ redelivery after a lost worker safe.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections import Counter
 from functools import partial
@@ -33,6 +34,7 @@ from k8s_dispatch.delivery.runtime import Runtime
 from k8s_dispatch.store import scheduling
 from k8s_dispatch.store.db import transaction
 from k8s_dispatch.store.models import DispatchState, utcnow
+from k8s_dispatch.store.secret_inputs import unseal
 from k8s_dispatch.tasks import admission, lease, supersede
 from k8s_dispatch.tasks.app import app
 from k8s_dispatch.tasks.worker_runtime import get_runtime
@@ -91,13 +93,18 @@ def schedule(
     idempotency_key: str,
     dispatch_id: str | None = None,
     priority: int = 0,
+    sealed_input: str | None = None,
 ) -> str:
     """The engine's entry by task call: write the dispatch, then enqueue its Job's creation.
 
     Until this runs the request is only this message (a broker flush loses it): at-least-once
     only if the engine sends it again with the same idempotency key until the dispatch exists,
-    as `tasks.scheduling.send_schedule_until_recorded` does."""
+    as `tasks.scheduling.send_schedule_until_recorded` does. `sealed_input`: a secret input,
+    sealed by the sender (the message never holds it in the clear), scheduled secret."""
     rt = get_runtime()
+    secret = sealed_input is not None
+    if sealed_input is not None:
+        input = json.loads(unseal(sealed_input, rt.settings.input_key))
     with transaction(rt.sessions) as session:
         result = scheduling.schedule(
             session,
@@ -110,6 +117,9 @@ def schedule(
             max_input_bytes=rt.settings.max_input_bytes,
             dispatch_id=dispatch_id,
             priority=priority,
+            secret=secret,
+            input_key=rt.settings.input_key,
+            max_stored_input_bytes=rt.settings.max_stored_input_bytes,
         )
     if result.created:
         statelog.state_changed(

@@ -25,17 +25,20 @@ from typing import Any
 
 from celery import Celery
 from kombu.exceptions import OperationalError
+from pydantic import SecretStr
 from sqlalchemy import event
 from sqlalchemy.orm import Session, SessionTransaction, sessionmaker
 
 from k8s_dispatch import celeryconfig as names
 from k8s_dispatch.core.errors import DatabaseUnavailable, ScheduleNotRecorded
 from k8s_dispatch.core.ids import check_dispatch_id
+from k8s_dispatch.core.payloads import canonical_json
 from k8s_dispatch.delivery import statelog, terminal
 from k8s_dispatch.delivery.crashpoints import Point, crashpoint
 from k8s_dispatch.store import dispatches, scheduling
 from k8s_dispatch.store.db import transaction
 from k8s_dispatch.store.models import DispatchState, EventType
+from k8s_dispatch.store.secret_inputs import seal
 from k8s_dispatch.tasks.app import app
 from k8s_dispatch.tasks.outbox import Outbox
 
@@ -63,12 +66,18 @@ def schedule_in_session(
     max_input_bytes: int,
     dispatch_id: str | None = None,
     priority: int = 0,
+    secret: bool = False,
+    input_key: SecretStr | None = None,
+    max_stored_input_bytes: int | None = None,
     via: Celery | None = None,
     now: Any = None,
 ) -> scheduling.ScheduleResult:
     """`store.dispatches.schedule` inside the caller's transaction; `create_jobs` is sent after commit.
 
     Takes `scheduling.schedule`'s keyword arguments: `schedule_many_in_session` for one request.
+    `secret=True` keeps the input sealed under `input_key` (`Settings.input_key`), out of the
+    event log, the Job and every message; `max_stored_input_bytes`
+    (`Settings.max_stored_input_bytes`) admits inputs larger than the env, kept in the object store.
     """
     request = scheduling.ScheduleRequest(
         case_id=case_id,
@@ -78,9 +87,17 @@ def schedule_in_session(
         idempotency_key=idempotency_key,
         dispatch_id=dispatch_id,
         priority=priority,
+        secret=secret,
     )
     (result,) = schedule_many_in_session(
-        session, [request], router=router, max_input_bytes=max_input_bytes, via=via, now=now
+        session,
+        [request],
+        router=router,
+        max_input_bytes=max_input_bytes,
+        input_key=input_key,
+        max_stored_input_bytes=max_stored_input_bytes,
+        via=via,
+        now=now,
     )
     return result
 
@@ -91,6 +108,8 @@ def schedule_many_in_session(
     *,
     router: scheduling.CapabilityRouter,
     max_input_bytes: int,
+    input_key: SecretStr | None = None,
+    max_stored_input_bytes: int | None = None,
     via: Celery | None = None,
     now: Any = None,
 ) -> list[scheduling.ScheduleResult]:
@@ -103,7 +122,15 @@ def schedule_many_in_session(
     database and the recovery sweep creates their Jobs after the grace period. A repeated
     request is sent again (create_jobs is idempotent; a lost first message is covered).
     """
-    results = scheduling.schedule_many(session, requests, router=router, max_input_bytes=max_input_bytes, now=now)
+    results = scheduling.schedule_many(
+        session,
+        requests,
+        router=router,
+        max_input_bytes=max_input_bytes,
+        input_key=input_key,
+        max_stored_input_bytes=max_stored_input_bytes,
+        now=now,
+    )
     sender = via if via is not None else app
     # Each new dispatch's state-change line travels with its pending id (logged after the
     # commit, dropped with a rolled-back SAVEPOINT), so no per-transaction hook of statelog's.
@@ -161,6 +188,8 @@ def send_schedule_until_recorded(
     input: Any,
     idempotency_key: str,
     dispatch_id: str | None = None,
+    secret: bool = False,
+    input_key: SecretStr | None = None,
     timeout_s: float = 120.0,
     resend_s: float = 10.0,
     check_s: float = 0.25,
@@ -176,7 +205,12 @@ def send_schedule_until_recorded(
     in the worker's log) is never recorded and ends in the timeout; `schedule_in_session` raises
     such errors at once.
 
+    `secret=True`: the message carries the input sealed under `input_key` (`Settings.input_key`,
+    the workers' key too), never the input itself: the broker, Flower and a worker's log see
+    only the Fernet token; the worker opens it and schedules it secret.
+
     Raises:
+        SecretInputKeyMissing: `secret=True` and no `input_key` (before anything is sent).
         ScheduleNotRecorded: no dispatch with that key after `timeout_s` (no worker running, or
             the request refused); sending again later with the same key is still safe.
     """
@@ -189,6 +223,9 @@ def send_schedule_until_recorded(
         idempotency_key=idempotency_key,
         dispatch_id=dispatch_id,
     )
+    if secret:  # sealed once: every resend carries the same token
+        kwargs["input"] = None
+        kwargs["sealed_input"] = seal(canonical_json(input), input_key)
     deadline = time.monotonic() + timeout_s
     sends = 0
     while True:

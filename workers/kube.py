@@ -75,6 +75,7 @@ AUTH_REFRESH_S = 1.0
 RETRY_AFTER_ATTEMPTS = 3
 RETRY_AFTER_MAX_S = 10.0
 JOBS_PATH = "/apis/batch/v1/namespaces/{namespace}/jobs"
+SECRETS_PATH = "/api/v1/namespaces/{namespace}/secrets"
 JOB_PATH = JOBS_PATH + "/{name}"
 POD_PATH = "/api/v1/namespaces/{namespace}/pods/{name}"
 
@@ -201,6 +202,18 @@ class KubeClient:
         return self._request(
             f"create job in {namespace}", "POST", JOBS_PATH, body, schema=k8s.V1Job, namespace=namespace
         )
+
+    def create_secret(self, namespace: str, body: JsonDict) -> JsonDict:
+        """Create a Secret (a secret input's, `workers.manifest.input_secret`). Raises
+        AlreadyExists (409) when a Secret of that name exists. Nothing of the body is logged."""
+        return self._request(
+            f"create secret in {namespace}", "POST", SECRETS_PATH, body, schema=k8s.V1Secret, namespace=namespace
+        )
+
+    def get_secret_owners(self, namespace: str, name: str) -> list[str]:
+        """The uids of the owners of a Secret (its data is read and dropped here). Raises NotFound."""
+        secret = self._call(f"get secret {namespace}/{name}", self._core.read_namespaced_secret, name, namespace)
+        return [str(ref.get("uid", "")) for ref in (secret.get("metadata") or {}).get("ownerReferences") or []]
 
     def get_job(self, namespace: str, name: str) -> JsonDict:
         """Read one Job. Raises NotFound."""

@@ -3,7 +3,9 @@
 `build_job` maps a `DispatchRef`, its input and its `CapabilitySpec` to the Job dict the API
 takes (camelCase keys). Names, labels, resources and sizes are checked here against the
 rules the API server applies, so a manifest either builds valid or fails with a typed error
-before any request. The input reaches the container as compact JSON in `K8S_DISPATCH_INPUT`.
+before any request. The input reaches the container as compact JSON in `K8S_DISPATCH_INPUT`;
+one too large for the env as a presigned URL and its reference (`artifacts.inputs`); a secret one
+from a Secret of the Job's own (`input_secret`), so the Job carries only its name.
 A capability with a Kueue `queue` gets a Job created suspended with Kueue's queue-name label:
 Kueue's admission unsuspends it (its webhook is not needed).
 """
@@ -17,11 +19,16 @@ from typing import TYPE_CHECKING, Any
 
 from k8s_dispatch.container.contract import (
     INPUT_ENV,
+    INPUT_REF_ENV,
+    INPUT_URL_ENV,
     RESULT_KEY_ENV,
     RESULT_URL_ENV,
+    SECRET_INPUT_KEY,
     TERMINATION_MESSAGE_PATH,
+    InputDownload,
     ResultUpload,
     encode_input,
+    secret_name,
 )
 from k8s_dispatch.core.errors import (
     InvalidId,
@@ -59,7 +66,7 @@ SECURITY_OVERRIDES_ANNOTATION = "k8s-dispatch.io/security-overrides"
 # Kueue's label naming the LocalQueue of a Job (sigs.k8s.io/kueue pkg/controller/constants).
 QUEUE_NAME_LABEL = "kueue.x-k8s.io/queue-name"
 
-RESERVED_ENV = frozenset({INPUT_ENV, RESULT_URL_ENV, RESULT_KEY_ENV})
+RESERVED_ENV = frozenset({INPUT_ENV, RESULT_URL_ENV, RESULT_KEY_ENV, INPUT_URL_ENV, INPUT_REF_ENV})
 RESOURCE_KINDS = ("requests", "limits")
 # Labels the Job controller puts on a Job's pods itself; a template carrying them is refused.
 _CONTROLLER_LABELS = frozenset({"job-name", "controller-uid"})
@@ -98,11 +105,17 @@ def build_job(
     deployment: str,
     attempt: int = 0,
     result_upload: ResultUpload | None = None,
+    input_download: InputDownload | None = None,
+    secret_input: bool = False,
 ) -> dict[str, Any]:
     """The batch/v1 Job that runs `ref`'s dispatch; `spec.namespace`, if set, wins over `namespace`.
     `deployment` (`Settings.effective_deployment`) is labelled on the Job and its Pods.
     `result_upload` (`artifacts.result_upload`, for a capability whose results go to the object
     store, and only for one): this attempt's key and the presigned URL that writes it, as env.
+    `input_download` (`artifacts.inputs.input_download`, an input too large for the env): the
+    URL and reference the runner reads it by, in place of the input. `secret_input`: the input
+    comes from the Job's Secret (`input_secret`) and `input` is not looked at: the Job carries
+    no trace of it.
 
     Raises:
         InvalidId, InvalidIdempotencyKey: a field of `ref` is malformed.
@@ -132,7 +145,9 @@ def build_job(
             f"capability {spec.name!r} has results: {spec.results}, "
             + ("but no upload URL was given" if result_upload is None else "so it takes no upload URL")
         )
-    text = encode_input(input)
+    if secret_input and input_download is not None:
+        raise InvalidManifest("a secret input is never stored as an object: it takes no download URL")
+    text = "" if secret_input or input_download is not None else encode_input(input)
 
     our_labels, our_annotations = job_labels.encode(ref, deployment=deployment)
     our_annotations[job_labels.ATTEMPT_KEY] = str(attempt)
@@ -152,7 +167,19 @@ def build_job(
         container["command"] = list(spec.command)
     if spec.args:
         container["args"] = list(spec.args)
-    container["env"] = [{"name": k, "value": v} for k, v in spec.env.items()] + [{"name": INPUT_ENV, "value": text}]
+    container["env"] = [{"name": k, "value": v} for k, v in spec.env.items()]
+    if secret_input:
+        # optional: false (the default, spelled out): the kubelet holds the container back
+        # (CreateContainerConfigError) until the Secret, made just after the Job, exists.
+        reference = {"name": secret_name(job_name(ref.dispatch_id)), "key": SECRET_INPUT_KEY, "optional": False}
+        container["env"].append({"name": INPUT_ENV, "valueFrom": {"secretKeyRef": reference}})
+    elif input_download is not None:
+        container["env"] += [
+            {"name": INPUT_URL_ENV, "value": input_download.url},
+            {"name": INPUT_REF_ENV, "value": input_download.reference()},
+        ]
+    else:
+        container["env"].append({"name": INPUT_ENV, "value": text})
     if result_upload is not None:
         container["env"] += [
             {"name": RESULT_URL_ENV, "value": result_upload.url},
@@ -197,6 +224,36 @@ def build_job(
             "finalizers": [FINALIZER],
         },
         "spec": job_spec,
+    }
+
+
+def input_secret(job: Mapping[str, Any], *, text: str) -> dict[str, Any]:
+    """The v1 Secret holding a secret input's JSON `text` for `job` (as the API returned it on
+    create: its uid is needed), owned by it, so the garbage collector deletes it with the Job.
+    Its labels are the Job's own (ours only, to find it); immutable, as nothing rewrites it.
+
+    Raises:
+        InvalidManifest: `job` has no name, namespace or uid.
+    """
+    meta = job.get("metadata") or {}
+    name, namespace, uid = meta.get("name"), meta.get("namespace"), meta.get("uid")
+    if not (isinstance(name, str) and isinstance(namespace, str) and isinstance(uid, str) and uid):
+        raise InvalidManifest("the Secret of a secret input needs its Job's name, namespace and uid")
+    labels = {k: v for k, v in (meta.get("labels") or {}).items() if k.startswith(job_labels.PREFIX)}
+    labels[job_labels.MANAGED_BY_LABEL] = (meta.get("labels") or {}).get(job_labels.MANAGED_BY_LABEL, "")
+    owner = {"apiVersion": "batch/v1", "kind": "Job", "name": name, "uid": uid, "blockOwnerDeletion": False}
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {
+            "name": secret_name(name),
+            "namespace": namespace,
+            "labels": {k: v for k, v in labels.items() if v},
+            "ownerReferences": [owner],
+        },
+        "type": "Opaque",
+        "immutable": True,
+        "stringData": {SECRET_INPUT_KEY: text},
     }
 
 
