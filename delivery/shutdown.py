@@ -100,8 +100,8 @@ def last_pass(
 ) -> Pass:
     """Deliver what our Pods being deleted hold, in every namespace of ours, and look again until
     none is left or each has had its time (`waited_s`; `max_s` in all). Never raises a Transient
-    error: one is logged and the next look tries again; whatever is left keeps our finalizer for
-    the next worker."""
+    error: one is logged and the next look tries again (for SETTLE_S at most when nothing else is
+    waited for); whatever is left keeps our finalizer for the next worker."""
     pause = wait or threading.Event().wait
     done = Pass()
     started = clock()
@@ -113,9 +113,9 @@ def last_pass(
         for namespace in rt.namespaces():
             try:
                 found = _look(rt, namespace, done)
-            except Transient as e:
-                log.warning("last pass in %s: %s; looking again", namespace, e)
-                waiting = True
+            except Transient as e:  # looked at again for SETTLE_S at most: an outage does not hold the stop
+                log.warning("last pass in %s: %s", namespace, e)
+                waiting = waiting or now < started + SETTLE_S
                 continue
             for pod in found:
                 metadata = pod.get("metadata") or {}
@@ -163,6 +163,8 @@ def _look(rt: Runtime, namespace: str, done: Pass) -> list[Mapping[str, Any]]:
         done.disrupted |= {_uid(p) for p in found.disrupted}
     jobs = []
     for name in sorted(found.finished):
+        if not name:  # not a Job's Pod (no job-name label): nothing here reads it
+            continue
         try:
             job = rt.kube.get_job(namespace, name)
         except NotFound:  # a Pod whose Job is gone: the sweep's to judge, never freed unread here

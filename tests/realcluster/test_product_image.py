@@ -321,6 +321,12 @@ def test_the_chart_runs_on_the_node_from_the_image_flower_shows_the_work_and_a_d
         ]
 
     [evicted] = d.wait(job_pod_running, timeout_s=60, what="the second dispatch's container running")
+    [worker] = running(d, "worker")
+    with (tmp_path / "worker.log").open("wb") as out:  # its log, to its last line
+        follow = subprocess.Popen(
+            ["kubectl", "--kubeconfig", str(kubelet_cluster.kubeconfig), "-n", d.namespace, "logs", "-f",
+             f"pod/{worker['metadata']['name']}"], stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
     try:
         drained = kubectl(kubelet_cluster, "drain", NODE_NAME, "--ignore-daemonsets", "--delete-emptydir-data",
                           "--timeout=200s", timeout=240)  # fmt: skip
@@ -334,7 +340,15 @@ def test_the_chart_runs_on_the_node_from_the_image_flower_shows_the_work_and_a_d
         assert d.terminal_events([second, third]) == {second: [], third: []}
     finally:
         uncordoned = kubectl(kubelet_cluster, "uncordon", NODE_NAME)
+        try:
+            follow.wait(timeout=30)  # the stream ends with the container
+        except subprocess.TimeoutExpired:
+            follow.kill()
+            follow.wait()
     assert uncordoned.returncode == 0, uncordoned.stderr
+    # The evicted worker's last pass is what let the evicted Job Pod go.
+    worker_log = (tmp_path / "worker.log").read_text(errors="replace")
+    assert "last pass: 1 pod(s) of ours were being deleted: 1 disrupted" in worker_log, worker_log[-4000:]
     d.wait_terminal([second, third], timeout_s=240)
     assert ended_once(d, second) == [EventType.WORKER_SCHEDULED, EventType.WORKER_DISRUPTED, EventType.WORKER_COMPLETED]
     assert ended_once(d, third) == [EventType.WORKER_SCHEDULED, EventType.WORKER_COMPLETED]
