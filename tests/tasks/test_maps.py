@@ -3,7 +3,7 @@ processes, PostgreSQL, Redis and each cluster (localcluster, and the real contro
 node agent): a map over 20 items, some failing by design, is one Indexed Job; every item ends in
 exactly one item event with its own output or reason, recorded as its Pod finishes (before the
 map ends), the map in one terminal event with its counts, and no Job or held Pod is left. A
-worker SIGKILLed mid-map still leaves each finished item delivered once.
+worker and beat SIGKILLed mid-map, with the broker flushed, still leave each item delivered once.
 """
 
 from __future__ import annotations
@@ -130,16 +130,22 @@ def test_a_map_that_needs_every_item_fails_saying_how_many_did(deploy, any_clust
     assert_nothing_left(d)
 
 
-def test_a_worker_killed_mid_map_still_delivers_each_item_once(deploy, any_cluster):
+def test_a_worker_and_beat_killed_mid_map_and_the_broker_flushed_still_deliver_each_item_once(deploy, any_cluster):
     d = deploy(any_cluster, capabilities={"sim.map": capability(700)})
     w1 = d.start_worker("w1")
-    d.start_beat()
+    beat = d.start_beat()
     map_id = schedule_map(d, parallelism=2, min_succeeded=1)
     d.wait(lambda: len(items_of(d, map_id)) >= 3, timeout_s=60, what="3 items ended")
-    w1.managed.kill()  # SIGKILL, mid-map: whatever it held is left half done
-    d.procs.remove(w1)
+    for proc in (w1, beat):  # SIGKILL, mid-map: whatever they held is left half done
+        proc.managed.kill()
+        d.procs.remove(proc)
+    # ... and the broker loses every key of the run: queued messages, poll's positions and
+    # hand-off markers, the guard's claims.
+    keys = list(d.redis.scan_iter(match=f"{d.prefix}:*", count=1000))
+    assert keys and d.redis.delete(*keys)
     assert not d.all_terminal([map_id])
     d.start_worker("w2")
+    d.start_beat("beat2")
     [(event, payload)] = d.wait_terminal([map_id], timeout_s=120)[map_id]
     assert event == EventType.WORKER_COMPLETED.value, payload
     assert payload["output"]["succeeded"] == ITEMS - 3
