@@ -74,6 +74,7 @@ __all__ = [
     "InvalidInput",
     "ItemEventType",
     "ItemOutcome",
+    "MapProgress",
     "NoStoredResult",
     "ObjectStoreUnavailable",
     "Outcome",
@@ -100,6 +101,7 @@ __all__ = [
     "item_outcomes",
     "make_engine",
     "make_sessionmaker",
+    "map_progress",
     "migrate_database",
     "notification_config",
     "outcome",
@@ -157,6 +159,20 @@ def item_outcomes(session: Session, dispatch_id: str) -> list[ItemOutcome]:
         ItemOutcome(index=int(e.payload["item"]), event=ItemEventType(e.type), payload=dict(e.payload))
         for e in maps.item_events(session, dispatch_id)
     ]
+
+
+MapProgress = maps.Progress
+
+
+def map_progress(session: Session, dispatch_id: str) -> MapProgress | None:
+    """A map dispatch's progress: its items, and how many succeeded, failed, were cancelled, or
+    are still open; None if `dispatch_id` is not a map.
+
+    Raises:
+        InvalidId: `dispatch_id` is not a UUID.
+    """
+    check_dispatch_id(dispatch_id)
+    return maps.progress(session, dispatch_id)
 
 
 def notification_config(settings: Settings) -> dict[str, Any]:

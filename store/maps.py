@@ -363,3 +363,32 @@ def item_counts(session: Session, dispatch_id: str) -> dict[str, int]:
         .group_by(MapItemEnd.type)
     )
     return {str(kind): int(n) for kind, n in session.execute(query)}
+
+
+@dataclass(frozen=True)
+class Progress:
+    """How far a map is, from the store alone: its items, and how many ended which way."""
+
+    items: int
+    succeeded: int
+    failed: int
+    cancelled: int
+
+    @property
+    def open(self) -> int:
+        """Items not ended yet: running, retrying or waiting for a Pod (the cluster says which)."""
+        return self.items - self.succeeded - self.failed - self.cancelled
+
+
+def progress(session: Session, dispatch_id: str) -> Progress | None:
+    """The map's progress (two indexed reads); None if the dispatch is not a map."""
+    shape = map_shapes(session, [dispatch_id]).get(dispatch_id)
+    if shape is None:
+        return None
+    counts = item_counts(session, dispatch_id)
+    return Progress(
+        items=shape.items,
+        succeeded=counts.get(ItemEventType.ITEM_COMPLETED.value, 0),
+        failed=counts.get(ItemEventType.ITEM_FAILED.value, 0),
+        cancelled=counts.get(ItemEventType.ITEM_CANCELLED.value, 0),
+    )

@@ -168,6 +168,20 @@ def test_each_item_ends_once_whoever_writes_it(db_sessionmaker, new_case, router
     assert ended == {0: "WORKER_ITEM_COMPLETED", 1: "WORKER_ITEM_COMPLETED", 2: "WORKER_ITEM_COMPLETED"}
 
 
+def test_progress_counts_each_end_once_and_is_none_for_a_dispatch_that_is_no_map(
+    db_sessionmaker, new_case, router, schedule_for
+) -> None:
+    case = new_case(db_sessionmaker)
+    d = _schedule(db_sessionmaker, _request(case), router).dispatch_id
+    single = schedule_for(db_sessionmaker, case).dispatch_id
+    with transaction(db_sessionmaker) as session:
+        assert maps.progress(session, d) == maps.Progress(items=5, succeeded=0, failed=0, cancelled=0)
+        terminal.record_items(session, [_end(d, 0), _end(d, 1), _end(d, 2, ItemEventType.ITEM_FAILED), _end(d, 0)])
+        ended = maps.progress(session, d)
+        assert ended == maps.Progress(items=5, succeeded=2, failed=1, cancelled=0) and ended.open == 2
+        assert maps.progress(session, single) is None
+
+
 def test_racing_writers_end_each_item_once(db_sessionmaker, new_case, router, race) -> None:
     case = new_case(db_sessionmaker)
     d = _schedule(db_sessionmaker, _request(case, items=list(range(20))), router).dispatch_id
