@@ -18,6 +18,7 @@ import psycopg
 import pytest
 import redis
 from clusters import LOCAL, REAL, ClusterHandle, local_handle, real_handle
+from hypothesis import HealthCheck, settings
 from objectstore import object_store, unique_prefix  # noqa: F401  (fixtures; starts building weed)
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.orm import Session, sessionmaker
@@ -31,6 +32,11 @@ if TYPE_CHECKING:
 PG_ADMIN_URL = os.environ.get("K8S_DISPATCH_TEST_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 REDIS_URL = os.environ.get("K8S_DISPATCH_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 HOW_TO_START = "run `bash tests/services.sh` (or `make test`) to start it"
+
+# The suite runs beside clusters, worker processes and its other xdist workers: how long an example
+# takes says how loaded the machine is, not whether the code is right.
+settings.register_profile("suite", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("suite")
 
 
 def _admin_conninfo() -> str:
