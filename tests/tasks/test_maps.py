@@ -3,7 +3,8 @@ processes, PostgreSQL, Redis and each cluster (localcluster, and the real contro
 node agent): a map over 20 items, some failing by design, is one Indexed Job; every item ends in
 exactly one item event with its own output or reason, recorded as its Pod finishes (before the
 map ends), the map in one terminal event with its counts, and no Job or held Pod is left. A
-worker and beat SIGKILLed mid-map, with the broker flushed, still leave each item delivered once.
+worker and beat SIGKILLed mid-map, with the broker flushed, still leave each item delivered once. In localcluster's
+exec mode the runner runs for real: each Pod's function sees its own item's input.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import uuid
 from typing import Any
 
 from k8s_dispatch import api
+from k8s_dispatch.demo.functions import wordcount
+from k8s_dispatch.demo.localcluster import LocalCluster
 from k8s_dispatch.store import dispatches
 from k8s_dispatch.store.db import transaction
 from k8s_dispatch.store.models import DispatchState, EventType
@@ -170,3 +173,37 @@ def test_cancel_ends_every_unfinished_item_once(deploy, any_cluster):
     assert cancelled and all(o.payload["reason"] == "Cancelled" for o in cancelled)
     assert_nothing_left(d)
     assert sorted(o.index for o in items_of(d, map_id)) == list(range(ITEMS))  # nothing after the cancel
+
+
+def test_in_exec_mode_each_pod_runs_its_own_items_input(deploy):
+    """localcluster's exec mode runs `k8s_dispatch.container.runner` for real: each Pod reads
+    JOB_COMPLETION_INDEX and the function sees its own item's input only."""
+    texts = [f"item {i} " + "word " * i for i in range(6)]
+    with LocalCluster(mode="exec") as cluster:
+        d = deploy(cluster)  # no capabilities file: the demo capabilities (backoffLimit 0)
+        d.start_worker("w1")
+        d.start_beat()
+        with transaction(d.sessions) as session:
+            case_id = f"case-{uuid.uuid4().hex[:10]}"
+            api.create_case(session, case_id=case_id, tenancy_id="tenant-a")
+            map_id = api.schedule_map_in_session(
+                session,
+                case_id=case_id,
+                tenancy_id="tenant-a",
+                capability="demo.wordcount",
+                items=[{"text": t} for t in texts] + [{"no text": True}],
+                idempotency_key=f"map-{uuid.uuid4().hex}",
+                parallelism=3,
+                router=CapabilityResolver.from_settings(d.settings),
+                max_input_bytes=d.settings.max_input_bytes,
+                via=d.producer,
+            ).dispatch_id
+        [(event, payload)] = d.wait_terminal([map_id], timeout_s=120)[map_id]
+        assert event == EventType.WORKER_FAILED.value and payload["detail"]["succeeded"] == len(texts), payload
+        outcomes = sorted(items_of(d, map_id), key=lambda o: o.index)
+        assert [o.payload.get("output") for o in outcomes[:-1]] == [wordcount({"text": t}) for t in texts]
+        bad = outcomes[-1]
+        assert bad.event is api.ItemEventType.ITEM_FAILED and bad.payload["reason"] == "ContainerFailed", bad
+        assert "'text' field" in bad.payload["message"], bad
+        d.wait_no_jobs(timeout_s=30)
+        d.stop()
