@@ -197,6 +197,7 @@ def cluster_under_test(request: pytest.FixtureRequest) -> ClusterHandle:
 
 
 CHAOS = Path(__file__).parent / "chaos"
+NODE_TESTS = Path(__file__).parent / "realcluster" / "test_node.py"  # starts a kubelet and containerd of its own
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -205,7 +206,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     worker (one kubelet, containerd and pod network per machine), and so do the chaos runs (each
     loads the machine as a production incident would)."""
     for item in items:
-        if "kubelet_cluster" in getattr(item, "fixturenames", ()):
+        if "kubelet_cluster" in getattr(item, "fixturenames", ()) or item.path == NODE_TESTS:
             group = "kubelet"
         elif item.path.is_relative_to(CHAOS):
             group = "chaos"

@@ -35,6 +35,8 @@ from k8s_dispatch.store.models import Dispatch, EventType
 from k8s_dispatch.workers import labels as job_labels
 from k8s_dispatch.workers.kube import KubeClient
 
+START_TIMEOUT_S = 90.0  # a Celery worker's start: seconds when the machine is quiet
+
 
 def wait_until(
     predicate: Callable[[], Any],
@@ -108,8 +110,8 @@ class Deployment:
             )
         )
         self.procs.append(proc)
-        if wait:
-            proc.wait_for_log(" ready.")
+        if wait:  # a start's time is not under test: room for a machine busy with the suite's other files
+            proc.wait_for_log(" ready.", timeout_s=START_TIMEOUT_S)
         return proc
 
     def start_beat(self, name: str = "beat") -> Proc:
