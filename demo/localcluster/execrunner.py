@@ -46,6 +46,7 @@ class _Run:
     kill_timer: asyncio.TimerHandle | None = None
     stopping: bool = False
     started_at: float | None = None
+    env: dict[str, str] | None = None  # the container's declared env as the kubelet resolved it
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -85,7 +86,9 @@ class ExecRunner:
     def container_id(self, uid: str) -> str:
         return f"localcluster://exec-{uid[:12]}"
 
-    def start(self, uid: str, pod: dict[str, Any], *, started_at: float | None = None) -> None:
+    def start(
+        self, uid: str, pod: dict[str, Any], *, started_at: float | None = None, env: dict[str, str] | None = None
+    ) -> None:
         if self._closing:  # a Pod bound while the server shuts down: no files left behind it
             return
         meta = pod.get("metadata") or {}
@@ -94,7 +97,7 @@ class ExecRunner:
         (pod_dir / "termination-log").write_bytes(b"")
         (pod_dir / "log").write_bytes(b"")
         self._logs[uid] = pod_dir / "log"
-        self._runs[uid] = _Run(uid, pod, pod_dir)
+        self._runs[uid] = _Run(uid, pod, pod_dir, env=env)
         self._queue.append(uid)
         self._pump()
 
@@ -126,7 +129,7 @@ class ExecRunner:
         container = ((pod.get("spec") or {}).get("containers") or [{}])[0]
         env = {k: os.environ[k] for k in _BASE_ENV if k in os.environ}
         env["HOSTNAME"] = (pod.get("metadata") or {}).get("name", "")
-        declared = container_env(pod, container)
+        declared = run.env if run.env is not None else container_env(pod, container)
         env.update(declared)
         message_path = run.dir / "termination-log"
         env["TERMINATION_MESSAGE_PATH"] = str(message_path)

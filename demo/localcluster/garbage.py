@@ -3,7 +3,9 @@
 Background: when a Job leaves the store, its Pods are deleted. Foreground: a Job with the
 `foregroundDeletion` finalizer has its Pods deleted, and loses the finalizer once none is left.
 Orphan: a Job with the `orphan` finalizer has its Pods' ownerReferences to it removed, then
-loses the finalizer. A deleting Namespace has its contents deleted and goes once it is empty.
+loses the finalizer. A Secret or ConfigMap owned by Jobs goes with them, and at once if it is
+written after its owners left (no Job with the uid it names). A deleting Namespace has its
+contents deleted and goes once it is empty.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from k8s_dispatch.demo.localcluster.registry import (
     DeleteOptions,
     Registry,
 )
-from k8s_dispatch.demo.localcluster.resources import BY_PLURAL, JOBS, NAMESPACES, PODS
+from k8s_dispatch.demo.localcluster.resources import BY_PLURAL, CONFIGMAPS, JOBS, NAMESPACES, PODS, SECRETS
 from k8s_dispatch.demo.localcluster.store import DELETED, Entry, Event
 
 
@@ -31,6 +33,7 @@ class GarbageCollector:
         self._gone_owners: dict[str, None] = {}  # uids of owners that left the store
         self._owners: dict[tuple[str, str], None] = {}  # deleting jobs to process
         self._namespaces: dict[str, None] = {}
+        self._written: dict[tuple[str, str, str], None] = {}  # (plural, ns, name) of owned Secrets, ConfigMaps
         self._scheduled = False
         self.store.subscribe(self._on_event)
 
@@ -41,6 +44,10 @@ class GarbageCollector:
         for ns in self.store.list(NAMESPACES):
             if ns.meta.get("deletionTimestamp"):
                 self._namespaces[ns.name] = None
+        for resource in (SECRETS, CONFIGMAPS):
+            for entry in self.store.list(resource):
+                if entry.meta.get("ownerReferences"):
+                    self._written[(resource.plural, entry.namespace, entry.name)] = None
         self._schedule()
 
     def _on_event(self, event: Event) -> None:
@@ -62,6 +69,9 @@ class GarbageCollector:
             if event.type == DELETED or not entry.meta.get("deletionTimestamp"):
                 return
             self._namespaces[entry.name] = None
+        elif entry.resource is SECRETS or entry.resource is CONFIGMAPS:
+            if event.type != DELETED and entry.meta.get("ownerReferences"):
+                self._written[(entry.resource.plural, entry.namespace, entry.name)] = None
         else:
             return
         if event.type == DELETED and entry.namespace and entry.resource is not NAMESPACES:
@@ -87,6 +97,12 @@ class GarbageCollector:
             job = self.store.get(JOBS, *key)
             if job is not None and job.meta.get("deletionTimestamp"):
                 self._process_deleting_owner(job)
+        while self._written:
+            plural, ns, name = next(iter(self._written))
+            del self._written[(plural, ns, name)]
+            entry = self.store.get(BY_PLURAL[plural], ns, name)
+            if entry is not None and not self._any_owner_alive(entry):
+                self._delete(entry)
         while self._namespaces:
             name = next(iter(self._namespaces))
             del self._namespaces[name]
@@ -117,6 +133,9 @@ class GarbageCollector:
             alive = [r for r in owners if r.get("uid") != uid and self._owner_alive(dep.namespace, r)]
             if not alive:
                 self._delete(dep)
+
+    def _any_owner_alive(self, entry: Entry) -> bool:
+        return any(self._owner_alive(entry.namespace, r) for r in entry.meta.get("ownerReferences") or [])
 
     def _owner_alive(self, namespace: str, ref: dict[str, str]) -> bool:
         if ref.get("kind") != "Job":
@@ -149,7 +168,7 @@ class GarbageCollector:
         if ns is None or not ns.meta.get("deletionTimestamp"):
             return
         left = 0
-        for resource in (JOBS, PODS):
+        for resource in (JOBS, PODS, SECRETS, CONFIGMAPS):
             for entry in self.store.list(resource, name):
                 left += 1
                 self._delete(entry)

@@ -3,6 +3,8 @@ first container through a runner (exec or simulate), reports Pod status, enforce
 activeDeadlineSeconds, restarts containers of restartPolicy OnFailure pods, stops containers of
 deleting pods, evicts the Pods the annotation `evict-attempts` asks for (through the host's
 Eviction API, as a drain does) and, after a restart, treats pods left running without a process as lost.
+A container whose env reads a missing Secret, ConfigMap or key waits (CreateContainerConfigError)
+and starts once the host says that source changed (`source_changed`).
 
 Where the Pods live is a `PodHost`: `StoreHost` here (localcluster's own store, in process) or
 the node agent's remote API server (demo/localcluster/node.py). Hosts feed changes in with `mark` and
@@ -16,12 +18,12 @@ import contextlib
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from k8s_dispatch.demo.localcluster import eviction, podstatus, simrunner, startfaults
+from k8s_dispatch.demo.localcluster import containerenv, eviction, podstatus, simrunner, startfaults
 from k8s_dispatch.demo.localcluster.apierrors import ApiError
 from k8s_dispatch.demo.localcluster.execrunner import ExecRunner
 from k8s_dispatch.demo.localcluster.podstatus import NODE_NAME, ContainerResult
 from k8s_dispatch.demo.localcluster.registry import Registry, is_terminal_pod
-from k8s_dispatch.demo.localcluster.resources import PODS
+from k8s_dispatch.demo.localcluster.resources import CONFIGMAPS, PODS, SECRETS
 from k8s_dispatch.demo.localcluster.simrunner import SimRunner
 from k8s_dispatch.demo.localcluster.store import DELETED, Entry, Event
 from k8s_dispatch.demo.localcluster.timestamps import now, parse_rfc3339
@@ -30,6 +32,7 @@ Key = tuple[str, str]
 DEADLINE_MESSAGE = "Pod was active on the node longer than the specified deadline"
 LOST_MESSAGE = "The container could not be located when the pod was terminated"
 SHUTDOWN_MESSAGE = "Pod was terminated in response to imminent node shutdown."
+CONFIG_ERROR = "CreateContainerConfigError"
 
 
 class PodHost(Protocol):
@@ -52,6 +55,10 @@ class PodHost(Protocol):
     def evict(self, pod: dict[str, Any]) -> None:
         """Evict `pod` through the API's Eviction subresource (as a drain does); the Pod's
         deletion then comes back through `mark`."""
+
+    def env_source(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        """The Secret or ConfigMap (`kind`) a container's env reads, as known here, or None; a
+        change to one comes back through the Kubelet's `source_changed`."""
 
 
 def has_started(pod: dict[str, Any]) -> bool:
@@ -76,6 +83,7 @@ class _PodRun:
     restart: asyncio.TimerHandle | None = None
     eviction: asyncio.TimerHandle | None = None
     last_state: dict[str, Any] | None = None
+    env: dict[str, str] | None = None  # resolved at admission, used again by a restart
 
 
 class Kubelet:
@@ -97,6 +105,7 @@ class Kubelet:
         self._scheduled = False
         self._idle = asyncio.Event()
         self._evicted: dict[str, int] = {}  # Job uid -> its Pods this node has evicted (evict-attempts)
+        self._blocked: dict[str, tuple[Key, containerenv.Source]] = {}  # pod uid -> its key, what it waits for
 
     def start(self) -> None:
         """Look at every pod once (after a restart: pending pods start, running ones are lost)."""
@@ -124,8 +133,15 @@ class Kubelet:
             self._scheduled = True
             self._loop.call_soon(self._drain)
 
+    def source_changed(self, kind: str, namespace: str, name: str) -> None:
+        """A Secret or ConfigMap was written: look again at the Pods whose container waits for it."""
+        for key, source in list(self._blocked.values()):
+            if source == (kind, namespace, name):
+                self.mark(key)
+
     def forget(self, uid: str) -> None:
         """The pod is gone from the host: stop what still runs and drop its logs."""
+        self._blocked.pop(uid, None)
         run = self._runs.pop(uid, None)
         if run is not None:
             self._drop(run)
@@ -203,8 +219,18 @@ class Kubelet:
             if not startfaults.shows_waiting(pod, stuck[0]):
                 self.host.report(pod, startfaults.waiting_status(pod, now(), *stuck))
             return
+        container = ((pod.get("spec") or {}).get("containers") or [{}])[0]
+        try:
+            env = containerenv.container_env(pod, container, self.host.env_source)
+        except containerenv.ConfigError as e:  # waits, reported once per message, until its source changes
+            self._blocked[uid] = (key, e.source)
+            if (startfaults.waiting_message(pod) or (None, None)) != (CONFIG_ERROR, e.message):
+                self.host.report(pod, startfaults.waiting_status(pod, now(), CONFIG_ERROR, e.message))
+            return
+        self._blocked.pop(uid, None)
         run = self._new_run(key, uid)
-        started = self.runner.start(uid, pod)
+        run.env = env
+        started = self.runner.start(uid, pod, env=env)
         if started is not None:
             run.started_at = started
             status = podstatus.running(pod, started, container_id=self.runner.container_id(uid))
@@ -337,7 +363,7 @@ class Kubelet:
         obj = self._current(run)
         if obj is None or run.stopping:
             return
-        started = self.runner.start(uid, obj)
+        started = self.runner.start(uid, obj, env=run.env)
         if started is not None:
             self.started(uid, started, self.runner.container_id(uid))
 
@@ -398,7 +424,14 @@ class StoreHost:
         self.store.subscribe(self._on_event)
 
     def _on_event(self, event: Event) -> None:
-        if event.entry.resource is not PODS or self.kubelet is None:
+        if self.kubelet is None:
+            return
+        entry = event.entry
+        if entry.resource is SECRETS or entry.resource is CONFIGMAPS:
+            if event.type != DELETED:
+                self.kubelet.source_changed(entry.resource.kind, entry.namespace, entry.name)
+            return
+        if event.entry.resource is not PODS:
             return
         if event.type == DELETED:
             self._loop.call_soon(self.kubelet.forget, event.entry.uid)
@@ -412,6 +445,10 @@ class StoreHost:
 
     def pod(self, key: Key) -> dict[str, Any] | None:
         entry = self.store.get(PODS, *key)
+        return entry.obj if entry is not None else None
+
+    def env_source(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        entry = self.store.get(SECRETS if kind == "Secret" else CONFIGMAPS, namespace, name)
         return entry.obj if entry is not None else None
 
     def bind(self, pod: dict[str, Any]) -> dict[str, Any]:

@@ -9,7 +9,10 @@ endpoint (HTTPS) that the API server proxies `kubectl logs` to.
 
 `RemoteHost` is the Kubelet's host here: two informers (Pods with `spec.nodeName=NODE`, and
 unbound ones) keep a cache, and a status manager (as the kubelet's) writes the last status
-decided for each Pod, then deletes a deleting Pod with grace 0 once its containers stopped.
+decided for each Pod, then deletes a deleting Pod with grace 0 once its containers stopped. Two
+more informers keep the Secrets and ConfigMaps a container's env reads (`secretKeyRef`,
+`configMapKeyRef`); they have listed once before the first Pod is looked at, so an existing
+Secret is never reported missing.
 """
 
 from __future__ import annotations
@@ -153,6 +156,7 @@ class RemoteHost:
         self._again: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._limit = asyncio.Semaphore(concurrency)
+        self._sources: dict[str, dict[Key, dict[str, Any]]] = {"Secret": {}, "ConfigMap": {}}
         self.synced = asyncio.Event()  # both informers have listed once
 
     # --- PodHost ---------------------------------------------------------------------
@@ -184,6 +188,9 @@ class RemoteHost:
 
     def evict(self, pod: dict[str, Any]) -> None:
         self._spawn(self._evict(pod))
+
+    def env_source(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        return self._sources[kind].get((namespace, name))
 
     # --- informers -------------------------------------------------------------------
 
@@ -223,16 +230,61 @@ class RemoteHost:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, RETRY_MAX)
 
-    async def _list(self, selector: str) -> tuple[list[dict[str, Any]], str]:
+    async def _list(self, selector: str, path: str = "/api/v1/pods") -> tuple[list[dict[str, Any]], str]:
         items: list[dict[str, Any]] = []
         params: dict[str, Any] = {"fieldSelector": selector, "limit": str(LIST_PAGE)}
         while True:
-            page = await self.api.request("GET", "/api/v1/pods", params=params)
+            page = await self.api.request("GET", path, params=params)
             items.extend(page.get("items") or [])
             meta = page.get("metadata") or {}
             if not meta.get("continue"):
                 return items, meta.get("resourceVersion", "")
             params = {"fieldSelector": selector, "limit": str(LIST_PAGE), "continue": meta["continue"]}
+
+    async def inform_sources(self, kind: str, *, ready: asyncio.Event) -> None:
+        """LIST then WATCH every Secret or ConfigMap (`kind`), as `inform` does Pods: the cache
+        `env_source` reads; each one written tells the Kubelet, whose waiting Pods may start."""
+        assert self.kubelet is not None
+        path = "/api/v1/secrets" if kind == "Secret" else "/api/v1/configmaps"
+        cache = self._sources[kind]
+        rv: str | None = None
+        backoff = 0.2
+        while True:
+            try:
+                if rv is None:
+                    items, rv = await self._list("", path)
+                    cache.clear()
+                    cache.update({_key(o): o for o in items})
+                    for key in cache:
+                        self.kubelet.source_changed(kind, *key)
+                    ready.set()
+                params = {"resourceVersion": rv, "allowWatchBookmarks": "true"}
+                opened = self._loop.time()
+                async for event in self.api.watch(path, params=params, timeout=WATCH_TIMEOUT):
+                    obj = event.get("object") or {}
+                    rv = (obj.get("metadata") or {}).get("resourceVersion") or rv
+                    kind_of_event = event.get("type")
+                    if kind_of_event == "DELETED":
+                        cache.pop(_key(obj), None)
+                    elif kind_of_event in ("ADDED", "MODIFIED"):
+                        cache[_key(obj)] = obj
+                        self.kubelet.source_changed(kind, *_key(obj))
+                if self._loop.time() - opened < 1.0:  # a server ending every watch at once: do not spin
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, RETRY_MAX)
+                else:
+                    backoff = 0.2
+            except ApiStatusError as e:
+                if e.code == 410:
+                    rv = None
+                    continue
+                log.warning("%s watch: %s", kind, e)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, RETRY_MAX)
+            except _REACH_ERRORS as e:
+                log.warning("%s watch: %s: %s", kind, type(e).__name__, e)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, RETRY_MAX)
 
     def _relisted(self, items: list[dict[str, Any]], *, bound: bool) -> None:
         cache = self._bound if bound else self._unbound
@@ -477,8 +529,17 @@ class NodeAgent:
             runner = SimRunner(self, loop=loop)
         self.host = RemoteHost(self.api, node_name=self.name, loop=loop)
         self.kubelet = self.host.kubelet = Kubelet(self.host, runner, loop=loop)
-        ready = [asyncio.Event(), asyncio.Event()]
+        listed = [asyncio.Event(), asyncio.Event()]
         self._informers = [
+            loop.create_task(self.host.inform_sources("Secret", ready=listed[0])),
+            loop.create_task(self.host.inform_sources("ConfigMap", ready=listed[1])),
+        ]
+        try:  # Secrets and ConfigMaps listed once: a Pod's env reads them when it is first looked at
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in listed)), 30)
+        except TimeoutError:
+            log.warning("node %s: the first list of Secrets has not come back in 30 s; still trying", self.name)
+        ready = [asyncio.Event(), asyncio.Event()]
+        self._informers += [
             loop.create_task(self.host.inform(bound=True, ready=ready[0])),
             loop.create_task(self.host.inform(bound=False, ready=ready[1])),
         ]

@@ -12,10 +12,10 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from k8s_dispatch.demo.localcluster import apierrors, defaults, quota, schema, validation
+from k8s_dispatch.demo.localcluster import apierrors, configdata, defaults, quota, schema, validation
 from k8s_dispatch.demo.localcluster.apierrors import ApiError
 from k8s_dispatch.demo.localcluster.patching import PatchError, json_patch, merge_patch, strategic_merge_patch
-from k8s_dispatch.demo.localcluster.resources import JOBS, NAMESPACES, PODS, Resource
+from k8s_dispatch.demo.localcluster.resources import CONFIGMAPS, JOBS, NAMESPACES, PODS, SECRETS, Resource
 from k8s_dispatch.demo.localcluster.selectors import SelectorError, from_label_selector_object
 from k8s_dispatch.demo.localcluster.store import Entry, Store
 from k8s_dispatch.demo.localcluster.timestamps import now, rfc3339
@@ -118,6 +118,10 @@ class Registry:
         if warnings and mode == "Strict":
             raise apierrors.bad_request(f"{prefix}: strict decoding error: " + ", ".join(warnings))
         obj = decoded.obj
+        if resource is SECRETS or resource is CONFIGMAPS:
+            error = configdata.decode(obj, resource.kind)
+            if error is not None:
+                raise apierrors.bad_request(f"{prefix}: {error}")
         obj["apiVersion"] = resource.api_version
         obj["kind"] = resource.kind
         if not isinstance(obj.get("metadata"), dict):
@@ -224,7 +228,12 @@ class Registry:
             return validation.validate_pod(obj)
         if resource is NAMESPACES:
             return validation.validate_namespace(obj)
-        return validation.validate_metadata(obj.get("metadata") or {}, namespaced=resource.namespaced)
+        errs = validation.validate_metadata(obj.get("metadata") or {}, namespaced=resource.namespaced)
+        if resource is SECRETS:
+            errs += configdata.validate_secret(obj)
+        elif resource is CONFIGMAPS:
+            errs += configdata.validate_config_map(obj)
+        return errs
 
     def _insert_new(self, resource: Resource, obj: dict[str, Any], *, validate: bool = True) -> Entry:
         self._prepare_create(resource, obj)
@@ -359,6 +368,10 @@ class Registry:
             errs += validation.validate_job_update(old.obj, obj)
         elif resource is PODS:
             errs += validation.validate_pod_update(old.obj, obj)
+        elif resource is SECRETS or resource is CONFIGMAPS:
+            errs += configdata.validate_update(old.obj, obj, resource.kind)
+            check = configdata.validate_secret if resource is SECRETS else configdata.validate_config_map
+            errs += check(obj)
         return errs
 
     def write(self, old: Entry, obj: dict[str, Any]) -> Entry:

@@ -1,5 +1,5 @@
-"""The resources this server serves (batch/v1 Jobs, core/v1 Pods, Namespaces and Events, and for an
-external node agent core/v1 Nodes and coordination.k8s.io/v1 Leases): names, kinds, scopes and
+"""The resources this server serves (batch/v1 Jobs, core/v1 Pods, Namespaces, Events, Secrets and
+ConfigMaps, and for an external node agent core/v1 Nodes and coordination.k8s.io/v1 Leases): names, kinds, scopes and
 the fields each one supports in field selectors.
 
 Everything that needs to know "what is a job" (paths, discovery, errors, tables) reads it here.
@@ -77,6 +77,10 @@ _INVOLVED = ("kind", "namespace", "name", "uid", "apiVersion", "resourceVersion"
 
 def _meta_fields(obj: dict[str, Any]) -> dict[str, str]:
     return {"metadata.name": _meta(obj).get("name", ""), "metadata.namespace": _meta(obj).get("namespace", "")}
+
+
+def _secret_fields(obj: dict[str, Any]) -> dict[str, str]:
+    return {**_meta_fields(obj), "type": obj.get("type", "")}
 
 
 @dataclass(frozen=True)
@@ -163,10 +167,19 @@ NODES = Resource(
 )
 LEASES = Resource("leases", "lease", "Lease", "coordination.k8s.io", "v1", True, _meta_fields)
 EVENTS = Resource("events", "event", "Event", "", "v1", True, _event_fields, short_names=("ev",))
+SECRETS = Resource("secrets", "secret", "Secret", "", "v1", True, _secret_fields)
+CONFIGMAPS = Resource("configmaps", "configmap", "ConfigMap", "", "v1", True, _meta_fields, short_names=("cm",))
 
-ALL = (JOBS, PODS, NAMESPACES, NODES, LEASES, EVENTS)
+ALL = (JOBS, PODS, NAMESPACES, NODES, LEASES, EVENTS, SECRETS, CONFIGMAPS)
 BY_GROUP_VERSION: dict[tuple[str, str], dict[str, Resource]] = {
-    ("", "v1"): {"pods": PODS, "namespaces": NAMESPACES, "nodes": NODES, "events": EVENTS},
+    ("", "v1"): {
+        "pods": PODS,
+        "namespaces": NAMESPACES,
+        "nodes": NODES,
+        "events": EVENTS,
+        "secrets": SECRETS,
+        "configmaps": CONFIGMAPS,
+    },
     ("batch", "v1"): {"jobs": JOBS},
     ("coordination.k8s.io", "v1"): {"leases": LEASES},
 }

@@ -254,6 +254,23 @@ STRUCTS: dict[str, dict[str, T]] = {
         "fieldPath": S,
     },
     "EventSource": {"component": S, "host": S},
+    "Secret": {
+        "apiVersion": S,
+        "kind": S,
+        "metadata": obj("ObjectMeta"),
+        "immutable": B,
+        "data": MAP_S,
+        "stringData": MAP_S,
+        "type": S,
+    },
+    "ConfigMap": {
+        "apiVersion": S,
+        "kind": S,
+        "metadata": obj("ObjectMeta"),
+        "immutable": B,
+        "data": MAP_S,
+        "binaryData": MAP_S,
+    },
 }
 
 _GO_TYPES = {"string": "string", "integer": "int64", "boolean": "bool", "number": "float64"}

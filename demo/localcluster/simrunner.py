@@ -200,8 +200,12 @@ class SimRunner:
         self._started: dict[str, float] = {}
         self._logs: dict[str, bytes] = {}
 
-    def start(self, uid: str, pod: dict[str, Any], *, started_at: float | None = None) -> float:
-        """Start (or, after a restart, resume) a container; returns its start time."""
+    def start(
+        self, uid: str, pod: dict[str, Any], *, started_at: float | None = None, env: dict[str, str] | None = None
+    ) -> float:
+        """Start (or, after a restart, resume) a container; returns its start time. `env` (the
+        resolved one) is not read: a default result echoes only an input given as a literal value,
+        so no Secret's value reaches a Pod's status."""
         p = plan(pod)
         t0 = started_at if started_at is not None else now()
         self._started[uid] = t0

@@ -123,6 +123,13 @@ def shows_waiting(pod: dict[str, Any], reason: str) -> bool:
     return ((statuses[0].get("state") or {}).get("waiting") or {}).get("reason") == reason
 
 
+def waiting_message(pod: dict[str, Any]) -> tuple[str, str] | None:
+    """(reason, message) of the Pod's container as its status reports it waiting, or None."""
+    statuses = (pod.get("status") or {}).get("containerStatuses") or [{}]
+    waiting = (statuses[0].get("state") or {}).get("waiting")
+    return (waiting.get("reason", ""), waiting.get("message", "")) if waiting else None
+
+
 def shows_unschedulable(pod: dict[str, Any]) -> bool:
     """Whether the Pod's status says it is unschedulable already."""
     return any(

@@ -1,6 +1,6 @@
 """Server-side printing (`as=Table`) for `kubectl get`: the columns and cells the real API server
-prints for Jobs (NAME STATUS COMPLETIONS DURATION AGE), Pods (NAME READY STATUS RESTARTS AGE) and
-Namespaces (NAME STATUS AGE), with kubectl's human durations (pure).
+prints for Jobs (NAME STATUS COMPLETIONS DURATION AGE), Pods (NAME READY STATUS RESTARTS AGE),
+Namespaces (NAME STATUS AGE) and Secrets (NAME TYPE DATA AGE), with kubectl's human durations (pure).
 """
 
 from __future__ import annotations
@@ -119,6 +119,25 @@ COLUMNS: dict[str, list[dict[str, Any]]] = {
     "leases": [
         _col("Name", "string", "Name must be unique within a namespace.", fmt="name"),
         _col("Holder", "string", "Name of the Lease holder"),
+        _col(
+            "Age",
+            "string",
+            "CreationTimestamp is a timestamp representing the server time when this object was created.",
+        ),
+    ],
+    "secrets": [
+        _col("Name", "string", "Name must be unique within a namespace.", fmt="name"),
+        _col("Type", "string", "Used to facilitate programmatic handling of secret data."),
+        _col("Data", "integer", "Data contains the secret data."),
+        _col(
+            "Age",
+            "string",
+            "CreationTimestamp is a timestamp representing the server time when this object was created.",
+        ),
+    ],
+    "configmaps": [
+        _col("Name", "string", "Name must be unique within a namespace.", fmt="name"),
+        _col("Data", "integer", "Data contains the configuration data."),
         _col(
             "Age",
             "string",
@@ -245,6 +264,17 @@ def row(resource: Resource, obj: dict[str, Any], now: float, *, include_object: 
         cells = node_cells(obj, now)
     elif resource.plural == "leases":
         cells = lease_cells(obj, now)
+    elif resource.plural == "secrets":
+        data = obj.get("data") or {}
+        cells = [
+            obj["metadata"]["name"],
+            obj.get("type", ""),
+            len(data),
+            _since(obj["metadata"].get("creationTimestamp"), now),
+        ]
+    elif resource.plural == "configmaps":
+        data = {**(obj.get("data") or {}), **(obj.get("binaryData") or {})}
+        cells = [obj["metadata"]["name"], len(data), _since(obj["metadata"].get("creationTimestamp"), now)]
     elif resource.plural == "events":
         involved = obj.get("involvedObject") or {}
         cells = [

@@ -1,10 +1,10 @@
-"""Secret inputs on the real control plane (kube-apiserver stores the Secret, kube-controller-
-manager's garbage collector deletes it with its Job), with PostgreSQL, Redis and real Celery
-workers: the value is in no Job, Pod, event row, Celery message, `show`/`status` output or worker
-log; at rest it is a Fernet token; the Job's Secret holds it, owned by the Job, made again by the
-retry that adopts a Job whose Secret is missing and for a re-created Job; without a key it is
-refused at schedule with nothing written. localcluster serves no Secrets: there a secret input
-fails its dispatch typed (written down in docs/inputs.md)."""
+"""Secret inputs on both clusters in exec mode (localcluster, and the real control plane: kube-apiserver
+stores the Secret, kube-controller-manager's garbage collector deletes it with its Job, our node
+agent runs the Pod), with PostgreSQL, Redis and real Celery workers: the value is in no Job, Pod,
+event row, Celery message, `show`/`status` output or worker log; at rest it is a Fernet token; the
+Job's Secret holds it, owned by the Job, made again by the retry that adopts a Job whose Secret is
+missing and for a re-created Job; the function gets it through the Pod's env (`secretKeyRef`,
+resolved by the node); without a key it is refused at schedule with nothing written."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import concurrent.futures
 import contextlib
 import hashlib
 import json
-import os
 import subprocess
 import sys
 import uuid
@@ -23,7 +22,7 @@ from typing import Any
 
 import pytest
 import yaml
-from clusters import ClusterHandle, local_handle
+from clusters import LOCAL, REAL, ClusterHandle, local_handle, real_handle
 from cryptography.fernet import Fernet
 from kubernetes import client
 from pydantic import SecretStr
@@ -44,17 +43,34 @@ from k8s_dispatch.workers.manifest import job_name
 from k8s_dispatch.workers.resolver import CapabilityResolver
 
 OLD_KEY, KEY = Fernet.generate_key().decode(), Fernet.generate_key().decode()
-SIMULATED = {
+RUNNER = {  # the runner as a real process: it reads K8S_DISPATCH_INPUT from the env the node resolved
     "worker": "secrets",
     "image": "k8s-dispatch:latest",
+    "command": [sys.executable, "-m", "k8s_dispatch.container.runner"],
+    "args": ["input_funcs:digest"],
+    "env": {"PYTHONPATH": str(Path(__file__).parent)},
     "activeDeadlineSeconds": 120,
-    # The node agent's simulate runner: a fixed result (its default echoes an inline input).
-    "annotations": {
-        "localcluster.k8s-dispatch.io/result": '{"ok":true}',
-        "localcluster.k8s-dispatch.io/duration-ms": "1500",
-    },
 }
-CAPABILITIES = {"capabilities": {"sec": SIMULATED}}
+CAPABILITIES = {"capabilities": {"sec": RUNNER}}
+
+
+@pytest.fixture(scope="module", params=[LOCAL, REAL])
+def exec_cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterHandle]:
+    """Each cluster in exec mode: the container's command runs as a real process."""
+    if request.param == LOCAL:
+        from k8s_dispatch.demo.localcluster import LocalCluster
+
+        with LocalCluster(mode="exec", max_running=2, tls=False) as cluster:
+            yield local_handle(cluster)
+    else:
+        from k8s_dispatch.lab.realcluster.controlplane import ControlPlane
+
+        plane = ControlPlane(directory=tmp_path_factory.mktemp("secrets-real"), mode="exec")
+        plane.start()
+        try:
+            yield real_handle(plane)
+        finally:
+            plane.stop()
 
 
 def _secret() -> dict[str, Any]:
@@ -96,8 +112,8 @@ def base_env(pg_url: str, redis_url: str, key_prefix: str) -> dict[str, str]:
 
 
 @pytest.fixture
-def rt(real_cluster: ClusterHandle, base_env: dict[str, str], tmp_path: Path) -> Iterator[Runtime]:
-    runtime = _runtime(real_cluster, {**base_env, "K8S_DISPATCH_INPUT_KEY": f"{KEY},{OLD_KEY}"}, tmp_path)
+def rt(exec_cluster: ClusterHandle, base_env: dict[str, str], tmp_path: Path) -> Iterator[Runtime]:
+    runtime = _runtime(exec_cluster, {**base_env, "K8S_DISPATCH_INPUT_KEY": f"{KEY},{OLD_KEY}"}, tmp_path)
     yield runtime
     runtime.close()
 
@@ -150,7 +166,7 @@ def test_a_secret_input_without_a_key_is_refused_and_nothing_is_written(rt: Runt
 
 
 def test_the_secret_is_sealed_at_rest_kept_out_of_the_job_and_given_to_it_through_its_own_secret(
-    rt: Runtime, real_cluster: ClusterHandle, tmp_path: Path
+    rt: Runtime, exec_cluster: ClusterHandle
 ) -> None:
     value = _secret()
     dispatch_id = _schedule(rt, value, input_key=rt.settings.input_key)
@@ -171,36 +187,33 @@ def test_the_secret_is_sealed_at_rest_kept_out_of_the_job_and_given_to_it_throug
         "name": INPUT_ENV,
         "valueFrom": {"secretKeyRef": {"name": secret_name(name), "key": SECRET_INPUT_KEY, "optional": False}},
     }
-    secret = _read_secret(real_cluster, secret_name(name))
+    secret = _read_secret(exec_cluster, secret_name(name))
     assert secret is not None
     [owner] = secret["metadata"]["ownerReferences"]
     assert (owner["kind"], owner["name"], owner["uid"]) == ("Job", name, job["metadata"]["uid"])
     assert json.loads(base64.b64decode(secret["data"][SECRET_INPUT_KEY])) == value
-    pods = wait_until(
-        lambda: rt.kube.list_pods("default", label_selector=f"job-name={job_name(dispatch_id)}"),
-        what="the Job's Pod",
-        timeout=60.0,
-    )
-    _assert_absent(value, json.dumps(pods), "the Pod")
-
-    # The function gets it: the container's env resolved as the kubelet resolves a secretKeyRef
-    # (our node agent resolves none), the runner run on it.
-    assert _run_as_the_kubelet_would(real_cluster, pods[0], tmp_path) == {
+    # The function gets it: the node resolves the container's secretKeyRef (the Pod may have been
+    # made before the Secret: it then waited for it), the runner reads it from its env.
+    pod = _terminated_pod(rt, dispatch_id)
+    _assert_absent(value, json.dumps(pod), "the Pod")
+    [status] = pod["status"]["containerStatuses"]
+    assert status["state"]["terminated"]["exitCode"] == 0, status
+    assert json.loads(status["state"]["terminated"]["message"]) == {
         "sha256": hashlib.sha256(canonical_json(value).encode()).hexdigest(),
         "keys": sorted(value),
     }
 
     # A create that stopped between the Job and its Secret: the retry adopts the Job, makes the Secret.
-    with real_cluster.api_client() as api:
+    with exec_cluster.api_client() as api:
         client.CoreV1Api(api).delete_namespaced_secret(secret_name(name), "default")
-    wait_until(lambda: _read_secret(real_cluster, secret_name(name)) is None, what="the Secret deleted", timeout=30.0)
+    wait_until(lambda: _read_secret(exec_cluster, secret_name(name)) is None, what="the Secret deleted", timeout=30.0)
     assert create_job_for(rt, dispatch_id) is CreateOutcome.ADOPTED
-    again = _read_secret(real_cluster, secret_name(name))
+    again = _read_secret(exec_cluster, secret_name(name))
     assert again is not None and json.loads(base64.b64decode(again["data"][SECRET_INPUT_KEY])) == value
 
     # The Job deleted: the garbage collector deletes its Secret.
-    _delete_job_now(real_cluster, name)
-    wait_until(lambda: _read_secret(real_cluster, secret_name(name)) is None, what="the Secret collected", timeout=60.0)
+    _delete_job_now(exec_cluster, name)
+    wait_until(lambda: _read_secret(exec_cluster, secret_name(name)) is None, what="the Secret collected", timeout=60.0)
 
     # Its Job re-created (a lost Job's re-run): the new Job gets the secret again, from the row.
     with transaction(rt.sessions) as session:
@@ -211,11 +224,11 @@ def test_the_secret_is_sealed_at_rest_kept_out_of_the_job_and_given_to_it_throug
     }
     new_job = rt.kube.get_job("default", name)
     assert new_job["metadata"]["uid"] != job["metadata"]["uid"]
-    remade = _read_secret(real_cluster, secret_name(name))
+    remade = _read_secret(exec_cluster, secret_name(name))
     assert remade is not None
     assert remade["metadata"]["ownerReferences"][0]["uid"] == new_job["metadata"]["uid"]
     assert json.loads(base64.b64decode(remade["data"][SECRET_INPUT_KEY])) == value
-    _delete_job_now(real_cluster, name)
+    _delete_job_now(exec_cluster, name)
 
 
 def _job_gone(rt: Runtime, name: str) -> bool:
@@ -228,50 +241,22 @@ def _job_gone(rt: Runtime, name: str) -> bool:
     return False
 
 
-def _run_as_the_kubelet_would(cluster: ClusterHandle, pod: dict[str, Any], tmp_path: Path) -> Any:
-    container = pod["spec"]["containers"][0]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("K8S_DISPATCH_")}
-    with cluster.api_client() as api:
-        core = client.CoreV1Api(api)
-        for var in container.get("env") or []:
-            ref = (var.get("valueFrom") or {}).get("secretKeyRef")
-            if ref is not None:
-                secret = core.read_namespaced_secret(ref["name"], pod["metadata"]["namespace"])
-                env[var["name"]] = base64.b64decode(secret.data[ref["key"]]).decode()
-            elif "value" in var:
-                env[var["name"]] = var["value"]
-    env["TERMINATION_MESSAGE_PATH"] = str(tmp_path / "termination-log")
-    env["PYTHONPATH"] = str(Path(__file__).parent)
-    done = subprocess.run(
-        [sys.executable, "-m", "k8s_dispatch.container.runner", "input_funcs:digest"],
-        env=env, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    return json.loads((tmp_path / "termination-log").read_text())
+def _terminated_pod(rt: Runtime, dispatch_id: str) -> dict[str, Any]:
+    def terminated() -> dict[str, Any] | None:
+        for pod in rt.kube.list_pods("default", label_selector=f"job-name={job_name(dispatch_id)}"):
+            for status in (pod.get("status") or {}).get("containerStatuses") or []:
+                if "terminated" in (status.get("state") or {}):
+                    return pod
+        return None
 
-
-def test_localcluster_serves_no_secrets_so_a_secret_input_fails_its_dispatch_typed(
-    base_env: dict[str, str], tmp_path: Path
-) -> None:
-    from k8s_dispatch.demo.localcluster import LocalCluster
-
-    with LocalCluster(mode="simulate") as cluster:
-        runtime = _runtime(local_handle(cluster), {**base_env, "K8S_DISPATCH_INPUT_KEY": KEY}, tmp_path)
-        try:
-            dispatch_id = _schedule(runtime, _secret(), input_key=runtime.settings.input_key)
-            assert create_job_for(runtime, dispatch_id) is CreateOutcome.FAILED
-            with transaction(runtime.sessions) as session:
-                event = dispatches.terminal_event(session, dispatch_id)
-                assert event is not None and event.type == EventType.WORKER_FAILED
-                assert event.payload["reason"] == "NotFound", event.payload
-        finally:
-            runtime.close()
+    pod: dict[str, Any] = wait_until(terminated, what="the Job's container ended", timeout=90.0)
+    return pod
 
 
 def test_through_celery_the_secret_is_in_no_message_event_output_or_log_and_the_job_runs(
-    deploy: Any, real_cluster: ClusterHandle
+    deploy: Any, exec_cluster: ClusterHandle
 ) -> None:
-    d = deploy(real_cluster, capabilities=CAPABILITIES["capabilities"], input_key=KEY, sweep_grace_s="1")
+    d = deploy(exec_cluster, capabilities=CAPABILITIES["capabilities"], input_key=KEY, sweep_grace_s="1")
     by_task, by_engine = _secret(), _secret()
     case_id = d.new_case("t")
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
@@ -303,7 +288,7 @@ def test_through_celery_the_secret_is_in_no_message_event_output_or_log_and_the_
     jobs = [d.kube.get_job(d.namespace, job_name(i)) for i in ids]
     events = d.wait_terminal(ids, timeout_s=120)
     assert [kind for i in ids for kind, _ in events[i]] == [EventType.WORKER_COMPLETED] * 2, events
-    d.wait(lambda: not _secrets_left(real_cluster, d.namespace, ids), timeout_s=60, what="the Secrets collected")
+    d.wait(lambda: not _secrets_left(exec_cluster, d.namespace, ids), timeout_s=60, what="the Secrets collected")
 
     with transaction(d.sessions) as session:
         rows = [json.dumps(e.payload) for i in ids for e in dispatches.events_for(session, i)]

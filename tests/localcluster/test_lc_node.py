@@ -367,6 +367,35 @@ def test_restart_policy_on_failure_restarts_the_container(node: Node) -> None:
     assert last is not None and last.exit_code == 5
 
 
+def test_a_container_whose_secret_is_missing_waits_then_starts_with_its_value(node: Node) -> None:
+    """As the kubelet: CreateContainerConfigError with its message while the Secret is missing,
+    the container started once it exists (the agent watches Secrets), the value in its env."""
+    script = "import os\nopen(os.environ['TERMINATION_MESSAGE_PATH'], 'w').write(os.environ['VALUE'])\n"
+    env = [{"name": "VALUE", "valueFrom": {"secretKeyRef": {"name": "input", "key": "k"}}}]
+    annotations = {SIM + "result": RESULT} if node.mode == "simulate" else None
+    node.batch.create_namespaced_job(
+        node.namespace, job_manifest("sec", command=["python", "-c", script], env=env, annotations=annotations)
+    )
+
+    def waiting() -> Any:
+        pod = node.pod_of("sec")
+        statuses = (pod.status.container_statuses or []) if pod is not None else []
+        return statuses[0].state.waiting if statuses and statuses[0].state.waiting else None
+
+    held = wait_for(
+        lambda: (lambda w: w if w is not None and w.reason == "CreateContainerConfigError" else None)(waiting()),
+        timeout=30,
+        what="the container held back",
+    )
+    assert held.message == 'secret "input" not found'
+    assert node.pod_of("sec").spec.node_name == node.agent.name
+    value = f"v-{time.time_ns()}"
+    secret = {"metadata": {"name": "input"}, "stringData": {"k": value}}
+    node.core.create_namespaced_secret(node.namespace, secret)
+    pod = node.wait_pod("sec", "Succeeded")
+    assert _terminated(pod).message == (value if node.mode == "exec" else RESULT)
+
+
 # --- restarts and shutdown ----------------------------------------------------------------
 
 
