@@ -109,7 +109,7 @@ def config(settings: Settings) -> dict[str, Any]:
             ARTIFACTS_CLEANUP_TASK: {"queue": SWEEP_QUEUE},
         },
         # Task modules besides the app's own `include` (Celery imports both at worker start).
-        "imports": ("k8s_dispatch.tasks.artifacts_tasks",),
+        "imports": ("k8s_dispatch.tasks.artifacts_tasks", "k8s_dispatch.tasks.maps"),
         # --- beat ----------------------------------------------------------------------
         # Every entry is a plain interval, so beat needs no memory of last run times: the
         # in-memory scheduler writes no shelve file (nothing to leave behind, nothing for a

@@ -65,6 +65,8 @@ EXPECTED_PERMISSIONS = {
     ("", "pods", "patch"),
     ("", "pods/log", "get"),
     ("", "events", "list"),
+    ("", "secrets", "create"),
+    ("", "secrets", "get"),
 }
 
 
@@ -481,6 +483,7 @@ _RESOURCES = {
     "pod_log": "pods/log",
     "event": "events",
     "pod_status": "pods/status",
+    "secret": "secrets",
 }
 
 

@@ -19,7 +19,15 @@ from sqlalchemy.engine import Engine
 from k8s_dispatch.store import migrate
 from k8s_dispatch.store.models import Base
 
-OUR_TABLES = {"case_instances", "case_events", "dispatches", "dispatch_admission"}
+OUR_TABLES = {
+    "case_instances",
+    "case_events",
+    "dispatches",
+    "dispatch_admission",
+    "dispatch_maps",
+    "map_items",
+    "map_item_ends",
+}
 ROOT = Path(__file__).resolve().parents[2]
 
 
