@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from clusters import ClusterHandle
+from cryptography.fernet import Fernet
 from deploy_files import DEPLOY, role_permissions
 
 from k8s_dispatch.core.errors import ApiRejected
@@ -36,6 +37,7 @@ from k8s_dispatch.workers.types import DispatchRef
 
 SIM = "localcluster.k8s-dispatch.io/"
 RBAC_FILE = DEPLOY / "rbac.yaml"
+INPUT_KEY = Fernet.generate_key().decode()
 CAPABILITIES = {
     "capabilities": {
         "sim.ok": {"worker": "sim", "image": "sim:1", "annotations": {SIM + "duration-ms": "10"}},
@@ -67,6 +69,7 @@ def _runtime(
             "K8S_DISPATCH_NAMESPACE": namespace,
             "K8S_DISPATCH_ORPHAN_POLICY": "delete",
             "K8S_DISPATCH_SWEEP_GRACE_S": "0",
+            "K8S_DISPATCH_INPUT_KEY": INPUT_KEY,
         }
     )
     return Runtime.from_settings(
@@ -88,13 +91,14 @@ def _migrated(url: str) -> str:
     return url
 
 
-def _schedule(rt: Runtime, capability: str) -> str:
+def _schedule(rt: Runtime, capability: str, *, secret: bool = False) -> str:
     case_id = f"case-{uuid.uuid4().hex[:8]}"
     with transaction(rt.sessions) as session:
         scheduling.create_case(session, case_id=case_id, tenancy_id="tenant-a")
         return scheduling.schedule(
             session, case_id=case_id, tenancy_id="tenant-a", capability=capability, input={"n": 1},
             idempotency_key=f"key-{uuid.uuid4()}", router=rt.resolver, max_input_bytes=rt.settings.max_input_bytes,
+            secret=secret, input_key=rt.settings.input_key,
         ).dispatch_id  # fmt: skip
 
 
@@ -103,7 +107,8 @@ def _finished(rt: Runtime, namespace: str, name: str) -> bool:
 
 
 def walk_the_delivery_path(rt: Runtime, *, timeout_s: float = 15) -> None:
-    """Every API call the product makes: create, adopt, poll's LIST, complete (Pod LIST, the
+    """Every API call the product makes: create, adopt (a secret input's Secret made after its Job,
+    then found on the retry), poll's LIST, complete (Pod LIST, the
     Pod's and the Job's release patches, the bulk delete), a failure's detail (its Pod's log, the
     namespace's Warning Events), poll's LIST of failed Pods, cancel, and a sweep deleting an orphan."""
     namespace = rt.settings.namespace
@@ -111,6 +116,9 @@ def walk_the_delivery_path(rt: Runtime, *, timeout_s: float = 15) -> None:
     for dispatch_id in (done, running, failing):
         assert create.create_job_for(rt, dispatch_id) is create.CreateOutcome.CREATED
     assert create.create_job_for(rt, done) is create.CreateOutcome.ADOPTED  # a duplicate message
+    sealed = _schedule(rt, "sim.ok", secret=True)
+    assert create.create_job_for(rt, sealed) is create.CreateOutcome.CREATED  # the Job, then its Secret
+    assert create.create_job_for(rt, sealed) is create.CreateOutcome.ADOPTED  # the Secret there, and ours
 
     name = records.job_location(rt, records.load_record(rt, done))[1]
     wait_until(lambda: _finished(rt, namespace, name), timeout=timeout_s, what="the Job finished")
