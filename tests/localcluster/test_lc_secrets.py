@@ -191,3 +191,14 @@ def test_an_optional_secret_that_is_missing_leaves_the_variable_unset(ex: Api) -
     ex.wait_job("optional", "Complete", timeout=30)
     [pod] = ex.pods_of("optional")
     assert pod.status.container_statuses[0].state.terminated.message == "<$(VALUE)>"  # VALUE unset: not expanded
+
+
+def test_a_deleted_namespace_takes_its_secrets_with_it(sim: Api) -> None:
+    namespace = sim.cluster.ensure_namespace(f"{sim.namespace}-gone")
+    sim.core.create_namespaced_secret(namespace, _secret("inside", stringData={"k": "v"}))
+    sim.core.delete_namespace(namespace)
+    wait_for(
+        lambda: sim.gone(lambda: sim.core.read_namespaced_secret("inside", namespace)),
+        timeout=60,
+        what="the namespace's Secret deleted",
+    )
