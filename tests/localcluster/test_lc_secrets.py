@@ -202,3 +202,15 @@ def test_a_deleted_namespace_takes_its_secrets_with_it(sim: Api) -> None:
         timeout=60,
         what="the namespace's Secret deleted",
     )
+
+
+def test_a_container_reading_a_config_map_waits_for_it_too(sim: Api) -> None:
+    env = [{"name": "SETTING", "valueFrom": {"configMapKeyRef": {"name": "settings", "key": "mode"}}}]
+    sim.create_job(job_manifest("configured", env=env))
+    expected = ("CreateContainerConfigError", 'configmap "settings" not found')
+    assert wait_for(lambda: _waiting(sim, "configured"), timeout=30, what="the container held back") == expected
+    made = sim.core.create_namespaced_config_map(
+        sim.namespace, {"metadata": {"name": "settings"}, "data": {"mode": "fast"}, "binaryData": {"raw": _b64("x")}}
+    )
+    assert made.data == {"mode": "fast"} and made.binary_data == {"raw": _b64("x")}
+    assert sim.wait_job("configured", "Complete", timeout=30).status.succeeded == 1
