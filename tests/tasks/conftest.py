@@ -27,6 +27,7 @@ from clusters import ClusterHandle
 
 from k8s_dispatch import celeryconfig
 from k8s_dispatch.core.settings import Settings, load_settings
+from k8s_dispatch.delivery import shutdown
 from k8s_dispatch.demo.localcluster import LocalCluster
 from k8s_dispatch.ops import processes
 from k8s_dispatch.store import dispatches, migrate, scheduling
@@ -36,6 +37,8 @@ from k8s_dispatch.workers import labels as job_labels
 from k8s_dispatch.workers.kube import KubeClient
 
 START_TIMEOUT_S = 90.0  # a Celery worker's start: seconds when the machine is quiet
+# A worker's stop: its running tasks (poll's watch slice) and its last pass over our Pods being deleted.
+STOP_TIMEOUT_S = 30.0 + shutdown.MAX_S
 
 
 def wait_until(
@@ -76,7 +79,7 @@ class Proc:
 
         wait_until(seen, timeout_s=timeout_s, what=f"{text!r} in {self.log_path.name}", on_fail=self.tail)
 
-    def stop(self, *, timeout_s: float = 30.0) -> int | None:
+    def stop(self, *, timeout_s: float = STOP_TIMEOUT_S) -> int | None:
         """SIGTERM (Celery's warm shutdown); a process that needs SIGKILL returns -9 (a failure)."""
         return self.managed.stop(timeout=timeout_s)
 
