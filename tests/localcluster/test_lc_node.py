@@ -415,8 +415,10 @@ def test_after_a_crash_the_restarted_agent_fails_lost_processes_and_resumes_simu
         started = n.wait_pod("cut", "Running").status.container_statuses[0].state.running.started_at
         agent.signal(signal.SIGKILL)
         if mode == "exec":  # the process outlives its agent, as a container would its kubelet: end it
-            wait_for(lambda mark=mark: Path(str(mark) + ".pid").exists(), what="the pid file")
-            os.kill(int(Path(str(mark) + ".pid").read_text()), signal.SIGKILL)
+            pid_file = Path(str(mark) + ".pid")
+            # written, not only made: the file exists a moment before the process writes its pid
+            wait_for(lambda f=pid_file: f.exists() and f.read_text().strip(), what="the pid file")
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
         agent.start()
         if mode == "exec":
             pod = n.wait_pod("cut", "Failed")
