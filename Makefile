@@ -54,7 +54,7 @@ tools:
 # The suite mostly waits on clusters and worker processes: its files run side by side on this many
 # workers (tests/conftest.py keeps a file, the real node's tests and the chaos runs together).
 TEST_WORKERS ?= 2
-PYTEST_ARGS ?= -n $(TEST_WORKERS) --dist loadgroup --durations=25
+PYTEST_ARGS ?= -n $(TEST_WORKERS) --durations=25
 
 # Installs what it needs, starts PostgreSQL and Redis if needed, builds the tools, runs the tests.
 test: $(STAMP) tools lint

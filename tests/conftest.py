@@ -11,8 +11,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Callable, Iterator
-from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 import pytest
@@ -196,20 +195,40 @@ def cluster_under_test(request: pytest.FixtureRequest) -> ClusterHandle:
     return request.getfixturevalue("local_sim_cluster" if request.param == LOCAL else "real_cluster")
 
 
-CHAOS = Path(__file__).parent / "chaos"
-NODE_TESTS = Path(__file__).parent / "realcluster" / "test_node.py"  # starts a kubelet and containerd of its own
+# `make test` runs the suite's rooms side by side (pytest-xdist): a room's tests run one after
+# another on one worker. A room is a file (its tests share its module's cluster), except that the
+# tests on the real node share one (one kubelet, containerd and pod network per machine), and so
+# do the chaos runs (each loads the machine as a production incident would).
+KUBELET_ROOM = (
+    "tests/realcluster/test_kubelet_",
+    "tests/realcluster/test_product_image.py",
+    "tests/realcluster/test_node.py",
+)
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """`make test` runs the files side by side (pytest-xdist, `--dist loadgroup`): a file's tests
-    stay on one worker, as they share its module's cluster; the tests on the real node share one
-    worker (one kubelet, containerd and pod network per machine), and so do the chaos runs (each
-    loads the machine as a production incident would)."""
-    for item in items:
-        if "kubelet_cluster" in getattr(item, "fixturenames", ()) or item.path == NODE_TESTS:
-            group = "kubelet"
-        elif item.path.is_relative_to(CHAOS):
-            group = "chaos"
-        else:
-            group = str(item.path)
-        item.add_marker(pytest.mark.xdist_group(group))
+def room(nodeid: str) -> str:
+    path = nodeid.split("::", 1)[0]
+    if path.startswith(KUBELET_ROOM):
+        return "kubelet"
+    if path.startswith("tests/chaos/"):
+        return "chaos"
+    return path
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which returns its scheduler for `-n`
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Hands out whole rooms (xdist's loadgroup would do it from markers, but xdist 3.8 cannot mark
+    a test's id under pytest 9.2)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Rooms(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return room(nodeid)
+
+    return Rooms(config, log)
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """A test on the real node outside its room would start a second kubelet beside the first."""
+    if "kubelet_cluster" in getattr(item, "fixturenames", ()) and room(item.nodeid) != "kubelet":
+        raise pytest.UsageError(f"{item.nodeid} uses the real node: name its file as KUBELET_ROOM says")
