@@ -528,8 +528,9 @@ def tamper_step(
     `delete` (ORPHAN_POLICY=delete): a refused Job is removed at once, and its dispatch gets a
     Job of its own as any whose Job is missing (category 1, or 5 within its attempts)."""
     if view.terminal:
-        # Refused: no clean-up of the normal path selects it. Only hidden: released as usual.
-        return TamperStep.CLEAN if job is not None and refused else TamperStep.FORGET
+        # Refused, or hidden by hand (delivered=true) with our finalizer perhaps still on: no LIST
+        # of ours selects it, and the bulk delete would leave it held for ever. Released and deleted here.
+        return TamperStep.CLEAN if job is not None and (refused or hidden) else TamperStep.FORGET
     if job is None or not (refused or hidden):
         return TamperStep.FORGET
     if not refused:

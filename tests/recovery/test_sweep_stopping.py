@@ -75,8 +75,8 @@ TAMPER_CASES = [
      TamperStep.FORGET),
     ("ended meanwhile, its job refused -> clean it up", replace(noted(100), record=replace(
         noted(100).record, state=COMPLETED)), FINISHED, True, False, TamperStep.CLEAN),
-    ("ended meanwhile, its job only hidden (released as usual) -> forget", replace(noted(100), record=replace(
-        noted(100).record, state=COMPLETED)), FINISHED, False, True, TamperStep.FORGET),
+    ("ended meanwhile, its job only hidden (no LIST of ours finds it) -> clean it up", replace(noted(100),
+        record=replace(noted(100).record, state=COMPLETED)), FINISHED, False, True, TamperStep.CLEAN),
 ]  # fmt: skip
 
 

@@ -185,3 +185,20 @@ def test_delivered_true_put_on_a_running_job_by_hand_still_ends_it_once(make_run
     run_sweep(rt)
     assert row(rt, dispatch_id).job_tampered_at is None and len(terminal_events(rt, dispatch_id)) == 1
     assert uid and job_or_none(rt, name) is None
+
+
+def test_a_hidden_job_whose_dispatch_ended_without_its_release_is_released_and_deleted(make_runtime, hand):
+    """A replica recorded the end and died before it let the Job go, while the Job was hidden by
+    hand: no LIST of ours selects the finished Job and the bulk delete leaves it held by our
+    finalizer, so the sweep releases and deletes it by name."""
+    rt = make_runtime(tampered_grace_s="300")
+    dispatch_id, name = created(rt, "sim.slow")
+    edit(hand, rt, name, labels={job_labels.DELIVERED_LABEL: job_labels.DELIVERED})
+    assert run_sweep(rt).errors == 0 and row(rt, dispatch_id).job_tampered_at is not None
+    with transaction(rt.sessions) as session:  # the end, recorded; the release never came
+        dispatches.record_terminal(session, dispatch_id, EventType.WORKER_COMPLETED, {"output": {"n": 1}})
+    wait_until(lambda: job_state(rt.kube.get_job(rt.settings.namespace, name)).terminal, what="finished", timeout=15.0)
+    assert FINALIZER in (rt.kube.get_job(rt.settings.namespace, name)["metadata"].get("finalizers") or [])
+    sweep_until(rt, lambda: job_or_none(rt, name) is None, what="the hidden Job released and deleted")
+    assert_cleaned_up(rt, name)
+    assert [kind for kind, _ in terminal_events(rt, dispatch_id)] == [EventType.WORKER_COMPLETED]
