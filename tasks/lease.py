@@ -12,7 +12,10 @@ goes ahead: the tasks are safe to run twice.
 from __future__ import annotations
 
 import logging
+import threading
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import redis
 
@@ -86,3 +89,23 @@ def take(client: redis.Redis, prefix: str, task: str, *, ttl_s: float) -> Lease 
         METRICS.task_discarded(task=task, reason="running")
         return None
     return Lease(client, name, token, ttl_ms)
+
+
+@contextmanager
+def kept(running: Lease, *, every_s: float) -> Iterator[None]:
+    """Renew `running` every `every_s` from a thread of its own while the body runs, then release
+    it: for a run made of steps that cannot renew it themselves (a sweep's walk and actions)."""
+    stop = threading.Event()
+
+    def renew() -> None:
+        while not stop.wait(every_s):
+            running.renew()
+
+    renewer = threading.Thread(target=renew, name="lease-renewal", daemon=True)
+    renewer.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        renewer.join()
+        running.release()

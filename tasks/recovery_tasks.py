@@ -18,7 +18,7 @@ from k8s_dispatch.core.settings import PollMode
 from k8s_dispatch.delivery.metrics import METRICS
 from k8s_dispatch.recovery import deadlines
 from k8s_dispatch.recovery.sweep import run_sweep
-from k8s_dispatch.tasks import admission, supersede
+from k8s_dispatch.tasks import admission, lease, supersede
 from k8s_dispatch.tasks.app import app
 from k8s_dispatch.tasks.worker_runtime import get_runtime
 
@@ -30,13 +30,21 @@ STARTUP_SWEEP_DONE = "start-up sweep done"  # the log line the start-up tests wa
 @app.task(name=names.SWEEP_TASK)
 def sweep() -> dict[str, Any]:
     """One recovery sweep (beat sends this every `sweep_interval_s`); skipped if another started
-    within half that interval (`tasks.supersede`), so a backlog of sweeps runs once."""
+    within half that interval (`tasks.supersede`), so a backlog of sweeps runs once, and skipped
+    while another is under way on any replica (`tasks.lease`): a sweep can outlast its interval
+    on a loaded cluster, and sweeps side by side would hold the worker threads everything else
+    needs."""
     rt = get_runtime()
+    interval_s = rt.settings.sweep_interval_s
     if not supersede.go_ahead(
-        rt.redis, rt.settings.key_prefix, names.SWEEP_TASK, window_s=supersede.window_s(rt.settings.sweep_interval_s)
+        rt.redis, rt.settings.key_prefix, names.SWEEP_TASK, window_s=supersede.window_s(interval_s)
     ):
         return {"superseded": True}
-    report = run_sweep(rt, watched=True).to_dict()  # LISTs less often where poll's watch is healthy
+    running = lease.take(rt.redis, rt.settings.key_prefix, names.SWEEP_TASK, ttl_s=lease.ttl_s(interval_s))
+    if running is None:
+        return {"running": True}
+    with lease.kept(running, every_s=interval_s):
+        report = run_sweep(rt, watched=True).to_dict()  # LISTs less often where poll's watch is healthy
     admission.count_tenancies(rt)
     if rt.settings.poll_mode is PollMode.WATCH:  # a LIST poll counts them as it reads them
         try:
