@@ -7,7 +7,8 @@ start fast and never touch the broker, the database or the cluster on their own.
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, TextIO
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TextIO
 
 import click
 
@@ -15,6 +16,8 @@ from k8s_dispatch.core.errors import ConfigError, DispatchError
 from k8s_dispatch.core.limits import Limits
 
 if TYPE_CHECKING:
+    from sqlalchemy.orm import Session
+
     from k8s_dispatch.core.settings import Settings
     from k8s_dispatch.delivery.runtime import Runtime
     from k8s_dispatch.workers.resolver import CapabilityResolver
@@ -72,41 +75,30 @@ def schedule(
     Prints the dispatch id."""
     import json
 
-    from k8s_dispatch.store import scheduling
-    from k8s_dispatch.store.db import make_engine, make_sessionmaker, transaction
     from k8s_dispatch.tasks.scheduling import schedule_in_session
 
     try:
         value = json.loads(input_json)
     except ValueError as e:
         raise click.BadParameter(f"not JSON: {e}", param_hint="--input") from e
-    settings = _settings_with_database()
-    resolver = _resolver(settings)
-    engine = make_engine(settings.database_url)
-    try:
-        with transaction(make_sessionmaker(engine)) as session:
-            if create_case:
-                scheduling.create_case(session, case_id=case_id, tenancy_id=tenancy_id)
-            result = schedule_in_session(
-                session,
-                case_id=case_id,
-                tenancy_id=tenancy_id,
-                capability=capability,
-                input=value,
-                idempotency_key=idempotency_key,
-                router=resolver,
-                max_input_bytes=settings.max_input_bytes,
-                dispatch_id=dispatch_id,
-                priority=priority,
-            )
-    finally:
-        engine.dispose()
-    if as_json:
-        click.echo(
-            json.dumps({"dispatch_id": result.dispatch_id, "created": result.created, "state": result.state.value})
-        )
-    else:
-        click.echo(result.dispatch_id)
+    result = _schedule_with(
+        create_case,
+        case_id,
+        tenancy_id,
+        lambda session, resolver, settings: schedule_in_session(
+            session,
+            case_id=case_id,
+            tenancy_id=tenancy_id,
+            capability=capability,
+            input=value,
+            idempotency_key=idempotency_key,
+            router=resolver,
+            max_input_bytes=settings.max_input_bytes,
+            dispatch_id=dispatch_id,
+            priority=priority,
+        ),
+    )
+    _echo_scheduled(result, as_json=as_json)
 
 
 @cli.command("schedule-map")
@@ -142,14 +134,43 @@ def schedule_map(
     ending in its own event. Prints the map's dispatch id."""
     import json
 
-    from k8s_dispatch.store import scheduling
-    from k8s_dispatch.store.db import make_engine, make_sessionmaker, transaction
     from k8s_dispatch.tasks.maps import schedule_map_in_session
 
     try:
         items = json.load(items_file)
     except ValueError as e:
         raise click.BadParameter(f"not JSON: {e}", param_hint="--items") from e
+    result = _schedule_with(
+        create_case,
+        case_id,
+        tenancy_id,
+        lambda session, resolver, settings: schedule_map_in_session(
+            session,
+            case_id=case_id,
+            tenancy_id=tenancy_id,
+            capability=capability,
+            items=items,
+            idempotency_key=idempotency_key,
+            parallelism=parallelism,
+            router=resolver,
+            max_input_bytes=settings.max_input_bytes,
+            max_failed_items=max_failed_items,
+            min_succeeded=min_succeeded,
+            dispatch_id=dispatch_id,
+            priority=priority,
+        ),
+    )
+    _echo_scheduled(result, as_json=as_json)
+
+
+def _schedule_with(
+    create_case: bool, case_id: str, tenancy_id: str, write: Callable[[Session, CapabilityResolver, Settings], Any]
+) -> Any:
+    """`write(session, resolver, settings)` in one transaction of the configured database, the case
+    created first if asked: the schedule commands' one way in."""
+    from k8s_dispatch.store import scheduling
+    from k8s_dispatch.store.db import make_engine, make_sessionmaker, transaction
+
     settings = _settings_with_database()
     resolver = _resolver(settings)
     engine = make_engine(settings.database_url)
@@ -157,23 +178,14 @@ def schedule_map(
         with transaction(make_sessionmaker(engine)) as session:
             if create_case:
                 scheduling.create_case(session, case_id=case_id, tenancy_id=tenancy_id)
-            result = schedule_map_in_session(
-                session,
-                case_id=case_id,
-                tenancy_id=tenancy_id,
-                capability=capability,
-                items=items,
-                idempotency_key=idempotency_key,
-                parallelism=parallelism,
-                router=resolver,
-                max_input_bytes=settings.max_input_bytes,
-                max_failed_items=max_failed_items,
-                min_succeeded=min_succeeded,
-                dispatch_id=dispatch_id,
-                priority=priority,
-            )
+            return write(session, resolver, settings)
     finally:
         engine.dispose()
+
+
+def _echo_scheduled(result: Any, *, as_json: bool) -> None:
+    import json
+
     if as_json:
         click.echo(
             json.dumps({"dispatch_id": result.dispatch_id, "created": result.created, "state": result.state.value})
