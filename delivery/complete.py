@@ -25,12 +25,9 @@ from k8s_dispatch.artifacts.errors import ObjectStoreUnavailable
 from k8s_dispatch.core.errors import (
     DispatchError,
     InvalidInput,
-    LabelMismatch,
     NotFound,
     Permanent,
-    TenancyMismatch,
     Transient,
-    UnknownDispatch,
 )
 from k8s_dispatch.core.payloads import canonical_json
 from k8s_dispatch.delivery import disruptions, items, stats, terminal
@@ -46,8 +43,8 @@ from k8s_dispatch.delivery.crashpoints import Point, crashpoint
 from k8s_dispatch.delivery.create import Rerun, create_jobs_for
 from k8s_dispatch.delivery.guard import Claim
 from k8s_dispatch.delivery.metrics import METRICS
-from k8s_dispatch.delivery.reconstruct import DeliveryContext, DispatchRecord, context_from_job
-from k8s_dispatch.delivery.records import job_location, load_records, refuse_job
+from k8s_dispatch.delivery.reconstruct import DeliveryContext, DispatchRecord
+from k8s_dispatch.delivery.records import contexts_of, load_records
 from k8s_dispatch.delivery.runtime import Runtime
 from k8s_dispatch.store import dispatches
 from k8s_dispatch.store.db import transaction
@@ -228,7 +225,7 @@ class _Batch:
         rt = self.rt
         items = [
             _Item(job, context, first_look(job, context))
-            for job, context in zip(self.jobs, _contexts(rt, self.jobs), strict=True)
+            for job, context in zip(self.jobs, contexts_of(rt, self.jobs), strict=True)
         ]
         wanted = [item.dispatch_id for item in items if item.outcome is None]
         claims = rt.guard.claim_many(wanted) if wanted else {}
@@ -506,33 +503,6 @@ def terminal_event(done: Completion) -> tuple[EventType, dict[str, Any]]:
     if done.detail:
         payload["message"] = done.detail
     return EventType.WORKER_FAILED, payload
-
-
-def _contexts(rt: Runtime, jobs: Sequence[Mapping[str, Any]]) -> list[DeliveryContext | None]:
-    """Each Job matched to its dispatch (the rows read with one query), or None (logged and
-    counted) where it must not be delivered."""
-    refs: list[Any] = []
-    for job in jobs:
-        metadata = job.get("metadata") or {}
-        try:
-            refs.append(job_labels.decode(metadata.get("labels"), metadata.get("annotations")))
-        except LabelMismatch as e:
-            refs.append(e)
-    records = load_records(rt, [ref.dispatch_id for ref in refs if not isinstance(ref, LabelMismatch)])
-    contexts: list[DeliveryContext | None] = []
-    for job, ref in zip(jobs, refs, strict=True):
-        try:
-            if isinstance(ref, LabelMismatch):
-                raise ref
-            record = records.get(ref.dispatch_id)
-            expected = None
-            if record is not None and record.job_namespace is None:
-                expected = job_location(rt, record)[0]
-            contexts.append(context_from_job(job, record, expected_namespace=expected))
-        except (LabelMismatch, TenancyMismatch, UnknownDispatch) as e:
-            refuse_job(rt, job, e)
-            contexts.append(None)
-    return contexts
 
 
 def _why(error: BaseException) -> str:

@@ -21,17 +21,16 @@ from typing import Any
 
 import redis
 
-from k8s_dispatch.core.errors import LabelMismatch, TenancyMismatch, Transient, UnknownDispatch
+from k8s_dispatch.core.errors import Transient
 from k8s_dispatch.delivery import handoff, terminal
 from k8s_dispatch.delivery.cleanup import controller_uids, pods_by_job, release_job, release_pods
-from k8s_dispatch.delivery.reconstruct import DeliveryContext, context_from_job
-from k8s_dispatch.delivery.records import job_location, load_records, refuse_job
+from k8s_dispatch.delivery.reconstruct import DeliveryContext
+from k8s_dispatch.delivery.records import contexts_of
 from k8s_dispatch.delivery.runtime import Runtime
 from k8s_dispatch.store import dispatches, maps
 from k8s_dispatch.store.db import transaction
 from k8s_dispatch.store.models import EventType, ItemEventType
 from k8s_dispatch.workers import failure_detail
-from k8s_dispatch.workers import labels as job_labels
 from k8s_dispatch.workers.indexed import failure_count, pod_index, status_indexes
 from k8s_dispatch.workers.job_status import job_state, parse_result, pick_termination
 
@@ -186,7 +185,7 @@ def deliver_maps(rt: Runtime, namespace: str, jobs: Sequence[Mapping[str, Any]])
     """Deliver map Jobs of one namespace as a LIST or a watch read them, running or finished.
     A Transient error stops the batch: the Jobs not yet dealt with are returned to retry."""
     done = Delivered()
-    contexts = _contexts(rt, jobs)
+    contexts = contexts_of(rt, jobs)
     for position, (job, context) in enumerate(zip(jobs, contexts, strict=True)):
         try:
             done.outcomes.append(_deliver(rt, namespace, job, context))
@@ -248,27 +247,3 @@ def _deliver(rt: Runtime, namespace: str, job: Mapping[str, Any], context: Deliv
         return COMPLETED if won else ALREADY_TERMINAL
     finally:
         rt.guard.release_many([claim])
-
-
-def _contexts(rt: Runtime, jobs: Sequence[Mapping[str, Any]]) -> list[DeliveryContext | None]:
-    """Each map Job matched to its dispatch (one query), or None where it must not be delivered."""
-    refs: list[Any] = []
-    for job in jobs:
-        metadata = job.get("metadata") or {}
-        try:
-            refs.append(job_labels.decode(metadata.get("labels"), metadata.get("annotations")))
-        except LabelMismatch as e:
-            refs.append(e)
-    records = load_records(rt, [ref.dispatch_id for ref in refs if not isinstance(ref, LabelMismatch)])
-    contexts: list[DeliveryContext | None] = []
-    for job, ref in zip(jobs, refs, strict=True):
-        try:
-            if isinstance(ref, LabelMismatch):
-                raise ref
-            record = records.get(ref.dispatch_id)
-            expected = job_location(rt, record)[0] if record is not None and record.job_namespace is None else None
-            contexts.append(context_from_job(job, record, expected_namespace=expected))
-        except (LabelMismatch, TenancyMismatch, UnknownDispatch) as e:
-            refuse_job(rt, job, e)
-            contexts.append(None)
-    return contexts
