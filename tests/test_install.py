@@ -39,10 +39,9 @@ def readme_examples() -> dict[str, str]:
     return found
 
 
-@pytest.fixture(scope="module")
-def fresh_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A new virtualenv with requirements.lock (hashes checked) and our wheel, nothing else."""
-    root = tmp_path_factory.mktemp("install")
+def _venv(root: Path, *, demo: bool) -> Path:
+    """A new virtualenv with requirements.lock (hashes checked) and our wheel; with `demo`, the wheel's
+    demo extra on top, as `pip install 'k8s-dispatch[demo]'` would (at the versions the tests lock)."""
     wheels = root / "wheels"
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(wheels), str(REPO)],
@@ -55,7 +54,21 @@ def fresh_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     uv = [sys.executable, "-m", "uv", "pip", "install", "-q", "--compile-bytecode", "--python", python]
     subprocess.run([*uv, "--require-hashes", "-r", str(REPO / "requirements.lock")], check=True, timeout=600)
     subprocess.run([*uv, "--no-deps", str(wheel)], check=True, timeout=300)
+    if demo:
+        subprocess.run([*uv, "-c", str(REPO / "requirements-test.lock"), f"{wheel}[demo]"], check=True, timeout=600)
     return venv
+
+
+@pytest.fixture(scope="module")
+def fresh_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The bare product: requirements.lock and our wheel, nothing else."""
+    return _venv(tmp_path_factory.mktemp("install"), demo=False)
+
+
+@pytest.fixture(scope="module")
+def demo_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The product with its demo extra (localcluster's and the demo's dependencies)."""
+    return _venv(tmp_path_factory.mktemp("install-demo"), demo=True)
 
 
 @pytest.fixture
@@ -116,25 +129,12 @@ def test_the_bare_wheel_is_the_product_alone(fresh_venv: Path, engine_dir: Path)
                           capture_output=True, timeout=120).returncode == 0  # fmt: skip
 
 
-def test_the_demo_extra_makes_the_demo_run(fresh_venv: Path, engine_dir: Path) -> None:
+def test_the_demo_extra_makes_the_demo_run(demo_venv: Path, engine_dir: Path) -> None:
     """`pip install 'k8s-dispatch[demo]'` then `k8s-dispatch demo`: the demo's own dependencies come
-    with the extra (at the versions the tests lock), and the whole demo runs from the installed wheel."""
-    (wheel,) = (fresh_venv.parent / "wheels").glob("k8s_dispatch-*.whl")
-    install = [
-        sys.executable,
-        "-m",
-        "uv",
-        "pip",
-        "install",
-        "-q",
-        "--compile-bytecode",
-        "--python",
-        str(fresh_venv / "bin" / "python"),
-    ]
-    subprocess.run([*install, "-c", str(REPO / "requirements-test.lock"), f"{wheel}[demo]"], check=True, timeout=600)
+    with the extra, and the whole demo runs from the installed wheel."""
     demo = subprocess.run(
-        [str(fresh_venv / "bin" / "k8s-dispatch"), "demo", "--count", "3", "--broker", "embedded", "--timeout", "240"],
-        cwd=engine_dir, env=clean_env(fresh_venv, {}), capture_output=True, text=True, timeout=420,
+        [str(demo_venv / "bin" / "k8s-dispatch"), "demo", "--count", "3", "--broker", "embedded", "--timeout", "240"],
+        cwd=engine_dir, env=clean_env(demo_venv, {}), capture_output=True, text=True, timeout=420,
     )  # fmt: skip
     assert demo.returncode == 0, (demo.stdout[-3000:], demo.stderr[-3000:])
 
@@ -156,9 +156,10 @@ def processes(engine_dir: Path) -> Iterator[list[ManagedProcess]]:
 
 
 def test_readmes_engine_example_completes_and_is_notified(
-    fresh_venv: Path, engine_dir: Path, new_pg_database, redis_url: str, processes: list[ManagedProcess]
+    demo_venv: Path, engine_dir: Path, new_pg_database, redis_url: str, processes: list[ManagedProcess]
 ) -> None:
-    bin_dir = fresh_venv / "bin"
+    """The README's engine, its worker and beat, against localcluster (the demo extra's)."""
+    bin_dir = demo_venv / "bin"
     kubeconfig = engine_dir / "localcluster.kubeconfig"
     settings = {
         "K8S_DISPATCH_DATABASE_URL": new_pg_database(),
@@ -167,7 +168,7 @@ def test_readmes_engine_example_completes_and_is_notified(
         "K8S_DISPATCH_KUBECONFIG": str(kubeconfig),
         "K8S_DISPATCH_POLL_INTERVAL_S": "0.5",
     }
-    env = clean_env(fresh_venv, settings)
+    env = clean_env(demo_venv, settings)
 
     def start(name: str, *argv: str, ready: str) -> ManagedProcess:
         proc = ManagedProcess(
