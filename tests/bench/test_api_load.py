@@ -79,7 +79,10 @@ def test_the_real_control_plane_splits_every_request_by_who_sent_it(result: Benc
         by_sender = counted["requests_by_sender"]
         # what each sender is there for: ours creates and finds Jobs, the Job controller makes
         # their Pods and status, the node agent binds and reports the Pods
-        assert {"POST jobs 201", "WATCH jobs 200"} <= set(by_sender["ours"]), by_sender["ours"]  # poll: by watch
+        ours = set(by_sender["ours"])
+        # Poll by watch, never by LIST: the audit log has a watch once it ends, and the run's last
+        # slice may still be open when the window closes (on a busy machine, the only one).
+        assert "POST jobs 201" in ours and ("WATCH jobs 200" in ours or "LIST jobs 200" not in ours), ours
         assert {"POST pods 201", "PUT jobs/status 200"} <= set(by_sender["job-controller"]), by_sender
         assert {"POST pods/binding 201", "PATCH pods/status 200"} <= set(by_sender["node"]), by_sender["node"]
         assert "bench" not in by_sender  # the bench's own scrapes and watch are no one's load
