@@ -256,9 +256,11 @@ def recover(ctx: click.Context, dry_run: bool, as_json: bool) -> int:
 
 @cli.command()
 @click.option("--failures", default=10, show_default=True, type=click.IntRange(min=0), help="Latest failures to list.")
+@click.option("--maps", default=10, show_default=True, type=click.IntRange(min=0), help="Maps in progress to list.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def status(failures: int, as_json: bool) -> None:
-    """Dispatches by state, the oldest one pending and the latest failures with their reasons."""
+def status(failures: int, maps: int, as_json: bool) -> None:
+    """Dispatches by state, the oldest one pending, the latest failures with their reasons and
+    the maps in progress with their items' progress."""
     import json
 
     from rich.console import Console
@@ -271,7 +273,9 @@ def status(failures: int, as_json: bool) -> None:
     try:
         with transaction(make_sessionmaker(engine)) as session:
             # Ages on the clock the rows were written with, not this host's.
-            report = read_status(session, now=database_now(session), failures=failures, limits=_limits(settings))
+            report = read_status(
+                session, now=database_now(session), failures=failures, limits=_limits(settings), maps=maps
+            )
     finally:
         engine.dispose()
     if as_json:
@@ -282,9 +286,13 @@ def status(failures: int, as_json: bool) -> None:
 
 @cli.command()
 @click.argument("dispatch_id")
+@click.option(
+    "--failed-items", default=20, show_default=True, type=click.IntRange(min=0), help="A map's failed items to list."
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the story as JSON.")
-def show(dispatch_id: str, as_json: bool) -> None:
-    """A dispatch's whole story: its events, attempts, disruptions, why it failed, its timings."""
+def show(dispatch_id: str, failed_items: int, as_json: bool) -> None:
+    """A dispatch's whole story: its events, attempts, disruptions, why it failed, its timings;
+    for a map, its items' progress and its failed items with their reasons."""
     import json
 
     from rich.console import Console
@@ -295,7 +303,7 @@ def show(dispatch_id: str, as_json: bool) -> None:
     engine = make_engine(_settings_with_database().database_url)
     try:
         with transaction(make_sessionmaker(engine)) as session:
-            story = read_story(session, dispatch_id)
+            story = read_story(session, dispatch_id, failed_items=failed_items)
     finally:
         engine.dispose()
     if as_json:

@@ -4,6 +4,10 @@ signal, the log tail, the Warning Events) and its timings, read from the databas
 short transaction (the cluster may have forgotten the Pods long since: what they said is in the
 event log).
 
+A map dispatch's story also holds its items' progress and its first failed items with their
+reasons (`ops.map_progress`); its events are the map's own, its items' events being counted
+there (every item's are in the engine's log: `api.item_outcomes`).
+
 `read_story` does the reading; `Story.to_dict` (for `--json`) and `render` are pure.
 """
 
@@ -13,6 +17,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+import sqlalchemy as sa
 from rich.console import Group
 from rich.table import Table
 from rich.text import Text
@@ -20,9 +25,16 @@ from sqlalchemy.orm import Session
 
 from k8s_dispatch.core.errors import UnknownDispatch
 from k8s_dispatch.core.ids import check_dispatch_id
+from k8s_dispatch.ops.map_progress import (
+    DEFAULT_FAILED_ITEMS,
+    ItemFailure,
+    MapProgress,
+    read_failed_items,
+    read_progress,
+)
 from k8s_dispatch.ops.status import format_age
 from k8s_dispatch.store import admission, dispatches
-from k8s_dispatch.store.models import EventType
+from k8s_dispatch.store.models import CaseEvent, Dispatch, EventType, ItemEventType
 
 
 @dataclass(frozen=True)
@@ -51,6 +63,8 @@ class Story:
     priority: int = 0
     admitted_at: datetime | None = None  # a limit queued it until then
     place: int | None = None  # queued: its place in its tenancy's queue for its capability (1: next)
+    map: MapProgress | None = None  # a map dispatch's items; None: not a map
+    failed_items: list[ItemFailure] = field(default_factory=list)  # a map's first failed items
 
     @property
     def attempts(self) -> int:
@@ -86,11 +100,15 @@ class Story:
             "total_s": span(self.created_at, self.finished_at),
         }
 
+    @property
+    def failed_items_not_shown(self) -> int:
+        return 0 if self.map is None else max(0, self.map.failed - len(self.failed_items))
+
     def to_dict(self) -> dict[str, Any]:
         def when(value: datetime | None) -> str | None:
             return value.isoformat() if value else None
 
-        return {
+        story = {
             "dispatch_id": self.dispatch_id,
             "case_id": self.case_id,
             "tenancy_id": self.tenancy_id,
@@ -112,10 +130,18 @@ class Story:
             "failure": self.failure,
             "events": [{"id": e.id, "type": e.type, "at": e.at.isoformat(), "payload": e.payload} for e in self.events],
         }
+        if self.map is not None:  # a dispatch that is not a map keeps the keys it always had
+            story["map"] = {
+                **self.map.to_dict(),
+                "failed_items": [f.to_dict() for f in self.failed_items],
+                "failed_items_not_shown": self.failed_items_not_shown,
+            }
+        return story
 
 
-def read_story(session: Session, dispatch_id: str) -> Story:
-    """The dispatch's story, from the caller's session (read only).
+def read_story(session: Session, dispatch_id: str, *, failed_items: int = DEFAULT_FAILED_ITEMS) -> Story:
+    """The dispatch's story, from the caller's session (read only); for a map, its progress and
+    its first `failed_items` failed items.
 
     Raises:
         InvalidId: not a dispatch id.
@@ -125,11 +151,12 @@ def read_story(session: Session, dispatch_id: str) -> Story:
     row = dispatches.get_dispatch(session, dispatch_id)
     if row is None:
         raise UnknownDispatch(f"dispatch {dispatch_id} does not exist")
+    progress = read_progress(session, [row]).get(dispatch_id)
     events = [
         StoryEvent(
             e.id, e.type, e.created_at, _redacted(e.payload if isinstance(e.payload, dict) else {"value": e.payload})
         )
-        for e in dispatches.events_for(session, dispatch_id)
+        for e in (dispatches.events_for(session, dispatch_id) if progress is None else _map_events(session, row))
     ]
     return Story(
         dispatch_id=row.dispatch_id,
@@ -148,7 +175,23 @@ def read_story(session: Session, dispatch_id: str) -> Story:
         priority=row.priority or 0,
         admitted_at=row.admitted_at,
         place=admission.place(session, dispatch_id),
+        map=progress,
+        failed_items=[] if progress is None else read_failed_items(session, row, limit=failed_items),
     )
+
+
+def _map_events(session: Session, row: Dispatch) -> list[CaseEvent]:
+    """A map's own events, in order, without its items' (up to one per item: counted instead)."""
+    query = (
+        sa.select(CaseEvent)
+        .where(
+            CaseEvent.case_id == row.case_id,
+            CaseEvent.dispatch_id == row.dispatch_id,
+            CaseEvent.type.not_in([t.value for t in ItemEventType]),
+        )
+        .order_by(CaseEvent.id)
+    )
+    return list(session.scalars(query))
 
 
 # --- rendering (pure) ----------------------------------------------------------------------
@@ -171,6 +214,8 @@ def render(story: Story) -> Group:
             Text(f"queued under its limits: place {story.place} in {story.tenancy_id}'s queue for {story.capability}"
                  f" (priority {story.priority})", style="italic")
         )  # fmt: skip
+    if story.map is not None:
+        lines.extend(_map_lines(story))
     timing = story.timings()
     lines.append(
         "timings: "
@@ -209,6 +254,27 @@ def render(story: Story) -> Group:
             lines.append(Text("  log tail:", style="italic"))
             lines.append(Text("\n".join("    " + line for line in str(failure["log_tail"]).splitlines()), style="dim"))
     return Group(*lines)
+
+
+def _map_lines(story: Story) -> list[Any]:
+    """The map's rule, its progress on one line, and its first failed items (then how many more)."""
+    progress = story.map
+    if progress is None:
+        return []
+    lines: list[Any] = [f"map: {progress.rule()}", Text(f"items: {progress.summary()}", style="bold")]
+    if story.failed_items:
+        table = Table(title="failed items", title_justify="left")
+        for column in ("item", "reason", "exit code", "message"):
+            table.add_column(column, justify="right" if column in ("item", "exit code") else "left")
+        for f in story.failed_items:
+            exit_code = "-" if f.exit_code is None else str(f.exit_code)
+            table.add_row(str(f.index), f.reason, exit_code, _short(f.message or "", 100))
+        lines.append(table)
+    if story.failed_items_not_shown:
+        lines.append(
+            Text(f"and {story.failed_items_not_shown} more failed items (--failed-items N lists more)", style="italic")
+        )
+    return lines
 
 
 SECRET_SHOWN = "(secret: kept encrypted, never shown)"

@@ -1,6 +1,7 @@
 """The `status` command's report: dispatches by state, the oldest one still pending, the latest
-failures with their reasons and the dispatches whose Job cannot be created yet (and why), read
-from the database in one short transaction.
+failures with their reasons, the dispatches whose Job cannot be created yet (and why) and the maps
+not ended with their items' progress (`ops.map_progress`), read from the database in one short
+transaction.
 
 `read_status` does the reading; `StatusReport.to_dict` (for `--json`) and `render` (rich
 tables for the terminal) are pure, so what an operator sees is tested without a database.
@@ -19,18 +20,23 @@ from rich.text import Text
 from sqlalchemy.orm import Session
 
 from k8s_dispatch.core.limits import Limits
+from k8s_dispatch.ops.headline import MAX_MESSAGE_CHARS as MAX_MESSAGE_CHARS
+from k8s_dispatch.ops.headline import headline
+from k8s_dispatch.ops.headline import trim as _trim
+from k8s_dispatch.ops.map_progress import MapProgress, read_progress
 from k8s_dispatch.store import admission, dispatches
 from k8s_dispatch.store.models import (
     TERMINAL_EVENT_TYPES,
     TERMINAL_STATES,
     CaseEvent,
     Dispatch,
+    DispatchMap,
     DispatchState,
     EventType,
 )
 
 DEFAULT_FAILURES = 10
-MAX_MESSAGE_CHARS = 200  # of a failure's message, in the report
+DEFAULT_MAPS = 10  # maps in progress listed, the oldest first; the rest are counted
 
 
 @dataclass(frozen=True)
@@ -85,6 +91,18 @@ class QueueRow:
 
 
 @dataclass(frozen=True)
+class MapRow:
+    """A map dispatch not yet ended, and how far its items are."""
+
+    dispatch_id: str
+    capability: str
+    tenancy_id: str
+    state: str
+    created_at: datetime
+    progress: MapProgress
+
+
+@dataclass(frozen=True)
 class StatusReport:
     generated_at: datetime
     counts: dict[str, int]  # every DispatchState, zero if none
@@ -94,6 +112,8 @@ class StatusReport:
     create_waits: list[CreateWait] = field(default_factory=list)  # newest first
     create_waiting: int = 0  # how many pending dispatches wait for their Job's create
     queues: list[QueueRow] = field(default_factory=list)  # under a limit, or waiting
+    maps: list[MapRow] = field(default_factory=list)  # maps not ended, the oldest first
+    maps_pending: int = 0  # how many maps are not ended (`maps` lists the first of them)
 
     @property
     def total(self) -> int:
@@ -149,6 +169,18 @@ class StatusReport:
                 }
                 for q in self.queues
             ],
+            "maps_pending": self.maps_pending,
+            "maps_in_progress": [
+                {
+                    "dispatch_id": m.dispatch_id,
+                    "capability": m.capability,
+                    "tenancy_id": m.tenancy_id,
+                    "state": m.state,
+                    "created_at": m.created_at.isoformat(),
+                    **m.progress.to_dict(),
+                }
+                for m in self.maps
+            ],
             "create_waiting": self.create_waiting,
             "create_waits": [
                 {
@@ -166,10 +198,16 @@ class StatusReport:
 
 
 def read_status(
-    session: Session, *, now: datetime, failures: int = DEFAULT_FAILURES, limits: Limits | None = None
+    session: Session,
+    *,
+    now: datetime,
+    failures: int = DEFAULT_FAILURES,
+    limits: Limits | None = None,
+    maps: int = DEFAULT_MAPS,
 ) -> StatusReport:
     """The report as of `now`, from the caller's session (read only); `limits`: the
-    capabilities file's, for the fair-share rows' limits."""
+    capabilities file's, for the fair-share rows' limits; `maps`: how many maps in progress to
+    list."""
     limits = limits if limits is not None else Limits()
     pending_states = sorted(s for s in DispatchState if s not in TERMINAL_STATES)
     terminal_states = sorted(TERMINAL_STATES)
@@ -199,6 +237,7 @@ def read_status(
         .limit(failures)
     ).all()
     create_waiting = session.scalar(sa.select(sa.func.count()).select_from(Dispatch).where(waiting))
+    map_rows, maps_pending = _pending_maps(session, pending_states, maps)
     return StatusReport(
         generated_at=now,
         counts=dispatches.counts_by_state(session),
@@ -248,7 +287,36 @@ def read_status(
             for q in admission.summary(session)
             if q.queued or limits.limits(q.tenancy_id, q.capability)
         ],
+        maps=map_rows,
+        maps_pending=maps_pending,
     )
+
+
+def _pending_maps(session: Session, pending_states: list[DispatchState], limit: int) -> tuple[list[MapRow], int]:
+    """The oldest `limit` maps not ended, with their progress, and how many there are."""
+    pending_maps = sa.and_(DispatchMap.dispatch_id == Dispatch.dispatch_id, Dispatch.state.in_(pending_states))
+    total = session.scalar(sa.select(sa.func.count()).select_from(Dispatch).join(DispatchMap, pending_maps))
+    if not total or limit <= 0:
+        return [], int(total or 0)
+    rows = session.scalars(
+        sa.select(Dispatch)
+        .join(DispatchMap, pending_maps)
+        .order_by(Dispatch.created_at, Dispatch.dispatch_id)
+        .limit(limit)
+    ).all()
+    progress = read_progress(session, rows)
+    return [
+        MapRow(
+            dispatch_id=row.dispatch_id,
+            capability=row.capability,
+            tenancy_id=row.tenancy_id,
+            state=DispatchState(row.state).value,
+            created_at=row.created_at,
+            progress=progress[row.dispatch_id],
+        )
+        for row in rows
+        if row.dispatch_id in progress  # always: the query joined their dispatch_maps rows
+    ], int(total)
 
 
 def _waiting_to_create(pending_states: list[DispatchState]) -> sa.ColumnElement[bool]:
@@ -293,30 +361,6 @@ def _str(value: object) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def headline(message: str) -> str:
-    """The part of a failure's message an operator needs first, on one line: for a Python
-    traceback (whole, or its end cut by the termination message's size), its last unindented
-    line, the exception and its text (`ValueError: ...`), not the top of the stack."""
-    lines = [line.rstrip() for line in message.splitlines() if line.strip()]
-    in_traceback = any(
-        line.startswith("Traceback (most recent call last)") or line.lstrip().startswith('File "') for line in lines
-    )
-    if in_traceback:
-        for line in reversed(lines):
-            if not line[0].isspace() and not line.startswith(_NOT_THE_EXCEPTION):
-                return _trim(line)
-    return _trim(message.strip())
-
-
-# Unindented lines of a traceback that are not its exception line.
-_NOT_THE_EXCEPTION = ("Traceback", "...", "During handling of the above exception", "The above exception")
-
-
-def _trim(text: str) -> str:
-    one_line = " ".join(text.split())
-    return one_line if len(one_line) <= MAX_MESSAGE_CHARS else one_line[: MAX_MESSAGE_CHARS - 3] + "..."
-
-
 # --- rendering (pure) ----------------------------------------------------------------------
 
 
@@ -340,6 +384,8 @@ def render(report: StatusReport) -> Group:
         )
     if report.queues:
         lines.append(_queues_table(report.queues))
+    if report.maps:
+        lines.append(_maps_table(report.maps, report.maps_pending))
     if report.unnotified:
         lines.append(f"ended but the engine not told yet: {report.unnotified} (the sweep retries)")
     if report.create_waiting:
@@ -373,6 +419,33 @@ def render(report: StatusReport) -> Group:
     else:
         lines.append("no failures")
     return Group(*lines)
+
+
+def _maps_table(rows: list[MapRow], pending: int) -> Table:
+    """Each map not ended: its items by how they ended; open items running or waiting (the
+    database cannot tell which, but knows the most that can run: see `ops.map_progress`)."""
+    more = pending - len(rows)
+    table = Table(
+        title="maps in progress",
+        title_justify="left",
+        caption=f"and {more} more (k8s-dispatch status --maps N)" if more > 0 else None,
+        caption_justify="left",
+    )
+    for column in ("map", "capability", "items", "succeeded", "failed", "open"):
+        table.add_column(column, justify="left" if column in ("map", "capability", "open") else "right")
+    for m in rows:
+        p = m.progress
+        failed = str(p.failed) + (f" (+{p.cancelled} cancelled)" if p.cancelled else "")
+        table.add_row(m.dispatch_id, m.capability, str(p.items), str(p.succeeded), failed, _open_cell(p))
+    return table
+
+
+def _open_cell(p: MapProgress) -> str:
+    if p.open == 0:
+        return "0"
+    if p.waiting is not None:
+        return f"{p.open} waiting"
+    return f"{p.open} (≤{p.running_at_most} running)"
 
 
 def _queues_table(rows: list[QueueRow]) -> Table:
