@@ -2,7 +2,8 @@
 and which queued dispatches a free slot goes to (pure: the config's parse and the decision).
 
 A dispatch holds a slot from its admission (QUEUED -> SCHEDULED) until its terminal event is
-recorded (SCHEDULED and CREATED hold). The database is the only count (`store/admission.py`).
+recorded (SCHEDULED and CREATED hold); a map dispatch holds one per Pod its Indexed Job may run at
+once (`store/admission.py` says how many). The database is the only count.
 Schema (in the capabilities file, beside `capabilities:`)::
 
     limits:
@@ -18,8 +19,9 @@ Schema (in the capabilities file, beside `capabilities:`)::
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
+from fractions import Fraction
 from types import MappingProxyType
 from typing import Any
 
@@ -136,6 +138,9 @@ class Candidate:
     capability: str
     priority: int
     created_at: datetime
+    # The slots it asks for: 1, a map's the Pods it would run at once. In `choose`'s answer: the
+    # slots it got (from 1 to those asked).
+    slots: int = 1
 
     def order(self) -> tuple[int, datetime, str]:
         """Within a tenancy: higher priority first, then first in, first out."""
@@ -159,40 +164,82 @@ def free_slots(limits: Limits, running: Mapping[Pair, int], pair: Pair) -> int |
 
 
 def choose(limits: Limits, running: Mapping[Pair, int], heads: Mapping[Pair, Sequence[Candidate]]) -> list[Candidate]:
-    """The candidates to admit, in admission order: slot by slot, the tenancy furthest below its
-    weighted share of what runs (fewest running per weight; ties to the one waiting longest)
-    gets its best candidate (priority, then FIFO) whose tenancy and capability both have a free
-    slot. `heads` holds each queue's first candidates, best first; `running` what holds slots."""
+    """The candidates to admit, in admission order, each with the `slots` it got: slot by slot,
+    the tenancy furthest below its weighted share of what runs (fewest running per weight; ties
+    to the one waiting longest) gets a slot for its best candidate (priority, then FIFO) whose
+    tenancy and capability both have a free slot. `heads` holds each queue's first candidates,
+    best first; `running` the slots held.
+
+    A candidate asking several slots (a map) is admitted with its first one and stays at the head
+    of its queue, taking the next slots its tenancy's turns give it, until it has what it asked
+    or its tenancy or capability is full: so it is admitted as soon as one slot is free (a map
+    wider than the room never waits for room it may never see), never takes more than the room,
+    and shares free slots with the other tenancies by their weights as single dispatches do.
+    Behind it, its own queue waits (first in, first out). The slots one candidate gets in a row
+    are given at once (`_turns`): the answer of slot by slot, in steps bounded by the turns
+    rather than by the slots."""
     by_tenancy: dict[str, int] = {}
     by_capability: dict[str, int] = {}
     for (tenancy, capability), n in running.items():
         by_tenancy[tenancy] = by_tenancy.get(tenancy, 0) + n
         by_capability[capability] = by_capability.get(capability, 0) + n
     queues = {pair: list(candidates) for pair, candidates in heads.items() if candidates}
-    chosen: list[Candidate] = []
+    got: dict[str, int] = {}  # dispatch id -> slots given, in admission order
+    picked: dict[str, Candidate] = {}
 
-    def fits(pair: Pair) -> bool:
+    def room(pair: Pair) -> int | None:
         tenancy, capability = pair
         own, cap = limits.tenancy(tenancy).max_running, limits.capability(capability)
-        return (own is None or by_tenancy.get(tenancy, 0) < own) and (
-            cap is None or by_capability.get(capability, 0) < cap
-        )
+        rooms = [] if own is None else [own - by_tenancy.get(tenancy, 0)]
+        rooms += [] if cap is None else [cap - by_capability.get(capability, 0)]
+        return min(rooms) if rooms else None
 
     while True:
         best: dict[str, Candidate] = {}  # per tenancy, its best admissible candidate
         for pair, queue in queues.items():
-            if queue and fits(pair):
+            free = room(pair)
+            if queue and (free is None or free > 0):
                 head, current = queue[0], best.get(pair[0])
                 if current is None or head.order() < current.order():
                     best[pair[0]] = head
         if not best:
-            return chosen
-        tenancy = min(
-            best,
-            key=lambda t: (by_tenancy.get(t, 0) / limits.tenancy(t).weight, best[t].created_at, t),
-        )
+            return [replace(picked[d], slots=n) for d, n in got.items()]
+        tenancy = min(best, key=lambda t: _share(limits, by_tenancy, t, best[t]))
         pick = best[tenancy]
-        queues[(pick.tenancy_id, pick.capability)].pop(0)
-        by_tenancy[tenancy] = by_tenancy.get(tenancy, 0) + 1
-        by_capability[pick.capability] = by_capability.get(pick.capability, 0) + 1
-        chosen.append(pick)
+        pair = (pick.tenancy_id, pick.capability)
+        n = pick.slots - got.get(pick.dispatch_id, 0)
+        free = room(pair)
+        n = min(n, _turns(limits, by_tenancy, best, tenancy), *([] if free is None else [free]))
+        got[pick.dispatch_id] = got.get(pick.dispatch_id, 0) + n
+        picked[pick.dispatch_id] = pick
+        if got[pick.dispatch_id] >= pick.slots:
+            queues[pair].pop(0)
+        by_tenancy[tenancy] = by_tenancy.get(tenancy, 0) + n
+        by_capability[pick.capability] = by_capability.get(pick.capability, 0) + n
+
+
+def _share(
+    limits: Limits, by_tenancy: Mapping[str, int], tenancy: str, head: Candidate
+) -> tuple[Fraction, datetime, str]:
+    """A tenancy's place for the next slot (lowest first); exact, so `_turns` agrees with it."""
+    return (Fraction(by_tenancy.get(tenancy, 0), limits.tenancy(tenancy).weight), head.created_at, tenancy)
+
+
+def _turns(limits: Limits, by_tenancy: Mapping[str, int], best: Mapping[str, Candidate], tenancy: str) -> int:
+    """How many slots in a row `tenancy` (the one `_share` puts first) gets before another of
+    `best` comes first (at least 1; unbounded, MAX_LIMIT, when no other waits)."""
+    weight, held = limits.tenancy(tenancy).weight, by_tenancy.get(tenancy, 0)
+    turns = MAX_LIMIT
+    for other, head in best.items():
+        if other == tenancy:
+            continue
+        # `tenancy` stays first while (held + j) / weight < theirs / their weight, or equal with
+        # its tie-break first: the largest held + j it is still first at, in integers.
+        theirs, their_weight = by_tenancy.get(other, 0), limits.tenancy(other).weight
+        bound = theirs * weight
+        if (best[tenancy].created_at, tenancy) < (head.created_at, other):
+            last = bound // their_weight
+        else:
+            last = -(-bound // their_weight) - 1
+        turns = min(turns, last - held + 1)
+    return max(1, turns)

@@ -9,9 +9,24 @@ in between leaves them SCHEDULED, holding their slot, for the sweep to create (n
 slot, never a leaked one). A slot frees when the terminal event is recorded: the count reads
 states, not Jobs.
 
+Maps (fan-out, `store/maps.py`): a map's Indexed Job runs up to its `parallelism` Pods at
+once, so it holds that many slots, not one. It is admitted as soon as its tenancy and capability
+have one free slot, and takes as many more as they have room for, up to min(parallelism, items),
+sharing them with the other tenancies by weight (`core.limits.choose`). What it got is written
+over its `dispatch_maps.parallelism` in the admission's transaction, so the Job made from that
+row (the create, and any re-create after a loss) never runs more Pods than the slots held: the
+limit holds in Pods, not only in Jobs. Why not wait for room for the whole parallelism: a map
+wider than the free room (or than the limit) would wait behind every single dispatch that takes
+a slot as it frees, possibly forever; admitted narrower, it runs now, and the room is never
+exceeded. The parallelism asked stays in the map's dispatch input (its `map` summary). A map
+holds (`slots_held`) min(parallelism, open items) slots, and at least one until its end: as
+its last items end, their slots free for others. A map that ended holds its whole parallelism
+until its Job is seen stopped, as any ended dispatch holds its slot.
+
 Cost: no API request, and reads bounded by the slots it can fill and the queues with work,
 not by how many wait: the queue index gives the queues by a skip scan (one probe per queue)
-and each queue's head by a LIMIT.
+and each queue's head by a LIMIT. Counting what holds reads, for each map holding slots, its
+ended items (the primary key's index, not the items).
 """
 
 from __future__ import annotations
@@ -30,7 +45,9 @@ from k8s_dispatch.store.models import (
     STOPPING_STATES,
     Dispatch,
     DispatchAdmission,
+    DispatchMap,
     DispatchState,
+    MapItemEnd,
 )
 
 # Queued dispatches admitted per pass at most where no limit bounds them (rows an engine wrote
@@ -45,6 +62,7 @@ class Admitted:
     tenancy_id: str
     capability: str
     waited_s: float  # queued for this long (the database's clock)
+    parallelism: int | None = None  # a map's: the Pods its Job may run at once (the slots it got)
 
 
 def admit(session: Session, limits: Limits, *, now: datetime, page: int = UNLIMITED_PAGE) -> list[Admitted]:
@@ -59,11 +77,12 @@ def admit(session: Session, limits: Limits, *, now: datetime, page: int = UNLIMI
     running = holding(session, limits)
     heads: dict[Pair, list[Candidate]] = {}
     case_of: dict[str, str] = {}
+    map_ids: set[str] = set()
     for pair in queues:
         free = free_slots(limits, running, pair)
         n = page if free is None else min(free, page)
         if n > 0:
-            heads[pair] = _head(session, pair, n, case_of)
+            heads[pair] = _head(session, pair, n, case_of, map_ids)
     chosen = choose(limits, running, heads)
     if not chosen:
         return []
@@ -76,12 +95,30 @@ def admit(session: Session, limits: Limits, *, now: datetime, page: int = UNLIMI
             .returning(table.c.dispatch_id)
         )
     )
+    _narrow(session, {c.dispatch_id: c.slots for c in chosen if c.dispatch_id in moved and c.dispatch_id in map_ids})
     waited = {c.dispatch_id: max(0.0, (now - c.created_at).total_seconds()) for c in chosen}
     return [
-        Admitted(c.dispatch_id, case_of[c.dispatch_id], c.tenancy_id, c.capability, waited[c.dispatch_id])
+        Admitted(
+            c.dispatch_id,
+            case_of[c.dispatch_id],
+            c.tenancy_id,
+            c.capability,
+            waited[c.dispatch_id],
+            c.slots if c.dispatch_id in map_ids else None,
+        )
         for c in chosen
         if c.dispatch_id in moved
     ]
+
+
+def _narrow(session: Session, granted: Mapping[str, int]) -> None:
+    """Write the maps' granted parallelism where they got less than they asked (one statement)."""
+    table = DispatchMap.__table__
+    ids = sorted(granted)
+    if ids:
+        grant = sa.case(granted, value=table.c.dispatch_id)
+        asked = _least(table.c.parallelism, table.c["items"])
+        session.execute(sa.update(table).where(table.c.dispatch_id.in_(ids), asked > grant).values(parallelism=grant))
 
 
 def _room(limits: Limits, running: Mapping[Pair, int], queues: list[Pair]) -> bool:
@@ -99,16 +136,50 @@ def _take_turn(session: Session) -> None:
 
 
 def holding(session: Session, limits: Limits) -> dict[Pair, int]:
-    """(tenancy, capability) -> dispatches holding a slot, for the pairs a limit covers: those
-    admitted and not ended, and those ended whose Job may still run (`stopping`)."""
+    """(tenancy, capability) -> slots held, for the pairs a limit covers: by the dispatches
+    admitted and not ended, and those ended whose Job may still run (`stopping`); a map's as
+    `slots_held` says."""
     table = Dispatch.__table__
     holds = sa.or_(table.c.state.in_(sorted(HOLDING_STATES)), stopping(table))  # one statement, two index scans
-    query = sa.select(table.c.tenancy_id, table.c.capability, sa.func.count()).where(holds)
+    query = sa.select(table.c.tenancy_id, table.c.capability, sa.func.sum(slots_held(table))).where(holds)
     if DEFAULT_TENANCY not in limits.tenancies:  # else every tenancy is limited
         named = sorted(limits.tenancies)
         query = query.where(sa.or_(table.c.tenancy_id.in_(named), table.c.capability.in_(sorted(limits.capabilities))))
     query = query.group_by(table.c.tenancy_id, table.c.capability)
-    return {(t, c): n for t, c, n in session.execute(query)}
+    return {(t, c): int(n) for t, c, n in session.execute(query)}
+
+
+def slots_held(table: sa.Table) -> sa.ColumnElement[int]:
+    """The slots a dispatch that holds any holds: 1; a map's, the Pods its Job may run at once.
+
+    Admitted and not ended: min(parallelism, open items), at least 1 (an item ends only once its
+    Pod has finished, so the Job runs no more Pods than that; the last one holds until the map's
+    end, as any dispatch with a Job does). Ended, its Job maybe still running: min(parallelism,
+    items), at least 1 (its open items were ended with the map, their Pods maybe not yet). A
+    correlated subquery: one probe of the map's primary key per holding row, and its ends
+    counted on their index; nothing for a dispatch that is not a map."""
+    maps, ends = DispatchMap.__table__, MapItemEnd.__table__
+    ended = sa.func.count(ends.c.item_index)
+    running = sa.case(
+        (table.c.state.in_(sorted(HOLDING_STATES)), _at_least_one(_least(maps.c.parallelism, maps.c["items"] - ended))),
+        else_=_at_least_one(_least(maps.c.parallelism, maps.c["items"])),
+    )
+    own = (
+        sa.select(running)
+        .select_from(maps.outerjoin(ends, ends.c.dispatch_id == maps.c.dispatch_id))
+        .where(maps.c.dispatch_id == table.c.dispatch_id)
+        .group_by(maps.c.dispatch_id, maps.c.parallelism, maps.c["items"])
+        .scalar_subquery()
+    )
+    return sa.func.coalesce(own, 1)
+
+
+def _least(a: sa.ColumnElement[int], b: sa.ColumnElement[int]) -> sa.ColumnElement[int]:
+    return sa.case((a < b, a), else_=b)  # LEAST is PostgreSQL's, not SQLite's
+
+
+def _at_least_one(a: sa.ColumnElement[int]) -> sa.ColumnElement[int]:
+    return sa.case((a < 1, 1), else_=a)
 
 
 def stopping(table: sa.Table) -> sa.ColumnElement[bool]:
@@ -143,19 +214,27 @@ def _queue_order(table: sa.Table) -> tuple[sa.ColumnElement[object], ...]:
     return (table.c.priority.desc(), table.c.created_at, table.c.dispatch_id)
 
 
-def _head(session: Session, pair: Pair, n: int, case_of: dict[str, str]) -> list[Candidate]:
-    """The queue's first `n`, best first; their cases noted in `case_of`."""
-    table = Dispatch.__table__
+def _head(session: Session, pair: Pair, n: int, case_of: dict[str, str], map_ids: set[str]) -> list[Candidate]:
+    """The queue's first `n`, best first, each asking its slots (a map: min(parallelism,
+    items), by a probe of its primary key); their cases noted in `case_of`, the maps in `map_ids`."""
+    table, maps = Dispatch.__table__, DispatchMap.__table__
+    asks = (
+        sa.select(_least(maps.c.parallelism, maps.c["items"]))
+        .where(maps.c.dispatch_id == table.c.dispatch_id)
+        .scalar_subquery()
+    )
     query = (
-        sa.select(table.c.dispatch_id, table.c.priority, table.c.created_at, table.c.case_id)
+        sa.select(table.c.dispatch_id, table.c.priority, table.c.created_at, table.c.case_id, asks)
         .where(table.c.state == DispatchState.QUEUED, table.c.tenancy_id == pair[0], table.c.capability == pair[1])
         .order_by(*_queue_order(table))
         .limit(n)
     )
     heads = []
-    for d, p, created, case_id in session.execute(query):
-        heads.append(Candidate(d, pair[0], pair[1], p, created))
+    for d, p, created, case_id, slots in session.execute(query):
+        heads.append(Candidate(d, pair[0], pair[1], p, created, 1 if slots is None else max(1, int(slots))))
         case_of[d] = case_id
+        if slots is not None:
+            map_ids.add(d)
     return heads
 
 
@@ -164,7 +243,8 @@ def _head(session: Session, pair: Pair, n: int, case_of: dict[str, str]) -> list
 
 @dataclass(frozen=True)
 class QueueSummary:
-    """One (tenancy, capability): what holds a slot, what waits, since when."""
+    """One (tenancy, capability): the slots held (a map holds as many as its Job may run Pods
+    at once), the dispatches waiting, since when."""
 
     tenancy_id: str
     capability: str
@@ -176,14 +256,14 @@ class QueueSummary:
 def summary(session: Session) -> list[QueueSummary]:
     """Every (tenancy, capability) that holds or waits for a slot: one grouped read of the
     open dispatches and of the ended ones whose Job may still run (an operator's view,
-    O(open dispatches))."""
+    O(open dispatches)). `running` counts slots as admission does (`slots_held`)."""
     table = Dispatch.__table__
     holds = sa.or_(table.c.state.in_(sorted(HOLDING_STATES)), stopping(table))
     query = (
         sa.select(
             table.c.tenancy_id,
             table.c.capability,
-            sa.func.count().filter(holds),
+            sa.func.coalesce(sa.func.sum(slots_held(table)).filter(holds), 0),
             sa.func.count().filter(table.c.state == DispatchState.QUEUED),
             sa.func.min(table.c.created_at).filter(table.c.state == DispatchState.QUEUED),
         )
@@ -191,7 +271,9 @@ def summary(session: Session) -> list[QueueSummary]:
         .group_by(table.c.tenancy_id, table.c.capability)
         .order_by(table.c.tenancy_id, table.c.capability)
     )
-    return [QueueSummary(t, c, running, queued, oldest) for t, c, running, queued, oldest in session.execute(query)]
+    return [
+        QueueSummary(t, c, int(running), queued, oldest) for t, c, running, queued, oldest in session.execute(query)
+    ]
 
 
 def place(session: Session, dispatch_id: str) -> int | None:
@@ -227,7 +309,7 @@ def place(session: Session, dispatch_id: str) -> int | None:
 
 
 def by_tenancy(rows: list[QueueSummary]) -> Mapping[str, tuple[int, int]]:
-    """tenancy -> (running, queued), summed over its capabilities (pure)."""
+    """tenancy -> (slots held, dispatches queued), summed over its capabilities (pure)."""
     out: dict[str, tuple[int, int]] = {}
     for row in rows:
         running, queued = out.get(row.tenancy_id, (0, 0))

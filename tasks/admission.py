@@ -4,7 +4,8 @@ to run one.
 
 Passes run when a dispatch is queued (the `admit` task, sent after the schedule commits), when
 dispatches end or their Jobs stop (inline, in the worker that recorded it: `Runtime.on_ended`), and every
-poll interval from beat (the net under lost messages and crashed workers). The triggered ones
+poll interval from beat (the net under lost messages and crashed workers; also what fills the
+slots a map frees as its last items end, which trigger no pass of their own). The triggered ones
 are coalesced through Redis (a burst of queued schedules runs a few passes, not one each);
 beat's runs regardless. Correctness never rests on Redis: the database's admission turn makes
 any number of passes safe, and a pass that was skipped is covered by the next one.
@@ -56,7 +57,7 @@ def run_pass(rt: Runtime, sender: Celery) -> list[admission.Admitted]:
         METRICS.admitted(a.tenancy_id, waited_s=a.waited_s)
         statelog.state_changed(
             DispatchState.SCHEDULED, dispatch_id=a.dispatch_id, case_id=a.case_id, tenancy_id=a.tenancy_id,
-            capability=a.capability, via="admission", waited_s=round(a.waited_s, 3),
+            capability=a.capability, via="admission", waited_s=round(a.waited_s, 3), parallelism=a.parallelism,
         )  # fmt: skip
     create_admitted(rt, sender, [a.dispatch_id for a in admitted])
     return admitted

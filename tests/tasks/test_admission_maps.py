@@ -1,0 +1,81 @@
+"""A map admitted by a pass (`tasks.admission.run_pass`) gets an Indexed Job whose parallelism is
+the room it was granted, not what it asked: on real PostgreSQL and localcluster, the limit holds
+in Pods, and the pass's counts (`status`, the tenancy gauges) show the slots the map holds."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import Any, cast
+
+import pytest
+from celery import Celery
+
+from k8s_dispatch.core.settings import load_settings
+from k8s_dispatch.delivery.runtime import Runtime
+from k8s_dispatch.demo.localcluster import LocalCluster
+from k8s_dispatch.store import admission, maps, migrate, scheduling
+from k8s_dispatch.store.db import transaction
+from k8s_dispatch.store.models import DispatchState
+from k8s_dispatch.tasks.admission import run_pass
+from k8s_dispatch.workers.manifest import job_name
+from k8s_dispatch.workers.resolver import CapabilityResolver
+from tests.tasks.test_admission_creates import Broker
+
+SIM = "localcluster.k8s-dispatch.io/"
+CAPABILITIES = {
+    "capabilities": {"sim.hang": {"worker": "sim", "image": "sim:1", "annotations": {SIM + "outcome": "hang"}}},
+    "limits": {"tenancies": {"tenant-l": {"maxRunning": 3}}},
+}
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalCluster]:
+    with LocalCluster(mode="simulate") as c:
+        yield c
+
+
+@pytest.fixture
+def rt(cluster: LocalCluster, new_pg_database: Any, redis_url: str, key_prefix: str) -> Iterator[Runtime]:
+    url = new_pg_database()  # admission reads every queue: a database of this test's own
+    migrate.upgrade(url)
+    settings = load_settings(
+        {
+            "K8S_DISPATCH_DATABASE_URL": url,
+            "K8S_DISPATCH_REDIS_URL": redis_url,
+            "K8S_DISPATCH_KEY_PREFIX": f"{key_prefix}-{uuid.uuid4().hex[:8]}",
+            "K8S_DISPATCH_NAMESPACE": f"adm-{uuid.uuid4().hex[:8]}",
+            "K8S_DISPATCH_KUBECONFIG": str(cluster.kubeconfig),
+        }
+    )
+    runtime = Runtime.from_settings(settings, resolver=CapabilityResolver.from_mapping(CAPABILITIES, source="<test>"))
+    yield runtime
+    runtime.close()
+
+
+def test_a_map_admitted_into_the_room_left_runs_its_job_at_that_parallelism(rt: Runtime) -> None:
+    case_id = f"case-{uuid.uuid4().hex[:8]}"
+    with transaction(rt.sessions) as session:
+        scheduling.create_case(session, case_id=case_id, tenancy_id="tenant-l")
+        single = scheduling.schedule(
+            session, case_id=case_id, tenancy_id="tenant-l", capability="sim.hang", input={"i": 0},
+            idempotency_key=f"key-{uuid.uuid4()}", router=rt.resolver, max_input_bytes=rt.settings.max_input_bytes,
+        ).dispatch_id  # fmt: skip
+    broker = Broker()
+    assert [a.dispatch_id for a in run_pass(rt, cast(Celery, broker))] == [single]
+    with transaction(rt.sessions) as session:
+        request = maps.MapRequest(
+            case_id, "tenant-l", "sim.hang", [{"n": i} for i in range(6)], f"map-{uuid.uuid4()}", parallelism=5
+        )
+        scheduled = maps.schedule_map(session, request, router=rt.resolver, max_input_bytes=rt.settings.max_input_bytes)
+    assert scheduled.state is DispatchState.QUEUED
+    wide = scheduled.dispatch_id
+
+    (admitted,) = run_pass(rt, cast(Celery, broker))
+
+    assert (admitted.dispatch_id, admitted.parallelism) == (wide, 2)
+    job = rt.kube.get_job(rt.settings.namespace, job_name(wide))
+    assert (job["spec"]["completions"], job["spec"]["parallelism"]) == (6, 2)  # 1 + 2 Pods: the limit of 3
+    with transaction(rt.sessions) as session:
+        assert admission.by_tenancy(admission.summary(session)) == {"tenant-l": (3, 0)}
+    assert broker.sent == []
