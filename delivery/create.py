@@ -42,7 +42,7 @@ from k8s_dispatch.core.errors import (
 )
 from k8s_dispatch.core.ids import check_dispatch_id
 from k8s_dispatch.core.payloads import canonical_json
-from k8s_dispatch.delivery import queue_clock, statelog, terminal
+from k8s_dispatch.delivery import items, queue_clock, statelog, terminal
 from k8s_dispatch.delivery.cleanup import cleanup_job, label_deployment
 from k8s_dispatch.delivery.crashpoints import Point, crashpoint
 from k8s_dispatch.delivery.reconstruct import DispatchRecord, context_from_job
@@ -66,6 +66,7 @@ class CreateOutcome(StrEnum):
     SKIPPED = "skipped"  # the dispatch is terminal already: no Job is needed
     QUEUED = "queued"  # the dispatch waits for a slot (store/admission.py): no Job yet
     FAILED = "failed"  # refused for good (API 4xx, invalid manifest, foreign Job): WORKER_FAILED
+    ENDED = "ended"  # a map whose every item has ended, its Job gone: its terminal event, no Job
 
 
 def create_job_for(rt: Runtime, dispatch_id: str) -> CreateOutcome:
@@ -148,7 +149,7 @@ def create_jobs_for(
     reruns = reruns or {}
     outcomes: dict[str, CreateOutcome] = {}
     made: list[_Made] = []
-    failed: dict[str, tuple[DispatchRecord, tuple[str, str]]] = {}
+    ends: dict[str, tuple[DispatchRecord, dispatches.TerminalEvent]] = {}
     stopped: Exception | None = None
     with transaction(rt.sessions) as session:
         rows = dispatches.lock_dispatch_rows(session, ids)
@@ -160,10 +161,15 @@ def create_jobs_for(
             if record is None:
                 log.warning("no dispatch %s: no Job to create", dispatch_id)
                 continue
+            shape = shapes.get(dispatch_id)
+            if shape is not None and not shape.open_items and record.state is not DispatchState.QUEUED:
+                # Its Job lost after its last item was recorded: the map ends as its Job would have.
+                counts = maps.item_counts(session, dispatch_id)
+                outcomes[dispatch_id] = CreateOutcome.ENDED
+                ends[dispatch_id] = (record, items.map_event(dispatch_id, {}, shape, counts))
+                continue
             try:
-                step = _create(
-                    rt, record, reruns.get(dispatch_id), shapes.get(dispatch_id), sealed=rows[dispatch_id].secret_input
-                )
+                step = _create(rt, record, reruns.get(dispatch_id), shape, sealed=rows[dispatch_id].secret_input)
             except queue_clock.QUEUE_WAITS as e:
                 if not _queue_timed_out(rt, session, record):
                     _note_create_error(session, record, e)
@@ -182,16 +188,14 @@ def create_jobs_for(
             if step.made is not None:
                 made.append(step.made)
             if step.failure is not None:
-                failed[dispatch_id] = (record, step.failure)
+                reason, message = step.failure
+                payload = {"reason": reason, "message": message}
+                ends[dispatch_id] = (record, dispatches.TerminalEvent(dispatch_id, EventType.WORKER_FAILED, payload))
         marked = dispatches.mark_created_many(
             session, [dispatches.CreatedJob(m.record.dispatch_id, m.name, m.namespace, m.attempt) for m in made]
         )
-        failures = {
-            d: dispatches.TerminalEvent(d, EventType.WORKER_FAILED, {"reason": reason, "message": message})
-            for d, (_, (reason, message)) in sorted(failed.items())
-        }
-        ended = terminal.record(session, list(failures.values()))
-    _after_creates(rt, made, marked, [(failed[d][0], failures[d]) for d in sorted(ended)])
+        ended = terminal.record(session, [event for _, event in ends.values()])
+    _after_creates(rt, made, marked, [ends[d] for d in sorted(ended)])
     if stopped is not None:
         raise stopped
     return outcomes
@@ -209,10 +213,7 @@ def _after_creates(
         elif m.record.state is DispatchState.SCHEDULED or m.outcome is CreateOutcome.CREATED:
             statelog.dispatch_changed(m.record, DispatchState.CREATED, job=f"{m.namespace}/{m.name}", attempt=m.attempt)
     for record, event in ended:
-        log.warning(
-            "dispatch %s failed before its job ran: %s: %s",
-            record.dispatch_id, event.payload["reason"], event.payload["message"],
-        )  # fmt: skip
+        log.warning("dispatch %s ended %s with no job of it running: %s", record.dispatch_id, event.type, event.payload)
     terminal.announce(rt, ended)
 
 
@@ -312,8 +313,13 @@ def _create(
             secret_input=secret_text is not None,
         )
         if shape is not None:  # a map: its Job made Indexed, one Pod per item (workers/indexed.py)
+            # Its open items only: a lost Job made again never runs an item that has ended.
             body = indexed_job(
-                body, inputs=shape.inputs, parallelism=shape.parallelism, max_failed_items=shape.max_failed_items
+                body,
+                inputs=shape.inputs,
+                item_indexes=shape.open_items,
+                parallelism=shape.parallelism,
+                max_failed_items=shape.failures_left,
             )
     except UnknownCapability as e:
         # Removed from the config since scheduling: a Job made before still runs and is

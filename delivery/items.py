@@ -31,7 +31,7 @@ from k8s_dispatch.store import dispatches, maps
 from k8s_dispatch.store.db import transaction
 from k8s_dispatch.store.models import EventType, ItemEventType
 from k8s_dispatch.workers import failure_detail
-from k8s_dispatch.workers.indexed import failure_count, pod_index, status_indexes
+from k8s_dispatch.workers.indexed import failure_count, item_indexes, item_of, pod_index, status_indexes
 from k8s_dispatch.workers.job_status import job_state, parse_result, pick_termination
 
 log = logging.getLogger(__name__)
@@ -111,19 +111,24 @@ def decide(
     A succeeded Pod ends its item. A failed one ends its item only once the Job controller gave
     its index up (`failedIndexes`) or the Job ended; while a later Pod of its index exists it
     was retried (freed, no end); otherwise it waits for the next look. Items already `ended`
-    are skipped (their Pods are freed by the caller).
+    are skipped (their Pods are freed by the caller). Indexes are the items' (a Job made for
+    some items only maps its completion indexes through its `item_indexes`).
+
+    Raises:
+        LabelMismatch: the Job's item indexes are unreadable (`workers.indexed.item_indexes`).
     """
-    _, failed_indexes = status_indexes(job)
+    indexes = item_indexes(job)
+    _, failed_indexes = status_indexes(job, indexes)
     job_ended = job_state(job).terminal
     latest: dict[int, int] = {}
     for pod in pods:
-        index = pod_index(pod)
+        index = item_of(indexes, pod_index(pod))
         if index is not None:
             latest[index] = max(latest.get(index, 0), _attempt(pod))
     out = Decided()
     chosen: dict[int, Mapping[str, Any]] = {}
     for pod in pods:
-        index = pod_index(pod)
+        index = item_of(indexes, pod_index(pod))
         phase = _phase(pod)
         if index is None or not 0 <= index < items or phase not in ("Succeeded", "Failed") or index in ended:
             continue
@@ -164,7 +169,7 @@ def open_item_ends(
     """Once the Job has ended: an end for each item no Pod ended (pure). An index the Job counts
     succeeded whose result no Pod holds any more is ITEM_RESULT_LOST; any other ends with the
     Job's reason (it never ran, or ran when the Job stopped)."""
-    completed, _ = status_indexes(job)
+    completed, _ = status_indexes(job, item_indexes(job))
     reason = job_state(job).reason or "JobEnded"
     ends = []
     for index in range(shape.items):
@@ -235,10 +240,13 @@ def _deliver(rt: Runtime, namespace: str, job: Mapping[str, Any], context: Deliv
         if event is not None and won:
             assert row is not None
             terminal.announce(rt, [(row, event)])
+        indexes = item_indexes(job)
         free = [
             p
             for p in pods
-            if finished or (pod_index(p) in now_ended and _phase(p) in ("Succeeded", "Failed")) or p in decided.retried
+            if finished
+            or (item_of(indexes, pod_index(p)) in now_ended and _phase(p) in ("Succeeded", "Failed"))
+            or p in decided.retried
         ]
         release_pods(rt, namespace, free)
         if not finished:

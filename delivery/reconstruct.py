@@ -15,6 +15,7 @@ from typing import Any
 from k8s_dispatch.core.errors import LabelMismatch, TenancyMismatch, UnknownDispatch
 from k8s_dispatch.store.models import TERMINAL_STATES, DispatchState
 from k8s_dispatch.workers import labels as job_labels
+from k8s_dispatch.workers.indexed import is_map_job, item_indexes
 from k8s_dispatch.workers.manifest import FINALIZER, job_name
 from k8s_dispatch.workers.types import (
     CapabilityName,
@@ -114,7 +115,8 @@ def context_from_job(
     Raises:
         LabelMismatch: the labels are unreadable or disagree with the row (dispatch id, case,
             capability, worker, idempotency key), or the Job is not where the dispatch's Job
-            is (another name or namespace: a copy).
+            is (another name or namespace: a copy), or a map's Job's item indexes are
+            unreadable.
         UnknownDispatch: no dispatch has the id the labels carry.
         TenancyMismatch: the labels' tenancy is not the dispatch's.
     """
@@ -148,6 +150,8 @@ def context_from_job(
         )
     if not isinstance(namespace, str) or not namespace:  # nothing says where its Pods are, nor to release it
         raise LabelMismatch(f"job {_where(metadata)} has no namespace")
+    if is_map_job(job):
+        item_indexes(job)  # which item each Pod runs must be readable: it says whose result a Pod's is
     return DeliveryContext(
         ref=ref,
         record=record,

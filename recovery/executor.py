@@ -44,6 +44,7 @@ from k8s_dispatch.recovery.plan import (
     TamperedJob,
     TamperStep,
     hidden,
+    missing_job,
     name_dispatch_id,
     named_dispatch_ids,
     refusal,
@@ -62,7 +63,12 @@ log = logging.getLogger(__name__)
 ORPHANS_REPORTED = "orphans_reported"  # a Redis stats counter, cluster-wide (see delivery.stats)
 
 _COMPLETE_ACTED = (complete.CompleteOutcome.COMPLETED, complete.CompleteOutcome.RERUN)
-_CREATE_ACTED = (create.CreateOutcome.CREATED, create.CreateOutcome.ADOPTED, create.CreateOutcome.FAILED)
+_CREATE_ACTED = (
+    create.CreateOutcome.CREATED,
+    create.CreateOutcome.ADOPTED,
+    create.CreateOutcome.FAILED,
+    create.CreateOutcome.ENDED,
+)
 Deferrable = TypeVar("Deferrable", CompleteJob, CleanUpJob)  # a Job a queued completion may be handling
 
 
@@ -233,6 +239,7 @@ class Executor:
                 return _Outcome.SKIPPED  # looked at already in this sweep
             self.tampered.add(action.dispatch_id)
         job = action.job if action.job is not None else job_or_none(rt, action.namespace, action.job_name)
+        missing: CreateJob | RecreateJob | FailJobLost | None = None
         claim = rt.guard.claim(action.dispatch_id)
         if claim is None:
             return _Outcome.SKIPPED  # another replica is delivering it
@@ -255,14 +262,21 @@ class Executor:
                     with transaction(rt.sessions) as session:
                         dispatches.clear_job_tampered(session, view.dispatch_id)
                 return _Outcome.SKIPPED
-            assert job is not None  # every other step has a Job
+            if step is TamperStep.MISSING:
+                missing = missing_job(view, now=now, policy=Policy.from_settings(rt.settings))
+                if missing is None:
+                    return _Outcome.NOTHING  # inside the grace: the next sweep looks again
             if step in (TamperStep.CLEAN, TamperStep.DELETE):
                 if step is TamperStep.DELETE:
+                    # Noted first: the dispatch is found again from its row, with no Job.
+                    with transaction(rt.sessions) as session:
+                        dispatches.note_job_tampered(session, view.dispatch_id, now=now)
                     log.warning(
                         "dispatch %s: its job %s/%s was edited by hand (%s); deleting it (orphan policy), "
                         "the dispatch gets a job of its own", view.dispatch_id, action.namespace, action.job_name,
                         refused,
                     )  # fmt: skip
+                assert job is not None
                 self._remove(action.namespace, action.job_name, job)
                 return _Outcome.ACTED
             noted = view.job_tampered_at is None
@@ -282,7 +296,7 @@ class Executor:
                     view, job, refused=refused is not None, hidden=is_hidden, now=now, grace=grace, delete=delete
                 )
             if step is TamperStep.FAIL:
-                assert refused is not None
+                assert refused is not None and job is not None
                 message = (
                     f"job {action.namespace}/{action.job_name} was edited by hand and disagreed with the "
                     f"dispatch for {(now - (view.job_tampered_at or now)).total_seconds():.0f}s: {refused}"
@@ -293,10 +307,16 @@ class Executor:
                 )
                 self._remove(action.namespace, action.job_name, job)
                 return _Outcome.ACTED if won else _Outcome.SKIPPED
-            if step is not TamperStep.DELIVER:
+            if step not in (TamperStep.DELIVER, TamperStep.MISSING):
                 return _Outcome.ACTED if noted else _Outcome.NOTHING  # WAIT, RUNS
         finally:
             rt.guard.release(claim)
+        if missing is not None:  # each takes the claim itself
+            if isinstance(missing, CreateJob):
+                made = create.create_job_for(rt, missing.dispatch_id)
+                return _Outcome.ACTED if made in _CREATE_ACTED else _Outcome.SKIPPED
+            return self._job_lost(missing)
+        assert job is not None
         completed = complete.complete_job(rt, action.namespace, action.job_name, snapshot=job, delete=False)
         if completed is complete.CompleteOutcome.COMPLETED:
             # Released; the next cleanup's bulk delete removes it, if it carries our deployment

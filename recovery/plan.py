@@ -394,7 +394,7 @@ def plan_dispatches(
     for dispatch in dispatches:
         if dispatch.terminal or (dispatch.namespace, dispatch.job_name) in present:
             continue
-        action = _decide_missing_job(dispatch, now=now, policy=policy)
+        action = missing_job(dispatch, now=now, policy=policy)
         if action is not None:
             actions.append(action)
     return actions
@@ -455,7 +455,11 @@ def _decide_job(job: JobDict, dispatches: Mapping[str, DispatchView], *, policy:
     return ReportRunning(**where, adopt=dispatch.state is DispatchState.SCHEDULED)
 
 
-def _decide_missing_job(dispatch: DispatchView, *, now: datetime, policy: Policy) -> Action | None:
+def missing_job(
+    dispatch: DispatchView, *, now: datetime, policy: Policy
+) -> CreateJob | RecreateJob | FailJobLost | None:
+    """What to do about an open dispatch whose Job is missing (categories 1 and 5; None: inside
+    the grace, the normal path is probably on it)."""
     # Changed within the grace period: the normal path is probably creating its Job right now.
     if now - dispatch.updated_at < policy.grace:
         return None
@@ -509,7 +513,8 @@ class TamperStep(Enum):
     DELIVER = "deliver"  # only hidden (its labels agree) and finished: deliver it, as poll would
     RUNS = "runs"  # only hidden and still running: it is ours; looked at by name every sweep
     CLEAN = "clean"  # the dispatch has ended, its Job refused: release and delete the Job
-    FORGET = "forget"  # no Job (category 5's), or nothing wrong any more: clear the note
+    MISSING = "missing"  # noted, and no Job now (removed by DELETE, or since): run it again (5)
+    FORGET = "forget"  # no Job, never noted (category 5's), or nothing wrong any more: clear the note
 
 
 def tamper_step(
@@ -525,13 +530,16 @@ def tamper_step(
     """Pure: `job` is the dispatch's Job by name (None: absent); `refused` whether delivery would
     refuse it for this dispatch (`refusal`); `hidden` whether it is out of our selectors. The
     grace counts from `view.job_tampered_at` (the database's clock; None: not noted yet).
-    `delete` (ORPHAN_POLICY=delete): a refused Job is removed at once, and its dispatch gets a
-    Job of its own as any whose Job is missing (category 1, or 5 within its attempts)."""
+    `delete` (ORPHAN_POLICY=delete): a refused Job is removed at once (the row noted first), and
+    its dispatch gets a Job of its own as any whose Job is missing (category 5 within its
+    attempts), found again from the note: no watch event or LIST needs to see the Job leave."""
     if view.terminal:
         # Refused, or hidden by hand (delivered=true) with our finalizer perhaps still on: no LIST
         # of ours selects it, and the bulk delete would leave it held for ever. Released and deleted here.
         return TamperStep.CLEAN if job is not None and (refused or hidden) else TamperStep.FORGET
-    if job is None or not (refused or hidden):
+    if job is None:
+        return TamperStep.MISSING if view.job_tampered_at is not None else TamperStep.FORGET
+    if not (refused or hidden):
         return TamperStep.FORGET
     if not refused:
         return TamperStep.DELIVER if job_state(job).terminal else TamperStep.RUNS

@@ -45,8 +45,8 @@ MAX_MAP_ITEMS = 100_000
 # dispatch with a large input does. A larger map is refused here (InputTooLarge), before
 # anything is written: split it, or wait for inputs through the object store.
 MAX_MAP_INPUT_BYTES = 256 * 1024
-# `parallelism` of one Job: the API's own bound is far higher; more Pods at once than this is a
-# fair-share question no map should decide alone.
+# `parallelism` of one Job: the API's own bound is far higher; under a limit, admission narrows
+# it to the slots the map was granted (store/admission.py).
 MAX_PARALLELISM = 10_000
 
 
@@ -85,7 +85,16 @@ class MapShape:
     parallelism: int
     max_failed_items: int | None
     min_succeeded: int | None
-    inputs: list[Any] = field(default_factory=list)  # loaded only for a create
+    # Loaded only for a create: the items still open (no end recorded), their inputs in the
+    # same order, and how many items failed already (they count against `max_failed_items`).
+    inputs: list[Any] = field(default_factory=list)
+    open_items: list[int] = field(default_factory=list)
+    failed: int = 0
+
+    @property
+    def failures_left(self) -> int | None:
+        """How many more items may fail before the map stops (None: no limit)."""
+        return None if self.max_failed_items is None else max(0, self.max_failed_items - self.failed)
 
     def passed(self, succeeded: int) -> bool:
         """Whether `succeeded` items make the map pass (all, or at least `min_succeeded`)."""
@@ -226,17 +235,28 @@ _MAPS_AMONG = sa.select(DispatchMap).where(DispatchMap.dispatch_id.in_(sa.bindpa
 
 def map_shapes(session: Session, ids: Iterable[str], *, inputs: bool = False) -> dict[str, MapShape]:
     """The maps among `ids`, by id (one query per QUERY_BATCH ids; none for a dispatch that is
-    not a map); with `inputs`, each with its items' inputs in index order (a create's read)."""
+    not a map); with `inputs` (a create's read), each with its open items and their inputs in
+    index order, and its count of failed items: a Job made again runs only what is open."""
     found = {row.dispatch_id: row for row in by_ids(session, ids, session.scalars, _MAPS_AMONG)}
     loaded: dict[str, list[Any]] = {d: [] for d in found}
+    open_items: dict[str, list[int]] = {d: [] for d in found}
+    failed: dict[str, int] = dict.fromkeys(found, 0)
     if inputs and found:
         query = (
-            sa.select(MapItem.dispatch_id, MapItem.input)
+            sa.select(MapItem.dispatch_id, MapItem.item_index, MapItem.input, MapItemEnd.type)
+            .outerjoin(
+                MapItemEnd,
+                sa.and_(MapItemEnd.dispatch_id == MapItem.dispatch_id, MapItemEnd.item_index == MapItem.item_index),
+            )
             .where(MapItem.dispatch_id.in_(sorted(found)))
             .order_by(MapItem.dispatch_id, MapItem.item_index)
         )
-        for dispatch_id, item in session.execute(query):
-            loaded[dispatch_id].append(item)
+        for dispatch_id, index, item, end in session.execute(query):
+            if end is None:
+                open_items[dispatch_id].append(int(index))
+                loaded[dispatch_id].append(item)
+            elif end != ItemEventType.ITEM_COMPLETED.value:
+                failed[dispatch_id] += 1
     return {
         d: MapShape(
             items=row.items,
@@ -244,6 +264,8 @@ def map_shapes(session: Session, ids: Iterable[str], *, inputs: bool = False) ->
             max_failed_items=row.max_failed_items,
             min_succeeded=row.min_succeeded,
             inputs=loaded[d],
+            open_items=open_items[d],
+            failed=failed[d],
         )
         for d, row in found.items()
     }

@@ -314,6 +314,8 @@ class DispatchMap(Base):
         sa.String(36), sa.ForeignKey("dispatches.dispatch_id", ondelete="CASCADE"), primary_key=True
     )
     items: Mapped[int] = mapped_column()  # the Indexed Job's completions
+    # The Job's parallelism: as asked, or narrowed at admission to the slots granted
+    # (store/admission.py); what was asked stays in the dispatch's input["map"].
     parallelism: Mapped[int] = mapped_column()
     max_failed_items: Mapped[int | None] = mapped_column(nullable=True)  # maxFailedIndexes; None: no limit
     min_succeeded: Mapped[int | None] = mapped_column(nullable=True)  # None: every item must succeed

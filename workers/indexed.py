@@ -10,24 +10,27 @@ The capability's `failOnExitCodes` fail the item (`FailIndex`), not the whole ma
 Inputs: the items' inputs travel as one JSON array in the Pod template's env (`ITEMS_ENV`) and
 the runner hands the function the one at its `JOB_COMPLETION_INDEX`. Chosen over a ConfigMap
 owned by the Job (one key per index, mounted) because neither localcluster nor our node agent
-has ConfigMaps or volumes, and the template needs no second object to exist before the Pods
-start; the price is that every Pod object carries the whole array, so a map's inputs are capped
+mounts volumes, and the template needs no second object to exist before the Pods start; the price is that every Pod object carries the whole array, so a map's inputs are capped
 (`store.maps.MAX_MAP_INPUT_BYTES`, refused at schedule above it), far under etcd's 1.5 MiB.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Mapping
+import itertools
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from k8s_dispatch.container.contract import INPUT_ENV, encode_input
 from k8s_dispatch.container.runner import INDEX_ENV, ITEMS_ENV
-from k8s_dispatch.core.errors import InvalidManifest
+from k8s_dispatch.core.errors import InvalidManifest, LabelMismatch
 from k8s_dispatch.workers import labels as job_labels
 
 MAP_LABEL = job_labels.PREFIX + "map"  # on a map's Job and Pods: "true"
-ITEMS_ANNOTATION = job_labels.PREFIX + "items"  # the number of items
+ITEMS_ANNOTATION = job_labels.PREFIX + "items"  # the number of items the Job runs
+# On a Job made for some of the map's items only (a lost Job's re-creation runs the items still
+# open): which item each completion index runs, in order, as intervals ("2,5-9").
+ITEM_INDEXES_ANNOTATION = job_labels.PREFIX + "item-indexes"
 COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"  # the Job controller's, on each Pod
 FAILURE_COUNT = "batch.kubernetes.io/job-index-failure-count"
 MAX_COMPLETIONS = 100_000  # the API's limit with backoffLimitPerIndex
@@ -40,17 +43,25 @@ def indexed_job(
     inputs: list[Any],
     parallelism: int,
     max_failed_items: int | None,
+    item_indexes: Sequence[int] | None = None,
 ) -> dict[str, Any]:
     """`job` (a dispatch's Job from `build_job`) as the Indexed Job of a map over `inputs`.
+    `item_indexes`: the map's item each input is (ascending); None or 0..n-1: every item, and
+    the Job's completion indexes are the items'. Otherwise the Job names them
+    (`ITEM_INDEXES_ANNOTATION`): a lost Job is made again for its open items only.
 
     Raises:
-        InvalidManifest: no items, more than MAX_COMPLETIONS, or parallelism / max_failed_items
-            out of range (`store.maps` refuses them at schedule: a row edited by hand).
+        InvalidManifest: no items, more than MAX_COMPLETIONS, parallelism / max_failed_items
+            out of range (`store.maps` refuses them at schedule: a row edited by hand), or
+            `item_indexes` not one ascending index per input.
         InputNotSerialisable: an input is not JSON.
     """
     count = len(inputs)
     if not 1 <= count <= MAX_COMPLETIONS:
         raise InvalidManifest(f"a map needs 1 to {MAX_COMPLETIONS} items, not {count}")
+    indexes = list(range(count)) if item_indexes is None else list(item_indexes)
+    if len(indexes) != count or not _ascending(indexes):
+        raise InvalidManifest(f"item indexes {indexes[:10]}... are not one ascending index per input")
     if parallelism < 1:
         raise InvalidManifest(f"parallelism {parallelism} is not positive")
     if max_failed_items is not None and not 0 <= max_failed_items <= count:
@@ -69,6 +80,8 @@ def indexed_job(
     for metadata in (body["metadata"], spec["template"]["metadata"]):
         metadata["labels"][MAP_LABEL] = "true"
         metadata["annotations"][ITEMS_ANNOTATION] = str(count)
+        if indexes != list(range(count)):
+            metadata["annotations"][ITEM_INDEXES_ANNOTATION] = format_intervals(indexes)
     for container in spec["template"]["spec"]["containers"]:
         env = [var for var in container.get("env", []) if var.get("name") != INPUT_ENV]
         container["env"] = [*env, {"name": ITEMS_ENV, "value": encode_input(inputs)}]
@@ -98,6 +111,71 @@ def parse_intervals(text: object) -> set[int]:
     return found
 
 
+def format_intervals(indexes: Iterable[int]) -> str:
+    """Ascending indexes as the Job controller writes them: runs joined ("0-2,5,7-9")."""
+    parts: list[str] = []
+    run: list[int] = []
+    for index in indexes:
+        if run and index == run[-1] + 1:
+            run.append(index)
+            continue
+        if run:
+            parts.append(_run_text(run))
+        run = [index]
+    if run:
+        parts.append(_run_text(run))
+    return ",".join(parts)
+
+
+def _run_text(run: list[int]) -> str:
+    return str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}"
+
+
+def _ascending(indexes: Sequence[int]) -> bool:
+    return all(i >= 0 for i in indexes[:1]) and all(a < b for a, b in itertools.pairwise(indexes))
+
+
+def item_indexes(job: Mapping[str, Any]) -> list[int] | None:
+    """Which item each completion index of a map's Job (or Pod) runs: the Job's
+    `ITEM_INDEXES_ANNOTATION`, or None when the indexes are the items' (no annotation). Read
+    strictly, unlike the controller's strings: it decides whose result a Pod's is.
+
+    Raises:
+        LabelMismatch: the annotation is not ascending intervals of non-negative indexes, or a
+            Job's names another number of items than its `completions` (a hand edit).
+    """
+    metadata = job.get("metadata") or {}
+    text = (metadata.get("annotations") or {}).get(ITEM_INDEXES_ANNOTATION)
+    if text is None:
+        return None
+    where = f"{metadata.get('namespace')}/{metadata.get('name')}"
+    indexes: list[int] = []
+    try:
+        for part in str(text).split(","):
+            low, _, high = part.partition("-")
+            first, last = int(low), int(high) if high else int(low)
+            if not 0 <= first <= last or last - first >= MAX_COMPLETIONS - len(indexes):
+                raise ValueError(part)
+            indexes.extend(range(first, last + 1))
+    except ValueError as e:
+        raise LabelMismatch(f"job {where}: annotation {ITEM_INDEXES_ANNOTATION} {text!r} is not intervals: {e}") from e
+    if not _ascending(indexes):
+        raise LabelMismatch(f"job {where}: annotation {ITEM_INDEXES_ANNOTATION} {text!r} is not ascending")
+    completions = (job.get("spec") or {}).get("completions")
+    if completions is not None and completions != len(indexes):
+        raise LabelMismatch(
+            f"job {where}: annotation {ITEM_INDEXES_ANNOTATION} names {len(indexes)} items; the Job runs {completions}"
+        )
+    return indexes
+
+
+def item_of(indexes: Sequence[int] | None, index: int | None) -> int | None:
+    """The item completion `index` runs, given the Job's `item_indexes` (None: out of range)."""
+    if index is None or indexes is None:
+        return index
+    return indexes[index] if 0 <= index < len(indexes) else None
+
+
 def pod_index(pod: Mapping[str, Any]) -> int | None:
     """The completion index the Job controller gave a Pod, or None."""
     text = ((pod.get("metadata") or {}).get("annotations") or {}).get(COMPLETION_INDEX)
@@ -116,17 +194,12 @@ def failure_count(pod: Mapping[str, Any]) -> int:
         return 0
 
 
-def status_indexes(job: Mapping[str, Any]) -> tuple[set[int], set[int]]:
-    """The Job's completed and failed indexes, from its status."""
+def status_indexes(job: Mapping[str, Any], indexes: Sequence[int] | None = None) -> tuple[set[int], set[int]]:
+    """The items the Job counts completed and failed, from its status: its completion indexes
+    through `indexes` (the Job's `item_indexes`; None: the same)."""
     status = job.get("status") or {}
-    return parse_intervals(status.get("completedIndexes")), parse_intervals(status.get("failedIndexes"))
 
+    def items(text: object) -> set[int]:
+        return {i for i in (item_of(indexes, c) for c in parse_intervals(text)) if i is not None}
 
-def latest_by_index(pods: Iterable[Mapping[str, Any]]) -> dict[int, int]:
-    """For each index, the highest failure count among its Pods: a Pod below it was retried."""
-    latest: dict[int, int] = {}
-    for pod in pods:
-        index = pod_index(pod)
-        if index is not None:
-            latest[index] = max(latest.get(index, 0), failure_count(pod))
-    return latest
+    return items(status.get("completedIndexes")), items(status.get("failedIndexes"))

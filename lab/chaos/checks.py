@@ -13,6 +13,7 @@ for one (`open_slots`: a leaked slot would be a dispatch left SCHEDULED or CREAT
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ from typing import Any
 from k8s_dispatch.core.limits import Limits
 from k8s_dispatch.lab.chaos.workload import Expected
 from k8s_dispatch.store.models import STATE_FOR_TERMINAL_EVENT, EventType
-from k8s_dispatch.workers.labels import MANAGED_BY, MANAGED_BY_LABEL
+from k8s_dispatch.workers.labels import DISPATCH_ID_KEY, MANAGED_BY, MANAGED_BY_LABEL
 from k8s_dispatch.workers.manifest import FINALIZER
 
 EXAMPLES = 5  # ids shown per kind of problem
@@ -90,6 +91,7 @@ class Verdict:
     queued: int = 0  # after convergence: dispatches waiting for one (QUEUED)
     outcomes: Counter[str] = field(default_factory=Counter)  # "WORKER_COMPLETED", "WORKER_FAILED:Reason"
     problems: list[str] = field(default_factory=list)
+    suspects: list[str] = field(default_factory=list)  # dispatch ids a problem names, first EXAMPLES of each kind
 
     @property
     def ok(self) -> bool:
@@ -110,7 +112,7 @@ class Verdict:
     def merged(self, other: Verdict) -> Verdict:
         """Both runs' counts (two deployments judged apart, reported as one)."""
         both = Verdict(outcomes=self.outcomes + other.outcomes, problems=self.problems + other.problems,
-                       limits=self.limits + other.limits)  # fmt: skip
+                       limits=self.limits + other.limits, suspects=self.suspects + other.suspects)  # fmt: skip
         for name in ("dispatched", "terminal", "lost", "duplicates", "wrong_output", "leftover_jobs", "held_claims",
                      "claims_without_expiry", "unnotified", "second_jobs", "wrong_namespace", "running", "queued"):  # fmt: skip
             setattr(both, name, getattr(self, name) + getattr(other, name))
@@ -147,29 +149,33 @@ def judge(
         verdict.limit_exceeded = max(peak.excess for peak in limits)
     examples: dict[str, list[str]] = {}
 
-    def problem(kind: str, text: str) -> None:
+    def problem(kind: str, text: str, dispatch_id: str | None = None) -> None:
         shown = examples.setdefault(kind, [])
         if len(shown) < EXAMPLES:
             shown.append(text)
+            if dispatch_id is not None and dispatch_id not in verdict.suspects:
+                verdict.suspects.append(dispatch_id)
 
     for dispatch_id, want in expected.items():
         found = list(events.get(dispatch_id, ()))
         if not found:
             verdict.lost += 1
             row = rows.get(dispatch_id)
-            problem("lost", f"{dispatch_id}: " + (f"state {row.state}, no terminal event" if row else "no row"))
+            problem(
+                "lost", f"{dispatch_id}: " + (f"state {row.state}, no terminal event" if row else "no row"), dispatch_id
+            )
             continue
         verdict.terminal += 1
         if len(found) > 1:
             verdict.duplicates += 1
-            problem("duplicate", f"{dispatch_id}: {len(found)} terminal events: {[e.type for e in found]}")
+            problem("duplicate", f"{dispatch_id}: {len(found)} terminal events: {[e.type for e in found]}", dispatch_id)
         event = found[0]
         verdict.outcomes[_outcome(event)] += 1
         row = rows.get(dispatch_id)
         why = mismatch(want, event, row)
         if why is not None:
             verdict.wrong_output += 1
-            problem("wrong", f"{dispatch_id}: {why}")
+            problem("wrong", f"{dispatch_id}: {why}", dispatch_id)
         if row is not None and not row.notified:
             verdict.unnotified += 1
             problem("unnotified", f"{dispatch_id}: {event.type}, the engine was not told")
@@ -179,12 +185,12 @@ def judge(
             continue  # another deployment's
         if len({uid for _, uid in seen}) > 1 and not expected[dispatch_id].rerun_allowed:
             verdict.second_jobs += 1
-            problem("second job", f"{dispatch_id}: {len(seen)} Jobs: {sorted(seen)}")
+            problem("second job", f"{dispatch_id}: {len(seen)} Jobs: {sorted(seen)}", dispatch_id)
         recorded = (namespaces or {}).get(dispatch_id)
         elsewhere = sorted(ns for ns, _ in seen if ns != recorded)
         if recorded is not None and elsewhere:
             verdict.wrong_namespace += 1
-            problem("wrong namespace", f"{dispatch_id}: recorded {recorded}, a Job in {elsewhere}")
+            problem("wrong namespace", f"{dispatch_id}: recorded {recorded}, a Job in {elsewhere}", dispatch_id)
 
     for job in jobs:
         metadata = job.get("metadata") or {}
@@ -194,6 +200,7 @@ def judge(
             problem(
                 "leftover job",
                 f"{metadata.get('namespace')}/{metadata.get('name')}: finalizers {metadata.get('finalizers')}",
+                (metadata.get("labels") or {}).get(DISPATCH_ID_KEY),
             )
 
     for peak in limits:
@@ -243,6 +250,8 @@ def _outcome(event: TerminalEvent) -> str:
     return f"{event.type}:{reason}" if reason else event.type
 
 
+STORY_LINES, STORY_WIDTH = 15, 240
+_STAMP = re.compile(r"\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d[.,]\d+")
 UNEXPECTED = "raised unexpected: "  # what a Celery worker logs for an exception its task did not expect
 
 
@@ -258,3 +267,17 @@ def unexpected_task_errors(logs: Mapping[str, str]) -> list[str]:
                 task = line[line.find("Task ") + 5 : line.find("[", line.find("Task "))] if "Task " in line else "?"
                 found.append(f"{name}: {task}: {line[at + len(UNEXPECTED) :]}")
     return found
+
+
+def story(logs: Mapping[str, str], dispatch_id: str, *, lines: int = STORY_LINES) -> list[str]:
+    """The last `lines` log lines that name `dispatch_id`, each "process: line" cut to STORY_WIDTH,
+    in the order of their timestamps where a line starts with one (pure): what a failed run's
+    report shows of each dispatch a check names, so that a CI log alone tells what happened."""
+    found = []
+    for name, text in logs.items():
+        for line in text.splitlines():
+            if dispatch_id in line:
+                stamp = _STAMP.search(line[:40])
+                found.append((stamp.group(0) if stamp else "", name, line))
+    found.sort(key=lambda f: f[0])
+    return [f"{name}: {line}"[:STORY_WIDTH] for _, name, line in found[-lines:]]

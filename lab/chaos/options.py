@@ -47,6 +47,7 @@ RESEND_AFTER_S = 15.0
 TICK_S = 0.5
 THREAD_JOIN_S = 60.0
 PROGRESS_EVERY_S = 10.0
+STORIES = 3  # the suspect dispatches whose log lines a failed run's report shows
 QUEUE_COUNT_S = 1.0
 POD_DELETE_TRIES = 30  # a second apart: through an API server restart
 # A lost cancel or a hand edit waits this long for a running dispatch to hit (one a second): on a
@@ -127,6 +128,7 @@ class ChaosResult:
     temp_dirs: list[str] = field(default_factory=list)  # outside the work dir, removed at the end
     deaf: list[str] = field(default_factory=list)  # processes that went on consuming nothing after a Redis restart
     unexpected_errors: list[str] = field(default_factory=list)  # exceptions that escaped a task
+    stories: dict[str, list[str]] = field(default_factory=dict)  # a suspect dispatch -> its last log lines
 
     def count_done(self, kind: FaultKind) -> int:
         return sum(1 for d in self.done if d.fault.kind is kind and d.ok)

@@ -105,6 +105,10 @@ def render(result: ChaosResult, console: Any) -> None:
         console.print(limits)
     for problem in verdict.problems:
         console.print(f"[red]{problem}[/red]")
+    for dispatch_id, lines in result.stories.items():
+        console.print(f"what the logs say of {dispatch_id} (the last {len(lines)} lines naming it):", markup=False)
+        for line in lines:
+            console.print(f"  {line}", markup=False, highlight=False, soft_wrap=True)
     if result.error:
         console.print(f"[red]error: {result.error}[/red]")
     if not result.ok:

@@ -34,7 +34,7 @@ from sqlalchemy.engine import make_url
 
 from k8s_dispatch.core.errors import DispatchError
 from k8s_dispatch.lab.chaos import cluster as chaos_cluster
-from k8s_dispatch.lab.chaos.checks import unexpected_task_errors
+from k8s_dispatch.lab.chaos.checks import story, unexpected_task_errors
 from k8s_dispatch.lab.chaos.cluster import CLUSTERS
 from k8s_dispatch.lab.chaos.convergence import Convergence
 from k8s_dispatch.lab.chaos.fault_plan import BEAT, worker_names
@@ -49,6 +49,7 @@ from k8s_dispatch.lab.chaos.options import (
     QUEUE_COUNT_S,
     SKEW_S,
     START_TIMEOUT_S,
+    STORIES,
     THREAD_JOIN_S,
     TICK_S,
     WORKER_DB_APP,
@@ -295,15 +296,15 @@ class _Run(Feeder, FaultExecutor, Convergence):
         self.progress(f"chaos: faults stopped after {stopped - self.t0:.0f}s; waiting for convergence")
         deadline = stopped + self.options.deadline_s
         converged = False
-        next_report = time.monotonic() + PROGRESS_EVERY_S
+        next_report, last_said = time.monotonic() + PROGRESS_EVERY_S, (-1, -1)
         while time.monotonic() < deadline:
             self._tick()
             pending, jobs = self._pending() + (self.neighbour.pending() if self.neighbour else 0), self._jobs_left()
             if pending == 0 and jobs == 0:
                 converged = True
                 break
-            if time.monotonic() >= next_report:
-                next_report += PROGRESS_EVERY_S
+            if time.monotonic() >= next_report and (pending, jobs) != last_said:  # said once while it stays
+                next_report, last_said = time.monotonic() + PROGRESS_EVERY_S, (pending, jobs)
                 self.progress(f"chaos: converging: {pending} dispatches not ended and notified, {jobs} jobs left")
             time.sleep(TICK_S)
         if converged:
@@ -314,9 +315,10 @@ class _Run(Feeder, FaultExecutor, Convergence):
                 wait_until(lambda: not self._claims(), timeout=lease_s + 5, interval=TICK_S, what="no guard claim")
         self.result.deaf = self._deaf_after_broker_restart()
         logs = {path.relative_to(self.dir).as_posix(): path.read_text(errors="replace")
-                for path in sorted(self.dir.glob("**/*.log")) if "worker" in path.name}  # fmt: skip
-        self.result.unexpected_errors = unexpected_task_errors(logs)
+                for path in sorted(self.dir.glob("**/*.log"))}  # fmt: skip
+        self.result.unexpected_errors = unexpected_task_errors({n: t for n, t in logs.items() if "worker" in n})
         self._judge()
+        self.result.stories = {d: story(logs, d) for d in self.result.verdict.suspects[:STORIES]}
 
     def _tick(self) -> None:
         """Restart what died on its own (and say so); send lost `schedule` calls again."""

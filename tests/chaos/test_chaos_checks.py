@@ -6,7 +6,15 @@ from __future__ import annotations
 import pytest
 
 from k8s_dispatch.core.limits import parse as parse_limits
-from k8s_dispatch.lab.chaos.checks import LimitPeak, RowSnapshot, TerminalEvent, judge, limit_peaks, mismatch
+from k8s_dispatch.lab.chaos.checks import (
+    LimitPeak,
+    RowSnapshot,
+    TerminalEvent,
+    judge,
+    limit_peaks,
+    mismatch,
+    story,
+)
 from k8s_dispatch.lab.chaos.observer import CAPABILITY, TENANCY, live_job, running_now
 from k8s_dispatch.lab.chaos.workload import (
     LIMITED_CAPABILITY,
@@ -24,6 +32,7 @@ from k8s_dispatch.store.models import EventType
 from k8s_dispatch.workers.labels import (
     CAPABILITY_KEY,
     DEPLOYMENT_LABEL,
+    DISPATCH_ID_KEY,
     MANAGED_BY,
     MANAGED_BY_LABEL,
     TENANCY_ID_KEY,
@@ -125,6 +134,31 @@ def test_examples_are_capped_but_every_problem_is_counted():
     v = judge(expected_many, rows={}, events={}, jobs=[], claims=[])
     assert v.lost == 20
     assert len(v.problems) == 5
+    assert v.suspects == [f"d{i}" for i in range(5)]  # the dispatches whose logs the report shows
+
+
+def test_a_leftover_job_names_its_dispatch_as_a_suspect():
+    job = {"metadata": {"name": "kd-a", "namespace": "chaos", "finalizers": [FINALIZER],
+                        "labels": {MANAGED_BY_LABEL: MANAGED_BY, DISPATCH_ID_KEY: "a"}}}  # fmt: skip
+    assert verdict(jobs=[job]).suspects == ["a"]
+    assert verdict().suspects == []
+
+
+def test_a_story_is_the_last_lines_naming_the_dispatch_across_logs_in_time_order():
+    logs = {
+        "worker-1.log": "[2026-12-02 17:39:29,085: WARNING] dispatch a: edited\n[2026-12-02 17:39:31,000: INFO] b\n",
+        "beat.log": "[2026-12-02 17:39:30,500: INFO] poll saw a\n[2026-12-02 17:39:28,000: INFO] created a\n",
+        "localcluster.log": "no stamp: a\n",
+    }
+    told = story(logs, "a")
+    assert told == [
+        "localcluster.log: no stamp: a",
+        "beat.log: [2026-12-02 17:39:28,000: INFO] created a",
+        "worker-1.log: [2026-12-02 17:39:29,085: WARNING] dispatch a: edited",
+        "beat.log: [2026-12-02 17:39:30,500: INFO] poll saw a",
+    ]
+    assert story(logs, "a", lines=1) == ["beat.log: [2026-12-02 17:39:30,500: INFO] poll saw a"]
+    assert story({"w": "x" * 500 + " a"}, "a")[0] == ("w: " + "x" * 500)[:240]
 
 
 @pytest.mark.parametrize(

@@ -39,6 +39,7 @@ FINAL_LINE = re.compile(
     r"kills=(?P<kills>\d+) broker_flushes=(?P<broker_flushes>\d+) api_faults=(?P<api_faults>\d+) "
     r"converged_s=(?P<converged_s>[\d.]+|timeout) seed=(?P<seed>\d+)$"
 )
+STDERR_TAIL = 40  # lines of the run's progress and warnings a failure shows
 # The shared servers the other tests use: the run must leave them alone (it brings its own).
 SHARED_REDIS_URL = "redis://127.0.0.1:6379/0"
 SHARED_ADMIN_URL = os.environ.get("K8S_DISPATCH_TEST_PG_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
@@ -114,7 +115,9 @@ def test_a_short_chaos_run_loses_nothing_doubles_nothing_and_leaves_nothing(tmp_
     started = time.monotonic()
     done = subprocess.run(CLI + args, cwd=REPO, env=chaos_env(), capture_output=True, text=True, timeout=850)
     elapsed = time.monotonic() - started
-    output = done.stdout + done.stderr
+    # The report (its problems and what the logs say of each dispatch they name) last: a CI log
+    # keeps a failure's head and tail.
+    output = "\n".join(done.stderr.splitlines()[-STDERR_TAIL:]) + "\n" + done.stdout
 
     lines = done.stdout.strip().splitlines()
     assert lines, output

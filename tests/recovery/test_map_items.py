@@ -10,6 +10,7 @@ import pytest
 from k8s_dispatch.delivery import items
 from k8s_dispatch.store import maps
 from k8s_dispatch.store.models import EventType, ItemEventType
+from k8s_dispatch.workers import indexed
 
 D = "0b8e2f1c-4f5a-4d0e-9a3b-2c1d0e9f8a7b"
 UID = "job-uid"
@@ -130,3 +131,15 @@ def test_the_maps_one_event_says_how_many_and_why(min_succeeded, condition, coun
     else:
         assert ended.payload["reason"] == reason and ended.payload["detail"] == summary
         assert ended.payload["message"].startswith(f"{summary['succeeded']} of 5 items succeeded")
+
+
+def test_a_job_made_for_the_open_items_speaks_for_them_by_their_own_indexes() -> None:
+    """A lost Job made again for items 1, 3 and 4 only: its completion indexes 0-2 are those items."""
+    the_job = job(completed="0", failed="1", condition=("Failed", "DeadlineExceeded"))
+    the_job["metadata"]["annotations"] = {indexed.ITEM_INDEXES_ANNOTATION: "1,3-4"}
+    pods = [pod(0, "Succeeded", message='{"a":1}'), pod(1, "Failed", message="x", exit_code=2), pod(5, "Succeeded")]
+    decided = items.decide(D, the_job, pods, {0: OK, 2: OK}, items=5)
+    assert ends(decided) == [(1, OK, {"a": 1}), (3, FAILED, "ContainerFailed")]
+    shape = maps.MapShape(items=5, parallelism=2, max_failed_items=None, min_succeeded=None)
+    left = items.open_item_ends(D, the_job, shape, {0: OK, 2: OK, 1: OK, 3: FAILED})
+    assert [(e.item_index, e.payload["reason"]) for e in left] == [(4, "DeadlineExceeded")]

@@ -71,8 +71,11 @@ TAMPER_CASES = [
      TamperStep.DELIVER),
     ("only hidden, running -> it is ours: wait for it, by name", noted(3600), RUNNING, False, True, TamperStep.RUNS),
     ("put right by hand -> forget the note", noted(100), FINISHED, False, False, TamperStep.FORGET),
-    ("no job any more -> forget (category 5 re-creates or fails it)", noted(100), None, False, False,
+    ("noted, no job any more (removed by the delete policy, or since) -> missing: run it again from the row",
+     noted(100), None, False, False, TamperStep.MISSING),
+    ("never noted and no job -> forget (category 5 re-creates or fails it)", noted(None), None, False, False,
      TamperStep.FORGET),
+    ("refused, the delete policy -> removed at once", noted(None), RUNNING, True, False, TamperStep.DELETE),
     ("ended meanwhile, its job refused -> clean it up", replace(noted(100), record=replace(
         noted(100).record, state=COMPLETED)), FINISHED, True, False, TamperStep.CLEAN),
     ("ended meanwhile, its job only hidden (no LIST of ours finds it) -> clean it up", replace(noted(100),
@@ -84,7 +87,9 @@ TAMPER_CASES = [
     ("view", "the_job", "refused", "is_hidden", "expected"), [pytest.param(*c[1:], id=c[0]) for c in TAMPER_CASES]
 )
 def test_tamper_step(view, the_job, refused: bool, is_hidden: bool, expected: TamperStep) -> None:
-    assert tamper_step(view, the_job, refused=refused, hidden=is_hidden, now=NOW, grace=TAMPER_GRACE) is expected
+    delete = expected is TamperStep.DELETE
+    step = tamper_step(view, the_job, refused=refused, hidden=is_hidden, now=NOW, grace=TAMPER_GRACE, delete=delete)
+    assert step is expected
 
 
 def test_zero_grace_fails_at_the_first_finding_once_noted() -> None:

@@ -17,7 +17,7 @@ import pytest
 from runtimes import runtime_values, schedule
 
 from k8s_dispatch.core.errors import NotFound
-from k8s_dispatch.delivery import create
+from k8s_dispatch.delivery import create, jobwatch
 from k8s_dispatch.delivery.runtime import Runtime
 from k8s_dispatch.demo.localcluster import LocalCluster
 from k8s_dispatch.ops.processes import wait_until
@@ -202,3 +202,32 @@ def test_a_hidden_job_whose_dispatch_ended_without_its_release_is_released_and_d
     sweep_until(rt, lambda: job_or_none(rt, name) is None, what="the hidden Job released and deleted")
     assert_cleaned_up(rt, name)
     assert [kind for kind, _ in terminal_events(rt, dispatch_id)] == [EventType.WORKER_COMPLETED]
+
+
+def test_with_the_delete_policy_the_removed_jobs_dispatch_runs_again_from_its_row_alone(make_runtime, hand):
+    """ORPHAN_POLICY=delete removes the refused Job at once; its dispatch is noted on its row
+    first, so beat's sweep runs it again though no watch event said the Job left (a note lost
+    with the broker, a relist) and the namespace's next LIST is far away."""
+    rt = make_runtime(orphan_policy="delete", tampered_grace_s="300")
+    dispatch_id, name = created(rt, "sim.slow")
+    uid = rt.kube.get_job(rt.settings.namespace, name)["metadata"]["uid"]
+    edit(hand, rt, name, labels={job_labels.TENANCY_ID_KEY: "tenant-evil"})
+    assert run_sweep(rt).categories[Category.TAMPERED].acted == 1
+    assert row(rt, dispatch_id).job_tampered_at is not None
+    wait_until(lambda: job_or_none(rt, name) is None, what="the edited Job removed", timeout=15.0)
+    # The watch is healthy and noted nothing; the LIST is not due: only the row says what to do.
+    watch = jobwatch.key(rt.settings.key_prefix, rt.settings.effective_deployment, rt.settings.namespace)
+    rt.redis.set(jobwatch.healthy_key(watch), 1, ex=600)
+    rt.redis.set(f"{watch}:sweep-listed", 1, ex=600)
+    assert not rt.redis.exists(jobwatch.gone_key(watch))
+
+    def again() -> dict[str, Any] | None:
+        run_sweep(rt, watched=True)
+        return job_or_none(rt, name)
+
+    job = wait_until(again, what="a Job of its own", timeout=20.0)
+    assert job["metadata"]["uid"] != uid and job["metadata"]["annotations"][job_labels.ATTEMPT_KEY] == "1"
+    wait_until(lambda: job_state(rt.kube.get_job(rt.settings.namespace, name)).terminal, what="finished", timeout=15.0)
+    sweep_until(rt, lambda: row(rt, dispatch_id).state == DispatchState.COMPLETED, what="delivered")
+    assert [kind for kind, _ in terminal_events(rt, dispatch_id)] == [EventType.WORKER_COMPLETED]
+    assert row(rt, dispatch_id).job_tampered_at is None  # put right: forgotten

@@ -75,9 +75,29 @@ def test_schedule_map_writes_the_map_and_its_items_together(db_sessionmaker, new
     assert row is not None and row.capability == "echo" and row.input["map"]["items"] == 5
     assert [e.type for e in events] == [EventType.WORKER_SCHEDULED]
     assert shape == maps.MapShape(
-        items=5, parallelism=2, max_failed_items=1, min_succeeded=3, inputs=[{"n": i} for i in range(5)]
-    )
-    assert shape.passed(3) and not shape.passed(2)
+        items=5, parallelism=2, max_failed_items=1, min_succeeded=3, inputs=[{"n": i} for i in range(5)],
+        open_items=[0, 1, 2, 3, 4], failed=0,
+    )  # fmt: skip
+    assert shape.passed(3) and not shape.passed(2) and shape.failures_left == 1
+
+
+def test_a_creates_read_of_a_map_has_its_open_items_only(db_sessionmaker, new_case, router) -> None:
+    """What a lost Job made again runs: the items with no end, their inputs, and the failures
+    left under `max_failed_items`."""
+    case = new_case(db_sessionmaker)
+    result = _schedule(db_sessionmaker, _request(case, max_failed_items=2), router)
+    ends = [
+        maps.ItemEnd(result.dispatch_id, 1, ItemEventType.ITEM_COMPLETED, {"output": 1}),
+        maps.ItemEnd(result.dispatch_id, 3, ItemEventType.ITEM_FAILED, {"reason": "ContainerFailed"}),
+    ]
+    with transaction(db_sessionmaker) as session:
+        maps.record_item_ends(session, ends)
+    with transaction(db_sessionmaker) as session:
+        shape = maps.map_shapes(session, [result.dispatch_id], inputs=True)[result.dispatch_id]
+        plain = maps.map_shapes(session, [result.dispatch_id])[result.dispatch_id]
+    assert (shape.open_items, shape.inputs) == ([0, 2, 4], [{"n": 0}, {"n": 2}, {"n": 4}])
+    assert (shape.failed, shape.failures_left, shape.items) == (1, 1, 5)
+    assert (plain.open_items, plain.inputs) == ([], [])  # not a create's read: nothing loaded
 
 
 def test_a_repeat_is_the_same_map_and_other_items_under_its_key_conflict(db_sessionmaker, new_case, router) -> None:

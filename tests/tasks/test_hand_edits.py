@@ -32,12 +32,12 @@ def hand_label(cluster, namespace: str, name: str, labels: dict[str, str]) -> No
         api.close()
 
 
-def started(deploy, cluster, count: int) -> tuple[Any, list[str], dict[str, str]]:
+def started(deploy, cluster, count: int, **settings: str) -> tuple[Any, list[str], dict[str, str]]:
     """A deployment whose watch is healthy and whose namespace was LISTed (the next LIST an hour
     away), with `count` long dispatches running; (deployment, their ids, Job name -> uid)."""
     d = deploy(
         cluster, capabilities=CAPABILITIES, poll_interval_s="0.5", sweep_interval_s="1", sweep_grace_s="1",
-        sweep_list_interval_s="3600", tampered_grace_s="2",
+        sweep_list_interval_s="3600", tampered_grace_s="2", **settings,
     )  # fmt: skip
     namespace, deployment = d.settings.namespace, d.settings.effective_deployment
     d.start_worker("w1")
@@ -74,4 +74,19 @@ def test_delivered_true_put_on_a_running_job_by_hand_still_ends_its_dispatch_onc
     ) or payload.get("reason") == "JobDeleted", (kind, payload)  # fmt: skip
     d.wait_no_jobs(timeout_s=30)
     assert list(uids) == [job_name(dispatch_id)]
+    assert d.terminal_events([dispatch_id]) == events
+
+
+def test_with_the_delete_policy_a_hand_edited_job_is_removed_and_its_dispatch_runs_again_at_once(
+    deploy, any_cluster
+) -> None:
+    """ORPHAN_POLICY=delete: the sweep removes the refused Job and the dispatch gets a Job of its
+    own within seconds, though the namespace's next LIST is an hour away, and ends once."""
+    d, (dispatch_id,), _ = started(deploy, any_cluster, 1, orphan_policy="delete")
+    name = job_name(dispatch_id)
+    hand_label(any_cluster, d.settings.namespace, name, {job_labels.TENANCY_ID_KEY: "tenant-evil"})
+    events = d.wait_terminal([dispatch_id], timeout_s=40)
+    ((kind, payload),) = events[dispatch_id]
+    assert (kind, payload.get("output")) == (EventType.WORKER_COMPLETED.value, {"simulated": True, "input": {"i": 0}})
+    d.wait_no_jobs(timeout_s=30)
     assert d.terminal_events([dispatch_id]) == events

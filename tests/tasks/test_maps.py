@@ -4,7 +4,8 @@ node agent): a map over 20 items, some failing by design, is one Indexed Job; ev
 exactly one item event with its own output or reason, recorded as its Pod finishes (before the
 map ends), the map in one terminal event with its counts, and no Job or held Pod is left. A
 worker and beat SIGKILLed mid-map, with the broker flushed, still leave each item delivered once. In localcluster's
-exec mode the runner runs for real: each Pod's function sees its own item's input.
+exec mode the runner runs for real: each Pod's function sees its own item's input, also when a
+lost map Job is made again for its open items only.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from k8s_dispatch.demo.localcluster import LocalCluster
 from k8s_dispatch.store import dispatches
 from k8s_dispatch.store.db import transaction
 from k8s_dispatch.store.models import DispatchState, EventType
+from k8s_dispatch.workers import indexed
 from k8s_dispatch.workers import labels as job_labels
 from k8s_dispatch.workers.indexed import is_map_job
 from k8s_dispatch.workers.manifest import FINALIZER, job_name
@@ -205,5 +207,54 @@ def test_in_exec_mode_each_pod_runs_its_own_items_input(deploy):
         bad = outcomes[-1]
         assert bad.event is api.ItemEventType.ITEM_FAILED and bad.payload["reason"] == "ContainerFailed", bad
         assert "'text' field" in bad.payload["message"], bad
+        d.wait_no_jobs(timeout_s=30)
+        d.stop()
+
+
+def test_a_lost_map_job_is_made_again_for_its_open_items_only(deploy):
+    """The map's Job deleted by hand mid-map, finalizers and all (its Pods' results gone with
+    it): the sweep makes it again for the items still open only, by their own indexes, so no
+    item that ended runs twice; in exec mode each item's output is its own input's."""
+    texts = [f"item {i} " + "word " * i for i in range(12)]
+    with LocalCluster(mode="exec") as cluster:
+        d = deploy(cluster, sweep_interval_s="1", sweep_grace_s="1")
+        d.start_worker("w1")
+        d.start_beat()
+        with transaction(d.sessions) as session:
+            case_id = f"case-{uuid.uuid4().hex[:10]}"
+            api.create_case(session, case_id=case_id, tenancy_id="tenant-a")
+            map_id = api.schedule_map_in_session(
+                session,
+                case_id=case_id,
+                tenancy_id="tenant-a",
+                capability="demo.wordcount",
+                items=[{"text": t} for t in texts],
+                idempotency_key=f"map-{uuid.uuid4().hex}",
+                parallelism=2,
+                router=CapabilityResolver.from_settings(d.settings),
+                max_input_bytes=d.settings.max_input_bytes,
+                via=d.producer,
+            ).dispatch_id
+        name, namespace = job_name(map_id), d.namespace
+        first = d.wait(lambda: next((j for j in d.jobs() if j["metadata"]["name"] == name), None), what="the Job")
+        d.wait(lambda: len(items_of(d, map_id)) >= 3, timeout_s=60, what="3 items ended")
+        for pod in d.kube.list_pods(namespace, label_selector=f"batch.kubernetes.io/job-name={name}"):
+            d.kube.release_pod(namespace, pod, finalizer=FINALIZER)
+        d.kube.remove_finalizer(namespace, name, FINALIZER)
+        d.kube.delete_job(namespace, name, uid=first["metadata"]["uid"])
+        d.wait(lambda: all(j["metadata"]["uid"] != first["metadata"]["uid"] for j in d.jobs()), what="the Job gone")
+        ended_before = {o.index for o in items_of(d, map_id)}
+
+        again = d.wait(lambda: next((j for j in d.jobs() if j["metadata"]["name"] == name), None), what="a new Job")
+        runs = indexed.item_indexes(again)
+        assert runs is not None and not set(runs) & ended_before, (runs, ended_before)
+        assert again["spec"]["completions"] == len(runs) == len(texts) - len(ended_before)
+        assert again["metadata"]["annotations"][job_labels.ATTEMPT_KEY] == "1"
+
+        [(event, payload)] = d.wait_terminal([map_id], timeout_s=120)[map_id]
+        assert event == EventType.WORKER_COMPLETED.value, payload
+        outcomes = sorted(items_of(d, map_id), key=lambda o: o.index)
+        assert [o.index for o in outcomes] == list(range(len(texts)))  # one event each
+        assert [o.payload.get("output") for o in outcomes] == [wordcount({"text": t}) for t in texts]
         d.wait_no_jobs(timeout_s=30)
         d.stop()

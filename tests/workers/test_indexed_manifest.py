@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from k8s_dispatch.container import runner
 from k8s_dispatch.container.contract import INPUT_ENV
-from k8s_dispatch.core.errors import InvalidManifest
+from k8s_dispatch.core.errors import InvalidManifest, LabelMismatch
 from k8s_dispatch.workers import indexed, manifest
 from k8s_dispatch.workers.manifest import build_job
 from k8s_dispatch.workers.resolver import demo_resolver
@@ -93,17 +93,40 @@ def test_interval_strings(text: object, indexes: set[int]) -> None:
 
 
 @given(st.sets(st.integers(min_value=0, max_value=300)))
-def test_intervals_read_back_what_the_controller_writes(indexes: set[int]) -> None:
-    parts, ordered = [], sorted(indexes)
-    start = 0
-    while start < len(ordered):
-        end = start
-        while end + 1 < len(ordered) and ordered[end + 1] == ordered[end] + 1:
-            end += 1
-        low, high = ordered[start], ordered[end]
-        parts.append(str(low) if low == high else f"{low}-{high}")
-        start = end + 1
-    assert indexed.parse_intervals(",".join(parts)) == indexes
+def test_intervals_read_back_what_we_write_as_the_controller_does(indexes: set[int]) -> None:
+    text = indexed.format_intervals(sorted(indexes))
+    assert indexed.parse_intervals(text) == indexes
+    assert ",," not in text and (text == "") == (not indexes)
+
+
+def test_a_job_for_some_items_names_them_and_maps_its_indexes_to_theirs() -> None:
+    job = _job(item_indexes=[1, 4, 5], max_failed_items=0)
+    spec = job["spec"]
+    assert (spec["completions"], spec["parallelism"], spec["maxFailedIndexes"]) == (3, 2, 0)
+    for metadata in (job["metadata"], spec["template"]["metadata"]):
+        assert metadata["annotations"][indexed.ITEM_INDEXES_ANNOTATION] == "1,4-5"
+    assert indexed.item_indexes(job) == [1, 4, 5]
+    assert [indexed.item_of([1, 4, 5], i) for i in (0, 1, 2, 3, -1, None)] == [1, 4, 5, None, None, None]
+    job["status"] = {"completedIndexes": "0,2", "failedIndexes": "1,7"}
+    assert indexed.status_indexes(job, indexed.item_indexes(job)) == ({1, 5}, {4})
+    # Every item, in order: the indexes are the items' and the Job names none.
+    whole = _job(item_indexes=[0, 1, 2])
+    assert indexed.ITEM_INDEXES_ANNOTATION not in whole["metadata"]["annotations"]
+    assert indexed.item_indexes(whole) is None and indexed.item_of(None, 7) == 7
+
+
+@pytest.mark.parametrize("item_indexes", [[0, 1], [2, 1, 3], [1, 1, 2], [-1, 0, 1]])
+def test_item_indexes_must_be_one_ascending_index_per_input(item_indexes: list[int]) -> None:
+    with pytest.raises(InvalidManifest):
+        _job(item_indexes=item_indexes)
+
+
+@pytest.mark.parametrize("text", ["x", "3-1", "1,1", "4,2", "1,,2", "-1", "0-99999999", "1-4"])
+def test_an_unreadable_item_indexes_annotation_is_a_label_mismatch(text: str) -> None:
+    job = _job(item_indexes=[1, 4, 5])
+    job["metadata"]["annotations"][indexed.ITEM_INDEXES_ANNOTATION] = text  # a hand edit
+    with pytest.raises(LabelMismatch):
+        indexed.item_indexes(job)
 
 
 def test_the_runner_hands_the_function_its_own_item(tmp_path: Any) -> None:
