@@ -3,6 +3,10 @@
 Inputs too large for a Job's env (`PREFIX/DISPATCH_ID/input`) are objects of their dispatch
 like its results: kept while it runs, orphans once it has ended.
 
+Archived container logs (`PREFIX/DISPATCH_ID/ATTEMPT/logs/POD`) are the record of what ran, of
+every attempt, won or lost: kept like a recorded result, so deleted `retention_days` after their
+dispatch ended (never, with no retention), and by their own age only when no dispatch owns them.
+
 An object is its dispatch's *recorded result* when the dispatch's terminal event is a
 WORKER_COMPLETED whose output references its key. Every other object is an orphan (a losing or
 superseded attempt, a failed or cancelled dispatch, an upload delivery refused), deleted once
@@ -111,7 +115,7 @@ def _settle(
             if end is None:  # still running: an attempt may be uploading now
                 report.kept += 1
                 continue
-            if end.recorded_key == item.key:
+            if end.recorded_key == item.key or keys.parse_log_key(artifacts.prefix, item.key) is not None:
                 expired = retention is not None and end.at + retention <= now
                 orphan_since = None
             else:

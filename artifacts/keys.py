@@ -1,5 +1,7 @@
 """Where each attempt's result lives (pure): `PREFIX/DISPATCH_ID/ATTEMPT/result`; a dispatch's
-input too large for its Job's env: `PREFIX/DISPATCH_ID/input` (the same bytes for every attempt).
+input too large for its Job's env: `PREFIX/DISPATCH_ID/input` (the same bytes for every attempt);
+an archived container log: `PREFIX/DISPATCH_ID/ATTEMPT/logs/POD_NAME` (one per Pod, since an
+attempt's Job may run several: pod retries, evictions; re-archiving a Pod writes the same key).
 
 The dispatch id first, so every object of a dispatch is listed together and the cleanup can
 decide per dispatch; the attempt next, so a re-created Job never writes over the object of the
@@ -11,6 +13,7 @@ from k8s_dispatch.core.ids import is_dispatch_id
 
 RESULT_NAME = "result"
 INPUT_NAME = "input"
+LOGS_NAME = "logs"
 
 
 def result_key(prefix: str, dispatch_id: str, attempt: int) -> str:
@@ -21,9 +24,24 @@ def input_key(prefix: str, dispatch_id: str) -> str:
     return f"{prefix}/{dispatch_id}/{INPUT_NAME}"
 
 
+def log_key(prefix: str, dispatch_id: str, attempt: int, pod: str) -> str:
+    return f"{prefix}/{dispatch_id}/{attempt}/{LOGS_NAME}/{pod}"
+
+
+def parse_log_key(prefix: str, key: str) -> tuple[str, int, str] | None:
+    """(dispatch id, attempt, Pod name) of a log key under `prefix`; None for any other key."""
+    head = prefix + "/"
+    parts = key[len(head) :].split("/") if key.startswith(head) else []
+    if len(parts) != 4 or parts[2] != LOGS_NAME or not parts[3] or not is_dispatch_id(parts[0]):
+        return None
+    if not parts[1].isdigit() or parts[1] != str(int(parts[1])):
+        return None
+    return parts[0], int(parts[1]), parts[3]
+
+
 def dispatch_of(prefix: str, key: str) -> str | None:
-    """The dispatch id of a result or input key under `prefix`; None for any other key."""
-    result = parse_key(prefix, key)
+    """The dispatch id of a result, input or log key under `prefix`; None for any other key."""
+    result = parse_key(prefix, key) or parse_log_key(prefix, key)
     if result is not None:
         return result[0]
     head = prefix + "/"

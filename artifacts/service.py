@@ -5,6 +5,7 @@ engine (`k8s_dispatch.api`)."""
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -59,6 +60,7 @@ class Artifacts:
     read_url_s: int = 300
     retention_days: int = 0
     orphan_grace_s: float = 3600.0
+    log_max_bytes: int = 10 * 1024 * 1024  # the most of a container's log `archiveLogs` keeps
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Artifacts | None:
@@ -72,6 +74,7 @@ class Artifacts:
             read_url_s=settings.object_store_read_url_s,
             retention_days=settings.object_store_retention_days,
             orphan_grace_s=settings.object_store_orphan_grace_s,
+            log_max_bytes=settings.archive_log_max_bytes,
         )
 
     def key(self, dispatch_id: str, attempt: int) -> str:
@@ -123,6 +126,7 @@ class Artifacts:
 
 
 _CACHE: dict[int, tuple[Settings, Artifacts | None]] = {}
+_BUILDING = threading.Lock()  # releases run in threads, and boto3 builds clients unsafely in parallel
 
 
 def for_settings(settings: Settings) -> Artifacts | None:
@@ -130,8 +134,11 @@ def for_settings(settings: Settings) -> Artifacts | None:
     without an object store."""
     cached = _CACHE.get(id(settings))
     if cached is None or cached[0] is not settings:
-        cached = (settings, Artifacts.from_settings(settings))
-        _CACHE[id(settings)] = cached
+        with _BUILDING:
+            cached = _CACHE.get(id(settings))
+            if cached is None or cached[0] is not settings:
+                cached = (settings, Artifacts.from_settings(settings))
+                _CACHE[id(settings)] = cached
     return cached[1]
 
 

@@ -126,6 +126,9 @@ class Settings(BaseSettings):
     # An input larger than `max_input_bytes` (what a Job's env carries) goes to the object store,
     # up to this size; without an object store such an input is refused (InputTooLarge).
     object_store_max_input_bytes: int = Field(default=64 * 1024 * 1024, gt=0, le=5 * 1024**3)
+    # The most of a container's log `archiveLogs` keeps: a longer log keeps its last lines, under
+    # a first line that says it was cut. Held in memory while it is copied.
+    archive_log_max_bytes: int = Field(default=10 * 1024 * 1024, ge=1024, le=256 * 1024 * 1024)
 
     # --- secret inputs (`schedule(..., secret=True)`) -----------------------------------------
     # Fernet keys (url-safe base64 of 32 bytes), comma-separated: the first encrypts secret

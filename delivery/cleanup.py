@@ -11,8 +11,11 @@ from typing import Any
 
 import redis
 
+from k8s_dispatch import artifacts
+from k8s_dispatch.artifacts import logs
 from k8s_dispatch.core.errors import Transient
 from k8s_dispatch.delivery.runtime import Runtime
+from k8s_dispatch.workers import failure_detail
 from k8s_dispatch.workers import labels as job_labels
 from k8s_dispatch.workers.manifest import FINALIZER
 
@@ -73,12 +76,17 @@ def release_job(
 
 def release_pods(rt: Runtime, namespace: str, pods: Iterable[Mapping[str, Any]]) -> int:
     """Take our finalizer off Pods as a LIST read them, one patch per Pod that has it (none for
-    the rest); how many this call freed. Called once their result is recorded, or not wanted."""
-    return sum(
-        rt.kube.release_pod(namespace, pod, finalizer=FINALIZER)
-        for pod in pods
-        if FINALIZER in ((pod.get("metadata") or {}).get("finalizers") or [])
+    the rest); how many this call freed. Called once their result is recorded, or not wanted.
+    First the logs their capability's `archiveLogs` keeps go to the object store (`artifacts.logs`).
+
+    Raises:
+        ObjectStoreUnavailable: a log could not be stored; no Pod was freed (retried later).
+    """
+    held = [pod for pod in pods if FINALIZER in ((pod.get("metadata") or {}).get("finalizers") or [])]
+    logs.archive_logs(
+        artifacts.for_settings(rt.settings), rt.kube, rt.resolver, namespace, [failure_detail.pod_log(p) for p in held]
     )
+    return sum(rt.kube.release_pod(namespace, pod, finalizer=FINALIZER) for pod in held)
 
 
 def delete_delivered(rt: Runtime, namespace: str) -> int:

@@ -76,7 +76,9 @@ KINDS: dict[str, Kind] = {
         "latency runs from the instant a watch on the Jobs sees the Complete condition to the terminal "
         "event's `created_at`. On the real control plane (kube-apiserver, etcd, the Job controller and "
         "garbage collector, our node agent simulating Pods) the server's own count is split by sender from "
-        "its audit log: ours, each controller, the node agent.",
+        "its audit log: ours, each controller, the node agent. Kept logs (`archiveLogs`, default "
+        "`onFailure`) add one `pods/log` GET per failed Pod (and a PUT to the object store): the bench's "
+        "Jobs succeed, so its figures include none.",
     ),
     "sweep": Kind(
         "Recovery sweep",

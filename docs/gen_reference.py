@@ -151,6 +151,10 @@ SETTING_DESCRIPTIONS: dict[str, str] = {
         "With an object store, an input larger than `max_input_bytes` is kept there up to this size; the Job "
         "gets a presigned read URL and the input's SHA-256, which the runner checks (docs: Large and secret inputs)."
     ),
+    "archive_log_max_bytes": (
+        "The most of a container's log that `archiveLogs` keeps in the object store: a longer log keeps its "
+        "last lines within this many bytes, under a first line saying it was cut. Held in memory while it is copied."
+    ),
     "input_key": (
         "Fernet keys, comma-separated: the first encrypts secret inputs (`secret=True`) at rest, every one "
         "decrypts (rotation: the new key first). Unset: a secret input is refused (`SecretInputKeyMissing`)."
@@ -349,6 +353,10 @@ FIELD_RULES: dict[str, str] = {
     "queue": "a Kueue LocalQueue name: a DNS-1123 subdomain of at most 63 characters",
     "results": "`terminationMessage` or `objectStore`; `objectStore` needs `K8S_DISPATCH_OBJECT_STORE_ENDPOINT`",
     "maxResultBytes": "a size in bytes from 1 to 5 TiB (S3's largest object); only with `results: objectStore`",
+    "archiveLogs": (
+        "`onFailure`, `always` or `never`; `always` needs `K8S_DISPATCH_OBJECT_STORE_ENDPOINT`, `onFailure` "
+        "without one keeps no log (said once at start-up)"
+    ),
 }
 
 # What each field is for, in words; its example and the comment beside it come from the
@@ -407,6 +415,12 @@ FIELD_NOTES: dict[str, str] = {
         "SHA-256) that delivery verifies against the object before it records anything."
     ),
     "maxResultBytes": "The largest result a Job may write to the object store; a larger one fails `ResultTooLarge`.",
+    "archiveLogs": (
+        "Which Pods' container logs outlive them: copied to the object store (at most "
+        "`K8S_DISPATCH_ARCHIVE_LOG_MAX_BYTES`, the end kept) before our finalizer leaves the Pod. `onFailure`: "
+        "a Pod that failed, whose failure detail names the object (`log_key`); `always`: every Pod; `never`. "
+        "`k8s-dispatch show ID --logs` prints them (docs: Results)."
+    ),
 }
 
 _SPEC_ATTRIBUTE = {"worker": "worker_name"}

@@ -290,10 +290,14 @@ def status(failures: int, maps: int, as_json: bool) -> None:
     "--failed-items", default=20, show_default=True, type=click.IntRange(min=0), help="A map's failed items to list."
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the story as JSON.")
-def show(dispatch_id: str, failed_items: int, as_json: bool) -> None:
+@click.option("--logs", is_flag=True, help="Print its archived container logs (archiveLogs) instead.")
+def show(dispatch_id: str, failed_items: int, as_json: bool, logs: bool) -> int | None:
     """A dispatch's whole story: its events, attempts, disruptions, why it failed, its timings;
     for a map, its items' progress and its failed items with their reasons."""
     import json
+
+    if logs:
+        return _show_logs(dispatch_id)
 
     from rich.console import Console
 
@@ -310,6 +314,7 @@ def show(dispatch_id: str, failed_items: int, as_json: bool) -> None:
         click.echo(json.dumps(story.to_dict(), indent=2, ensure_ascii=False))
     else:
         Console().print(render(story))
+    return None
 
 
 @cli.command()
@@ -335,6 +340,19 @@ def demo(count: int, broker: str, timeout_s: float, keep: bool) -> int:
 
     summary = run_demo(count=count, broker=broker, timeout_s=timeout_s, keep=keep)
     return EXIT_OK if summary.ok else EXIT_FAILED
+
+
+def _show_logs(dispatch_id: str) -> int:
+    """`show --logs`: the logs from the object store, byte for byte; EXIT_FAILED if none is kept."""
+    from k8s_dispatch.core.settings import get_settings
+    from k8s_dispatch.ops.show import write_logs
+
+    out = sys.stdout.buffer
+    if write_logs(get_settings(), dispatch_id, out) == 0:
+        click.echo(f"no archived log for dispatch {dispatch_id} (see its capability's archiveLogs)", err=True)
+        return EXIT_FAILED
+    out.flush()
+    return EXIT_OK
 
 
 def _settings_with_database() -> Settings:

@@ -9,13 +9,15 @@ reasons (`ops.map_progress`); its events are the map's own, its items' events be
 there (every item's are in the engine's log: `api.item_outcomes`).
 
 `read_story` does the reading; `Story.to_dict` (for `--json`) and `render` are pure.
+`write_logs` (`show ID --logs`) copies out the container logs `archiveLogs` kept in the object
+store, which outlive the Pods.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import sqlalchemy as sa
 from rich.console import Group
@@ -23,7 +25,9 @@ from rich.table import Table
 from rich.text import Text
 from sqlalchemy.orm import Session
 
-from k8s_dispatch.core.errors import UnknownDispatch
+from k8s_dispatch import artifacts
+from k8s_dispatch.artifacts import logs
+from k8s_dispatch.core.errors import ConfigError, UnknownDispatch
 from k8s_dispatch.core.ids import check_dispatch_id
 from k8s_dispatch.ops.map_progress import (
     DEFAULT_FAILED_ITEMS,
@@ -35,6 +39,9 @@ from k8s_dispatch.ops.map_progress import (
 from k8s_dispatch.ops.status import format_age
 from k8s_dispatch.store import admission, dispatches
 from k8s_dispatch.store.models import CaseEvent, Dispatch, EventType, ItemEventType
+
+if TYPE_CHECKING:
+    from k8s_dispatch.core.settings import Settings
 
 
 @dataclass(frozen=True)
@@ -253,6 +260,8 @@ def render(story: Story) -> Group:
         if failure.get("log_tail"):
             lines.append(Text("  log tail:", style="italic"))
             lines.append(Text("\n".join("    " + line for line in str(failure["log_tail"]).splitlines()), style="dim"))
+        if failure.get("log_key"):
+            lines.append(f"  whole log: {failure['log_key']} (show {story.dispatch_id} --logs)")
     return Group(*lines)
 
 
@@ -309,3 +318,32 @@ def _what(event: StoryEvent) -> str:
 def _short(value: object, limit: int = 120) -> str:
     text = " ".join(str(value).split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# --- archived logs (`show ID --logs`) ------------------------------------------------------
+
+
+def write_logs(settings: Settings, dispatch_id: str, out: BinaryIO) -> int:
+    """Write the dispatch's archived container logs (its capability's `archiveLogs`) to `out`,
+    oldest attempt first, each under a `==> KEY <==` line; how many. Read from the object store
+    alone: the Pods, and the cluster's copy of their logs, may be long gone.
+
+    Raises:
+        InvalidId: not a dispatch id.
+        ConfigError: no object store is configured.
+        ObjectStoreUnavailable: the store cannot be read.
+    """
+    check_dispatch_id(dispatch_id)
+    store = artifacts.for_settings(settings)
+    if store is None:
+        raise ConfigError("no object store is configured (K8S_DISPATCH_OBJECT_STORE_ENDPOINT), so no log is archived")
+    found = logs.archived_logs(store, dispatch_id)
+    for archived in found:
+        out.write(f"==> {archived.key} (attempt {archived.attempt}, pod {archived.pod}) <==\n".encode())
+        last = b"\n"
+        for chunk in logs.read_log(store, archived):
+            out.write(chunk)
+            last = chunk[-1:] or last
+        if last != b"\n":
+            out.write(b"\n")
+    return len(found)

@@ -36,6 +36,12 @@ RESULTS_KINDS = (RESULTS_TERMINATION_MESSAGE, RESULTS_OBJECT_STORE)
 DEFAULT_MAX_RESULT_BYTES = 1 << 30  # 1 GiB: a result larger than this fails ResultTooLarge
 MAX_RESULT_BYTES_LIMIT = 5 * (1 << 40)  # S3's largest object
 
+# Whose container log is copied to the object store before our finalizer leaves its Pod.
+ARCHIVE_LOGS_ON_FAILURE = "onFailure"  # a Pod that failed (the logs worth keeping, at little cost)
+ARCHIVE_LOGS_ALWAYS = "always"
+ARCHIVE_LOGS_NEVER = "never"
+ARCHIVE_LOGS_KINDS = (ARCHIVE_LOGS_ON_FAILURE, ARCHIVE_LOGS_ALWAYS, ARCHIVE_LOGS_NEVER)
+
 
 @dataclass(frozen=True)
 class StartPolicy:
@@ -86,10 +92,16 @@ class CapabilitySpec:
     # (size, SHA-256) before they are recorded; at most `max_result_bytes`.
     results: str = RESULTS_TERMINATION_MESSAGE
     max_result_bytes: int = DEFAULT_MAX_RESULT_BYTES
+    # Which Pods' logs are archived (`artifacts.logs`); a no-op without an object store.
+    archive_logs: str = ARCHIVE_LOGS_ON_FAILURE
 
     @property
     def results_in_object_store(self) -> bool:
         return self.results == RESULTS_OBJECT_STORE
+
+    def archives_log(self, *, failed: bool) -> bool:
+        """Whether a Pod of this capability that ended so (`failed`) has its log archived."""
+        return self.archive_logs == ARCHIVE_LOGS_ALWAYS or (failed and self.archive_logs == ARCHIVE_LOGS_ON_FAILURE)
 
     @property
     def start_policy(self) -> StartPolicy:

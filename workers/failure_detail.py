@@ -2,6 +2,9 @@
 Warning Events and the failed container's log tail, the structured detail a WORKER_FAILED keeps,
 and each disrupted Pod as a WORKER_DISRUPTED records it.
 
+It also reads off a Pod whose log it holds and how it ended (`pod_log`), what the archiving of
+logs (`artifacts.logs`) decides by and names its object with.
+
 Everything here is bounded and valid text whatever the cluster sent: a log is bytes (cut to its
 last 2 KiB, on a character boundary, invalid UTF-8 replaced), every string is cut to a bound and
 freed of lone surrogates, so the store's canonical JSON always keeps the payload.
@@ -14,6 +17,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from k8s_dispatch.core.errors import LabelMismatch
+from k8s_dispatch.workers import labels as job_labels
 from k8s_dispatch.workers.job_status import terminated_state
 from k8s_dispatch.workers.manifest import CONTAINER_NAME
 
@@ -144,10 +149,13 @@ def detail(
     log: bytes | None = None,
     disrupted: Sequence[Disruption] = (),
     container: str = CONTAINER_NAME,
+    log_key: str | None = None,
 ) -> dict[str, Any]:
     """The structured detail of a failed Job: its failing container's exit code, signal, reason and
     message, the Pod's reason, node and times, the log's tail, the Job's and the Pods' Warning
-    Events (oldest first, at most MAX_EVENTS) and the disruptions it met. Only what is known."""
+    Events (oldest first, at most MAX_EVENTS) and the disruptions it met. Only what is known.
+    `log_key`: the object the failing Pod's whole log is archived to (`artifacts.logs`), whose
+    upload comes after this detail is recorded, before the Pod is freed."""
     out: dict[str, Any] = {}
     condition = _failed_condition(job)
     if condition:
@@ -171,6 +179,7 @@ def detail(
     tail = log_tail(log)
     if tail:
         out["log_tail"] = tail
+    out["log_key"] = text(log_key)
     warnings = sorted(
         (e for e in events if _dict(e).get("type") == WARNING),
         key=lambda e: str(e.get("lastTimestamp") or e.get("eventTime") or ""),
@@ -180,6 +189,59 @@ def detail(
     if disrupted:
         out["disruptions"] = [d.payload() for d in disrupted]
     return {k: v for k, v in out.items() if v is not None}
+
+
+@dataclass(frozen=True)
+class PodLog:
+    """A Pod of ours whose container log may be archived: whose it is (from the labels and the
+    attempt annotation its Job's template gave it) and how it ended."""
+
+    pod: str
+    container: str
+    dispatch_id: str
+    capability: str
+    attempt: int
+    started: bool  # the container ran (else there is no log to read)
+    failed: bool  # the Pod failed (phase Failed, or its container exited non-zero)
+
+
+def pod_log(pod: Mapping[str, Any], *, container: str = CONTAINER_NAME) -> PodLog | None:
+    """What `PodLog` says of `pod`; None for a Pod that is not ours or not readably so."""
+    metadata = _dict(pod.get("metadata"))
+    annotations = _dict(metadata.get("annotations"))
+    try:
+        ref = job_labels.decode(_dict(metadata.get("labels")), annotations)
+    except LabelMismatch:
+        return None
+    attempt = annotations.get(job_labels.ATTEMPT_KEY, "0")
+    name = metadata.get("name")
+    if (
+        not isinstance(name, str)
+        or not name
+        or not isinstance(attempt, str)
+        or not (attempt.isascii() and attempt.isdigit())
+    ):
+        return None
+    status = _dict(pod.get("status"))
+    state = next(
+        (
+            _dict(_dict(s).get("state"))
+            for s in _list(status.get("containerStatuses"))
+            if _dict(s).get("name") == container
+        ),
+        {},
+    )
+    terminated = _terminated(pod, container)
+    code = _dict(terminated).get("exitCode")
+    return PodLog(
+        pod=name,
+        container=container,
+        dispatch_id=ref.dispatch_id,
+        capability=ref.capability,
+        attempt=int(attempt),
+        started="running" in state or terminated is not None,
+        failed=status.get("phase") == "Failed" or (isinstance(code, int) and code != 0),
+    )
 
 
 def signal_name(reported: object, exit_code: int) -> str | None:

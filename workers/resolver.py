@@ -36,6 +36,7 @@ Schema (field names as Kubernetes spells them)::
         queue: team-a                  # a Kueue LocalQueue: Jobs created suspended, labelled for it; Kueue admits them
         results: objectStore           # default terminationMessage (JSON <= 4 KiB); objectStore: any size, verified
         maxResultBytes: 1073741824     # objectStore only: a larger result fails ResultTooLarge (default 1 GiB)
+        archiveLogs: onFailure         # Pods' logs kept in the object store: onFailure (default), always, never
     limits:                            # optional: fair-share limits, see core/limits.py
       tenancies: {default: {maxRunning: 100}, acme: {maxRunning: 3, weight: 2}}
       capabilities: {demo.sha256: {maxRunning: 5}}
@@ -44,6 +45,7 @@ Schema (field names as Kubernetes spells them)::
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
@@ -56,6 +58,9 @@ from k8s_dispatch.core.limits import Limits
 from k8s_dispatch.core.limits import parse as parse_limits
 from k8s_dispatch.workers.backends import Worker
 from k8s_dispatch.workers.capability import (
+    ARCHIVE_LOGS_ALWAYS,
+    ARCHIVE_LOGS_KINDS,
+    ARCHIVE_LOGS_ON_FAILURE,
     DEFAULT_ACTIVE_DEADLINE_S,
     DEFAULT_BACKOFF_LIMIT,
     DEFAULT_CONFIG_ERROR_TIMEOUT_S,
@@ -76,13 +81,15 @@ from k8s_dispatch.workers.types import CapabilityName, WorkerName, is_capability
 if TYPE_CHECKING:
     from k8s_dispatch.core.settings import Settings
 
+log = logging.getLogger(__name__)
+
 _REQUIRED = ("worker", "image")
 _FIELDS = (
     "worker", "image", "command", "args", "env", "resources", "namespace",
     "activeDeadlineSeconds", "backoffLimit", "labels", "annotations",
     "runAsUser", "runAsGroup", "securityOverrides",
     "queueTimeoutSeconds", "startTimeoutSeconds", "imagePullTimeoutSeconds", "configErrorTimeoutSeconds",
-    "retryOnExitCodes", "failOnExitCodes", "maxDisruptions", "queue", "results", "maxResultBytes",
+    "retryOnExitCodes", "failOnExitCodes", "maxDisruptions", "queue", "results", "maxResultBytes", "archiveLogs",
 )  # fmt: skip
 _NULLABLE = ("activeDeadlineSeconds", "queueTimeoutSeconds")  # null: no limit
 # The clocks (seconds): config field -> CapabilitySpec attribute; each a positive integer.
@@ -187,16 +194,28 @@ class CapabilityResolver:
     def from_settings(cls, settings: Settings) -> CapabilityResolver:
         """The file named by `K8S_DISPATCH_CAPABILITIES`, else the demo capabilities.
 
+        Without an object store, `archiveLogs` keeps no log: said once here for `onFailure` (the
+        default, which must not make a store compulsory), refused for an explicit `always`, whose
+        author counts on every log being kept.
+
         Raises:
-            ConfigError: also when a capability's results go to an object store and none is configured.
+            ConfigError: also when a capability's results go to an object store, or its logs always
+                do, and none is configured.
         """
         resolver = demo_resolver() if settings.capabilities is None else cls.from_file(settings.capabilities)
-        stored = sorted(name for name, spec in resolver._specs.items() if spec.results_in_object_store)
-        if stored and settings.object_store_endpoint is None:
-            raise ConfigError(
-                f"{resolver.source}: capabilities {stored} have results: {RESULTS_OBJECT_STORE}, "
-                "but no object store is configured (K8S_DISPATCH_OBJECT_STORE_ENDPOINT)"
-            )
+        specs = resolver._specs.values()
+        if settings.object_store_endpoint is None:
+            for needing, what in (
+                (sorted(s.name for s in specs if s.results_in_object_store), f"results: {RESULTS_OBJECT_STORE}"),
+                (sorted(s.name for s in specs if s.archive_logs == ARCHIVE_LOGS_ALWAYS), "archiveLogs: always"),
+            ):
+                if needing:
+                    raise ConfigError(
+                        f"{resolver.source}: capabilities {needing} have {what}, "
+                        "but no object store is configured (K8S_DISPATCH_OBJECT_STORE_ENDPOINT)"
+                    )
+            if any(s.archive_logs == ARCHIVE_LOGS_ON_FAILURE for s in specs):
+                log.info("archiveLogs: onFailure keeps no log: no object store is configured; logs go with their Pods")
         return resolver.with_default_namespace(settings.namespace)
 
     def with_default_namespace(self, namespace: str) -> CapabilityResolver:
@@ -344,6 +363,7 @@ def _parse_capability(name: object, fields: object, *, problems: list[str], sour
         queue=text("queue", optional=True),
         results=text("results", optional=True) or RESULTS_TERMINATION_MESSAGE,
         max_result_bytes=integer("maxResultBytes", DEFAULT_MAX_RESULT_BYTES) or 0,
+        archive_logs=text("archiveLogs", optional=True) or ARCHIVE_LOGS_ON_FAILURE,
     )
     if report.count:
         return None  # value checks on half-parsed fields would only repeat the type errors
@@ -355,13 +375,15 @@ def _parse_capability(name: object, fields: object, *, problems: list[str], sour
 
 
 def results_problems(spec: CapabilitySpec) -> list[tuple[str, str]]:
-    """What is wrong with where the spec's results go: (config field name, why) pairs."""
+    """What is wrong with where the spec's results and logs go: (config field name, why) pairs."""
     problems = []
     if spec.results not in RESULTS_KINDS:
         problems.append(("results", f"{spec.results!r} is not one of {', '.join(RESULTS_KINDS)}"))
     size = spec.max_result_bytes
     if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= MAX_RESULT_BYTES_LIMIT:
         problems.append(("maxResultBytes", f"{size!r} is not a size in bytes from 1 to {MAX_RESULT_BYTES_LIMIT}"))
+    if spec.archive_logs not in ARCHIVE_LOGS_KINDS:
+        problems.append(("archiveLogs", f"{spec.archive_logs!r} is not one of {', '.join(ARCHIVE_LOGS_KINDS)}"))
     return problems
 
 

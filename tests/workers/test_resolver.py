@@ -232,7 +232,7 @@ def test_every_problem_is_reported_at_once() -> None:
         "resources, namespace, activeDeadlineSeconds, backoffLimit, labels, annotations, "
         "runAsUser, runAsGroup, securityOverrides, queueTimeoutSeconds, "
         "startTimeoutSeconds, imagePullTimeoutSeconds, configErrorTimeoutSeconds, "
-        "retryOnExitCodes, failOnExitCodes, maxDisruptions, queue, results, maxResultBytes)",
+        "retryOnExitCodes, failOnExitCodes, maxDisruptions, queue, results, maxResultBytes, archiveLogs)",
         "caps.json: capability 'b': field 'worker': is required",
     ]
 
