@@ -195,24 +195,70 @@ class RemoteHost:
     # --- informers -------------------------------------------------------------------
 
     async def inform(self, *, bound: bool, ready: asyncio.Event) -> None:
-        """LIST then WATCH one selection of Pods, resuming from the last resourceVersion, listing
-        again on 410 Gone, reconnecting with backoff on errors (client-go's ListAndWatch)."""
+        """LIST then WATCH one selection of Pods (`_list_and_watch`): this node's, or the unbound."""
         selector = f"spec.nodeName={self.node_name}" if bound else "spec.nodeName="
+
+        def on_event(kind: str, obj: dict[str, Any]) -> None:
+            self._event(kind, obj, bound=bound)
+
+        await self._list_and_watch(
+            "/api/v1/pods", selector, on_list=lambda items: self._relisted(items, bound=bound), on_event=on_event,
+            ready=ready, what=f"pod watch ({selector})",
+        )  # fmt: skip
+
+    async def inform_sources(self, kind: str, *, ready: asyncio.Event) -> None:
+        """LIST then WATCH every Secret or ConfigMap (`kind`), as `inform` does Pods: the cache
+        `env_source` reads; each one written tells the Kubelet, whose waiting Pods may start."""
+        kubelet = self.kubelet
+        assert kubelet is not None
+        cache = self._sources[kind]
+
+        def on_list(items: list[dict[str, Any]]) -> None:
+            cache.clear()
+            cache.update({_key(o): o for o in items})
+            for key in cache:
+                kubelet.source_changed(kind, *key)
+
+        def on_event(event_kind: str, obj: dict[str, Any]) -> None:
+            if event_kind == "DELETED":
+                cache.pop(_key(obj), None)
+            elif event_kind in ("ADDED", "MODIFIED"):
+                cache[_key(obj)] = obj
+                kubelet.source_changed(kind, *_key(obj))
+
+        path = "/api/v1/secrets" if kind == "Secret" else "/api/v1/configmaps"
+        await self._list_and_watch(path, "", on_list=on_list, on_event=on_event, ready=ready, what=f"{kind} watch")
+
+    async def _list_and_watch(
+        self,
+        path: str,
+        selector: str,
+        *,
+        on_list: Callable[[list[dict[str, Any]]], None],
+        on_event: Callable[[str, dict[str, Any]], None],
+        ready: asyncio.Event,
+        what: str,
+    ) -> None:
+        """client-go's ListAndWatch: LIST (`on_list`, then `ready` set), then WATCH from its
+        resourceVersion (`on_event` for each event but bookmarks), resuming from the last version
+        seen, listing again on 410 Gone, reconnecting with backoff on errors; for ever."""
         rv: str | None = None
         backoff = 0.2
         while True:
             try:
                 if rv is None:
-                    items, rv = await self._list(selector)
-                    self._relisted(items, bound=bound)
+                    items, rv = await self._list(selector, path)
+                    on_list(items)
                     ready.set()
-                params = {"fieldSelector": selector, "resourceVersion": rv, "allowWatchBookmarks": "true"}
+                params = {"resourceVersion": rv, "allowWatchBookmarks": "true"}
+                if selector:
+                    params["fieldSelector"] = selector
                 opened = self._loop.time()
-                async for event in self.api.watch("/api/v1/pods", params=params, timeout=WATCH_TIMEOUT):
+                async for event in self.api.watch(path, params=params, timeout=WATCH_TIMEOUT):
                     obj = event.get("object") or {}
                     rv = (obj.get("metadata") or {}).get("resourceVersion") or rv
                     if event.get("type") != "BOOKMARK":
-                        self._event(event.get("type", ""), obj, bound=bound)
+                        on_event(str(event.get("type", "")), obj)
                 if self._loop.time() - opened < 1.0:  # a server ending every watch at once: do not spin
                     await asyncio.sleep(backoff)
                     backoff = min(backoff * 2, RETRY_MAX)
@@ -222,11 +268,11 @@ class RemoteHost:
                 if e.code == 410:
                     rv = None
                     continue
-                log.warning("pod watch (%s): %s", selector, e)
+                log.warning("%s: %s", what, e)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, RETRY_MAX)
             except _REACH_ERRORS as e:
-                log.warning("pod watch (%s): %s: %s", selector, type(e).__name__, e)
+                log.warning("%s: %s: %s", what, type(e).__name__, e)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, RETRY_MAX)
 
@@ -240,51 +286,6 @@ class RemoteHost:
             if not meta.get("continue"):
                 return items, meta.get("resourceVersion", "")
             params = {"fieldSelector": selector, "limit": str(LIST_PAGE), "continue": meta["continue"]}
-
-    async def inform_sources(self, kind: str, *, ready: asyncio.Event) -> None:
-        """LIST then WATCH every Secret or ConfigMap (`kind`), as `inform` does Pods: the cache
-        `env_source` reads; each one written tells the Kubelet, whose waiting Pods may start."""
-        assert self.kubelet is not None
-        path = "/api/v1/secrets" if kind == "Secret" else "/api/v1/configmaps"
-        cache = self._sources[kind]
-        rv: str | None = None
-        backoff = 0.2
-        while True:
-            try:
-                if rv is None:
-                    items, rv = await self._list("", path)
-                    cache.clear()
-                    cache.update({_key(o): o for o in items})
-                    for key in cache:
-                        self.kubelet.source_changed(kind, *key)
-                    ready.set()
-                params = {"resourceVersion": rv, "allowWatchBookmarks": "true"}
-                opened = self._loop.time()
-                async for event in self.api.watch(path, params=params, timeout=WATCH_TIMEOUT):
-                    obj = event.get("object") or {}
-                    rv = (obj.get("metadata") or {}).get("resourceVersion") or rv
-                    kind_of_event = event.get("type")
-                    if kind_of_event == "DELETED":
-                        cache.pop(_key(obj), None)
-                    elif kind_of_event in ("ADDED", "MODIFIED"):
-                        cache[_key(obj)] = obj
-                        self.kubelet.source_changed(kind, *_key(obj))
-                if self._loop.time() - opened < 1.0:  # a server ending every watch at once: do not spin
-                    await asyncio.sleep(backoff)
-                    backoff = min(backoff * 2, RETRY_MAX)
-                else:
-                    backoff = 0.2
-            except ApiStatusError as e:
-                if e.code == 410:
-                    rv = None
-                    continue
-                log.warning("%s watch: %s", kind, e)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, RETRY_MAX)
-            except _REACH_ERRORS as e:
-                log.warning("%s watch: %s: %s", kind, type(e).__name__, e)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, RETRY_MAX)
 
     def _relisted(self, items: list[dict[str, Any]], *, bound: bool) -> None:
         cache = self._bound if bound else self._unbound
