@@ -21,6 +21,7 @@ from typing import Any
 from sqlalchemy.exc import DBAPIError
 
 from k8s_dispatch import artifacts
+from k8s_dispatch.artifacts import logs
 from k8s_dispatch.artifacts.errors import ObjectStoreUnavailable
 from k8s_dispatch.core.errors import (
     DispatchError,
@@ -441,8 +442,13 @@ class _Batch:
                 log.info("dispatch %s: its log could not be read (%s)", context.dispatch_id, e.reason)
         uids = {uid} | {(p.get("metadata") or {}).get("uid") for p in pods}
         events = [e for e in self._warnings() if (e.get("involvedObject") or {}).get("uid") in uids]
+        archived = logs.log_key(  # where release_pods archives the failing Pod's whole log
+            artifacts.for_settings(self.rt.settings),
+            self.rt.resolver,
+            None if pod is None else failure_detail.pod_log(pod),
+        )
         detail = failure_detail.detail(
-            job, pod, events=events, log=log_bytes, disrupted=failure_detail.disruptions(pods)
+            job, pod, events=events, log=log_bytes, disrupted=failure_detail.disruptions(pods), log_key=archived
         )
         reason = failure_detail.failure_reason(payload.get("reason"), pod)
         try:

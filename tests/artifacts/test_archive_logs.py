@@ -272,6 +272,7 @@ def test_a_failed_pods_log_is_archived_before_its_release_and_shown_after_it_is_
 
     (archived,) = _archived(rt, dispatch_id)
     assert archived.key == keys.log_key(rt.settings.object_store_prefix, dispatch_id, 0, pod["metadata"]["name"])
+    assert event.payload["detail"]["log_key"] == archived.key  # the failure names its whole log
     wait_until(lambda: not _pods(rt, dispatch_id), what="the pod is gone", timeout=30)
 
     out = io.BytesIO()
