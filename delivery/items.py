@@ -2,20 +2,26 @@
 
 A map's Job is handed to the completion path while it runs, not only once it has finished
 (`delivery.jobwatch` keeps it among the Jobs to hand off), and `complete.complete_jobs` passes it
-here. Per hand-off: the Job's Pods listed once; each finished Pod's item decided (`decide`, pure):
-a succeeded Pod's result, or the failure of an index the Job controller gave up on
-(`failedIndexes`); the ends written in one transaction through `terminal.record_items` (the
-primary key on (dispatch, item) is the arbiter); then the Pods whose item is recorded, or whose
-index was retried, are freed of our finalizer. Once the Job has ended, the items still open end
-with the Job's reason and the map's own terminal event is written in the same transaction,
-saying how many items succeeded and failed and why the map passed or failed; then the Job is
-released, as any delivered Job is.
+here. Per hand-off of a running map, only the Pods that can change something are read
+(`indexes_to_read`, pure): those of the indexes the Job's status counts completed or failed whose
+item has no end yet, selected by the Pod label `batch.kubernetes.io/job-completion-index` (`in`,
+chunked), and those of indexes with a failed Pod the controller let go of since the last look
+(`retried_count`, a counter kept in Redis: a Job change that retried nothing reads no failed
+Pod). So a map of n items costs each item's Pods about once, not n Pods per change. Each Pod's
+item is decided (`decide`, pure): a succeeded Pod's result, or the failure of an index the Job
+controller gave up on (`failedIndexes`); the ends are written in one transaction through
+`terminal.record_items` (the primary key on (dispatch, item) is the arbiter); then the Pods whose
+item is recorded, or whose index was retried, are freed of our finalizer. Once the Job has ended,
+all its Pods are read once: the items still open end with the Job's reason, the map's own
+terminal event is written in the same transaction, saying how many items succeeded and failed and
+why the map passed or failed, every Pod still held is freed, and the Job is released, as any
+delivered Job is.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +29,7 @@ import redis
 
 from k8s_dispatch.core.errors import Transient
 from k8s_dispatch.delivery import handoff, terminal
-from k8s_dispatch.delivery.cleanup import controller_uids, pods_by_job, release_job, release_pods
+from k8s_dispatch.delivery.cleanup import JOB_NAME_LABEL, controller_uids, pods_by_job, release_job, release_pods
 from k8s_dispatch.delivery.reconstruct import DeliveryContext
 from k8s_dispatch.delivery.records import contexts_of
 from k8s_dispatch.delivery.runtime import Runtime
@@ -31,8 +37,17 @@ from k8s_dispatch.store import dispatches, maps
 from k8s_dispatch.store.db import transaction
 from k8s_dispatch.store.models import EventType, ItemEventType
 from k8s_dispatch.workers import failure_detail
-from k8s_dispatch.workers.indexed import failure_count, item_indexes, item_of, pod_index, status_indexes
+from k8s_dispatch.workers.indexed import (
+    COMPLETION_INDEX,
+    failure_count,
+    item_indexes,
+    item_of,
+    parse_intervals,
+    pod_index,
+    status_indexes,
+)
 from k8s_dispatch.workers.job_status import job_state, parse_result, pick_termination
+from k8s_dispatch.workers.manifest import FINALIZER
 
 log = logging.getLogger(__name__)
 
@@ -202,6 +217,42 @@ def deliver_maps(rt: Runtime, namespace: str, jobs: Sequence[Mapping[str, Any]])
     return done
 
 
+def indexes_to_read(
+    job: Mapping[str, Any], ended: Mapping[int, str], items: int, *, retried: Iterable[int] = ()
+) -> list[int]:
+    """The completion indexes whose Pods a running map's hand-off reads, ascending (pure): those
+    the Job's status counts completed or failed (`completedIndexes`, `failedIndexes`) whose item
+    has no end yet, and `retried` (indexes of failed Pods still held) whose item has none either.
+    An index the Job counts whose Pod is gone stays here until the Job ends (ITEM_RESULT_LOST).
+
+    Raises:
+        LabelMismatch: the Job's item indexes are unreadable (`workers.indexed.item_indexes`).
+    """
+    indexes = item_indexes(job)
+    status = job.get("status") or {}
+    counted = parse_intervals(status.get("completedIndexes")) | parse_intervals(status.get("failedIndexes"))
+    wanted = set()
+    for index in counted | set(retried):
+        item = item_of(indexes, index)
+        if item is not None and 0 <= item < items and item not in ended:
+            wanted.add(index)
+    return sorted(wanted)
+
+
+def retried_count(job: Mapping[str, Any]) -> int:
+    """How many failed Pods of a map's Job the controller let go of other than the last of each
+    index it gave up (pure): its `failed` counter (with the failures not counted yet) less its
+    `failedIndexes`. The controller lets a failed Pod go once its index runs again (per-index
+    backoff keeps it until its replacement exists), so this grows exactly when an index was
+    retried: only then does a hand-off look for held failed Pods. A Pod failed by a disruption
+    that a podFailurePolicy `Ignore` rule does not count is freed when its index ends instead."""
+    status = job.get("status") or {}
+    uncounted = (status.get("uncountedTerminatedPods") or {}).get("failed") or []
+    failed = status.get("failed")
+    counted = failed if isinstance(failed, int) and not isinstance(failed, bool) else 0
+    return max(0, counted + len(uncounted) - len(parse_intervals(status.get("failedIndexes"))))
+
+
 def _deliver(rt: Runtime, namespace: str, job: Mapping[str, Any], context: DeliveryContext | None) -> str:
     if context is None:
         return REFUSED
@@ -211,7 +262,8 @@ def _deliver(rt: Runtime, namespace: str, job: Mapping[str, Any], context: Deliv
         release_pods(rt, namespace, pods_by_job(rt, namespace, [name])[name])
         release_job(rt, namespace, name, snapshot=job)
         return ALREADY_TERMINAL
-    if not job_state(job).terminal:
+    finished = job_state(job).terminal
+    if not finished:
         # This change is being delivered: the next one is handed off again at once (poll's
         # marker is per Job, and would hold every change of a running map back for its TTL).
         try:
@@ -222,12 +274,13 @@ def _deliver(rt: Runtime, namespace: str, job: Mapping[str, Any], context: Deliv
     if claim is None:
         return CLAIMED_ELSEWHERE
     try:
-        pods = [p for p in pods_by_job(rt, namespace, [name])[name] if controller_uids(p) <= {uid}]
-        finished = job_state(job).terminal
+        indexes = item_indexes(job)
         with transaction(rt.sessions) as session:
             shape = maps.map_shapes(session, [dispatch_id])[dispatch_id]
             ended = maps.ended_items(session, dispatch_id)
-            decided = decide(dispatch_id, job, pods, ended, shape.items)
+        ours = [p for p in _pods_to_read(rt, namespace, job, ended, shape.items) if controller_uids(p) <= {uid}]
+        with transaction(rt.sessions) as session:
+            decided = decide(dispatch_id, job, ours, ended, shape.items)
             terminal.record_items(session, decided.ends)
             now_ended = {**ended, **{e.item_index: e.type.value for e in decided.ends}}
             won: set[str] = set()
@@ -240,18 +293,92 @@ def _deliver(rt: Runtime, namespace: str, job: Mapping[str, Any], context: Deliv
         if event is not None and won:
             assert row is not None
             terminal.announce(rt, [(row, event)])
-        indexes = item_indexes(job)
         free = [
             p
-            for p in pods
+            for p in ours
             if finished
             or (item_of(indexes, pod_index(p)) in now_ended and _phase(p) in ("Succeeded", "Failed"))
             or p in decided.retried
         ]
         release_pods(rt, namespace, free)
         if not finished:
+            _note_retries_read(rt, namespace, job)
             return RUNNING
         release_job(rt, namespace, name, snapshot=job)
+        _forget_retries(rt, namespace, job)
         return COMPLETED if won else ALREADY_TERMINAL
     finally:
         rt.guard.release_many([claim])
+
+
+# Completion indexes per `job-completion-index in (...)` Pod selector: 250 of up to 6
+# characters make ~1.7 KB, as `cleanup.SELECTOR_CHUNK` keeps a selector of Job names small.
+INDEX_CHUNK = 250
+_RETRIES_TTL_S = 86_400  # a lost note costs one LIST of failed Pods, nothing more
+_FAILED_PODS = "status.phase=Failed"
+
+
+def _pods_to_read(
+    rt: Runtime, namespace: str, job: Mapping[str, Any], ended: Mapping[int, str], items: int
+) -> list[dict[str, Any]]:
+    """The Pods a hand-off needs. A Job that ended: all of them (one paginated LIST: every open
+    item ends now, and no Pod may stay held). A running one: the failed Pods still held, if an
+    index was retried since the last look (`retried_count` above the note in Redis), then the
+    Pods of `indexes_to_read` by their completion index label."""
+    name = str((job.get("metadata") or {}).get("name", ""))
+    if job_state(job).terminal:
+        return pods_by_job(rt, namespace, [name])[name]
+    selector = f"{JOB_NAME_LABEL}={name}"
+    held: list[dict[str, Any]] = []
+    if retried_count(job) > _retries_read(rt, namespace, job):
+        held = [
+            pod
+            for page in rt.kube.iter_pods(namespace, label_selector=selector, field_selector=_FAILED_PODS)
+            for pod in page
+            if FINALIZER in ((pod.get("metadata") or {}).get("finalizers") or [])
+        ]
+    indexes = item_indexes(job)
+    retried = {i for i in (pod_index(p) for p in held) if i is not None}
+    to_read = indexes_to_read(job, ended, items, retried=retried)
+    pods = [p for p in held if item_of(indexes, pod_index(p)) in ended]  # their item ended: freed now
+    for start in range(0, len(to_read), INDEX_CHUNK):
+        values = ",".join(str(index) for index in to_read[start : start + INDEX_CHUNK])
+        chunk = f"{selector},{COMPLETION_INDEX} in ({values})"
+        pods += [pod for page in rt.kube.iter_pods(namespace, label_selector=chunk) for pod in page]
+    return pods
+
+
+def _retries_key(rt: Runtime, namespace: str, job: Mapping[str, Any]) -> str:
+    metadata = job.get("metadata") or {}
+    return f"{rt.settings.key_prefix}:map-retries:{namespace}/{metadata.get('name')}/{metadata.get('uid')}"
+
+
+def _retries_read(rt: Runtime, namespace: str, job: Mapping[str, Any]) -> int:
+    """The `retried_count` a hand-off of this Job last freed the retried Pods of (0: none noted,
+    or Redis unavailable: the failed Pods are read again, which is only a LIST more)."""
+    try:
+        text = rt.redis.get(_retries_key(rt, namespace, job))
+        return int(text) if text is not None else 0
+    except (redis.RedisError, ValueError) as e:
+        log.info("the retried Pods read of %s are not known (%s); reading them", _retries_key(rt, namespace, job), e)
+        return 0
+
+
+def _note_retries_read(rt: Runtime, namespace: str, job: Mapping[str, Any]) -> None:
+    """Once this hand-off freed what it read: its Job's `retried_count` is read (if it is new)."""
+    count = retried_count(job)
+    if count <= 0:
+        return
+    try:
+        rt.redis.set(_retries_key(rt, namespace, job), str(count), ex=_RETRIES_TTL_S)
+    except redis.RedisError as e:
+        log.info("the retried Pods read of %s are not noted (%s)", _retries_key(rt, namespace, job), e)
+
+
+def _forget_retries(rt: Runtime, namespace: str, job: Mapping[str, Any]) -> None:
+    if retried_count(job) <= 0:
+        return
+    try:
+        rt.redis.delete(_retries_key(rt, namespace, job))
+    except redis.RedisError as e:  # it expires by itself
+        log.info("the note %s stays (%s)", _retries_key(rt, namespace, job), e)

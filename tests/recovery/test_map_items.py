@@ -143,3 +143,40 @@ def test_a_job_made_for_the_open_items_speaks_for_them_by_their_own_indexes() ->
     shape = maps.MapShape(items=5, parallelism=2, max_failed_items=None, min_succeeded=None)
     left = items.open_item_ends(D, the_job, shape, {0: OK, 2: OK, 1: OK, 3: FAILED})
     assert [(e.item_index, e.payload["reason"]) for e in left] == [(4, "DeadlineExceeded")]
+
+
+@pytest.mark.parametrize(
+    ("status", "annotation", "ended", "retried", "expected"),
+    [
+        # a change that ended nothing new reads no Pod
+        ({"completedIndexes": "0-2", "failedIndexes": "3"}, None, {0: OK, 1: OK, 2: OK, 3: FAILED}, (), []),
+        # only the indexes counted since what is recorded, completed or given up
+        ({"completedIndexes": "0-4", "failedIndexes": "6"}, None, {0: OK, 1: OK, 2: OK}, (), [3, 4, 6]),
+        # a held failed Pod's index, unless its item ended; out of range is never read
+        ({"completedIndexes": "0"}, None, {0: OK}, (0, 5, 99), [5]),
+        # a Job made for items 1, 3 and 4: its completion indexes map to them
+        ({"completedIndexes": "0-1", "failedIndexes": "2"}, "1,3-4", {1: OK}, (), [1, 2]),
+        ({"completedIndexes": "0-2"}, "1,3-4", {}, (7,), [0, 1, 2]),
+    ],
+)  # fmt: skip
+def test_a_running_maps_hand_off_reads_only_the_indexes_that_changed(status, annotation, ended, retried, expected):
+    the_job: dict[str, Any] = {"metadata": {"name": "kd-" + D, "uid": UID}, "status": status}
+    if annotation is not None:
+        the_job["metadata"]["annotations"] = {indexed.ITEM_INDEXES_ANNOTATION: annotation}
+    assert items.indexes_to_read(the_job, ended, 10, retried=retried) == expected
+
+
+@pytest.mark.parametrize(
+    ("status", "expected"),
+    [
+        ({}, 0),
+        # the last failed Pod of each index given up is not a retry
+        ({"failed": 2, "failedIndexes": "1,4"}, 0),
+        ({"failed": 3, "failedIndexes": "1,4"}, 1),
+        # failures the controller has let go of but not counted yet count too
+        ({"failed": 1, "uncountedTerminatedPods": {"failed": ["u1", "u2"]}, "failedIndexes": "2"}, 2),
+        ({"failed": "x"}, 0),
+    ],
+)
+def test_retries_are_seen_in_the_jobs_failure_counter(status, expected) -> None:
+    assert items.retried_count({"status": status}) == expected
