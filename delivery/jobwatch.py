@@ -173,6 +173,12 @@ def healthy_key(name: str) -> str:
     return f"{name}:healthy"
 
 
+def listed_key(name: str) -> str:
+    """The key that is there while the sweep's last LIST of the namespace (position `name`)
+    stands for its Jobs (`recovery.sweep`); a poll that had to LIST removes it (pure)."""
+    return f"{name}:sweep-listed"
+
+
 def load(client: redis.Redis, name: str) -> Position:
     """The stored position (an empty one when none is stored)."""
     return load_many(client, [name])[0]
@@ -331,6 +337,12 @@ def gone(client: redis.Redis, name: str) -> set[str]:
     return {m.decode() for m in members}
 
 
+def note_gone(client: redis.Redis, name: str, ids: Sequence[str]) -> None:
+    """Note dispatches for the sweep to check as if poll had seen their Jobs leave (`gone`)."""
+    if ids:
+        client.sadd(gone_key(name), *sorted(ids))
+
+
 def forget_gone(client: redis.Redis, name: str, ids: set[str]) -> None:
     if ids:
         client.srem(gone_key(name), *sorted(ids))
@@ -464,6 +476,11 @@ def poll_namespaces(
         out.stored = stored
         if not stored:
             log.info("poll: another poll of jobs in %s stored its position first; this one's is dropped", namespace)
+    # A LIST means the watch had a gap (no position, 410, a broken stream): a Job that left in it
+    # undelivered was never noted gone, so the sweep's next pass LISTs the namespace too.
+    gaps = [listed_key(key(prefix, deployment, namespace)) for namespace, out in done if out.listed]
+    if gaps:
+        client.delete(*gaps)
     return polled
 
 

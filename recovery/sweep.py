@@ -147,7 +147,8 @@ def _list_due(rt: Runtime, namespace: str) -> bool:
     """Whether this sweep LISTs the namespace's Jobs: always in LIST mode or while poll's watch
     of it is not healthy; otherwise once per `sweep_list_interval_s` since the last LIST that
     came whole (`_listed`: a Redis key's TTL, so the replicas' sweeps share it and no clocks are
-    compared). Redis unreachable: list."""
+    compared), and at once after a poll had to LIST (a gap in the watch removes the key).
+    Redis unreachable: list."""
     settings = rt.settings
     if settings.poll_mode is not PollMode.WATCH:
         return True
@@ -155,7 +156,7 @@ def _list_due(rt: Runtime, namespace: str) -> bool:
     try:
         if not jobwatch.is_healthy(rt.redis, settings.key_prefix, settings.effective_deployment, namespace):
             return True
-        return not rt.redis.exists(f"{name}:sweep-listed")
+        return not rt.redis.exists(jobwatch.listed_key(name))
     except redis.RedisError as e:
         log.warning("sweep: cannot tell whether the watch of %s is healthy (%s); listing its jobs", namespace, e)
         return True
@@ -171,7 +172,7 @@ def _listed(rt: Runtime, namespace: str) -> None:
     # A little under the interval, so that the sweep that falls due on it is not one late.
     ttl_ms = max(1, int(1000 * (settings.sweep_list_interval_s - settings.sweep_interval_s / 2)))
     try:
-        rt.redis.set(f"{name}:sweep-listed", 1, px=ttl_ms)
+        rt.redis.set(jobwatch.listed_key(name), 1, px=ttl_ms)
     except redis.RedisError as e:  # the next sweep lists again
         log.warning("sweep: cannot note the LIST of jobs in %s (%s)", namespace, e)
 
@@ -242,7 +243,7 @@ def _sweep_jobs(rt: Runtime, namespace: str, act: Executor, *, now: datetime, po
             act.starts(namespace, start_checks.due(page, actions, views, now=now, policy_for=_start_policy(rt)))
             lost.page(page)
         lost.end()
-        if not act.dry_run:
+        if not act.dry_run and not lost.unnoted:
             _listed(rt, namespace)
     except DispatchError as e:  # the LIST, or the page's dispatches: the next sweep starts over
         log.warning("sweep: going through the jobs in %s stopped: %s: %s", namespace, e.reason, e)
@@ -321,8 +322,9 @@ def _prefetched(pages: Iterator[T]) -> Iterator[T]:
 
 class _LostJobs:
     """Category 5 for one namespace, matched while its Jobs stream by (see `NameOrder`): after
-    each page, the CREATED dispatches past the grace period whose ids that page covers, and
-    whose Job it does not hold, with one query. No LIST per dispatch; memory stays a page.
+    each page, the CREATED dispatches whose ids that page covers, and whose Job it does not
+    hold, with one query: past the grace period acted on, inside it noted for the watched
+    sweeps (`jobwatch.note_gone`). No LIST per dispatch; memory stays a page.
 
     A listing out of name order (restarted, or a server that does not sort) stops the
     matching: `matched` stays False and (B) looks those dispatches' Jobs up by label instead.
@@ -332,6 +334,7 @@ class _LostJobs:
         self.rt, self.namespace, self.act, self.now, self.policy = rt, namespace, act, now, policy
         self._order: NameOrder | None = NameOrder()
         self.matched = False
+        self.unnoted = False  # a dispatch to check again could not be noted: the LIST is due again
 
     def page(self, jobs: Sequence[dict[str, Any]]) -> None:
         if self._order is None:
@@ -353,7 +356,6 @@ class _LostJobs:
         query = sa.select(Dispatch).where(
             Dispatch.state == DispatchState.CREATED,
             Dispatch.job_namespace == self.namespace,
-            Dispatch.updated_at <= self.now - self.policy.grace,
         )
         if upto is not None:
             query = query.where(Dispatch.dispatch_id <= upto)
@@ -363,6 +365,18 @@ class _LostJobs:
         for views in _pages(self.rt, query, lambda row: view_of(self.rt, row), after=after):
             self.act.report.dispatches_checked += len(views)
             self.act.all(plan_dispatches(views, present, now=self.now, policy=self.policy))
+            # Missing inside the grace: not acted on now, and this LIST stands for the namespace
+            # until the next one (`_listed`), so they are noted for the watched sweeps to check
+            # once the grace is over, as if poll had seen their Jobs leave.
+            young = [v.dispatch_id for v in views if self.now - v.updated_at < self.policy.grace]
+            if young and not self.act.dry_run and self.rt.settings.poll_mode is PollMode.WATCH:
+                settings = self.rt.settings
+                name = jobwatch.key(settings.key_prefix, settings.effective_deployment, self.namespace)
+                try:
+                    jobwatch.note_gone(self.rt.redis, name, young)
+                except redis.RedisError as e:  # then this LIST stands for nothing: the next one is due
+                    log.warning("sweep: cannot note %d dispatches of %s to check again (%s)", len(young), name, e)
+                    self.unnoted = True
 
 
 # --- (B) the dispatches without a Job: categories 1 and 5 -----------------------------------

@@ -112,10 +112,10 @@ def _first_sweep_listed(redis_url: str, window_s: float, cluster: services.Clust
     needed_ms = int(1000 * (window_s + LIST_MARGIN_S))
     client = redis.Redis.from_url(redis_url)
     try:
-        wait_until(lambda: client.exists(f"{name}:sweep-listed"), timeout=60, interval=0.5,
+        wait_until(lambda: client.exists(jobwatch.listed_key(name)), timeout=60, interval=0.5,
                    what="beat's first sweep LIST")  # fmt: skip
-        if int(client.pttl(f"{name}:sweep-listed")) < needed_ms:
-            wait_until(lambda: int(client.pttl(f"{name}:sweep-listed")) >= needed_ms, timeout=SWEEP_LIST_INTERVAL_S,
+        if int(client.pttl(jobwatch.listed_key(name))) < needed_ms:
+            wait_until(lambda: int(client.pttl(jobwatch.listed_key(name))) >= needed_ms, timeout=SWEEP_LIST_INTERVAL_S,
                        interval=0.5, what="the next sweep LIST")  # fmt: skip
     finally:
         client.close()

@@ -217,9 +217,13 @@ def test_a_poll_resumes_from_the_version_the_last_one_stored(
     slow = make_job(kube, namespace, deployment, ms=3_000)
     wait_finished(kube, namespace, quick)
 
+    listed = jobwatch.listed_key(jobwatch.key(prefix, deployment, namespace))
+    client.set(listed, 1, ex=600)  # a sweep's LIST stands for the namespace's Jobs
     first = poll(kube, client, prefix, deployment, namespace, rec)  # no version yet: the LIST
     assert first.listed and first.stored and first.seen == 4
     assert sorted(rec.handed) == sorted(quick)
+    assert not client.exists(listed)  # a gap in the watch: the sweep's next pass LISTs too
+    client.set(listed, 1, ex=600)
 
     release(kube, namespace, quick[0])  # delivered: leaves the finished set through a DELETED event
     wait_finished(kube, namespace, [slow])
@@ -239,6 +243,7 @@ def test_a_poll_resumes_from_the_version_the_last_one_stored(
     quiet = poll(kube, client, prefix, deployment, namespace, rec)
     assert (quiet.listed, quiet.seen) == (False, 0)
     assert jobwatch.load(client, jobwatch.key(prefix, deployment, namespace)).version == stored.version
+    assert client.exists(listed)  # resumed polls leave the sweep's LIST standing
 
 
 def test_an_expired_version_falls_back_to_the_list_and_resumes_from_it(

@@ -19,7 +19,7 @@ import sqlalchemy as sa
 from forged_jobs import SIM, forge_job
 from runtimes import Notified, runtime_values, schedule
 
-from k8s_dispatch.delivery import complete, create, records
+from k8s_dispatch.delivery import complete, create, jobwatch, records
 from k8s_dispatch.delivery.runtime import Runtime
 from k8s_dispatch.demo.localcluster import LocalCluster
 from k8s_dispatch.ops.processes import wait_until
@@ -353,6 +353,29 @@ def test_a_lost_job_inside_the_grace_period_is_not_recreated_yet(make_runtime):
         )
     assert found(run_sweep(rt)) == {}
     assert record(rt, dispatch_id).attempts == 0 and jobs(rt) == {}
+
+
+def test_a_job_a_list_finds_lost_inside_the_grace_is_checked_again_by_the_watched_sweeps(make_runtime):
+    """A LIST stands for the namespace until the next one, up to `sweep_list_interval_s` on; a
+    created dispatch it finds without its Job inside the grace (lost while the watch could not
+    see it: a relist after the broker lost its position) is noted for the watched sweeps, which
+    run it again once the grace is over."""
+    rt = make_runtime(sweep_grace_s="2", sweep_list_interval_s="3600")
+    dispatch_id = schedule(rt, "sim.hang")
+    create.create_job_for(rt, dispatch_id)
+    lose_job(rt, dispatch_id)
+    assert found(run_sweep(rt)) == {}  # the LIST: inside the grace, nothing done yet
+    settings = rt.settings
+    watch = jobwatch.key(settings.key_prefix, settings.effective_deployment, settings.namespace)
+    assert dispatch_id in jobwatch.gone(rt.redis, watch) and rt.redis.exists(jobwatch.listed_key(watch))
+    rt.redis.set(jobwatch.healthy_key(watch), 1, ex=600)  # poll's watch healthy: no LIST for an hour
+
+    def again() -> bool:
+        run_sweep(rt, watched=True)
+        return record(rt, dispatch_id).attempts == 1
+
+    wait_until(again, what="the lost Job made again", timeout=20.0)
+    assert job_name(dispatch_id) in jobs(rt) and dispatch_id not in jobwatch.gone(rt.redis, watch)
 
 
 # --- 6: never delivered -------------------------------------------------------------------------

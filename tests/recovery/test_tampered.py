@@ -218,7 +218,7 @@ def test_with_the_delete_policy_the_removed_jobs_dispatch_runs_again_from_its_ro
     # The watch is healthy and noted nothing; the LIST is not due: only the row says what to do.
     watch = jobwatch.key(rt.settings.key_prefix, rt.settings.effective_deployment, rt.settings.namespace)
     rt.redis.set(jobwatch.healthy_key(watch), 1, ex=600)
-    rt.redis.set(f"{watch}:sweep-listed", 1, ex=600)
+    rt.redis.set(jobwatch.listed_key(watch), 1, ex=600)
     assert not rt.redis.exists(jobwatch.gone_key(watch))
 
     def again() -> dict[str, Any] | None:

@@ -111,7 +111,7 @@ def test_a_failed_list_is_due_again_at_the_next_sweep(
     rt = make_runtime()
     settings = rt.settings
     name = jobwatch.key(settings.key_prefix, settings.effective_deployment, settings.namespace)
-    listed = f"{name}:sweep-listed"
+    listed = jobwatch.listed_key(name)
 
     def healthy() -> None:  # a poll keeps the namespace's watch healthy
         jobwatch.store(rt.redis, name, expected=jobwatch.load(rt.redis, name).version, position=Position("1"),

@@ -44,7 +44,7 @@ def started(deploy, cluster, count: int, **settings: str) -> tuple[Any, list[str
     d.start_beat()
     key = jobwatch.key(d.prefix, deployment, namespace)
     d.wait(lambda: jobwatch.is_healthy(d.redis, d.prefix, deployment, namespace), what="the watch healthy")
-    d.wait(lambda: d.redis.exists(f"{key}:sweep-listed"), what="a LIST noted")
+    d.wait(lambda: d.redis.exists(jobwatch.listed_key(key)), what="a LIST noted")
     ids = d.schedule_batch("sim.slow", count)
     d.wait(lambda: len(d.jobs()) == count, what="the jobs running")
     return d, ids, {j["metadata"]["name"]: j["metadata"]["uid"] for j in d.jobs()}

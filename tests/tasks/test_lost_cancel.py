@@ -51,7 +51,7 @@ def test_a_lost_cancel_has_its_job_deleted_by_the_sweep_and_its_slot_held_until_
     # Poll follows the namespace by watch, and its Jobs were LISTed (the worker's start-up sweep):
     # the next LIST is an hour away, so only the sweep's database side can find the cancel.
     d.wait(lambda: jobwatch.is_healthy(d.redis, d.prefix, deployment, namespace), what="the watch healthy")
-    d.wait(lambda: d.redis.exists(f"{key}:sweep-listed"), what="a LIST noted")
+    d.wait(lambda: d.redis.exists(jobwatch.listed_key(key)), what="a LIST noted")
 
     samples: list[set[str]] = []
     stop = threading.Event()
