@@ -319,7 +319,7 @@ def _create(
                 inputs=shape.inputs,
                 item_indexes=shape.open_items,
                 parallelism=shape.parallelism,
-                max_failed_items=shape.failures_left,
+                max_failed_items=None if shape.failures_left is None else min(shape.failures_left, len(shape.inputs)),
             )
     except UnknownCapability as e:
         # Removed from the config since scheduling: a Job made before still runs and is
