@@ -9,19 +9,23 @@ dispatch recorded when it was scheduled (`jobs_seen`): a config change moves new
 Under fair-share limits, no sample of the cluster may show more Jobs of a tenancy or a capability
 running than its limit (`limit_peaks`), and after convergence no dispatch may hold a slot or wait
 for one (`open_slots`: a leaked slot would be a dispatch left SCHEDULED or CREATED).
+
+A map dispatch is judged as any dispatch (its one terminal event, with its counts), and item by
+item (`items`, `item_events`): each item exactly one item event, the one its index calls for;
+and no Pod may be left holding our finalizer (`pods`).
 """
 
 from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from k8s_dispatch.core.limits import Limits
-from k8s_dispatch.lab.chaos.workload import Expected
-from k8s_dispatch.store.models import STATE_FOR_TERMINAL_EVENT, EventType
+from k8s_dispatch.lab.chaos.workload import Expected, ItemExpected
+from k8s_dispatch.store.models import STATE_FOR_TERMINAL_EVENT, EventType, ItemEventType
 from k8s_dispatch.workers.labels import DISPATCH_ID_KEY, MANAGED_BY, MANAGED_BY_LABEL
 from k8s_dispatch.workers.manifest import FINALIZER
 
@@ -45,8 +49,17 @@ class TerminalEvent:
 
 
 @dataclass(frozen=True)
+class ItemEvent:
+    """One item event of a map, as the engine's log holds it ({"item": index, ...})."""
+
+    type: str
+    payload: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
 class LimitPeak:
-    """The most Jobs of one tenancy or capability seen running at once, against its limit."""
+    """The most Jobs of one tenancy or capability seen running at once (a map's Job counted as its
+    running Pods), against its limit."""
 
     scope: str  # "tenancy" or "capability"
     name: str
@@ -90,6 +103,13 @@ class Verdict:
     running: int = 0  # after convergence: dispatches holding a slot (SCHEDULED, CREATED)
     queued: int = 0  # after convergence: dispatches waiting for one (QUEUED)
     outcomes: Counter[str] = field(default_factory=Counter)  # "WORKER_COMPLETED", "WORKER_FAILED:Reason"
+    maps: int = 0  # map dispatches among `dispatched`
+    items: int = 0  # their items
+    items_lost: int = 0  # items without an item event
+    items_duplicates: int = 0  # items with more than one
+    items_wrong_output: int = 0  # items whose event is not the expected one (or names no item of its map)
+    held_pods: int = 0  # Pods still holding our finalizer after convergence
+    item_outcomes: Counter[str] = field(default_factory=Counter)  # "WORKER_ITEM_FAILED:Reason"
     problems: list[str] = field(default_factory=list)
     suspects: list[str] = field(default_factory=list)  # dispatch ids a problem names, first EXAMPLES of each kind
 
@@ -107,14 +127,20 @@ class Verdict:
             or (self.limit_exceeded is not None and self.limit_exceeded > 0)
             or self.running
             or self.queued
+            or self.items_lost
+            or self.items_duplicates
+            or self.items_wrong_output
+            or self.held_pods
         )
 
     def merged(self, other: Verdict) -> Verdict:
         """Both runs' counts (two deployments judged apart, reported as one)."""
         both = Verdict(outcomes=self.outcomes + other.outcomes, problems=self.problems + other.problems,
-                       limits=self.limits + other.limits, suspects=self.suspects + other.suspects)  # fmt: skip
+                       limits=self.limits + other.limits, suspects=self.suspects + other.suspects,
+                       item_outcomes=self.item_outcomes + other.item_outcomes)  # fmt: skip
         for name in ("dispatched", "terminal", "lost", "duplicates", "wrong_output", "leftover_jobs", "held_claims",
-                     "claims_without_expiry", "unnotified", "second_jobs", "wrong_namespace", "running", "queued"):  # fmt: skip
+                     "claims_without_expiry", "unnotified", "second_jobs", "wrong_namespace", "running", "queued",
+                     "maps", "items", "items_lost", "items_duplicates", "items_wrong_output", "held_pods"):  # fmt: skip
             setattr(both, name, getattr(self, name) + getattr(other, name))
         worst = [v for v in (self.limit_exceeded, other.limit_exceeded) if v is not None]
         both.limit_exceeded = max(worst) if worst else None
@@ -132,6 +158,9 @@ def judge(
     jobs_seen: Mapping[str, set[tuple[str, str]]] | None = None,
     limits: Sequence[LimitPeak] = (),
     open_slots: tuple[int, int] = (0, 0),
+    items: Mapping[str, Sequence[ItemExpected]] | None = None,
+    item_events: Mapping[str, Sequence[ItemEvent]] | None = None,
+    pods: Iterable[Mapping[str, Any]] = (),
 ) -> Verdict:
     """The verdict on one run.
 
@@ -142,7 +171,10 @@ def judge(
     `namespaces`: each dispatch's recorded namespace; `jobs_seen`: dispatch id -> the
     (namespace, uid) of every Job of it seen during the run (a dispatch never seen is not judged).
     `limits`: each limit with the most Jobs seen running under it at once; `open_slots`: the
-    database's (holding a slot, queued) after convergence.
+    database's (holding a slot, queued) after convergence. `items`: map dispatch id -> the
+    item event each of its items must end with, by index (`expected` holds the map's own end);
+    `item_events`: each map's item events in order. `pods`: every Pod left in the run's
+    namespaces (API dicts).
     """
     verdict = Verdict(dispatched=len(expected), limits=list(limits), running=open_slots[0], queued=open_slots[1])
     if limits:
@@ -180,6 +212,10 @@ def judge(
             verdict.unnotified += 1
             problem("unnotified", f"{dispatch_id}: {event.type}, the engine was not told")
 
+    verdict.maps = len(items or {})
+    for dispatch_id, wanted_items in (items or {}).items():
+        _judge_items(verdict, problem, dispatch_id, wanted_items, (item_events or {}).get(dispatch_id, ()))
+
     for dispatch_id, seen in (jobs_seen or {}).items():
         if dispatch_id not in expected:
             continue  # another deployment's
@@ -203,6 +239,17 @@ def judge(
                 (metadata.get("labels") or {}).get(DISPATCH_ID_KEY),
             )
 
+    for pod in pods:
+        metadata = pod.get("metadata") or {}
+        if FINALIZER in (metadata.get("finalizers") or []):
+            verdict.held_pods += 1
+            problem(
+                "held pod",
+                f"{metadata.get('namespace')}/{metadata.get('name')}: phase {(pod.get('status') or {}).get('phase')}, "
+                f"finalizers {metadata.get('finalizers')}",
+                (metadata.get("labels") or {}).get(DISPATCH_ID_KEY),
+            )
+
     for peak in limits:
         if peak.excess > 0:
             problem("limit exceeded", f"{peak.scope} {peak.name}: {peak.peak} Jobs running at once, limit {peak.limit}")
@@ -219,6 +266,57 @@ def judge(
     return verdict
 
 
+def _judge_items(
+    verdict: Verdict,
+    problem: Callable[[str, str, str | None], None],
+    dispatch_id: str,
+    wanted: Sequence[ItemExpected],
+    events: Sequence[ItemEvent],
+) -> None:
+    """Count one map's items: lost, doubled, wrong (an event naming no item of the map is wrong)."""
+    verdict.items += len(wanted)
+    by_item: dict[int, list[ItemEvent]] = {}
+    for event in events:
+        index = (event.payload or {}).get("item")
+        if isinstance(index, int) and not isinstance(index, bool) and 0 <= index < len(wanted):
+            by_item.setdefault(index, []).append(event)
+        else:
+            verdict.items_wrong_output += 1
+            problem("wrong item", f"{dispatch_id}: {event.type} names item {index!r} of {len(wanted)}", dispatch_id)
+    for index, want in enumerate(wanted):
+        found = by_item.get(index, [])
+        if not found:
+            verdict.items_lost += 1
+            problem("lost item", f"{dispatch_id} item {index}: no item event", dispatch_id)
+            continue
+        if len(found) > 1:
+            verdict.items_duplicates += 1
+            problem("duplicate item", f"{dispatch_id} item {index}: {len(found)} events: {[e.type for e in found]}",
+                    dispatch_id)  # fmt: skip
+        verdict.item_outcomes[_outcome(TerminalEvent(found[0].type, found[0].payload))] += 1
+        why = item_mismatch(want, found[0])
+        if why is not None:
+            verdict.items_wrong_output += 1
+            problem("wrong item", f"{dispatch_id} item {index}: {why}", dispatch_id)
+
+
+def item_mismatch(want: ItemExpected, event: ItemEvent) -> str | None:
+    """Why an item's event is not the expected one, or None when it is."""
+    payload = event.payload or {}
+    if want.any_end:
+        return None
+    if event.type != want.event.value:
+        return f"{event.type} {payload.get('reason') or ''} where {want.event.value} {want.reason or ''} was expected".strip()
+    if want.event is ItemEventType.ITEM_COMPLETED and ("output" not in payload or payload["output"] != want.output):
+        return f"output {payload.get('output')!r}, expected {want.output!r}"
+    if want.event is ItemEventType.ITEM_FAILED:
+        if payload.get("reason") != want.reason:
+            return f"reason {payload.get('reason')!r}, expected {want.reason!r}"
+        if want.exit_code is not None and payload.get("exit_code") != want.exit_code:
+            return f"exit code {payload.get('exit_code')!r}, expected {want.exit_code}"
+    return None
+
+
 def mismatch(want: Expected, event: TerminalEvent, row: RowSnapshot | None) -> str | None:
     """Why `event` (and the row) is not the expected end, or None when it is."""
     payload = event.payload or {}
@@ -230,6 +328,8 @@ def mismatch(want: Expected, event: TerminalEvent, row: RowSnapshot | None) -> s
         return f"output {payload.get('output')!r}, expected {want.output!r}"
     if want.event is EventType.WORKER_FAILED and payload.get("reason") not in {want.reason, *want.also}:
         return f"reason {payload.get('reason')!r}, expected {want.reason!r}"
+    if want.event is EventType.WORKER_FAILED and want.detail is not None and payload.get("detail") != want.detail:
+        return f"detail {payload.get('detail')!r}, expected {want.detail!r}"
     return _row_disagrees(event, row)
 
 

@@ -1,5 +1,5 @@
-"""The chaos run's convergence and verdict: dispatches not yet ended and notified, Jobs and guard
-claims left, and the judgement of the end state from the database, the cluster, the observer
+"""The chaos run's convergence and verdict: dispatches not yet ended and notified, Jobs, held
+Pods and guard claims left, and the judgement of the end state from the database, the cluster, the observer
 and Redis (lab.chaos.checks decides)."""
 
 from __future__ import annotations
@@ -11,12 +11,13 @@ from typing import Any
 import sqlalchemy as sa
 
 from k8s_dispatch.core.errors import DispatchError
-from k8s_dispatch.lab.chaos.checks import RowSnapshot, TerminalEvent, judge, limit_peaks
+from k8s_dispatch.lab.chaos.checks import ItemEvent, RowSnapshot, TerminalEvent, judge, limit_peaks
 from k8s_dispatch.lab.chaos.options import NAMESPACES
 from k8s_dispatch.lab.chaos.state import RunState
 from k8s_dispatch.lab.chaos.stores import chunks
-from k8s_dispatch.lab.chaos.workload import TENANCIES, Expected, expected
-from k8s_dispatch.store.models import TERMINAL_EVENT_TYPES, CaseEvent, Dispatch
+from k8s_dispatch.lab.chaos.workload import TENANCIES, Expected, ItemExpected, expected_end, expected_items
+from k8s_dispatch.store.models import TERMINAL_EVENT_TYPES, CaseEvent, Dispatch, ItemEventType
+from k8s_dispatch.workers.manifest import FINALIZER
 
 
 class Convergence(RunState):
@@ -39,6 +40,16 @@ class Convergence(RunState):
         except DispatchError:
             return -1
 
+    def _all_pods(self) -> list[dict[str, Any]]:
+        return [pod for ns in NAMESPACES for page in self.kube.iter_pods(ns, label_selector="") for pod in page]
+
+    def _pods_held(self) -> int:
+        """Pods still holding our finalizer (-1: the API server cannot say)."""
+        try:
+            return sum(FINALIZER in ((p.get("metadata") or {}).get("finalizers") or []) for p in self._all_pods())
+        except DispatchError:
+            return -1
+
     def _claims(self) -> list[tuple[str, int]]:
         keys = list(self.redis.scan_iter(match=f"{self.prefix}:claim:*", count=500))
         return [(k.decode(), int(self.redis.pttl(k))) for k in keys]
@@ -49,15 +60,20 @@ class Convergence(RunState):
         result = self.result
         mode = self.options.mode
         wanted: dict[str, Expected] = {}
+        items: dict[str, list[ItemExpected]] = {}
         with self.ids_lock:
             for planned in self.planned:
                 dispatch_id = self.ids.get(planned.index, f"never-scheduled-{planned.index}")
-                wanted[dispatch_id] = expected(planned.kind, planned.input, mode=mode)
+                wanted[dispatch_id] = expected_end(planned, mode=mode)
+                if planned.map is not None:
+                    items[dispatch_id] = expected_items(planned.map, mode=mode)
             for dispatch_id in self.edited_ids & set(wanted):
                 # Cancelled, or its Job edited by hand: any end will do, one, and no Job left;
                 # an edited Job's dispatch may be re-run (a second Job), a cancelled one never.
                 wanted[dispatch_id] = replace(wanted[dispatch_id], any_end=True,
                                               rerun_allowed=dispatch_id not in self.result.cancelled)  # fmt: skip
+                if dispatch_id in items:  # each item still ends once, in any item event
+                    items[dispatch_id] = [replace(item, any_end=True) for item in items[dispatch_id]]
         seen = self.observer.seen() if self.observer is not None else {}
         peaks = self.observer.peaks() if self.observer is not None else {}
         result.samples = self.observer.samples if self.observer is not None else 0
@@ -67,7 +83,9 @@ class Convergence(RunState):
         limits = limit_peaks(self.limits, of_deployment(peaks, self.settings.effective_deployment), tenancies=TENANCIES)
         result.verdict = judge(wanted, rows=rows, events=events, jobs=self._all_jobs(), claims=self._claims(),
                                namespaces=namespaces, jobs_seen=seen, limits=limits,
-                               open_slots=open_slots(self.sessions))  # fmt: skip
+                               open_slots=open_slots(self.sessions), items=items,
+                               item_events=read_item_events(self.sessions, list(items)),
+                               pods=self._all_pods())  # fmt: skip
         if self.neighbour is not None:
             result.neighbour = self.neighbour.judge(jobs_seen=seen, peaks=peaks)
             result.verdict = result.verdict.merged(result.neighbour)
@@ -113,6 +131,23 @@ def read_ends(
             ):
                 events.setdefault(event.dispatch_id, []).append(TerminalEvent(event.type, event.payload))
     return rows, events, namespaces
+
+
+def read_item_events(sessions: Any, ids: list[str]) -> dict[str, list[ItemEvent]]:
+    """Each of the maps `ids`' item events in the engine's log, in the order written."""
+    from k8s_dispatch.store.db import transaction
+
+    found: dict[str, list[ItemEvent]] = {}
+    types = sorted(t.value for t in ItemEventType)
+    with transaction(sessions) as session:
+        for chunk in chunks(ids):
+            for event in session.execute(
+                sa.select(CaseEvent.dispatch_id, CaseEvent.type, CaseEvent.payload)
+                .where(CaseEvent.dispatch_id.in_(chunk), CaseEvent.type.in_(types))
+                .order_by(CaseEvent.id)
+            ):
+                found.setdefault(event.dispatch_id, []).append(ItemEvent(event.type, event.payload))
+    return found
 
 
 def open_slots(sessions: Any) -> tuple[int, int]:

@@ -1,5 +1,6 @@
 """The chaos run's feeder: the engine's side, scheduling each planned dispatch at the run's rate
-(in its own transaction or as the Celery `schedule` task) and sending lost task calls again."""
+(in its own transaction or as the Celery `schedule` task; a map through `schedule_map_in_session`
+or the `schedule_map` task) and sending lost task calls again."""
 
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ class Feeder(RunState):
 
         from k8s_dispatch.core.errors import DatabaseUnavailable
         from k8s_dispatch.store.db import transaction
+        from k8s_dispatch.tasks.maps import schedule_map_in_session
         from k8s_dispatch.tasks.scheduling import schedule_many_in_session
         from k8s_dispatch.workers.resolver import CapabilityResolver
 
@@ -58,10 +60,19 @@ class Feeder(RunState):
         while not self.stop.is_set():
             try:
                 with transaction(self.sessions) as session:
-                    (scheduled,) = schedule_many_in_session(
-                        session, [planned.request()], router=resolver,
-                        max_input_bytes=self.settings.max_input_bytes, via=self.producer,
-                    )  # fmt: skip
+                    if planned.map is not None:
+                        scheduled = schedule_map_in_session(
+                            session, case_id=planned.case_id, tenancy_id=planned.tenancy_id,
+                            capability=planned.capability, items=list(planned.map.items),
+                            idempotency_key=planned.idempotency_key, parallelism=planned.map.parallelism,
+                            max_failed_items=planned.map.max_failed_items, min_succeeded=planned.map.min_succeeded,
+                            router=resolver, max_input_bytes=self.settings.max_input_bytes, via=self.producer,
+                        )  # fmt: skip
+                    else:
+                        (scheduled,) = schedule_many_in_session(
+                            session, [planned.request()], router=resolver,
+                            max_input_bytes=self.settings.max_input_bytes, via=self.producer,
+                        )  # fmt: skip
             except DatabaseUnavailable as e:  # the engine retries its own transaction
                 log.warning("scheduling %s: %s; retrying", planned.idempotency_key, e)
                 time.sleep(0.2)
@@ -72,9 +83,19 @@ class Feeder(RunState):
 
     def _send_schedule(self, planned: Planned, dispatch_id: str) -> None:
         from k8s_dispatch import celeryconfig as names
+        from k8s_dispatch.tasks.maps import SCHEDULE_MAP_TASK
 
         self.sent_at[dispatch_id] = time.monotonic()
         self.sends[dispatch_id] += 1
+        if planned.map is not None:
+            self.producer.send_task(
+                SCHEDULE_MAP_TASK,
+                args=[planned.case_id, planned.tenancy_id, planned.capability, list(planned.map.items),
+                      planned.idempotency_key, planned.map.parallelism],
+                kwargs={"max_failed_items": planned.map.max_failed_items,
+                        "min_succeeded": planned.map.min_succeeded, "dispatch_id": dispatch_id},
+            )  # fmt: skip
+            return
         self.producer.send_task(
             names.SCHEDULE_TASK,
             args=[planned.case_id, planned.tenancy_id, planned.capability, planned.input, planned.idempotency_key],

@@ -11,6 +11,7 @@ from typing import Any
 from k8s_dispatch.lab.chaos.checks import Verdict
 from k8s_dispatch.lab.chaos.cluster import LOCALCLUSTER
 from k8s_dispatch.lab.chaos.fault_plan import BEAT, Fault, FaultKind, FaultPlan, make_plan, worker_names
+from k8s_dispatch.lab.chaos.workload import MAP_EVERY
 
 NAMESPACE = "chaos"
 # Where the capabilities move at the NAMESPACE_CHANGE fault: work scheduled before stays where it was.
@@ -78,11 +79,16 @@ class ChaosOptions:
     label_edits: int = 1  # faults, each editing one Job per kind of edit (lab.chaos.edits)
     clock_step_s: float = CLOCK_STEP_S  # 0: no step
     idle_namespaces: int = 48  # capabilities in namespaces no dispatch uses, beside the run's two
+    maps: int | None = None  # map dispatches among `dispatches`; None: one per workload.MAP_EVERY
     upgrade_from: str | None = DEFAULT_UPGRADE_FROM  # the previous release's ref; None: no upgrade
     database_url: str | None = None  # use this database (not dropped); default: a fresh one
     admin_database_url: str | None = None  # where the fresh database is created; default: our own server
     redis_url: str | None = None  # default: a redis-server of the run's own
     work_dir: Path | None = None  # logs and cluster state; default: a temp dir, kept if the run fails
+
+    @property
+    def map_count(self) -> int:
+        return self.maps if self.maps is not None else self.dispatches // MAP_EVERY
 
     @property
     def window_s(self) -> float:
@@ -153,7 +159,8 @@ class ChaosResult:
             f"chaos: dispatched={v.dispatched} terminal={v.terminal} lost={v.lost} duplicates={v.duplicates} "
             f"wrong_output={v.wrong_output} leftover_jobs={v.leftover_jobs} second_jobs={v.second_jobs} "
             f"limit_exceeded={'none' if v.limit_exceeded is None else v.limit_exceeded} running={v.running} "
-            f"queued={v.queued} kills={self.kills} "
+            f"queued={v.queued} items={v.items} items_lost={v.items_lost} items_duplicates={v.items_duplicates} "
+            f"items_wrong_output={v.items_wrong_output} held_pods={v.held_pods} kills={self.kills} "
             f"broker_flushes={self.broker_flushes} api_faults={self.api_faults} converged_s={converged} "
             f"seed={self.options.seed}"
         )
@@ -174,6 +181,13 @@ class ChaosResult:
             "limit_exceeded": v.limit_exceeded,
             "running": v.running,
             "queued": v.queued,
+            "maps": v.maps,
+            "items": v.items,
+            "items_lost": v.items_lost,
+            "items_duplicates": v.items_duplicates,
+            "items_wrong_output": v.items_wrong_output,
+            "held_pods": v.held_pods,
+            "item_outcomes": dict(sorted(v.item_outcomes.items())),
             "limits": [{"scope": p.scope, "name": p.name, "limit": p.limit, "peak": p.peak} for p in v.limits],
             "queued_peak": self.queued_peak,
             "samples": self.samples,

@@ -21,7 +21,8 @@ def render(result: ChaosResult, console: Any) -> None:
     setup.add_column()
     for name, value in (
         ("seed", options.seed),
-        ("dispatches", f"{options.dispatches} at {options.rate:g}/s (feed {result.feed_s:.1f}s)"),
+        ("dispatches", f"{options.dispatches} ({options.map_count} of them maps) at {options.rate:g}/s "
+                       f"(feed {result.feed_s:.1f}s)"),
         ("processes", f"{options.workers} x celery -A k8s_dispatch.tasks worker, celery -A k8s_dispatch.tasks beat"),
         ("cluster", _cluster_words(options)),
         ("deployment", ", ".join(f"{k.lower()}={v}" for k, v in DEPLOYMENT_SETTINGS.items())),
@@ -67,6 +68,13 @@ def render(result: ChaosResult, console: Any) -> None:
     for outcome, count in sorted(verdict.outcomes.items()):
         outcomes.add_row(outcome, str(count))
     console.print(outcomes)
+    if verdict.items:
+        items = Table(title=f"item events ({verdict.items} items of {verdict.maps} map dispatches)")
+        items.add_column("event")
+        items.add_column("items", justify="right")
+        for outcome, count in sorted(verdict.item_outcomes.items()):
+            items.add_row(outcome, str(count))
+        console.print(items)
 
     checks = Table(title="checks")
     for column in ("check", "found", ""):
@@ -75,10 +83,14 @@ def render(result: ChaosResult, console: Any) -> None:
         ("lost (no terminal event)", verdict.lost),
         ("duplicates (more than one terminal event)", verdict.duplicates),
         ("wrong output or reason", verdict.wrong_output),
+        ("map items lost (no item event)", verdict.items_lost),
+        ("map items with more than one item event", verdict.items_duplicates),
+        ("map items with a wrong output or reason", verdict.items_wrong_output),
         ("leftover jobs or finalizers", verdict.leftover_jobs),
+        ("Pods still holding our finalizer", verdict.held_pods),
         ("dispatches with a second Job", verdict.second_jobs),
         ("dispatches with a Job outside their recorded namespace", verdict.wrong_namespace),
-        ("Jobs running beyond a limit (worst sample)", max(0, verdict.limit_exceeded or 0)),
+        ("Jobs (a map: its Pods) running beyond a limit (worst sample)", max(0, verdict.limit_exceeded or 0)),
         ("dispatches holding a slot after convergence", verdict.running),
         ("dispatches queued after convergence", verdict.queued),
         ("guard claims held past their lease", verdict.held_claims),
@@ -95,7 +107,8 @@ def render(result: ChaosResult, console: Any) -> None:
                        "clean" if n.ok else "NOT clean", "[green]ok[/green]" if n.ok else "[red]FAIL[/red]")  # fmt: skip
     console.print(checks)
     if verdict.limits:
-        limits = Table(title=f"fair-share limits: the most Jobs running at once, {result.samples} samples 100 ms apart")
+        limits = Table(title=f"fair-share limits: the most Jobs running at once (a map's: its running Pods), "
+                             f"{result.samples} samples 100 ms apart")  # fmt: skip
         for column in ("limit", "maxRunning", "most running", "most queued (database)", ""):
             limits.add_column(column)
         for peak in verdict.limits:

@@ -296,16 +296,18 @@ class _Run(Feeder, FaultExecutor, Convergence):
         self.progress(f"chaos: faults stopped after {stopped - self.t0:.0f}s; waiting for convergence")
         deadline = stopped + self.options.deadline_s
         converged = False
-        next_report, last_said = time.monotonic() + PROGRESS_EVERY_S, (-1, -1)
+        next_report, last_said = time.monotonic() + PROGRESS_EVERY_S, (-1, -1, -1)
         while time.monotonic() < deadline:
             self._tick()
             pending, jobs = self._pending() + (self.neighbour.pending() if self.neighbour else 0), self._jobs_left()
-            if pending == 0 and jobs == 0:
+            held = self._pods_held() if pending == 0 and jobs == 0 else -1  # Pods are freed before their Job
+            if held == 0:
                 converged = True
                 break
-            if time.monotonic() >= next_report and (pending, jobs) != last_said:  # said once while it stays
-                next_report, last_said = time.monotonic() + PROGRESS_EVERY_S, (pending, jobs)
-                self.progress(f"chaos: converging: {pending} dispatches not ended and notified, {jobs} jobs left")
+            if time.monotonic() >= next_report and (pending, jobs, held) != last_said:  # said once while it stays
+                next_report, last_said = time.monotonic() + PROGRESS_EVERY_S, (pending, jobs, held)
+                self.progress(f"chaos: converging: {pending} dispatches not ended and notified, {jobs} jobs left"
+                              + (f", {held} pods held" if held > 0 else ""))  # fmt: skip
             time.sleep(TICK_S)
         if converged:
             result.converged_s = time.monotonic() - stopped

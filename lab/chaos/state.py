@@ -71,7 +71,7 @@ class RunState:
         # (kills, the rolling restart of the namespace change) go on meanwhile, on schedule.
         self.cluster_lock = threading.RLock()
         self.procs: dict[str, ManagedProcess] = {}
-        self.planned = workload(options.seed, options.dispatches, tag=tag)
+        self.planned = workload(options.seed, options.dispatches, tag=tag, maps=options.map_count)
         self.ids: dict[int, str] = {}  # planned index -> dispatch id, once scheduled
         self.sent_at: dict[str, float] = {}  # dispatch id -> last `schedule` task send (task path)
         self.sends: Counter[str] = Counter()  # dispatch id -> `schedule` task sends

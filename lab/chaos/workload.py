@@ -8,18 +8,26 @@ deeper than the store keeps), each of which must end WORKER_FAILED ResultNotJson
 outcome comes from localcluster's pod annotations and a success's output is
 `{"simulated": true, "input": <input>}`; in exec mode real processes run
 `k8s_dispatch.demo.functions` through `k8s_dispatch.container.runner`.
+
+Among them a few map dispatches (issue 29, `MapPlan`): 10 to 20 items of `chaos.map`, some items
+failing by design (`MAP_FAILING`), each item's end known from its index: in simulate mode from the
+capability's `by-index` annotation (localcluster and our node agent read it by completion index,
+which is the item's as long as the map's Job is its first), in exec mode from its input (`sleep`,
+a negative number of seconds failing). Each must end in one item event per item and one terminal
+event with its counts (`expected_map`, `expected_items`).
 """
 
 from __future__ import annotations
 
 import base64
 import copy
+import json
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any
 
-from k8s_dispatch.store.models import EventType
+from k8s_dispatch.store.models import EventType, ItemEventType
 from k8s_dispatch.store.scheduling import ScheduleRequest
 
 SIM = "localcluster.k8s-dispatch.io/"  # localcluster's simulate-mode annotations
@@ -36,6 +44,18 @@ LIMITS: dict[str, Any] = {
 }
 
 SLOW_MS = 3000
+# Maps: one in MAP_EVERY dispatches, at seeded places in the first MAP_SPAN of the feed (so the
+# last ends about when the singles do), of MAP_ITEMS items run MAP_PARALLELISM at a time.
+MAP_EVERY = 75
+MAP_SPAN = 0.8
+MAP_ITEMS = (10, 20)
+MAP_PARALLELISM = (2, 4)
+MAP_FAILING = frozenset({4, 9, 13, 18})  # item indexes that fail by design (exit 2 simulated, 1 in exec)
+MAP_ITEM_MS = (200, 500, 900, 1300)  # item i runs MAP_ITEM_MS[i % 4]: a map spans several faults
+# How a map's items decide its end, in turn: every item needed (it fails, ItemsFailed), the ones
+# that do not fail by design needed, the same with maxFailedIndexes at the failures planned.
+MAP_RULES = ("all", "at_least", "at_least_max_failed")
+ITEM_FAILURE_REASON = "ContainerFailed"
 TIMEOUT_DEADLINE_S = 2
 EXEC_SLOW_S = 1.5
 EXEC_HANG_S = 600
@@ -51,6 +71,7 @@ class Kind(StrEnum):
     POISON_NAN = "poison-nan"
     POISON_UTF8 = "poison-utf8"
     POISON_DEEP = "poison-deep"
+    MAP = "map"  # a map dispatch (`MapPlan`), never drawn from MIX
 
 
 # What each poison kind's container writes as its termination message (issue 13's holes).
@@ -87,21 +108,48 @@ class Expected:
     output: Any = None  # WORKER_COMPLETED: the exact output
     reason: str | None = None  # WORKER_FAILED: the reason
     also: frozenset[str] = frozenset()  # WORKER_FAILED: other reasons the Job controller may give
+    detail: Any = None  # WORKER_FAILED: the exact detail, when given (a map's counts)
     any_end: bool = False  # cancelled or edited by hand: any one terminal event will do
     rerun_allowed: bool = False  # a second Job is no fault (a Job edited by hand may be re-run)
 
 
 @dataclass(frozen=True)
+class ItemExpected:
+    """The one item event an item of a map must end with."""
+
+    event: ItemEventType
+    output: Any = None  # ITEM_COMPLETED: the exact output
+    reason: str | None = None  # ITEM_FAILED: the reason
+    exit_code: int | None = None  # ITEM_FAILED: the container's exit code, when known
+    any_end: bool = False  # its map cancelled or edited by hand: any one item event will do
+
+
+@dataclass(frozen=True)
+class MapPlan:
+    """A map dispatch's items and how they run (`schedule_map`'s arguments)."""
+
+    items: tuple[dict[str, Any], ...]
+    parallelism: int
+    min_succeeded: int | None = None
+    max_failed_items: int | None = None
+
+    @property
+    def failing(self) -> int:
+        return sum(1 for i in range(len(self.items)) if i in MAP_FAILING)
+
+
+@dataclass(frozen=True)
 class Planned:
-    """One dispatch the feeder schedules."""
+    """One dispatch the feeder schedules (a map dispatch when `map` is set)."""
 
     index: int
     kind: Kind
     case_id: str
     tenancy_id: str
     input: dict[str, Any]
-    via_task: bool  # sent as the Celery `schedule` task, else the in-transaction Python call
+    via_task: bool  # sent as the Celery `schedule` (`schedule_map`) task, else the in-transaction Python call
     idempotency_key: str
+    map: MapPlan | None = None
 
     @property
     def capability(self) -> str:
@@ -132,7 +180,7 @@ def capabilities_config(
     `limits` is False, and one capability in each of the `idle` namespaces (never dispatched)."""
     if mode not in ("simulate", "exec"):
         raise ValueError(f"mode must be simulate or exec, got {mode!r}")
-    functions = {Kind.QUICK: "echo", Kind.SLOW: "sleep", Kind.FAIL: "fail", Kind.TIMEOUT: "sleep"}
+    functions = {Kind.QUICK: "echo", Kind.SLOW: "sleep", Kind.FAIL: "fail", Kind.TIMEOUT: "sleep", Kind.MAP: "sleep"}
     table: dict[Kind, dict[str, Any]] = {
         kind: {
             "worker": f"chaos-{kind.value}",
@@ -156,6 +204,7 @@ def capabilities_config(
         table[Kind.SLOW]["annotations"] = {SIM + "duration-ms": str(SLOW_MS)}
         table[Kind.FAIL]["annotations"] = {SIM + "duration-ms": "100", SIM + "outcome": "fail", SIM + "exit-code": "3"}
         table[Kind.TIMEOUT]["annotations"] = {SIM + "outcome": "hang"}
+        table[Kind.MAP]["annotations"] = {SIM + "by-index": json.dumps(_by_index(), sort_keys=True)}
     table[Kind.TIMEOUT]["activeDeadlineSeconds"] = TIMEOUT_DEADLINE_S
     config: dict[str, Any] = {"capabilities": {capability(kind): fields for kind, fields in table.items()}}
     for namespace in idle:
@@ -167,17 +216,26 @@ def capabilities_config(
     return config
 
 
-def workload(seed: int, count: int, *, tag: str, task_every: int = 4) -> list[Planned]:
+def workload(seed: int, count: int, *, tag: str, task_every: int = 4, maps: int = 0) -> list[Planned]:
     """`count` dispatches with kinds drawn from MIX by `seed`; every `task_every`-th is sent as
-    the Celery `schedule` task (0: none), the rest through the Python call. `tag` (unique per
-    run) goes into case ids and idempotency keys, so runs sharing a database never meet."""
+    the Celery `schedule` task (0: none), the rest through the Python call. `maps` of them, at
+    places drawn from `seed` in the first MAP_SPAN of the feed, are map dispatches (`map_plan`),
+    every second one sent as the `schedule_map` task. `tag` (unique per run) goes into case ids
+    and idempotency keys, so runs sharing a database never meet."""
     rng = random.Random(f"workload-{seed}")
     kinds, weights = zip(*MIX, strict=True)
     all_cases = cases(tag)
+    span = max(1, min(count, int(count * MAP_SPAN)))
+    at = sorted(random.Random(f"maps-{seed}").sample(range(span), min(maps, span)))
     planned = []
     for i in range(count):
-        kind = rng.choices(kinds, weights)[0]
+        kind = rng.choices(kinds, weights)[0]  # drawn for a map's place too: the singles stay as they were
         case_id, tenancy_id = all_cases[i % len(all_cases)]
+        if i in at:
+            number = at.index(i)
+            planned.append(Planned(i, Kind.MAP, case_id, tenancy_id, {}, number % 2 == 1, f"chaos-{tag}-{i}",
+                                   map_plan(seed, number)))  # fmt: skip
+            continue
         data: dict[str, Any] = {"n": i, "seed": seed, "text": f"dispatch {i} of run {seed}"}
         if kind is Kind.SLOW:
             data["seconds"] = EXEC_SLOW_S
@@ -188,6 +246,38 @@ def workload(seed: int, count: int, *, tag: str, task_every: int = 4) -> list[Pl
         via_task = task_every > 0 and i % task_every == task_every - 1
         planned.append(Planned(i, kind, case_id, tenancy_id, data, via_task, f"chaos-{tag}-{i}"))
     return planned
+
+
+def map_plan(seed: int, number: int) -> MapPlan:
+    """The `number`-th map of a run seeded `seed`: its size and parallelism drawn, its rule
+    MAP_RULES in turn. Item i's input says which it is and how long it runs (exec mode: a
+    negative time fails it, as MAP_FAILING says)."""
+    rng = random.Random(f"map-{seed}-{number}")
+    size = rng.randint(*MAP_ITEMS)
+    items = tuple(
+        {"map": number, "item": i, "seconds": -1.0 if i in MAP_FAILING else MAP_ITEM_MS[i % 4] / 1000}
+        for i in range(size)
+    )
+    plan = MapPlan(items, rng.randint(*MAP_PARALLELISM))
+    rule = MAP_RULES[number % len(MAP_RULES)]
+    if rule == "all":
+        return plan
+    passing = size - plan.failing
+    return replace(plan, min_succeeded=passing, max_failed_items=plan.failing if rule.endswith("max_failed") else None)
+
+
+def _by_index() -> dict[str, dict[str, Any]]:
+    """localcluster's simulated end of each completion index of a map Job (our node agent reads
+    the same): MAP_FAILING fail with exit 2 and a log line naming the item, the others write
+    {"item": i}; each runs MAP_ITEM_MS[i % 4]."""
+    table: dict[str, dict[str, Any]] = {}
+    for i in range(MAP_ITEMS[1]):
+        ms = str(MAP_ITEM_MS[i % 4])
+        if i in MAP_FAILING:
+            table[str(i)] = {"outcome": "fail", "exit-code": "2", "log": f"bad item {i}\n", "duration-ms": ms}
+        else:
+            table[str(i)] = {"result": {"item": i}, "duration-ms": ms}
+    return table
 
 
 def expected(kind: Kind, data: Any, *, mode: str) -> Expected:
@@ -204,6 +294,37 @@ def expected(kind: Kind, data: Any, *, mode: str) -> Expected:
     if kind is Kind.SLOW:
         return Expected(EventType.WORKER_COMPLETED, output={"slept": float(data["seconds"])})
     return Expected(EventType.WORKER_COMPLETED, output=data)
+
+
+def expected_map(plan: MapPlan) -> Expected:
+    """The terminal event a map must end with: its counts, passed or ItemsFailed."""
+    size = len(plan.items)
+    needed = size if plan.min_succeeded is None else plan.min_succeeded
+    summary = {"items": size, "succeeded": size - plan.failing, "failed": plan.failing, "needed": needed}
+    if size - plan.failing >= needed:
+        return Expected(EventType.WORKER_COMPLETED, output=summary)
+    return Expected(EventType.WORKER_FAILED, reason="ItemsFailed", detail=summary)
+
+
+def expected_items(plan: MapPlan, *, mode: str) -> list[ItemExpected]:
+    """The item event each item of a map must end with in `mode`, by index."""
+    found = []
+    for i, item in enumerate(plan.items):
+        if i in MAP_FAILING:
+            found.append(ItemExpected(ItemEventType.ITEM_FAILED, reason=ITEM_FAILURE_REASON,
+                                      exit_code=2 if mode == "simulate" else 1))  # fmt: skip
+        elif mode == "simulate":
+            found.append(ItemExpected(ItemEventType.ITEM_COMPLETED, output={"item": i}))
+        else:
+            found.append(ItemExpected(ItemEventType.ITEM_COMPLETED, output={"slept": float(item["seconds"])}))
+    return found
+
+
+def expected_end(planned: Planned, *, mode: str) -> Expected:
+    """The terminal event `planned` (a single or a map) must end with in `mode`."""
+    if planned.map is not None:
+        return expected_map(planned.map)
+    return expected(planned.kind, planned.input, mode=mode)
 
 
 def kind_of(capability_name: str) -> Kind | None:

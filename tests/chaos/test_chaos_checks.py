@@ -3,10 +3,13 @@ else is."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from k8s_dispatch.core.limits import parse as parse_limits
 from k8s_dispatch.lab.chaos.checks import (
+    ItemEvent,
     LimitPeak,
     RowSnapshot,
     TerminalEvent,
@@ -15,20 +18,29 @@ from k8s_dispatch.lab.chaos.checks import (
     mismatch,
     story,
 )
-from k8s_dispatch.lab.chaos.observer import CAPABILITY, TENANCY, live_job, running_now
+from k8s_dispatch.lab.chaos.observer import CAPABILITY, TENANCY, VersionOrder, live_job, live_pod, running_now
 from k8s_dispatch.lab.chaos.workload import (
     LIMITED_CAPABILITY,
     LIMITED_TENANCY,
     LIMITS,
+    MAP_FAILING,
+    MAP_ITEMS,
+    MAP_PARALLELISM,
+    MAP_SPAN,
     TENANCIES,
     Expected,
+    ItemExpected,
     Kind,
     capabilities_config,
     expected,
+    expected_end,
+    expected_items,
     kind_of,
+    map_plan,
     workload,
 )
-from k8s_dispatch.store.models import EventType
+from k8s_dispatch.store.models import EventType, ItemEventType
+from k8s_dispatch.workers.indexed import MAP_LABEL
 from k8s_dispatch.workers.labels import (
     CAPABILITY_KEY,
     DEPLOYMENT_LABEL,
@@ -185,10 +197,12 @@ def test_the_workload_is_reproducible_from_its_seed_and_unique_per_run():
 
 
 def test_the_workload_mixes_every_kind_and_both_ways_of_scheduling():
-    planned = workload(1, 400, tag="t")
+    planned = workload(1, 400, tag="t", maps=5)
     assert {p.kind for p in planned} == set(Kind)
-    assert sum(p.via_task for p in planned) == 100  # every 4th through the Celery task
+    singles = [p for p in planned if p.map is None]
+    assert 90 <= sum(p.via_task for p in singles) <= 100  # every 4th through the Celery task
     assert len({p.case_id for p in planned}) == 10
+    assert {p.kind for p in workload(1, 400, tag="t")} == set(Kind) - {Kind.MAP}  # no maps unless asked
 
 
 @pytest.mark.parametrize("mode", ["simulate", "exec"])
@@ -414,3 +428,194 @@ def test_an_exception_a_task_did_not_expect_is_found_in_the_worker_logs_and_noth
         "worker-1.log: k8s-dispatch.sweep: ValueError('zip() argument 2 is shorter than argument 1')"
     ]
     assert unexpected_task_errors({"worker-2.log": logs["worker-2.log"]}) == []
+
+
+# --- map dispatches (issue 29), item by item ---------------------------------------------------
+
+ITEM_OK = ItemExpected(ItemEventType.ITEM_COMPLETED, output={"item": 0})
+ITEM_FAILS = ItemExpected(ItemEventType.ITEM_FAILED, reason="ContainerFailed", exit_code=2)
+MAP_DONE = Expected(EventType.WORKER_COMPLETED, output={"items": 2, "succeeded": 1, "failed": 1, "needed": 1})
+MAP_EVENT = completed(MAP_DONE.output)
+MAP_ROW = RowSnapshot("COMPLETED", output=MAP_DONE.output)
+
+
+def item_completed(index, output):
+    return ItemEvent("WORKER_ITEM_COMPLETED", {"item": index, "output": output})
+
+
+def item_failed(index, reason="ContainerFailed", exit_code=2):
+    return ItemEvent("WORKER_ITEM_FAILED", {"item": index, "reason": reason, "exit_code": exit_code, "message": "x"})
+
+
+GOOD_ITEMS = [item_completed(0, {"item": 0}), item_failed(1)]
+
+
+def map_verdict(item_events=None, pods=(), want=MAP_DONE, event=MAP_EVENT, row=MAP_ROW, items=(ITEM_OK, ITEM_FAILS)):
+    return judge(
+        {"a": DONE, "m": want}, rows={"a": GOOD_ROW, "m": row}, events={"a": [GOOD_EVENT], "m": [event]},
+        jobs=(), claims=(), items={"m": list(items)},
+        item_events={"m": GOOD_ITEMS if item_events is None else item_events}, pods=pods,
+    )  # fmt: skip
+
+
+ITEM_FIELDS = {"lost", "duplicates", "wrong_output", "items_lost", "items_duplicates", "items_wrong_output",
+               "held_pods", "leftover_jobs"}  # fmt: skip
+
+
+def test_a_clean_map_passes_and_counts_its_items_and_their_outcomes():
+    v = map_verdict()
+    assert v.ok, v.problems
+    assert (v.dispatched, v.maps, v.items) == (2, 1, 2)
+    assert all(getattr(v, f) == 0 for f in ITEM_FIELDS)
+    assert v.item_outcomes == {"WORKER_ITEM_COMPLETED": 1, "WORKER_ITEM_FAILED:ContainerFailed": 1}
+
+
+def held_pod(finalizers=(FINALIZER,)):
+    return {"metadata": {"name": "kd-m-0-x", "namespace": "chaos", "finalizers": list(finalizers),
+                         "labels": {DISPATCH_ID_KEY: "m"}}, "status": {"phase": "Succeeded"}}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "damage, field",
+    [
+        ({"item_events": [item_completed(0, {"item": 0})]}, "items_lost"),
+        ({"item_events": [*GOOD_ITEMS, item_failed(1, reason="ItemResultLost")]}, "items_duplicates"),
+        ({"item_events": [item_completed(0, {"item": 1}), item_failed(1)]}, "items_wrong_output"),  # another's output
+        ({"item_events": [ItemEvent("WORKER_ITEM_COMPLETED", {"item": 0}), item_failed(1)]}, "items_wrong_output"),
+        ({"item_events": [item_completed(0, {"item": 0}), item_failed(1, reason="BackoffLimitExceeded")]},
+         "items_wrong_output"),
+        ({"item_events": [item_completed(0, {"item": 0}), item_failed(1, exit_code=137)]}, "items_wrong_output"),
+        ({"item_events": [item_completed(0, {"item": 0}), item_completed(1, {"item": 1})]}, "items_wrong_output"),
+        ({"item_events": [*GOOD_ITEMS, item_completed(2, {"item": 2})]}, "items_wrong_output"),  # no such item
+        ({"item_events": [*GOOD_ITEMS, ItemEvent("WORKER_ITEM_FAILED", {"reason": "x"})]}, "items_wrong_output"),
+        ({"pods": [held_pod()]}, "held_pods"),
+        # the map's own end, with the wrong counts
+        ({"event": completed({"items": 2, "succeeded": 2, "failed": 0, "needed": 1}),
+          "row": RowSnapshot("COMPLETED", output={"items": 2, "succeeded": 2, "failed": 0, "needed": 1})},
+         "wrong_output"),
+        ({"want": Expected(EventType.WORKER_FAILED, reason="ItemsFailed",
+                           detail={"items": 2, "succeeded": 1, "failed": 1, "needed": 2}),
+          "event": TerminalEvent("WORKER_FAILED", {"reason": "ItemsFailed",
+                                                   "detail": {"items": 2, "succeeded": 0, "failed": 2, "needed": 2}}),
+          "row": RowSnapshot("FAILED", reason="ItemsFailed")}, "wrong_output"),
+    ],
+)  # fmt: skip
+def test_each_kind_of_damage_to_a_map_fails_the_run_and_is_counted_once(damage, field):
+    v = map_verdict(**damage)
+    assert not v.ok
+    assert getattr(v, field) == 1, v
+    assert all(getattr(v, other) == 0 for other in ITEM_FIELDS - {field}), v
+    assert v.problems and "m" in v.suspects  # the report shows the map's log lines
+
+
+def test_a_pod_freed_of_our_finalizer_is_not_held_and_a_failed_map_with_its_counts_passes():
+    assert map_verdict(pods=[held_pod(finalizers=("batch.kubernetes.io/job-tracking",))]).ok
+    summary = {"items": 2, "succeeded": 1, "failed": 1, "needed": 2}
+    want = Expected(EventType.WORKER_FAILED, reason="ItemsFailed", detail=summary)
+    event = TerminalEvent("WORKER_FAILED", {"reason": "ItemsFailed", "message": "1 of 2", "detail": summary})
+    assert map_verdict(want=want, event=event, row=RowSnapshot("FAILED", reason="ItemsFailed")).ok
+
+
+def test_the_items_of_a_cancelled_or_edited_map_may_end_any_way_but_once_each():
+    anyhow = [replace(ITEM_OK, any_end=True), replace(ITEM_FAILS, any_end=True)]
+    cancelled = [ItemEvent("WORKER_ITEM_CANCELLED", {"item": 0, "reason": "Cancelled"}), item_failed(1, "JobLost")]
+    assert map_verdict(item_events=cancelled, items=anyhow).ok
+    assert map_verdict(item_events=cancelled[:1], items=anyhow).items_lost == 1
+    assert map_verdict(item_events=[*cancelled, cancelled[0]], items=anyhow).items_duplicates == 1
+
+
+def test_merged_verdicts_add_the_items_counts():
+    both = map_verdict(item_events=GOOD_ITEMS[:1]).merged(map_verdict(pods=[held_pod()]))
+    assert (both.maps, both.items, both.items_lost, both.held_pods) == (2, 4, 1, 1) and not both.ok
+    assert both.item_outcomes == {"WORKER_ITEM_COMPLETED": 2, "WORKER_ITEM_FAILED:ContainerFailed": 1}
+
+
+def test_the_workload_places_seeded_maps_early_in_the_feed_sent_both_ways():
+    planned = workload(11, 300, tag="t", maps=4)
+    maps = [p for p in planned if p.map is not None]
+    assert len(planned) == 300 and len(maps) == 4 and all(p.kind is Kind.MAP for p in maps)
+    assert all(p.index < 300 * MAP_SPAN for p in maps)
+    assert [p.via_task for p in maps] == [False, True, False, True]
+    without = workload(11, 300, tag="t")  # the singles' draws stay as they were, their places aside
+    assert [p for p in planned if p.map is None] == [p for p in without if p.index not in {m.index for m in maps}]
+    for p in maps:
+        assert MAP_ITEMS[0] <= len(p.map.items) <= MAP_ITEMS[1]
+        assert MAP_PARALLELISM[0] <= p.map.parallelism <= MAP_PARALLELISM[1]
+    # The rules in turn: every item needed (fails), the others needed, the same with maxFailedIndexes.
+    ends = [expected_end(p, mode="simulate") for p in maps]
+    assert [e.event for e in ends] == [EventType.WORKER_FAILED, EventType.WORKER_COMPLETED,
+                                       EventType.WORKER_COMPLETED, EventType.WORKER_FAILED]  # fmt: skip
+    assert ends[0].reason == "ItemsFailed" and ends[0].detail["failed"] == maps[0].map.failing > 0
+    assert maps[2].map.max_failed_items == maps[2].map.failing and maps[1].map.max_failed_items is None
+
+
+def test_each_item_is_expected_to_end_as_its_index_says_in_both_modes():
+    plan = map_plan(3, 0)
+    size = len(plan.items)
+    sim, real = expected_items(plan, mode="simulate"), expected_items(plan, mode="exec")
+    assert len(sim) == len(real) == size
+    for i in range(size):
+        if i in MAP_FAILING:
+            assert sim[i] == ItemExpected(ItemEventType.ITEM_FAILED, reason="ContainerFailed", exit_code=2)
+            assert real[i].reason == "ContainerFailed" and real[i].exit_code == 1
+            assert plan.items[i]["seconds"] < 0  # the exec function refuses it
+        else:
+            assert sim[i].output == {"item": i}
+            assert real[i].output == {"slept": plan.items[i]["seconds"]}
+
+
+def test_the_map_capability_simulates_each_index_as_the_items_are_expected_to_end():
+    import json
+
+    spec = capabilities_config("simulate")["capabilities"]["chaos.map"]
+    table = json.loads(spec["annotations"]["localcluster.k8s-dispatch.io/by-index"])
+    assert set(table) == {str(i) for i in range(MAP_ITEMS[1])}
+    for i, entry in table.items():
+        if int(i) in MAP_FAILING:
+            assert (entry["outcome"], entry["exit-code"]) == ("fail", "2")
+        else:
+            assert entry["result"] == {"item": int(i)} and "outcome" not in entry
+    assert capabilities_config("exec")["capabilities"]["chaos.map"]["args"] == ["k8s_dispatch.demo.functions:sleep"]
+
+
+def pod(uid, tenancy, capability, phase, *, deleting=False, is_map=True):
+    metadata = {"uid": uid, "labels": {DEPLOYMENT_LABEL: "d1", TENANCY_ID_KEY: tenancy, CAPABILITY_KEY: capability}}
+    if is_map:
+        metadata["labels"][MAP_LABEL] = "true"
+    if deleting:
+        metadata["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    return {"metadata": metadata, "status": {"phase": phase}}
+
+
+def test_the_sampler_counts_a_map_as_its_running_pods_not_as_its_job():
+    map_job = job("m", "tenant-a", "chaos.map")
+    map_job["metadata"]["labels"][MAP_LABEL] = "true"
+    jobs = {"m": live_job(map_job), "1": live_job(job("1", "tenant-a", "chaos.slow"))}
+    pods = {
+        uid: live_pod(p)
+        for uid, p in {
+            "p1": pod("p1", "tenant-a", "chaos.map", "Running"),
+            "p2": pod("p2", "tenant-a", "chaos.map", "Pending"),
+            "p3": pod("p3", "tenant-a", "chaos.map", "Succeeded"),
+            "p4": pod("p4", "tenant-a", "chaos.map", "Running", deleting=True),
+        }.items()
+    }
+    assert (
+        live_pod(pod("s", "tenant-a", "chaos.slow", "Running", is_map=False)) is None
+    )  # a single's Pod: its Job counts
+    counts = running_now(jobs, pods)
+    assert counts == {("d1", TENANCY, "tenant-a"): 3, ("d1", CAPABILITY, "chaos.map"): 2,
+                      ("d1", CAPABILITY, "chaos.slow"): 1}  # fmt: skip
+
+
+def test_two_watches_are_applied_in_version_order_once_both_reached_it():
+    order = VersionOrder(("jobs", "pods"))
+    applied = []
+    order.add("pods", "7", lambda: applied.append("pod created at 7"))
+    assert applied == [] and order.held == 1  # the Jobs watch may still hold an earlier change
+    order.add("jobs", "5", lambda: applied.append("job ended at 5"))
+    assert applied == ["job ended at 5"]
+    order.add("jobs", "9")  # a bookmark: the Jobs watch is past 7
+    assert applied == ["job ended at 5", "pod created at 7"] and order.held == 0
+    order.add("jobs", "x", lambda: applied.append("not a number: at once"))
+    assert applied[-1] == "not a number: at once"

@@ -1,5 +1,5 @@
 """The chaos run, short (CI): `python -m k8s_dispatch.lab chaos` as a developer runs it, a few
-hundred dispatches under SIGKILLs of workers and beat, one broker flush, 5% API errors, an API
+hundred dispatches (4 of them map dispatches of 10-20 items, judged item by item) under SIGKILLs of workers and beat, one broker flush, 5% API errors, an API
 server restart, a database connection kill, a restart of the run's own PostgreSQL and of its own
 Redis (the processes killed and started again, the workers and beat living through it), a rolling
 upgrade from the previous commit across `k8s-dispatch migrate`, a worker's clock stepped 10
@@ -35,7 +35,9 @@ FINAL_LINE = re.compile(
     r"^chaos: dispatched=(?P<dispatched>\d+) terminal=(?P<terminal>\d+) lost=(?P<lost>\d+) "
     r"duplicates=(?P<duplicates>\d+) wrong_output=(?P<wrong_output>\d+) leftover_jobs=(?P<leftover_jobs>\d+) "
     r"second_jobs=(?P<second_jobs>\d+) limit_exceeded=(?P<limit_exceeded>-?\d+) running=(?P<running>\d+) "
-    r"queued=(?P<queued>\d+) "
+    r"queued=(?P<queued>\d+) items=(?P<items>\d+) items_lost=(?P<items_lost>\d+) "
+    r"items_duplicates=(?P<items_duplicates>\d+) items_wrong_output=(?P<items_wrong_output>\d+) "
+    r"held_pods=(?P<held_pods>\d+) "
     r"kills=(?P<kills>\d+) broker_flushes=(?P<broker_flushes>\d+) api_faults=(?P<api_faults>\d+) "
     r"converged_s=(?P<converged_s>[\d.]+|timeout) seed=(?P<seed>\d+)$"
 )
@@ -47,6 +49,7 @@ SHARED_ADMIN_URL = os.environ.get("K8S_DISPATCH_TEST_PG_ADMIN_URL", "postgresql:
 PLANNED_OUTCOMES = {
     "WORKER_COMPLETED", "WORKER_FAILED:BackoffLimitExceeded", "WORKER_FAILED:DeadlineExceeded",
     "WORKER_FAILED:ResultNotJson",  # the poison results: intended
+    "WORKER_FAILED:ItemsFailed",  # a map that needs every item, some failing by design
 }  # fmt: skip
 
 
@@ -134,6 +137,11 @@ def test_a_short_chaos_run_loses_nothing_doubles_nothing_and_leaves_nothing(tmp_
         0,
     ), output
     assert numbers["second_jobs"] == 0, output
+    # Maps among the work (4 of the 300): every item one item event, the one its index calls for;
+    # and no Pod left holding our finalizer.
+    assert numbers["items"] >= 40, output
+    assert (numbers["items_lost"], numbers["items_duplicates"], numbers["items_wrong_output"]) == (0, 0, 0), output
+    assert numbers["held_pods"] == 0, output
     # Fair share: no sample of the cluster (every 100 ms) saw more Jobs of a tenancy or a capability
     # running than its limit, and after convergence no dispatch holds a slot or waits for one.
     assert numbers["limit_exceeded"] <= 0 and numbers["running"] == 0 and numbers["queued"] == 0, output
@@ -151,6 +159,8 @@ def test_a_short_chaos_run_loses_nothing_doubles_nothing_and_leaves_nothing(tmp_
     assert result["deaf_after_redis_restart"] == [], result["deaf_after_redis_restart"]
     assert result["unexpected_task_errors"] == [], result["unexpected_task_errors"]  # each fault a typed error
     assert sum(result["outcomes"].values()) == 330
+    assert result["maps"] == 4 and sum(result["item_outcomes"].values()) == result["items"], result["item_outcomes"]
+    assert set(result["item_outcomes"]) == {"WORKER_ITEM_COMPLETED", "WORKER_ITEM_FAILED:ContainerFailed"}
     assert set(result["outcomes"]) >= PLANNED_OUTCOMES, result["outcomes"]
     # Other ends only for the dispatches cancelled or edited by hand (each judged: one end, no Job).
     touched = len(result["hand_edited"]) + len(result["cancels_lost"])
