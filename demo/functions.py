@@ -1,17 +1,22 @@
 """Functions the demo capabilities run through `k8s_dispatch.container.runner`: small work whose result a
-test can recompute. Each takes the dispatch's input (a JSON object) and returns JSON; bad
-input raises `ValueError`, which the runner turns into a failed container.
+test can recompute. Each takes the dispatch's input (a JSON object) and returns JSON (`report`:
+bytes, for a capability whose results go to the object store); bad input raises `ValueError`,
+which the runner turns into a failed container.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+import random
 import time
 from typing import Any
 
 MAX_PRIMES_LIMIT = 1_000_000  # a sieve of this size takes well under a second
 MAX_SLEEP_S = 3600.0
+MAX_REPORT_ROWS = 1_000_000  # about 45 MB of CSV
+_REGIONS = ("north", "south", "east", "west")
+_PRODUCTS = ("bolts", "nuts", "gears", "springs", "valves", "washers")
 
 
 def _field(data: Any, name: str, kind: type | tuple[type, ...]) -> Any:
@@ -47,6 +52,29 @@ def primes(data: Any) -> dict[str, Any]:
             sieve[n * n :: n] = bytes(len(range(n * n, limit + 1, n)))
     found = [n for n in range(limit + 1) if sieve[n]]
     return {"limit": limit, "count": len(found), "largest": found[-1] if found else None, "sum": sum(found)}
+
+
+def report(data: Any) -> bytes:
+    """`{"rows": n, "seed": s}` (n in 0..1,000,000) -> a CSV of sales, a header and n rows of about
+    45 bytes: the same bytes for the same input (`random.Random(seed).random()` is the sequence
+    Python promises to keep across versions; prices are whole cents, so no float is printed)."""
+    rows = _field(data, "rows", int)
+    seed = _field(data, "seed", int)
+    if not 0 <= rows <= MAX_REPORT_ROWS:
+        raise ValueError(f"rows must be between 0 and {MAX_REPORT_ROWS}, not {rows}")
+    draw = random.Random(seed).random
+    lines = ["row,region,product,units,unit_price,total"]
+    for row in range(rows):
+        rest, region = divmod(int(draw() * (1 << 53)), len(_REGIONS))  # one draw a row, 53 bits
+        rest, product = divmod(rest, len(_PRODUCTS))
+        rest, units = divmod(rest, 500)
+        cents = 100 + rest % 9_900
+        total = (units + 1) * cents
+        lines.append(
+            f"{row},{_REGIONS[region]},{_PRODUCTS[product]},{units + 1},"
+            f"{cents // 100}.{cents % 100:02d},{total // 100}.{total % 100:02d}"
+        )
+    return ("\n".join(lines) + "\n").encode("ascii")
 
 
 def echo(data: Any) -> Any:

@@ -5,15 +5,20 @@ if it answers, else an embedded fakeredis server), SQLite in a temporary directo
 configured database), a real `celery -A k8s_dispatch.tasks worker` and `beat`; schedules a few dozen
 dispatches over the three demo capabilities, SIGKILLs the worker mid-run, drops the queued
 messages, restarts it and shows what its start-up sweep found and did; then checks that every
-dispatch ended exactly once with the right output. One tenancy runs under a fair-share limit
-(`DEMO_LIMITS`, in the demo's capability file): its dispatches wait, queued in the database, and
-are admitted in turn; the demo samples the cluster's running Jobs of that tenancy and the
-database's queue, and checks that the limit was never exceeded. Everything it starts is
-stopped, and its files removed, on the way out (also on Ctrl-C and SIGTERM).
+dispatch ended exactly once with the right output. One of them (`demo.report`) makes a result of
+a few MiB, which goes to an object store: a directory in the demo's temporary directory, whose
+file:// "presigned" URLs the Jobs (local processes) write; at the end the demo reads it back
+through `k8s_dispatch.api` and checks its SHA-256 against the bytes it expects. One tenancy runs
+under a fair-share limit (`DEMO_LIMITS`, in the demo's capability file): its dispatches wait,
+queued in the database, and are admitted in turn; the demo samples the cluster's running Jobs of
+that tenancy and the database's queue, and checks that the limit was never exceeded. Everything
+it starts is stopped, and its files (the object store's too) removed, on the way out (also on
+Ctrl-C and SIGTERM).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
@@ -26,7 +31,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Mapping
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -41,7 +46,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from sqlalchemy.engine import make_url
 
+from k8s_dispatch import api
 from k8s_dispatch import celeryconfig as names
+from k8s_dispatch.artifacts.errors import InvalidResultReference
+from k8s_dispatch.artifacts.reference import parse_reference
 from k8s_dispatch.core.errors import Transient
 from k8s_dispatch.core.settings import Settings, load_settings
 from k8s_dispatch.demo import functions as demo_functions
@@ -56,7 +64,7 @@ from k8s_dispatch.tasks.scheduling import schedule_many_in_session
 from k8s_dispatch.workers import labels as job_labels
 from k8s_dispatch.workers.job_status import job_state
 from k8s_dispatch.workers.kube import KubeClient
-from k8s_dispatch.workers.resolver import DEMO_FUNCTIONS, CapabilityResolver, demo_config
+from k8s_dispatch.workers.resolver import DEMO_FUNCTIONS, DEMO_STORED_FUNCTIONS, CapabilityResolver, demo_config
 
 WORKER_NAME = "demo-worker"
 WORKER_DOWN = "worker DOWN"  # the phase in which the worker is dead on purpose
@@ -73,6 +81,10 @@ DEMO_SETTINGS = {
 KILL_AT = 0.35  # of the first wave ended
 FIRST_WAVE = 0.7  # of the dispatches; the rest is scheduled while the worker is down
 BAD_INPUT = {"limit": demo_functions.MAX_PRIMES_LIMIT + 1}  # refused by the function: must fail
+# The dispatch whose result goes to the object store: early in the first wave, on the tenancy with
+# no limit, so its Job runs while the worker is still up to be killed.
+REPORT_AT = 1
+REPORT_ROWS = 100_000  # about 3.4 MiB of CSV: far more than a termination message's 4 KiB
 REFRESH_S = 0.25
 # One tenancy limited to a few Jobs at once: the rest of its dispatches wait their turn.
 LIMITED_TENANCY = "acme"
@@ -100,6 +112,7 @@ class DemoRequest:
     idempotency_key: str
     expected: Any = None  # the output it must produce; None when it must fail
     must_fail: bool = False
+    stored: bool = False  # its result goes to the object store: `expected` is then its size and SHA-256
 
     def request(self) -> scheduling.ScheduleRequest:
         return scheduling.ScheduleRequest(
@@ -109,17 +122,25 @@ class DemoRequest:
 
 def plan_requests(count: int, *, run_id: str) -> list[DemoRequest]:
     """`count` dispatches over the three demo capabilities, on 2 tenancies and 6 cases; the 4th
-    has input its function refuses, so one dispatch must end FAILED with a reason."""
+    has input its function refuses, so one dispatch must end FAILED with a reason; the 2nd is a
+    `demo.report`, whose result of a few MiB goes to the object store."""
     capabilities = sorted(DEMO_FUNCTIONS)  # demo.primes, demo.sha256, demo.wordcount
+    (stored_capability,) = DEMO_STORED_FUNCTIONS  # demo.report
     requests = []
     for i in range(count):
-        capability = capabilities[i % len(capabilities)]
+        capability = stored_capability if i == REPORT_AT else capabilities[i % len(capabilities)]
         must_fail = i == 3
-        if capability == "demo.primes":
-            data: dict[str, Any] = BAD_INPUT if must_fail else {"limit": 10_000 + 7_919 * i}
+        if capability == stored_capability:
+            data: dict[str, Any] = {"rows": REPORT_ROWS, "seed": i}
+        elif capability == "demo.primes":
+            data = BAD_INPUT if must_fail else {"limit": 10_000 + 7_919 * i}
         else:
             data = {"text": f"{_TEXTS[i % len(_TEXTS)]} #{i}"}
-        function = getattr(demo_functions, DEMO_FUNCTIONS[capability][1].split(":")[1])
+        target = (DEMO_FUNCTIONS | DEMO_STORED_FUNCTIONS)[capability][1]
+        function = getattr(demo_functions, target.split(":")[1])
+        expected = None if must_fail else function(data)
+        if isinstance(expected, bytes):
+            expected = {"size": len(expected), "sha256": hashlib.sha256(expected).hexdigest()}
         tenancy = ("acme", "globex")[i % 2]
         requests.append(
             DemoRequest(
@@ -128,11 +149,24 @@ def plan_requests(count: int, *, run_id: str) -> list[DemoRequest]:
                 case_id=f"demo-{run_id}-{tenancy}-{i % 3}",
                 tenancy_id=tenancy,
                 idempotency_key=f"demo-{run_id}-{i}",
-                expected=None if must_fail else function(data),
+                expected=expected,
                 must_fail=must_fail,
+                stored=capability == stored_capability,
             )
         )
     return requests
+
+
+def right_output(request: DemoRequest, output: Any) -> bool:
+    """Whether a completed dispatch's recorded output is the one `request` expects: for a stored
+    result, a reference whose size and SHA-256 are the expected bytes'."""
+    if not request.stored:
+        return bool(output == request.expected)
+    try:
+        reference = parse_reference(output)
+    except InvalidResultReference:
+        return False
+    return {"size": reference.size, "sha256": reference.sha256} == request.expected
 
 
 @dataclass(frozen=True)
@@ -144,6 +178,31 @@ class Outcome:
     reason: str | None
     terminal_events: int
     notified: bool
+
+
+@dataclass(frozen=True)
+class ReadBack:
+    """A stored result at the end: the reference its terminal event recorded, and its bytes as
+    `k8s_dispatch.api.read_result` streams them."""
+
+    capability: str
+    dispatch_id: str
+    expected_size: int
+    expected_sha256: str  # of the bytes the demo computed itself
+    recorded_size: int | None = None  # None: no reference recorded
+    recorded_sha256: str | None = None
+    read_size: int = 0
+    read_sha256: str | None = None  # None: not read (see error)
+    seconds: float = 0.0
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return (
+            self.error is None
+            and self.expected_size == self.recorded_size == self.read_size
+            and self.expected_sha256 == self.recorded_sha256 == self.read_sha256
+        )
 
 
 @dataclass
@@ -164,6 +223,8 @@ class Summary:
     max_holding: int = 0
     max_queued: int = 0
     limit: int = LIMITED_MAX_RUNNING
+    stored: int = 0  # dispatches whose result goes to the object store
+    read_back: list[ReadBack] = field(default_factory=list)  # their results, read back at the end
     elapsed_s: float = 0.0
     problems: list[str] = field(default_factory=list)  # the run itself went wrong (a process died...)
 
@@ -178,6 +239,8 @@ class Summary:
             and self.jobs_left == 0
             and self.max_running <= self.limit
             and self.max_holding <= self.limit
+            and len(self.read_back) == self.stored
+            and all(r.ok for r in self.read_back)
             and not self.problems
         )
 
@@ -201,7 +264,7 @@ def summarise(
     elapsed_s: float,
 ) -> Summary:
     """Check every dispatch: one terminal event, the expected end, the right output."""
-    s = Summary(dispatched=len(ids), jobs_left=jobs_left, elapsed_s=elapsed_s)
+    s = Summary(dispatched=len(ids), jobs_left=jobs_left, elapsed_s=elapsed_s, stored=sum(r.stored for r in requests))
     for request, dispatch_id in zip(requests, ids, strict=True):
         outcome = outcomes.get(dispatch_id)
         if outcome is None or outcome.terminal_events == 0:
@@ -211,7 +274,7 @@ def summarise(
         s.unnotified += not outcome.notified
         if outcome.state == "COMPLETED":
             s.completed += 1
-            if not request.must_fail and outcome.output == request.expected:
+            if not request.must_fail and right_output(request, outcome.output):
                 s.right_outputs += 1
                 continue
         elif outcome.state == "FAILED":
@@ -369,8 +432,15 @@ class _Demo:
         header.add_row("database", _redacted(database_url))
         header.add_row("files", f"{tmp} (removed at the end)" if not self.keep else str(tmp))
         header.add_row("metrics", self.metrics_url)
+        # The object store: a directory beside the rest, removed with it. Its "presigned" URLs are
+        # file:// paths, which the Jobs can write because in exec mode they are local processes.
+        objects = tmp / "objects"
+        objects.mkdir()
+        header.add_row(
+            "object store", f"directory {objects.name}/ under files (its file:// URLs work: Jobs are local processes)"
+        )
         capabilities = tmp / "capabilities.yaml"
-        capabilities.write_text(yaml.safe_dump(demo_config() | {"limits": DEMO_LIMITS}))
+        capabilities.write_text(yaml.safe_dump(demo_config(object_store=True) | {"limits": DEMO_LIMITS}))
         header.add_row(
             "limits", f"tenancy {LIMITED_TENANCY}: at most {LIMITED_MAX_RUNNING} Jobs at once (the rest wait, queued)"
         )
@@ -384,6 +454,7 @@ class _Demo:
             "K8S_DISPATCH_NAMESPACE": NAMESPACE,
             "K8S_DISPATCH_KUBECONFIG": str(cluster.kubeconfig),
             "K8S_DISPATCH_METRICS_PORT": str(metrics_port),
+            "K8S_DISPATCH_OBJECT_STORE_ENDPOINT": objects.as_uri(),
         }
         values.update({f"K8S_DISPATCH_{k}": v for k, v in DEMO_SETTINGS.items()})
         return values
@@ -418,7 +489,9 @@ class _Demo:
             self.live = live
             try:
                 self._schedule(requests[:first])
-                self.note(f"scheduled {first} dispatches over {', '.join(sorted(DEMO_FUNCTIONS))}")
+                self.note(
+                    f"scheduled {first} dispatches over {', '.join(sorted({r.capability for r in requests[:first]}))}"
+                )
                 holding, queued = self._queue()
                 limited = sum(r.tenancy_id == LIMITED_TENANCY for r in requests[:first])
                 self.note(
@@ -638,6 +711,8 @@ class _Demo:
         summary.max_running, summary.max_holding, summary.max_queued = (
             self.max_running, self.max_holding, self.max_queued,
         )  # fmt: skip
+        if self.ids:
+            summary.read_back = self._read_back(requests[: len(self.ids)])
         summary.problems.extend(problems or [])
         self.console.print(self._summary_table(summary))
         if self.ids:
@@ -650,6 +725,8 @@ class _Demo:
                     f"{summary.max_holding} held a slot and {summary.max_queued} waited at once (the database)",
                     markup=False, highlight=False, soft_wrap=True,
                 )  # fmt: skip
+        for r in summary.read_back:
+            self.console.print(_read_back_line(r), markup=False, highlight=False, soft_wrap=True)
         for text in summary.wrong[:10]:
             self.console.print(f"[red]unexpected end:[/red] {text}")
         for text in summary.problems:
@@ -693,8 +770,47 @@ class _Demo:
             mark(max(s.max_running, s.max_holding) <= s.limit),
         )
         table.add_row(f"{LIMITED_TENANCY}: most dispatches queued at once", str(s.max_queued), "")
+        for r in s.read_back:
+            value = f"{r.read_size / (1 << 20):.1f} MiB" if r.error is None else r.error[:40]
+            table.add_row(f"{r.capability}: object store result read back, SHA-256 as expected", value, mark(r.ok))
+        if s.stored > len(s.read_back):
+            table.add_row("object store results not read back", str(s.stored - len(s.read_back)), mark(False))
         table.add_row("wall time", f"{s.elapsed_s:.1f}s", "")
         return table
+
+    def _read_back(self, requests: list[DemoRequest]) -> list[ReadBack]:
+        """The stored results of the dispatches that completed, as an engine reads them: the
+        reference through `api.stored_result`, the bytes streamed by `api.read_result`."""
+        found = []
+        for request, dispatch_id in zip(requests, self.ids, strict=True):
+            if not request.stored:
+                continue
+            expected = ReadBack(request.capability, dispatch_id, request.expected["size"], request.expected["sha256"])
+            started = time.monotonic()
+            digest, size = hashlib.sha256(), 0
+            try:
+                with transaction(self.sessions) as session:
+                    reference = api.stored_result(session, dispatch_id)
+                    if reference is None:
+                        continue  # not completed: already counted as a wrong end
+                    chunks = api.read_result(session, dispatch_id, settings=self.settings)
+                for chunk in chunks:
+                    digest.update(chunk)
+                    size += len(chunk)
+            except api.DispatchError as e:
+                found.append(replace(expected, error=f"{type(e).__name__}: {e}"))
+                continue
+            found.append(
+                replace(
+                    expected,
+                    recorded_size=reference.size,
+                    recorded_sha256=reference.sha256,
+                    read_size=size,
+                    read_sha256=digest.hexdigest(),
+                    seconds=time.monotonic() - started,
+                )
+            )
+        return found
 
     def _extra_facts(self) -> str:
         """Cluster-wide counters from Redis and the restarted worker's Prometheus metrics."""
@@ -767,6 +883,17 @@ class _Demo:
 
 class _Stop(Exception):
     """The run cannot go on (a process died, a wait timed out): summarise and stop."""
+
+
+def _read_back_line(r: ReadBack) -> str:
+    if r.error is not None:
+        return f"{r.capability} {r.dispatch_id}: its stored result could not be read back: {r.error}"
+    same = "the same bytes as" if r.ok else "NOT the bytes of"
+    return (
+        f"{r.capability} {r.dispatch_id}: its terminal event recorded a reference to {r.recorded_size:,} bytes, "
+        f"SHA-256 {r.recorded_sha256}; k8s_dispatch.api.read_result streamed {r.read_size:,} bytes with "
+        f"SHA-256 {r.read_sha256} in {r.seconds:.2f}s: {same} the CSV the demo computed itself"
+    )
 
 
 def _utc(moment: datetime) -> datetime:

@@ -467,28 +467,40 @@ DEMO_FUNCTIONS = {
     "demo.sha256": ("demo-text", "k8s_dispatch.demo.functions:sha256"),
     "demo.primes": ("demo-math", "k8s_dispatch.demo.functions:primes"),
 }
+# The demo capability whose result goes to the object store: only in `demo_config(object_store=True)`,
+# since a capability with `results: objectStore` is refused where no store is configured, and the
+# demo capabilities are the default table (`from_settings` without a capabilities file).
+DEMO_STORED_FUNCTIONS = {
+    "demo.report": ("demo-files", "k8s_dispatch.demo.functions:report"),
+}
+DEMO_MAX_RESULT_BYTES = 64 * (1 << 20)
 
 
-def demo_config(*, image: str = DEMO_IMAGE, python: str = "python") -> dict[str, Any]:
+def demo_config(*, image: str = DEMO_IMAGE, python: str = "python", object_store: bool = False) -> dict[str, Any]:
     """The demo capabilities as config data: extend it and pass it to `from_mapping`.
 
     `python` is the interpreter the container runs: "python" in the project's image; in
     localcluster's exec mode, `sys.executable` so the Job's process finds this package.
+    `object_store` adds `DEMO_STORED_FUNCTIONS` (`results: objectStore`), for settings that
+    configure a store (`k8s-dispatch demo` configures a local directory one).
     """
-    return {
-        "capabilities": {
-            name: {
-                "worker": worker,
-                "image": image,
-                "command": [python, "-m", "k8s_dispatch.container.runner"],
-                "args": [function],
-                "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}, "limits": {"memory": "128Mi"}},
-                "activeDeadlineSeconds": 120,
-                "backoffLimit": 0,
-            }
-            for name, (worker, function) in DEMO_FUNCTIONS.items()
+    functions = DEMO_FUNCTIONS | (DEMO_STORED_FUNCTIONS if object_store else {})
+    capabilities: dict[str, Any] = {
+        name: {
+            "worker": worker,
+            "image": image,
+            "command": [python, "-m", "k8s_dispatch.container.runner"],
+            "args": [function],
+            "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}, "limits": {"memory": "128Mi"}},
+            "activeDeadlineSeconds": 120,
+            "backoffLimit": 0,
         }
+        for name, (worker, function) in functions.items()
     }
+    if object_store:
+        for name in DEMO_STORED_FUNCTIONS:
+            capabilities[name] |= {"results": RESULTS_OBJECT_STORE, "maxResultBytes": DEMO_MAX_RESULT_BYTES}
+    return {"capabilities": capabilities}
 
 
 def demo_resolver(*, image: str = DEMO_IMAGE, python: str = "python") -> CapabilityResolver:

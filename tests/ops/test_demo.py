@@ -1,30 +1,45 @@
 """`k8s-dispatch demo`, run for real as a user runs it: on embedded defaults when no Redis answers
 (the fresh-machine path of `make demo`), and on the configured Redis and PostgreSQL; each ends
-with the summary line and exit 0, leaves no file behind and no process running; Ctrl-C midway
-cleans up too. The summary's checks themselves are tested as the pure functions they are.
+with the summary line and exit 0, shows its one large result (`demo.report`, in its directory
+object store) recorded and read back with the SHA-256 of the bytes the test computes itself, leaves
+no file behind and no process running; Ctrl-C midway cleans up too. The summary's checks
+themselves are tested as the pure functions they are.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import signal
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
+import yaml
 
+from k8s_dispatch.artifacts.reference import ResultReference
+from k8s_dispatch.core.errors import ConfigError
+from k8s_dispatch.core.settings import load_settings
+from k8s_dispatch.demo import functions as demo_functions
 from k8s_dispatch.demo.run import (
     LIMITED_MAX_RUNNING,
+    REPORT_AT,
+    REPORT_ROWS,
     DemoRequest,
     Outcome,
+    ReadBack,
     parse_sweep_line,
     plan_requests,
+    right_output,
     summarise,
 )
 from k8s_dispatch.ops import processes
+from k8s_dispatch.workers.resolver import DEMO_MAX_RESULT_BYTES, CapabilityResolver, demo_config
 
 SCRIPT = str(Path(sys.executable).parent / "k8s-dispatch")
 OK_LINE = re.compile(
@@ -46,6 +61,24 @@ def assert_the_limited_tenancy_waited_its_turn(match: re.Match[str], output: str
     assert waited, output[-3000:]
     assert float(waited.group(2)) > 0 and int(waited.group(3)) <= limit and int(waited.group(4)) <= limit
     assert int(waited.group(5)) == max_queued
+
+
+def assert_the_large_result_was_read_back(output: str) -> None:
+    """The summary's row and line for `demo.report`: the reference its terminal event recorded and
+    the bytes `api.read_result` streamed have the size and SHA-256 of the CSV computed here."""
+    expected = demo_functions.report({"rows": REPORT_ROWS, "seed": REPORT_AT})
+    size, sha256 = f"{len(expected):,}", hashlib.sha256(expected).hexdigest()
+    assert re.search(r"object store +directory objects/ under files \(its file:// URLs work", output), output[:3000]
+    row = (
+        rf"demo\.report: object store result read back, SHA-256 as expected +│ +{len(expected) / (1 << 20):.1f} MiB │ ✓"
+    )
+    assert re.search(row, output), output[-4000:]
+    line = (
+        rf"demo\.report [0-9a-f-]{{36}}: its terminal event recorded a reference to {size} bytes, SHA-256 {sha256}; "
+        rf"k8s_dispatch\.api\.read_result streamed {size} bytes with SHA-256 {sha256} in [0-9.]+s: the same bytes as "
+        r"the CSV the demo computed itself"
+    )
+    assert re.search(line, output), output[-4000:]
 
 
 def demo_env(tmp: Path, **settings: str) -> dict[str, str]:
@@ -104,7 +137,8 @@ def test_the_demo_runs_on_embedded_defaults_when_no_redis_answers(tmp_path: Path
     assert_the_limited_tenancy_waited_its_turn(match, result.stdout)
     assert "SIGKILL to the worker" in result.stdout and "start-up sweep found and did:" in result.stdout
     assert re.search(r"finished unrecorded +│ +\d+ │ +\d+ │", result.stdout)
-    assert_left_nothing(result.stdout, cwd=cwd, tmp=tmp)
+    assert_the_large_result_was_read_back(result.stdout)
+    assert_left_nothing(result.stdout, cwd=cwd, tmp=tmp)  # the object store's directory too
 
 
 def test_the_demo_uses_the_configured_redis_and_postgresql(tmp_path: Path, redis_url: str, new_pg_database) -> None:
@@ -117,6 +151,7 @@ def test_the_demo_uses_the_configured_redis_and_postgresql(tmp_path: Path, redis
     match = OK_LINE.search(result.stdout)
     assert match and match.group(1) == "12", result.stdout[-2000:]
     assert_the_limited_tenancy_waited_its_turn(match, result.stdout)
+    assert_the_large_result_was_read_back(result.stdout)
     assert_left_nothing(result.stdout, cwd=cwd, tmp=tmp)
     client = redis.Redis.from_url(redis_url)
     try:
@@ -157,13 +192,65 @@ def outcome(state: str, output: object = None, *, events: int = 1, reason: str |
     return Outcome(state=state, output=output, reason=reason, terminal_events=events, notified=True)
 
 
-def test_the_plan_spreads_capabilities_and_tenancies_and_has_one_bad_input() -> None:
+def test_the_plan_spreads_capabilities_and_tenancies_and_has_one_bad_input_and_one_large_result() -> None:
     requests = plan_requests(30, run_id="r1")
-    assert {r.capability for r in requests} == {"demo.primes", "demo.sha256", "demo.wordcount"}
+    assert {r.capability for r in requests} == {"demo.primes", "demo.sha256", "demo.wordcount", "demo.report"}
     assert {r.tenancy_id for r in requests} == {"acme", "globex"}
     assert [r.must_fail for r in requests].count(True) == 1
     assert len({r.idempotency_key for r in requests}) == 30
     assert all(r.expected is not None for r in requests if not r.must_fail)
+    (report,) = [r for r in requests if r.stored]
+    assert report.capability == "demo.report" and report.tenancy_id != "acme"  # not held back by acme's limit
+    data = demo_functions.report(report.input)
+    assert report.expected == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    assert 3 * (1 << 20) < len(data) < DEMO_MAX_RESULT_BYTES  # a few MiB: far beyond a termination message
+
+
+def test_the_report_is_the_same_csv_for_the_same_input() -> None:
+    data = demo_functions.report({"rows": 1000, "seed": 7})
+    assert data == demo_functions.report({"rows": 1000, "seed": 7})
+    assert data != demo_functions.report({"rows": 1000, "seed": 8})
+    lines = data.decode("ascii").splitlines()
+    assert lines[0] == "row,region,product,units,unit_price,total" and len(lines) == 1001
+    for line in lines[1:]:
+        _row, _region, _product, units, price, total = line.split(",")
+        cents = round(float(price) * 100)
+        assert 1 <= int(units) <= 500 and 100 <= cents < 10_000
+        assert round(float(total) * 100) == int(units) * cents, line
+    assert demo_functions.report({"rows": 0, "seed": 1}) == b"row,region,product,units,unit_price,total\n"
+    bad: object
+    for bad in ({"rows": -1, "seed": 1}, {"rows": demo_functions.MAX_REPORT_ROWS + 1, "seed": 1}, {"rows": 5},
+                {"rows": True, "seed": 1}, {"rows": 5, "seed": "x"}, []):  # fmt: skip
+        with pytest.raises(ValueError):
+            demo_functions.report(bad)
+
+
+def test_the_stored_demo_capability_needs_an_object_store(tmp_path: Path) -> None:
+    """Only `demo_config(object_store=True)` has it, since the demo table is the default one and a
+    capability with results in the object store is refused where none is configured."""
+    assert "demo.report" not in demo_config()["capabilities"]
+    path = tmp_path / "capabilities.yaml"
+    path.write_text(yaml.safe_dump(demo_config(object_store=True)))
+    with pytest.raises(ConfigError, match=r"demo\.report.*results: objectStore"):
+        CapabilityResolver.from_settings(load_settings({"K8S_DISPATCH_CAPABILITIES": str(path)}))
+    store = (tmp_path / "objects").as_uri()
+    resolver = CapabilityResolver.from_settings(
+        load_settings({"K8S_DISPATCH_CAPABILITIES": str(path), "K8S_DISPATCH_OBJECT_STORE_ENDPOINT": store})
+    )
+    spec = resolver.spec("demo.report")
+    assert spec.results_in_object_store and spec.max_result_bytes == DEMO_MAX_RESULT_BYTES
+    assert not resolver.spec("demo.sha256").results_in_object_store
+
+
+def test_a_stored_result_is_right_when_its_reference_has_the_expected_size_and_sha256() -> None:
+    digest = hashlib.sha256(b"x").hexdigest()
+    request = DemoRequest("demo.report", {}, "c", "t", "k", expected={"size": 1, "sha256": digest}, stored=True)
+    reference = ResultReference(key="results/d/0/result", size=1, sha256=digest)
+    assert right_output(request, reference.to_output())
+    assert not right_output(request, ResultReference(key="k", size=2, sha256=digest).to_output())
+    assert not right_output(request, ResultReference(key="k", size=1, sha256="0" * 64).to_output())
+    for output in ({"size": 1, "sha256": digest}, None, "x", {"k8s-dispatch.io/object": {"size": 1}}):
+        assert not right_output(request, output), output
 
 
 def test_a_summary_holds_only_when_every_dispatch_ended_once_as_expected() -> None:
@@ -189,6 +276,27 @@ def test_a_summary_holds_only_when_every_dispatch_ended_once_as_expected() -> No
     ).ok
     unnotified = {"a": Outcome("COMPLETED", {"n": 1}, None, 1, notified=False), "b": outcome("FAILED")}
     assert not summarise([good, bad], ["a", "b"], unnotified, jobs_left=0, elapsed_s=1).ok
+    stored = DemoRequest("demo.report", {}, "c", "t", "k3", expected={"size": 1, "sha256": "a" * 64}, stored=True)
+    reference = ResultReference(key="k", size=1, sha256="a" * 64).to_output()
+    with_stored = summarise(
+        [good, bad, stored], ["a", "b", "c"],
+        {"a": outcome("COMPLETED", {"n": 1}), "b": outcome("FAILED"), "c": outcome("COMPLETED", reference)},
+        jobs_left=0, elapsed_s=1,
+    )  # fmt: skip
+    assert not with_stored.ok and with_stored.stored == 1 and with_stored.right_outputs == 2  # not read back yet
+    read = ReadBack("demo.report", "c", 1, "a" * 64, recorded_size=1, recorded_sha256="a" * 64, read_size=1,
+                    read_sha256="a" * 64)  # fmt: skip
+    with_stored.read_back = [read]
+    assert with_stored.ok
+    wrong: dict[str, Any]
+    for wrong in (
+        {"read_sha256": "b" * 64},
+        {"read_size": 2},
+        {"recorded_sha256": None},
+        {"error": "ResultObjectMissing"},
+    ):
+        with_stored.read_back = [replace(read, **wrong)]
+        assert not with_stored.ok, wrong
     for field in ("max_running", "max_holding"):  # the limited tenancy ran more at once than its limit
         beyond = summarise(
             [good, bad], ["a", "b"], {"a": outcome("COMPLETED", {"n": 1}), "b": outcome("FAILED")}, jobs_left=0,
