@@ -30,6 +30,7 @@ from k8s_dispatch.lab.bench import (
     api_load,
     cluster_speed,
     dispatch_throughput,
+    maps,
     plot,
     poll_cost,
     report,
@@ -50,6 +51,7 @@ BENCHMARKS: dict[str, Benchmark] = {
     "adapter": adapter.run,
     "poll_cost": poll_cost.run,  # issue 16: objects read per finished Job, watch vs LIST poll
     "admission": admission.run,  # issue 17: a pass's cost with 1,000 vs 100,000 queued behind a limit
+    "maps": maps.run,  # issue 29: N items as one map dispatch vs N single dispatches
 }
 # Not an issue-8 figure, so not in the quick run (about 2 minutes); `--only adapter` runs it there.
 SKIPPED_AT = {"adapter": {"quick"}}

@@ -1,0 +1,354 @@
+"""Issue 29's figures: N items as ONE map dispatch (an Indexed Job) against N single dispatches,
+side by side in one run, each on a new localcluster with its own database, a real `celery -A
+tasks worker` and `beat`.
+
+Per variant, from the schedule (every row in one transaction, as an engine would) until every
+item is recorded and no Job is left: our API requests per item and objects read per item (the
+server's own counters, `api_counts.scrape`, around the run; the bench's own requests taken out),
+the Job objects at peak (sampled by a LIST of one Job, its `remainingItemCount`), schedule ->
+last item recorded, and item finished -> item recorded p99 (each Pod seen finished by the
+bench's watch of Pods, against its item end's or its dispatch's terminal event's created_at).
+Our worker never watches Pods: the bench's watch of them is left out of the counts whole.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import time
+import urllib.parse
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
+from typing import Any
+
+import sqlalchemy as sa
+import yaml
+from celery import Celery
+
+from k8s_dispatch import celeryconfig
+from k8s_dispatch.core.settings import load_settings
+from k8s_dispatch.lab.bench import services, workload
+from k8s_dispatch.lab.bench.api_counts import Scrape, scrape
+from k8s_dispatch.lab.bench.api_steady import POLL_INTERVAL_S
+from k8s_dispatch.lab.bench.results import BenchResult, Figure, Ratio, Target
+from k8s_dispatch.lab.bench.sizes import Size
+from k8s_dispatch.ops.processes import wait_until
+from k8s_dispatch.store.db import make_engine, make_sessionmaker, transaction
+from k8s_dispatch.store.models import TERMINAL_EVENT_TYPES, CaseEvent, Dispatch, MapItemEnd
+from k8s_dispatch.tasks.maps import schedule_map_in_session
+from k8s_dispatch.tasks.scheduling import schedule_in_session
+from k8s_dispatch.workers.resolver import CapabilityResolver
+
+SIM = "localcluster.k8s-dispatch.io/"
+CAPABILITY = "bench.item"
+NAMESPACE = "bench-maps"
+CONCURRENCY = 8
+MAP, SINGLES = "map", "singles"
+JOB_NAME = "batch.kubernetes.io/job-name"
+COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"
+REQUESTS_PER_ITEM = Target(1.3, at_least=False, inclusive=True)  # a Pod's release is the one it cannot share
+RECORDED_P99 = Target(POLL_INTERVAL_S + 1.0, at_least=False, inclusive=True)
+
+
+@dataclass(frozen=True)
+class Knobs:
+    items: int
+    item_s: float
+    parallelism: int
+
+
+KNOBS = {
+    "smoke": Knobs(items=30, item_s=1.0, parallelism=10),
+    "quick": Knobs(items=2_000, item_s=2.0, parallelism=200),
+    "full": Knobs(items=10_000, item_s=10.0, parallelism=500),  # the issue's sizes
+}
+
+
+@dataclass
+class Run:
+    """What one variant cost and how long it took."""
+
+    variant: str
+    items: int
+    requests: Counter[tuple[str, str, str, int]]
+    objects: Counter[str]
+    peak_jobs: int
+    last_recorded_s: float  # schedule -> last item recorded
+    latencies_s: list[float]
+    unrecorded: int  # Pods seen finished whose item had no end in time
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def requests_per_item(self) -> float:
+        return sum(self.requests.values()) / self.items
+
+    @property
+    def objects_per_item(self) -> float:
+        return sum(self.objects.values()) / self.items
+
+
+def run(ctx: services.BenchContext, size: Size) -> BenchResult:
+    knobs = KNOBS[size.name]
+    result = BenchResult(
+        name="maps",
+        title=f"{knobs.items:,} items as one map dispatch vs {knobs.items:,} single dispatches",
+        rounds=1,
+        params={**knobs.__dict__, "poll_interval_s": POLL_INTERVAL_S, "worker_concurrency": CONCURRENCY},
+    )
+    runs = {variant: _measure(ctx, knobs, variant) for variant in (MAP, SINGLES)}
+    for variant, r in runs.items():
+        what = f"{knobs.items:,} items of {knobs.item_s:g} s as " + (
+            f"one map (parallelism {knobs.parallelism})" if variant == MAP else "single dispatches"
+        )
+        judged = variant == MAP
+        result.figures += [
+            Figure(f"requests_per_item_{variant}", f"our API requests per item, {what}", "requests",
+                   [r.requests_per_item], target=REQUESTS_PER_ITEM if judged else None, ref="29"),
+            Figure(f"objects_per_item_{variant}", f"objects read per item, {what}", "objects",
+                   [r.objects_per_item], ref="29"),
+            Figure(f"peak_jobs_{variant}", f"Job objects at peak, {what}", "Jobs", [float(r.peak_jobs)], ref="29"),
+            Figure(f"last_recorded_s_{variant}", f"schedule -> last item recorded, {what}", "s",
+                   [r.last_recorded_s], ref="29"),
+        ]  # fmt: skip
+        if r.latencies_s:
+            result.figures.append(
+                Figure(f"recorded_p99_s_{variant}", f"item finished -> item recorded p99, {what}", "s",
+                       [percentile(r.latencies_s, 0.99)], target=RECORDED_P99 if judged else None, ref="29")
+            )  # fmt: skip
+        by_verb = ", ".join(f"{v} {res}{'/' + sub if sub else ''} {n / r.items:.2f}" for (v, res, sub, _), n in
+                            sorted(_by_key(r.requests).items(), key=lambda kv: -kv[1]))  # fmt: skip
+        result.notes.append(
+            f"{what}: per item {by_verb}; objects {dict(r.objects)}; {r.unrecorded} unrecorded at the deadline"
+        )
+    single, mapped = runs[SINGLES], runs[MAP]
+    result.ratios += [
+        Ratio("requests_singles_vs_map", "our API requests per item, single dispatches / one map",
+              [single.requests_per_item / max(mapped.requests_per_item, 1e-9)], ref="29"),
+        Ratio("objects_singles_vs_map", "objects read per item, single dispatches / one map",
+              [single.objects_per_item / max(mapped.objects_per_item, 1e-9)], ref="29"),
+    ]  # fmt: skip
+    return result
+
+
+def _by_key(requests: Counter[tuple[str, str, str, int]]) -> Counter[tuple[str, str, str, int]]:
+    out: Counter[tuple[str, str, str, int]] = Counter()
+    for (verb, resource, sub, _code), n in requests.items():
+        out[(verb, resource, sub, 0)] += n
+    return out
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered)) - 1))]
+
+
+def capability_config(item_s: float) -> dict[str, Any]:
+    spec = {"worker": "sim", "image": "sim:1", "backoffLimit": 0,
+            "annotations": {SIM + "duration-ms": str(round(item_s * 1000))}}  # fmt: skip
+    return {"capabilities": {CAPABILITY: spec}}
+
+
+def _measure(ctx: services.BenchContext, knobs: Knobs, variant: str) -> Run:
+    caps_file = ctx.work_dir / f"maps-{variant}.yaml"
+    caps_file.write_text(yaml.safe_dump(capability_config(knobs.item_s)))
+    caps = CapabilityResolver.from_mapping(capability_config(knobs.item_s), source=str(caps_file))
+    with (
+        services.database(ctx.pg_admin_url) as database_url,
+        services.cluster(ctx.work_dir, name=f"lc-maps-{variant}") as cluster,
+    ):
+        env = services.deployment_env(
+            {
+                "database_url": database_url,
+                "redis_url": ctx.redis_url,
+                "key_prefix": f"{ctx.key_prefix}-maps-{variant}-{uuid.uuid4().hex[:6]}",
+                "namespace": NAMESPACE,
+                "kubeconfig": str(cluster.kubeconfig),
+                "capabilities": str(caps_file),
+                "poll_interval_s": str(POLL_INTERVAL_S),
+                "worker_concurrency": str(CONCURRENCY),
+            }
+        )
+        settings = load_settings(env)
+        engine = make_engine(database_url)
+        sessions = make_sessionmaker(engine)
+        producer = Celery("bench-producer", set_as_current=False)
+        producer.conf.update(celeryconfig.config(settings))
+        try:
+            case_id = workload.new_case(sessions)
+            with services.worker_and_beat(ctx.work_dir, env, concurrency=CONCURRENCY) as ready:
+                ready()
+                with watching(cluster) as seen:
+                    before = scrape(cluster)
+                    started = time.time()
+                    ids = _schedule(sessions, producer, caps, settings.max_input_bytes, case_id, knobs, variant)
+                    # single dispatches have no parallelism of their own: every Job at once, as many as items
+                    deadline = max(300.0, 6 * knobs.items * knobs.item_s / knobs.parallelism, 0.3 * knobs.items)
+                    wait_until(lambda: seen.sample() == 0 and _all_ended(sessions, ids), timeout=deadline,
+                               interval=0.5, what=f"{variant}: every item recorded and no Job left")  # fmt: skip
+                    after = scrape(cluster)
+                recorded = _recorded(sessions, ids, variant)
+        finally:
+            producer.close()
+            engine.dispose()
+    requests, objects = _ours(before, after, seen)
+    latencies = [recorded[key] - at for key, at in seen.finished_at.items() if key in recorded]
+    return Run(
+        variant=variant, items=knobs.items, requests=requests, objects=objects, peak_jobs=seen.peak_jobs,
+        last_recorded_s=max(recorded.values()) - started, latencies_s=latencies,
+        unrecorded=sum(1 for key in seen.finished_at if key not in recorded),
+    )  # fmt: skip
+
+
+def _schedule(
+    sessions: Any, producer: Celery, caps: CapabilityResolver, max_bytes: int, case_id: str, knobs: Knobs, variant: str
+) -> list[str]:
+    """Every row in one transaction, the creates sent after its commit."""
+    with transaction(sessions) as session:
+        if variant == MAP:
+            return [
+                schedule_map_in_session(
+                    session, case_id=case_id, tenancy_id=workload.TENANCY, capability=CAPABILITY,
+                    items=[{"k": i} for i in range(knobs.items)], idempotency_key=f"map-{uuid.uuid4()}",
+                    parallelism=knobs.parallelism, router=caps, max_input_bytes=max_bytes, via=producer,
+                ).dispatch_id
+            ]  # fmt: skip
+        return [
+            schedule_in_session(
+                session, case_id=case_id, tenancy_id=workload.TENANCY, capability=CAPABILITY, input={"k": i},
+                idempotency_key=f"one-{uuid.uuid4()}", router=caps, max_input_bytes=max_bytes, via=producer,
+            ).dispatch_id
+            for i in range(knobs.items)
+        ]  # fmt: skip
+
+
+def _all_ended(sessions: Any, ids: list[str]) -> bool:
+    types = [t.value for t in TERMINAL_EVENT_TYPES]
+    query = sa.select(sa.func.count(sa.distinct(CaseEvent.dispatch_id))).where(
+        CaseEvent.dispatch_id.in_(ids), CaseEvent.type.in_(types)
+    )
+    with transaction(sessions) as session:
+        return int(session.execute(query).scalar_one()) == len(ids)
+
+
+def _recorded(sessions: Any, ids: list[str], variant: str) -> dict[tuple[str, int], float]:
+    """When each item was recorded, by (Job name, completion index): a map's item ends, or each
+    single dispatch's terminal event (its Job's one Pod is index 0)."""
+    with transaction(sessions) as session:
+        if variant == MAP:
+            ends = session.execute(
+                sa.select(Dispatch.job_name, MapItemEnd.item_index, MapItemEnd.created_at)
+                .join(Dispatch, Dispatch.dispatch_id == MapItemEnd.dispatch_id)
+                .where(MapItemEnd.dispatch_id.in_(ids))
+            ).all()
+            return {(str(name), int(index)): at.timestamp() for name, index, at in ends}
+        types = [t.value for t in TERMINAL_EVENT_TYPES]
+        rows = session.execute(
+            sa.select(Dispatch.job_name, CaseEvent.created_at)
+            .join(CaseEvent, CaseEvent.dispatch_id == Dispatch.dispatch_id)
+            .where(Dispatch.dispatch_id.in_(ids), CaseEvent.type.in_(types))
+        ).all()
+        return {(str(name), 0): at.timestamp() for name, at in rows}
+
+
+def _ours(before: Scrape, after: Scrape, seen: PodWatch) -> tuple[Counter[Any], Counter[str]]:
+    """What ours sent and read between two scrapes: every request but the bench's (its watch of
+    Pods, its LISTs of one Job), every object listed and Job event sent but those."""
+    requests = after.requests.copy()
+    requests.subtract(before.requests)
+    for key in list(requests):
+        if key[:2] == ("WATCH", "pods") or requests[key] <= 0:
+            del requests[key]
+    requests[("LIST", "jobs", "", 200)] -= seen.samples
+    objects = after.objects.copy()
+    objects.subtract(before.objects)
+    objects["LIST jobs"] -= seen.sampled_objects
+    del objects["WATCH pods"]
+    return +requests, +objects
+
+
+class PodWatch:
+    """The bench's eye on the run: a watch of the namespace's Pods on a thread (when each Pod is
+    first seen finished, by Job name and completion index), and `sample()`, the Jobs there now."""
+
+    def __init__(self, cluster: services.Cluster) -> None:
+        self._cluster = cluster
+        self.finished_at: dict[tuple[str, int], float] = {}
+        self.peak_jobs = 0
+        self.samples = 0  # LISTs of one Job the bench made
+        self.sampled_objects = 0
+        self.error: BaseException | None = None
+        self._stopping = threading.Event()
+        self._conn: http.client.HTTPConnection | None = None
+        self._thread = threading.Thread(target=self._run, name="maps-pod-watch", daemon=True)
+
+    def sample(self) -> int:
+        """How many Jobs the namespace has now (a LIST of one, its remainingItemCount)."""
+        if self.error is not None:
+            raise RuntimeError(f"the bench's watch of Pods failed: {self.error}") from self.error
+        status, body = self._cluster.request("GET", f"/apis/batch/v1/namespaces/{NAMESPACE}/jobs?limit=1")
+        if status != 200:
+            raise RuntimeError(f"LIST jobs answered {status}: {body[:200]!r}")
+        page = json.loads(body)
+        items = len(page.get("items") or [])
+        self.samples += 1
+        self.sampled_objects += items
+        count = items + int((page.get("metadata") or {}).get("remainingItemCount") or 0)
+        self.peak_jobs = max(self.peak_jobs, count)
+        return count
+
+    def _run(self) -> None:
+        rv = ""
+        try:
+            while not self._stopping.is_set():
+                rv = self._watch(rv)
+        except Exception as e:  # the thread's end: `sample()` raises it in the bench's thread
+            if not self._stopping.is_set():
+                self.error = e
+
+    def _watch(self, rv: str) -> str:
+        conn = self._cluster.connection(timeout=None)
+        self._conn = conn
+        query = urllib.parse.urlencode({"watch": "true", "timeoutSeconds": "3600", "resourceVersion": rv})
+        try:
+            conn.request("GET", f"/api/v1/namespaces/{NAMESPACE}/pods?{query}", headers=self._cluster.headers())
+            response = conn.getresponse()
+            if response.status != 200:
+                raise RuntimeError(f"watch answered {response.status}: {response.read()[:200]!r}")
+            for line in response:
+                now = time.time()
+                event = json.loads(line)
+                pod = event["object"]
+                if event["type"] == "ERROR":
+                    raise RuntimeError(f"watch error: {pod.get('message')}")
+                meta = pod.get("metadata") or {}
+                rv = meta.get("resourceVersion", rv)
+                if (pod.get("status") or {}).get("phase") not in ("Succeeded", "Failed"):
+                    continue
+                labels = meta.get("labels") or {}
+                key = (str(labels.get(JOB_NAME)), int(labels.get(COMPLETION_INDEX, 0)))
+                self.finished_at.setdefault(key, now)
+        finally:
+            conn.close()
+        return rv
+
+    def stop(self) -> None:
+        self._stopping.set()
+        conn = self._conn
+        if conn is not None and conn.sock is not None:
+            with suppress(OSError):
+                conn.sock.close()
+        self._thread.join(timeout=10)
+
+
+@contextmanager
+def watching(cluster: services.Cluster) -> Iterator[PodWatch]:
+    watch = PodWatch(cluster)
+    watch._thread.start()
+    try:
+        yield watch
+    finally:
+        watch.stop()
