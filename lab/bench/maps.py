@@ -119,10 +119,10 @@ def run(ctx: services.BenchContext, size: Size) -> BenchResult:
                 Figure(f"recorded_p99_s_{variant}", f"item finished -> item recorded p99, {what}", "s",
                        [percentile(r.latencies_s, 0.99)], target=RECORDED_P99 if judged else None, ref="29")
             )  # fmt: skip
-        by_verb = ", ".join(f"{v} {res}{'/' + sub if sub else ''} {n / r.items:.2f}" for (v, res, sub, _), n in
-                            sorted(_by_key(r.requests).items(), key=lambda kv: -kv[1]))  # fmt: skip
+        by_verb = ", ".join(f"{v} {res}{'/' + sub if sub else ''} {code} {n / r.items:.2f}" for (v, res, sub, code), n
+                            in sorted(r.requests.items(), key=lambda kv: -kv[1]))  # fmt: skip
         result.notes.append(
-            f"{what}: per item {by_verb}; objects {dict(r.objects)}; {r.unrecorded} unrecorded at the deadline"
+            f"{what}: per item {by_verb}; objects {dict(r.objects)}; {r.unrecorded} Pods seen finished with no item recorded"
         )
     single, mapped = runs[SINGLES], runs[MAP]
     result.ratios += [
@@ -132,13 +132,6 @@ def run(ctx: services.BenchContext, size: Size) -> BenchResult:
               [single.objects_per_item / max(mapped.objects_per_item, 1e-9)], ref="29"),
     ]  # fmt: skip
     return result
-
-
-def _by_key(requests: Counter[tuple[str, str, str, int]]) -> Counter[tuple[str, str, str, int]]:
-    out: Counter[tuple[str, str, str, int]] = Counter()
-    for (verb, resource, sub, _code), n in requests.items():
-        out[(verb, resource, sub, 0)] += n
-    return out
 
 
 def percentile(values: list[float], q: float) -> float:
