@@ -121,3 +121,41 @@ def test_a_map_of_a_thousand_items_survives_a_worker_and_beat_killed_and_the_bro
     ]
     d.wait_no_jobs(timeout_s=60)
     d.wait(lambda: not held_pods(d), timeout_s=60, what="no Pod holding our finalizer")
+
+
+def test_a_retried_items_failed_pod_is_freed_while_the_map_runs(deploy, sim_cluster):
+    """Item 0 fails its first attempt and succeeds on its second (backoffLimit 1): its failed Pod
+    is freed of our finalizer once its index runs again, before its item ends (a hand-off reads
+    the failed Pods when the Job's failure counter grows), and the item ends once."""
+    items = 10
+    by_index = {"0": {"outcome": "fail", "exit-code": "3", "attempts": 1}}
+    spec = {"worker": "sim", "image": "sim:1", "backoffLimit": 1,
+            "annotations": {SIM + "duration-ms": "2000", SIM + "by-index": json.dumps(by_index)}}  # fmt: skip
+    d = deploy(sim_cluster, capabilities={"sim.map": spec})
+    d.start_worker("w1")
+    d.start_beat()
+    with transaction(d.sessions) as session:
+        case_id = f"case-{uuid.uuid4().hex[:10]}"
+        api.create_case(session, case_id=case_id, tenancy_id="tenant-a")
+        map_id = api.schedule_map_in_session(
+            session, case_id=case_id, tenancy_id="tenant-a", capability="sim.map",
+            items=[{"n": i} for i in range(items)], idempotency_key=f"map-{uuid.uuid4().hex}", parallelism=2,
+            router=CapabilityResolver.from_settings(d.settings), max_input_bytes=d.settings.max_input_bytes,
+            via=d.producer,
+        ).dispatch_id  # fmt: skip
+
+    def failed_pod_freed() -> bool:
+        if any(o.index == 0 for o in items_of(d, map_id)):
+            raise AssertionError("item 0 ended before its failed Pod was freed")
+        pods = d.kube.list_pods(d.namespace, label_selector="batch.kubernetes.io/job-completion-index=0")
+        failed = [p for p in pods if p["status"].get("phase") == "Failed"]
+        return bool(failed) and all(FINALIZER not in (p["metadata"].get("finalizers") or []) for p in failed)
+
+    d.wait(failed_pod_freed, timeout_s=120, what="the failed Pod freed while its item runs again")
+    [(event, payload)] = d.wait_terminal([map_id], timeout_s=120)[map_id]
+    assert event == EventType.WORKER_COMPLETED.value and payload["output"]["succeeded"] == items, payload
+    outcomes = items_of(d, map_id)
+    assert sorted(o.index for o in outcomes) == list(range(items))
+    assert all(o.event is api.ItemEventType.ITEM_COMPLETED for o in outcomes)
+    d.wait_no_jobs(timeout_s=60)
+    d.wait(lambda: not held_pods(d), timeout_s=60, what="no Pod holding our finalizer")
