@@ -47,7 +47,8 @@ def capability(duration_ms: int) -> dict[str, Any]:
     }
 
 
-def schedule_map(d: Any, **kwargs: Any) -> str:
+def schedule_map(d: Any, capability: str = "sim.map", items: list[Any] | None = None, **kwargs: Any) -> str:
+    """A map of `capability` over `items` (ITEMS of {"n": i} unless given) on a new case; its id."""
     with transaction(d.sessions) as session:
         case_id = f"case-{uuid.uuid4().hex[:10]}"
         api.create_case(session, case_id=case_id, tenancy_id="tenant-a")
@@ -55,8 +56,8 @@ def schedule_map(d: Any, **kwargs: Any) -> str:
             session,
             case_id=case_id,
             tenancy_id="tenant-a",
-            capability="sim.map",
-            items=[{"n": i} for i in range(ITEMS)],
+            capability=capability,
+            items=[{"n": i} for i in range(ITEMS)] if items is None else items,
             idempotency_key=f"map-{uuid.uuid4().hex}",
             router=CapabilityResolver.from_settings(d.settings),
             max_input_bytes=d.settings.max_input_bytes,
@@ -185,21 +186,7 @@ def test_in_exec_mode_each_pod_runs_its_own_items_input(deploy):
         d = deploy(cluster)  # no capabilities file: the demo capabilities (backoffLimit 0)
         d.start_worker("w1")
         d.start_beat()
-        with transaction(d.sessions) as session:
-            case_id = f"case-{uuid.uuid4().hex[:10]}"
-            api.create_case(session, case_id=case_id, tenancy_id="tenant-a")
-            map_id = api.schedule_map_in_session(
-                session,
-                case_id=case_id,
-                tenancy_id="tenant-a",
-                capability="demo.wordcount",
-                items=[{"text": t} for t in texts] + [{"no text": True}],
-                idempotency_key=f"map-{uuid.uuid4().hex}",
-                parallelism=3,
-                router=CapabilityResolver.from_settings(d.settings),
-                max_input_bytes=d.settings.max_input_bytes,
-                via=d.producer,
-            ).dispatch_id
+        map_id = schedule_map(d, "demo.wordcount", [{"text": t} for t in texts] + [{"no text": True}], parallelism=3)
         [(event, payload)] = d.wait_terminal([map_id], timeout_s=120)[map_id]
         assert event == EventType.WORKER_FAILED.value and payload["detail"]["succeeded"] == len(texts), payload
         outcomes = sorted(items_of(d, map_id), key=lambda o: o.index)
@@ -220,21 +207,7 @@ def test_a_lost_map_job_is_made_again_for_its_open_items_only(deploy):
         d = deploy(cluster, sweep_interval_s="1", sweep_grace_s="1")
         d.start_worker("w1")
         d.start_beat()
-        with transaction(d.sessions) as session:
-            case_id = f"case-{uuid.uuid4().hex[:10]}"
-            api.create_case(session, case_id=case_id, tenancy_id="tenant-a")
-            map_id = api.schedule_map_in_session(
-                session,
-                case_id=case_id,
-                tenancy_id="tenant-a",
-                capability="demo.wordcount",
-                items=[{"text": t} for t in texts],
-                idempotency_key=f"map-{uuid.uuid4().hex}",
-                parallelism=2,
-                router=CapabilityResolver.from_settings(d.settings),
-                max_input_bytes=d.settings.max_input_bytes,
-                via=d.producer,
-            ).dispatch_id
+        map_id = schedule_map(d, "demo.wordcount", [{"text": t} for t in texts], parallelism=2)
         name, namespace = job_name(map_id), d.namespace
         first = d.wait(lambda: next((j for j in d.jobs() if j["metadata"]["name"] == name), None), what="the Job")
         d.wait(lambda: len(items_of(d, map_id)) >= 3, timeout_s=60, what="3 items ended")
