@@ -1,7 +1,8 @@
 """Retention and orphans: the objects under our prefix that must go (run by a beat task).
 
-Inputs too large for a Job's env (`PREFIX/DISPATCH_ID/input`) are objects of their dispatch
-like its results: kept while it runs, orphans once it has ended.
+Inputs too large for a Job's env (`PREFIX/DISPATCH_ID/input`) and a map's packed item inputs
+(`PREFIX/DISPATCH_ID/items/ROOT`, one per set of items a Job of it ran) are objects of their
+dispatch like its results: kept while it runs, orphans once it has ended.
 
 Archived container logs (`PREFIX/DISPATCH_ID/ATTEMPT/logs/POD`) are the record of what ran, of
 every attempt, won or lost: kept like a recorded result, so deleted `retention_days` after their

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from k8s_dispatch.container import packing
 from k8s_dispatch.core.payloads import canonical_json
 
 INPUT_ENV = "K8S_DISPATCH_INPUT"
@@ -72,6 +73,31 @@ class InputDownload:
 
     def reference(self) -> str:
         return result_reference(key=self.key, size=self.size, sha256=self.sha256)
+
+
+# --- a map's inputs in the object store (`container.packing`; `artifacts.inputs`) -------------
+# One object per packed set of item inputs; every Pod of the map's Job reads its own item's bytes
+# only (ranged GETs of a presigned URL) and checks them against the root its Job carries: other
+# bytes end the item with INPUT_MISMATCH, a refused read with INPUT_UNREADABLE, as a dispatch's.
+ITEMS_URL_ENV = "K8S_DISPATCH_ITEMS_URL"
+ITEMS_REF_ENV = "K8S_DISPATCH_ITEMS_REF"  # canonical JSON {ITEMS_FIELD: {v, key, items, size, root}}
+ITEMS_FIELD = "k8s-dispatch.io/items"
+
+
+@dataclass(frozen=True)
+class ItemsDownload:
+    """Where a map's Pods read their items: the packed object's key, item count, size, Merkle root
+    (hex) and a URL that reads it."""
+
+    key: str
+    items: int
+    size: int
+    root: str
+    url: str
+
+    def reference(self) -> str:
+        body = {"v": packing.VERSION, "key": self.key, "items": self.items, "size": self.size, "root": self.root}
+        return canonical_json({ITEMS_FIELD: body})
 
 
 # --- secret inputs: from a Secret of the Job's own, never from the Job's spec -----------------

@@ -14,7 +14,10 @@ standard library only: the Pod needs neither boto3 nor credentials.
 With `K8S_DISPATCH_INPUT_URL` set (an input larger than the env carries), the input is read from
 that URL and checked against `K8S_DISPATCH_INPUT_REF` (size and SHA-256) before the function is
 called: bytes that are not the ones scheduled end the run with `InputObjectMismatch` as the first
-word of the termination message, never a run on them. A secret input arrives in
+word of the termination message, never a run on them. A map's Pod with `K8S_DISPATCH_ITEMS_URL`
+set reads only its own item of the map's packed object (`container.packing`): its entry, then
+its record, with ranged GETs, checked against the Merkle root in `K8S_DISPATCH_ITEMS_REF`, the
+same two reasons for a failure. A secret input arrives in
 `K8S_DISPATCH_INPUT` from the Job's own Secret, as any input; the runner never prints an input.
 """
 
@@ -26,23 +29,26 @@ import importlib
 import io
 import json
 import os
-import shutil
 import sys
 import tempfile
 import traceback
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from k8s_dispatch.container import packing
 from k8s_dispatch.container.contract import (
     INPUT_ENV,
     INPUT_MISMATCH,
     INPUT_REF_ENV,
     INPUT_UNREADABLE,
     INPUT_URL_ENV,
+    ITEMS_FIELD,
+    ITEMS_REF_ENV,
+    ITEMS_URL_ENV,
     MAX_RESULT_BYTES,
     REFERENCE_FIELD,
     RESULT_KEY_ENV,
@@ -100,6 +106,16 @@ INDEX_ENV = "JOB_COMPLETION_INDEX"
 
 def read_input(environ: Mapping[str, str]) -> Any:
     """Raises: RunnerError: the variable is missing or not JSON (a map's: no item at the index)."""
+    if ITEMS_URL_ENV in environ:  # a map's inputs in the object store: this Pod's item only
+        try:
+            index = int(environ.get(INDEX_ENV, ""))
+        except ValueError as e:
+            raise RunnerError(f"{INDEX_ENV} is not valid: {e}", EXIT_USAGE) from e
+        data = download_item(environ[ITEMS_URL_ENV], environ.get(ITEMS_REF_ENV, ""), index)
+        try:
+            return json.loads(data.decode("utf-8"))
+        except ValueError as e:
+            raise RunnerError(f"the stored item {index} is not JSON: {e}", EXIT_USAGE) from e
     if ITEMS_ENV in environ:
         return _read_item(environ)
     url = environ.get(INPUT_URL_ENV)
@@ -140,28 +156,7 @@ def download_input(url: str, reference: str) -> bytes:
             refused the read, or stayed unreachable).
     """
     key, size, sha256 = _input_reference(reference)
-    last = ""
-    for _ in range(UPLOAD_ATTEMPTS):
-        try:
-            with urllib.request.urlopen(url, timeout=UPLOAD_TIMEOUT_S) as response:
-                data: bytes = response.read(size + 1)
-            break
-        except urllib.error.HTTPError as e:
-            with e:  # its socket closed here, not by the garbage collector
-                text = e.read()[:500].decode("utf-8", "replace")
-            if e.code < 500:
-                raise RunnerError(
-                    f"the object store refused the input {key}: HTTP {e.code}: {text}",
-                    EXIT_USAGE,
-                    reason=INPUT_UNREADABLE,
-                ) from e
-            last = f"HTTP {e.code}: {text}"
-        except OSError as e:  # URLError, a reset, a timeout
-            last = f"{type(e).__name__}: {e}"
-    else:
-        raise RunnerError(
-            f"cannot read the input {key} ({UPLOAD_ATTEMPTS} tries): {last}", EXIT_USAGE, reason=INPUT_UNREADABLE
-        )
+    data = _get(url, key, size + 1)
     digest = hashlib.sha256(data[: size + 1]).hexdigest()
     if len(data) != size or digest != sha256:
         read = f"more than {size}" if len(data) > size else str(len(data))
@@ -172,6 +167,94 @@ def download_input(url: str, reference: str) -> bytes:
             reason=INPUT_MISMATCH,
         )
     return data
+
+
+def _get(url: str, key: str, limit: int, *, first: int | None = None) -> bytes:
+    """At most `limit` bytes of the object at `url`, from its byte `first` with a ranged GET
+    (None: from its start, no Range). Fewer when the object ends sooner (a range it does not
+    reach, HTTP 416: none). A reset, a timeout or a 5xx is tried again, a 4xx is not.
+
+    Raises:
+        RunnerError: reason InputObjectUnreadable (refused, or unreachable UPLOAD_ATTEMPTS times).
+    """
+    parts = urllib.parse.urlsplit(url)
+    if first is not None and parts.scheme == "file":  # the demo's directory store: urllib ranges no file
+        try:
+            with open(urllib.parse.unquote(parts.path), "rb") as f:
+                f.seek(first)
+                return f.read(limit)
+        except OSError as e:
+            raise RunnerError(f"cannot read the input {key}: {e}", EXIT_USAGE, reason=INPUT_UNREADABLE) from e
+    headers = {} if first is None else {"Range": f"bytes={first}-{first + limit - 1}"}
+    last = ""
+    for _ in range(UPLOAD_ATTEMPTS):
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=UPLOAD_TIMEOUT_S) as r:
+                if first is None or r.status == 206:
+                    data: bytes = r.read(limit)
+                else:  # a store that ignores Range sends the whole object: its start is skipped here
+                    data = r.read(first + limit)[first:]
+            return data
+        except urllib.error.HTTPError as e:
+            with e:  # its socket closed here, not by the garbage collector
+                text = e.read()[:500].decode("utf-8", "replace")
+            if e.code == 416:  # the object ends before the range starts
+                return b""
+            if e.code < 500:
+                raise RunnerError(
+                    f"the object store refused the input {key}: HTTP {e.code}: {text}",
+                    EXIT_USAGE,
+                    reason=INPUT_UNREADABLE,
+                ) from e
+            last = f"HTTP {e.code}: {text}"
+        except OSError as e:  # URLError, a reset, a timeout
+            last = f"{type(e).__name__}: {e}"
+    raise RunnerError(
+        f"cannot read the input {key} ({UPLOAD_ATTEMPTS} tries): {last}", EXIT_USAGE, reason=INPUT_UNREADABLE
+    )
+
+
+def _items_reference(text: str) -> tuple[str, int, int, str]:
+    """(key, items, size, root) of `K8S_DISPATCH_ITEMS_REF`. Raises: RunnerError."""
+    try:
+        body = json.loads(text)[ITEMS_FIELD]
+        version, key, count, size, root = body["v"], body["key"], body["items"], body["size"], body["root"]
+    except (ValueError, TypeError, KeyError) as e:
+        raise RunnerError(f"{ITEMS_REF_ENV} is not a packed items reference: {e!r}", EXIT_USAGE) from e
+    numbers = (count, size)
+    if version != packing.VERSION or not isinstance(key, str) or not isinstance(root, str):
+        raise RunnerError(f"{ITEMS_REF_ENV} is not a version {packing.VERSION} packed items reference", EXIT_USAGE)
+    if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in numbers):
+        raise RunnerError(f"{ITEMS_REF_ENV} is not a packed items reference", EXIT_USAGE)
+    return key, count, size, root
+
+
+def download_item(url: str, reference: str, index: int) -> bytes:
+    """Item `index`'s canonical JSON from a map's packed object (`container.packing`): its entry,
+    then its record, two ranged GETs of a few hundred bytes plus the item, never the whole
+    object; the record must hash to the reference's root.
+
+    Raises:
+        RunnerError: no such index; reason InputObjectMismatch (the object is not the one packed
+            for this Job: other bytes, shorter, an entry pointing elsewhere), InputObjectUnreadable.
+    """
+    key, count, size, root = _items_reference(reference)
+    if not 0 <= index < count:
+        raise RunnerError(f"{ITEMS_REF_ENV} has no item {index} (it packs {count})", EXIT_USAGE)
+    first, length = packing.entry_range(index)
+    entry = _get(url, key, length, first=first)
+    start, length = packing.parse_entry(entry) if len(entry) == packing.ENTRY_BYTES else (0, 0)
+    item = None
+    if length > 0 and start + length <= size:
+        item = packing.item_of_record(index, count, _get(url, key, length, first=start), root)
+    if item is None:
+        raise RunnerError(
+            f"item {index} of the input object {key} is not the one packed for this Job (root {root}, "
+            f"{size} bytes); the function was not called",
+            EXIT_USAGE,
+            reason=INPUT_MISMATCH,
+        )
+    return item
 
 
 def _read_item(environ: Mapping[str, str]) -> Any:
@@ -224,71 +307,102 @@ def result_bytes(result: Any) -> bytes | Path:
         raise RunnerError(f"the result of the function is not JSON: {e}", EXIT_FAILED) from e
 
 
-def _digests(source: bytes | Path) -> tuple[int, str, str]:
-    """Size, base64 MD5 (Content-MD5) and hex SHA-256 (the reference), in one pass."""
-    md5, sha256 = hashlib.md5(usedforsecurity=False), hashlib.sha256()
+def _content_md5(source: bytes | Path) -> tuple[int, str]:
+    """Size and base64 MD5 (the Content-MD5 the store checks the bytes against): the one read of
+    the result before its PUT, which must carry it in its headers. The SHA-256 of the reference
+    is taken as the bytes are sent (`_Sending`), not in this pass."""
+    md5 = hashlib.md5(usedforsecurity=False)
     size = 0
     with _open(source) as f:
         while chunk := f.read(CHUNK_BYTES):
             md5.update(chunk)
-            sha256.update(chunk)
             size += len(chunk)
-    return size, base64.b64encode(md5.digest()).decode(), sha256.hexdigest()
+    return size, base64.b64encode(md5.digest()).decode()
 
 
 def _open(source: bytes | Path) -> BinaryIO:
     return io.BytesIO(source) if isinstance(source, bytes) else source.open("rb")
 
 
+class _Sending:
+    """The body of one PUT: `source`'s bytes in CHUNK_BYTES pieces (http.client sends an
+    iterable's items as they are, a file's in 8 KiB reads), each hashed into the SHA-256 of the
+    reference as it goes out. Exactly `size` bytes, the Content-Length and Content-MD5 taken
+    before: a file that grew or shrank since ends the upload (`RunnerError`) instead of sending
+    other bytes than those announced."""
+
+    def __init__(self, source: bytes | Path, size: int) -> None:
+        self.source, self.size = source, size
+        self.sha256 = hashlib.sha256()
+
+    def __iter__(self) -> Iterator[bytes]:
+        sent = 0
+        with _open(self.source) as f:
+            while chunk := f.read(min(CHUNK_BYTES, self.size - sent + 1)):
+                sent += len(chunk)
+                if sent > self.size:
+                    break
+                self.sha256.update(chunk)
+                yield chunk
+        if sent != self.size:
+            raise RunnerError(f"the result changed while it was uploaded ({self.size} bytes announced)", EXIT_FAILED)
+
+
 def upload(url: str, source: bytes | Path) -> tuple[int, str]:
     """PUT `source` (bytes, or a file streamed) to the presigned `url` with its Content-MD5, so
     the store refuses bytes damaged on the way; file:// URLs (the demo's directory store): a
     temporary file renamed into place, so the object appears whole or not at all. Returns the
-    size and SHA-256 of what was sent.
+    size and SHA-256 of what was sent (hashed as it was sent: the result is read twice, once for
+    the Content-MD5 its PUT announces, once as it is sent, not three times).
 
     Raises:
-        RunnerError: the store refused it (an expired URL, a bad signature) or stayed unreachable.
+        RunnerError: the store refused it (an expired URL, a bad signature) or stayed unreachable;
+            the result changed while it was sent.
     """
-    size, md5, sha256 = _digests(source)
     parts = urllib.parse.urlsplit(url)
     if parts.scheme == "file":
         path = urllib.parse.unquote(parts.path)
+        sha256, size = hashlib.sha256(), 0
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".upload-")
             with os.fdopen(fd, "wb") as out, _open(source) as f:
-                shutil.copyfileobj(f, out, CHUNK_BYTES)
+                while chunk := f.read(CHUNK_BYTES):
+                    sha256.update(chunk)
+                    size += len(chunk)
+                    out.write(chunk)
             os.replace(tmp, path)
         except OSError as e:
             raise RunnerError(f"cannot write the result to {path}: {e}", EXIT_FAILED) from e
-        return size, sha256
+        return size, sha256.hexdigest()
     if parts.scheme not in ("http", "https"):
         raise RunnerError(f"{RESULT_URL_ENV} is not an http(s) or file URL", EXIT_USAGE)
+    size, md5 = _content_md5(source)
     last = ""
     for _ in range(UPLOAD_ATTEMPTS):
-        with _open(source) as body:
-            request = urllib.request.Request(
-                url,
-                data=body,
-                method="PUT",
-                headers={
-                    "Content-MD5": md5,
-                    "Content-Length": str(size),
-                    "Content-Type": "application/octet-stream",
-                },
-            )
-            try:
-                with urllib.request.urlopen(request, timeout=UPLOAD_TIMEOUT_S) as response:
-                    response.read()
-                return size, sha256
-            except urllib.error.HTTPError as e:
-                with e:  # its socket closed here, not by the garbage collector
-                    text = e.read()[:500].decode("utf-8", "replace")
-                if e.code < 500:
-                    raise RunnerError(f"the object store refused the result: HTTP {e.code}: {text}", EXIT_FAILED) from e
-                last = f"HTTP {e.code}: {text}"
-            except OSError as e:  # URLError, a reset, a timeout
-                last = f"{type(e).__name__}: {e}"
+        body = _Sending(source, size)  # hashed anew on each try: the SHA-256 of what the store kept
+        request = urllib.request.Request(
+            url,
+            data=body,
+            method="PUT",
+            headers={
+                "Content-MD5": md5,
+                "Content-Length": str(size),
+                "Content-Type": "application/octet-stream",
+            },
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=UPLOAD_TIMEOUT_S) as response:
+                response.read()
+            return size, body.sha256.hexdigest()
+        except urllib.error.HTTPError as e:
+            with e:  # its socket closed here, not by the garbage collector
+                text = e.read()[:500].decode("utf-8", "replace")
+            if e.code < 500:
+                raise RunnerError(f"the object store refused the result: HTTP {e.code}: {text}", EXIT_FAILED) from e
+            last = f"HTTP {e.code}: {text}"
+        except OSError as e:  # URLError, a reset, a timeout
+            last = f"{type(e).__name__}: {e}"
     raise RunnerError(f"cannot upload the result ({UPLOAD_ATTEMPTS} tries): {last}", EXIT_FAILED)
 
 

@@ -39,6 +39,14 @@ class ApiUnavailable(Transient):
     reason = "ApiUnavailable"
 
 
+class PodLogUnavailable(ApiUnavailable):
+    """A Pod's container log, to be archived before its release, could not be read for now (the
+    API or the Pod's node answered 5xx or 429, or did not answer): the Pod keeps our finalizer and
+    the release is tried again, as for any API outage (`artifacts.logs.archive_logs`)."""
+
+    reason = "PodLogUnavailable"
+
+
 class QuotaExceeded(Transient):
     """The namespace's ResourceQuota has no room for the object now (403 "exceeded quota"):
     a Job ending or being deleted frees it, so the create is retried, not failed."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime
 from typing import Any
 
 import redis
@@ -74,18 +75,22 @@ def release_job(
     return rt.kube.release_job(namespace, name, finalizer=FINALIZER, label=label, snapshot=snapshot)
 
 
-def release_pods(rt: Runtime, namespace: str, pods: Iterable[Mapping[str, Any]]) -> int:
+def release_pods(rt: Runtime, namespace: str, pods: Iterable[Mapping[str, Any]], *, now: datetime | None = None) -> int:
     """Take our finalizer off Pods as a LIST read them, one patch per Pod that has it (none for
     the rest); how many this call freed. Called once their result is recorded, or not wanted.
-    First the logs their capability's `archiveLogs` keeps go to the object store (`artifacts.logs`).
+    First the logs their capability's `archiveLogs` keeps go to the object store (`artifacts.logs`;
+    `now` against their containers' end, for a log that cannot be read).
 
     Raises:
+        PodLogUnavailable: a log could not be read for now (its container ended less than
+            `logs.UNREADABLE_GRACE_S` ago); no Pod was freed (retried later).
         ObjectStoreUnavailable: a log could not be stored; no Pod was freed (retried later).
     """
     held = [pod for pod in pods if FINALIZER in ((pod.get("metadata") or {}).get("finalizers") or [])]
     logs.archive_logs(
-        artifacts.for_settings(rt.settings), rt.kube, rt.resolver, namespace, [failure_detail.pod_log(p) for p in held]
-    )
+        artifacts.for_settings(rt.settings), rt.kube, rt.resolver, namespace,
+        [failure_detail.pod_log(p) for p in held], now=now,
+    )  # fmt: skip
     return sum(rt.kube.release_pod(namespace, pod, finalizer=FINALIZER) for pod in held)
 
 

@@ -9,7 +9,8 @@ after checking its labels.
 A secret input's Job gets its input from a Secret made right after the Job (its ownerReference
 needs the Job's uid): the kubelet holds the container back until the Secret exists, and a create
 that stopped between the two (a crash, a 5xx) is completed by the retry that adopts the Job.
-An input too large for the env is written to the object store first (`artifacts.inputs`).
+An input too large for the env is written to the object store first (`artifacts.inputs`), as
+are a map's inputs beyond a few KiB.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from k8s_dispatch import artifacts
-from k8s_dispatch.artifacts.inputs import input_download
+from k8s_dispatch.artifacts.inputs import input_download, items_download
 from k8s_dispatch.core.errors import (
     AlreadyExists,
     ApiRejected,
@@ -320,6 +321,11 @@ def _create(
                 item_indexes=shape.open_items,
                 parallelism=shape.parallelism,
                 max_failed_items=None if shape.failures_left is None else min(shape.failures_left, len(shape.inputs)),
+                # More than a few KiB of inputs and an object store: packed in one object there
+                # (written once per set of items), each Pod reading its own item only.
+                items_download=items_download(
+                    artifacts.for_settings(rt.settings), spec, dispatch_id=record.dispatch_id, inputs=shape.inputs
+                ),
             )
     except UnknownCapability as e:
         # Removed from the config since scheduling: a Job made before still runs and is

@@ -32,6 +32,15 @@ end
 return released
 """
 
+# Extend the claim's lease only if it still holds our owner token: one that expired and passed to
+# another replica stays theirs.
+_RENEW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+    return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0
+"""
+
 
 @dataclass(frozen=True)
 class Claim:
@@ -46,6 +55,7 @@ class Guard:
         self._prefix = prefix
         self._lease_ms = lease_ms
         self._release = client.register_script(_RELEASE)
+        self._renew = client.register_script(_RENEW)
         self._owner_base = f"{socket.gethostname()}:{os.getpid()}"
 
     @property
@@ -108,6 +118,18 @@ class Guard:
             return int(self._release(keys=[c.key for c in claims], args=[c.owner for c in claims]))
         except redis.RedisError as e:
             raise GuardUnavailable(f"release {claims[0].key} and {len(claims) - 1} more: {e}") from e
+
+    def renew(self, claim: Claim) -> bool:
+        """Give a claim we hold a whole lease from now, with no moment unheld between (a release
+        and a new claim would leave one); False if it had expired or passed to another already.
+
+        Raises:
+            GuardUnavailable: Redis cannot be reached (the claim then expires by itself).
+        """
+        try:
+            return int(self._renew(keys=[claim.key], args=[claim.owner, self._lease_ms])) == 1
+        except redis.RedisError as e:
+            raise GuardUnavailable(f"renew {claim.key}: {e}") from e
 
     def holder(self, dispatch_id: str) -> str | None:
         """The owner token holding the claim now, if any (for reports and tests)."""

@@ -154,6 +154,7 @@ def schedule_map(
             parallelism=parallelism,
             router=resolver,
             max_input_bytes=settings.max_input_bytes,
+            max_stored_input_bytes=settings.max_stored_input_bytes,
             max_failed_items=max_failed_items,
             min_succeeded=min_succeeded,
             dispatch_id=dispatch_id,

@@ -17,6 +17,8 @@ from k8s_dispatch.lab.realcluster.cli import realcluster
 CHAOS_SKIPPABLE: dict[str, dict[str, Any]] = {
     "redis_restart": {"redis_restarts": 0},
     "pg_restart": {"pg_restarts": 0},
+    "objectstore_restart": {"objectstore_restarts": 0},
+    "objectstore": {"objectstore": False},
     "lost_cancel": {"lost_cancels": 0},
     "label_edit": {"label_edits": 0},
     "clock_step": {"clock_step_s": 0.0},

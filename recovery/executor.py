@@ -21,7 +21,7 @@ import sqlalchemy as sa
 
 from k8s_dispatch.core.errors import DispatchError, NotFound
 from k8s_dispatch.core.settings import OrphanPolicy
-from k8s_dispatch.delivery import cleanup, complete, create, handoff, records, terminal, unstarted
+from k8s_dispatch.delivery import cleanup, complete, create, handoff, items, records, terminal, unstarted
 from k8s_dispatch.delivery.crashpoints import Point, crashpoint
 from k8s_dispatch.delivery.reconstruct import DispatchRecord
 from k8s_dispatch.delivery.runtime import Runtime
@@ -56,6 +56,7 @@ from k8s_dispatch.store import dispatches
 from k8s_dispatch.store.db import database_now, transaction
 from k8s_dispatch.store.models import Dispatch, DispatchState
 from k8s_dispatch.workers import labels as job_labels
+from k8s_dispatch.workers.indexed import is_map_job
 from k8s_dispatch.workers.pod_health import assess
 
 log = logging.getLogger(__name__)
@@ -409,6 +410,11 @@ class Executor:
         actions = self._deferred(namespace, actions)
         if self.dry_run or not actions:
             return
+        for action in [a for a in actions if a.job is not None and is_map_job(a.job)]:
+            self._count(counts, action, partial(self._clean_up_map, action))
+        actions = [a for a in actions if a.job is None or not is_map_job(a.job)]
+        if not actions:
+            return
         try:
             pods = cleanup.pods_by_job(self.rt, namespace, [action.job_name for action in actions])
         except DispatchError as e:
@@ -427,6 +433,16 @@ class Executor:
         cleanup.release_pods(self.rt, action.namespace, pods)
         cleanup.release_job(self.rt, action.namespace, action.job_name, snapshot=action.job)
         return _Outcome.ACTED
+
+    def _clean_up_map(self, action: CleanUpJob) -> _Outcome:
+        # A map's Pods are many: freed by its hand-off's path (`delivery.items`), under the
+        # dispatch's guard claim, so that a completion still freeing them is not raced PATCH
+        # for PATCH; skipped while another holds the claim.
+        assert action.job is not None
+        done = items.deliver_maps(self.rt, action.namespace, [action.job])
+        if done.error is not None:
+            raise done.error
+        return _Outcome.ACTED if done.outcomes == [items.ALREADY_TERMINAL] else _Outcome.SKIPPED
 
     def _deferred(self, namespace: str, actions: Sequence[Deferrable]) -> list[Deferrable]:
         """The actions to carry out: all but those whose Job poll handed to a queued completion

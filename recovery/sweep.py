@@ -3,7 +3,8 @@
 (A) pages of our undelivered Jobs (this deployment's label: another deployment's Jobs in the
 same namespace are never listed), each matched with its dispatches: categories 2, 3, 4, 6, and
 5 for the created dispatches whose ids the page covers (the LIST is in name order); then our
-finished Pods, for 4 (those an ended dispatch left with our finalizer); then one bulk delete of
+finished Pods, for 4 (those an ended dispatch left with our finalizer; the open maps' Pods, which
+only their hand-offs read, are left out of that LIST); then one bulk delete of
 the delivered Jobs per namespace; before that, Jobs made before the deployment label existed
 are given ours when their dispatch is in our database, and only reported otherwise.
 (B) pages of the other pending dispatches, checked with one `dispatch-id in (...)` LIST per
@@ -52,7 +53,7 @@ from k8s_dispatch.recovery.plan import (
 from k8s_dispatch.recovery.report import SweepReport
 from k8s_dispatch.store import dispatches
 from k8s_dispatch.store.db import database_now, transaction
-from k8s_dispatch.store.models import STOPPING_STATES, TERMINAL_STATES, Dispatch, DispatchState, utcnow
+from k8s_dispatch.store.models import STOPPING_STATES, TERMINAL_STATES, Dispatch, DispatchMap, DispatchState, utcnow
 from k8s_dispatch.workers import labels as job_labels
 from k8s_dispatch.workers.capability import StartPolicy
 
@@ -64,6 +65,9 @@ SELECTOR_CHUNK = 100
 # Our Pods that have stopped: the only ones an ended dispatch can leave with our finalizer for
 # long (a running one is stopped by its Job's deletion, then listed here).
 FINISHED_PODS = "status.phase!=Pending,status.phase!=Running"
+# Open maps a Pod LIST leaves out (`dispatch-id notin (...)`), the largest first: a selector of
+# ~4 KB, as SELECTOR_CHUNK's. A map past them is only read as before.
+EXCLUDED_MAPS = SELECTOR_CHUNK
 SWEEPS_RUN = "sweeps_run"
 
 # What a completion did that counts as the sweep acting: a terminal event, or a lost result run again.
@@ -289,19 +293,42 @@ def _adopt_unlabelled(rt: Runtime, namespace: str, act: Executor, *, now: dateti
 
 def _sweep_pods(rt: Runtime, namespace: str, act: Executor) -> None:
     """Category 4 for Pods: free every finished Pod of ours that an ended dispatch left with our
-    finalizer, page by page (one LIST per page, each page's dispatches read with one query)."""
+    finalizer, page by page (one LIST per page, each page's dispatches read with one query).
+
+    The Pods of the namespace's open maps are left out of the LIST (`_open_maps`): `plan_pods`
+    frees only an ended dispatch's Pods, and a running map's finished Pods, one or more per item
+    it has run, are its hand-offs' to read and free (`delivery.items`). A map that ends after
+    the query is left out of this sweep only: its end frees its Pods, and the next sweep lists
+    them if that end stopped half way."""
     try:
+        selector = job_labels.selector(rt.settings.effective_deployment)
+        if open_maps := _open_maps(rt, namespace):
+            selector += f",{job_labels.DISPATCH_ID_KEY} notin ({','.join(open_maps)})"
         pages = rt.kube.iter_pods(
-            namespace,
-            label_selector=job_labels.selector(rt.settings.effective_deployment),
-            field_selector=FINISHED_PODS,
-            page_size=rt.settings.poll_page_size,
+            namespace, label_selector=selector, field_selector=FINISHED_PODS, page_size=rt.settings.poll_page_size
         )
         for page in pages:
             act.all(plan_pods(page, views_for_jobs(rt, page), releasing=act.releasing))
     except DispatchError as e:
         log.warning("sweep: going through the pods in %s stopped: %s: %s", namespace, e.reason, e)
         act.report.add_problem(f"pods in {namespace}: {e.reason}: {e}")
+
+
+def _open_maps(rt: Runtime, namespace: str) -> list[str]:
+    """The ids of the maps not ended whose Jobs are in `namespace` (or not placed yet), the
+    largest first, at most EXCLUDED_MAPS (one query)."""
+    query = (
+        sa.select(Dispatch.dispatch_id)
+        .join(DispatchMap, DispatchMap.dispatch_id == Dispatch.dispatch_id)
+        .where(
+            Dispatch.state.not_in(TERMINAL_STATES),
+            sa.or_(Dispatch.job_namespace == namespace, Dispatch.job_namespace.is_(None)),
+        )
+        .order_by(DispatchMap.items.desc(), Dispatch.dispatch_id)
+        .limit(EXCLUDED_MAPS)
+    )
+    with transaction(rt.sessions) as session:
+        return [str(dispatch_id) for dispatch_id in session.scalars(query)]
 
 
 _END = object()

@@ -24,7 +24,7 @@ from k8s_dispatch.core.errors import InputTooLarge, InvalidInput
 from k8s_dispatch.core.ids import show_value
 from k8s_dispatch.core.payloads import canonical_json, encode_input
 from k8s_dispatch.store.db import database_now
-from k8s_dispatch.store.dispatches import by_ids, insert_for
+from k8s_dispatch.store.dispatches import QUERY_BATCH, by_ids, insert_for
 from k8s_dispatch.store.models import (
     ITEM_END_FOR_MAP_END,
     CaseEvent,
@@ -39,12 +39,17 @@ from k8s_dispatch.store.scheduling import CapabilityRouter, ScheduleRequest, Sch
 
 # The Job API's limit on `completions` of an Indexed Job with `backoffLimitPerIndex`.
 MAX_MAP_ITEMS = 100_000
-# The items' inputs all together, as canonical JSON. They travel in the Job's Pod template
-# (`workers.indexed`), which the API server stores in the Job and in each of its Pods: kept far
-# under etcd's 1.5 MiB object limit, and small enough that a Pod of the map costs what a Pod of a
-# dispatch with a large input does. A larger map is refused here (InputTooLarge), before
-# anything is written: split it, or wait for inputs through the object store.
+# The items' inputs all together, as canonical JSON, without an object store. They travel in the
+# Job's Pod template (`workers.indexed`), which the API server stores in the Job and in each of its
+# Pods: kept far under etcd's 1.5 MiB object limit, and small enough that a Pod of the map costs
+# what a Pod of a dispatch with a large input does. A larger map is refused here (InputTooLarge),
+# before anything is written: split it, or configure an object store.
 MAX_MAP_INPUT_BYTES = 256 * 1024
+# With an object store (`artifacts.inputs`) no Pod carries them, and the bound is the create step:
+# it reads the open items from their rows and packs them in memory under the map's row lock, once
+# per Job. 64 MiB (one stored input's default limit, `object_store_max_input_bytes`, which lowers
+# it) keeps that to a second or so; larger work belongs in objects the engine writes itself.
+MAX_STORED_MAP_INPUT_BYTES = 64 * 1024 * 1024
 # `parallelism` of one Job: the API's own bound is far higher; under a limit, admission narrows
 # it to the slots the map was granted (store/admission.py).
 MAX_PARALLELISM = 10_000
@@ -111,8 +116,21 @@ class ItemEnd:
     payload: dict[str, Any]
 
 
-def prepare_map(request: MapRequest, *, router: CapabilityRouter, max_input_bytes: int) -> PreparedMap:
+def map_input_limit(*, max_input_bytes: int, max_stored_input_bytes: int | None) -> int:
+    """The most bytes a map's inputs may be as one JSON array (each item too): MAX_MAP_INPUT_BYTES
+    without an object store (`max_stored_input_bytes` None), else `max_stored_input_bytes`
+    (`Settings.max_stored_input_bytes`) up to MAX_STORED_MAP_INPUT_BYTES, never under either
+    the env's limits."""
+    if max_stored_input_bytes is None:
+        return MAX_MAP_INPUT_BYTES
+    return max(MAX_MAP_INPUT_BYTES, max_input_bytes, min(max_stored_input_bytes, MAX_STORED_MAP_INPUT_BYTES))
+
+
+def prepare_map(
+    request: MapRequest, *, router: CapabilityRouter, max_input_bytes: int, max_stored_input_bytes: int | None = None
+) -> PreparedMap:
     """Check a map request without the database; the map's own dispatch request and its inputs.
+    `max_stored_input_bytes`: the caller has an object store (`map_input_limit`).
 
     The map's dispatch records a summary as its input (the number of items, their digest and how
     they run), so a repeat of its idempotency key with other items is an IdempotencyConflict.
@@ -122,7 +140,8 @@ def prepare_map(request: MapRequest, *, router: CapabilityRouter, max_input_byte
             max_failed_items or min_succeeded out of range; a capability whose results go to
             the object store (not supported for maps yet).
         InputNotSerialisable, InputTooLarge: an item (named by its index), or all of them
-            together over MAX_MAP_INPUT_BYTES.
+            together over `map_input_limit` (each item too, and over `max_input_bytes`
+            without an object store).
         UnknownCapability: from `router`.
     """
     items = request.items
@@ -136,15 +155,17 @@ def prepare_map(request: MapRequest, *, router: CapabilityRouter, max_input_byte
         _check_int("max_failed_items", request.max_failed_items, 0, count)
     if request.min_succeeded is not None:
         _check_int("min_succeeded", request.min_succeeded, 1, count)
+    limit = map_input_limit(max_input_bytes=max_input_bytes, max_stored_input_bytes=max_stored_input_bytes)
+    item_limit = max_input_bytes if max_stored_input_bytes is None else limit
     texts: list[str] = []
     for index, item in enumerate(items):
         try:
-            texts.append(encode_input(item, max_bytes=max_input_bytes))
+            texts.append(encode_input(item, max_bytes=item_limit))
         except InvalidInput as e:
             raise type(e)(f"item {index}: {e}") from e
     total = sum(len(text.encode("utf-8")) for text in texts) + count + 1  # as one JSON array
-    if total > MAX_MAP_INPUT_BYTES:
-        raise InputTooLarge(f"the items are {total} bytes as JSON, over a map's limit of {MAX_MAP_INPUT_BYTES}")
+    if total > limit:
+        raise InputTooLarge(f"the items are {total} bytes as JSON, over a map's limit of {limit}")
     spec_of = getattr(router, "spec", None)
     router.worker_for(request.capability)  # UnknownCapability before anything else about it
     if spec_of is not None and spec_of(request.capability).results_in_object_store:
@@ -188,9 +209,11 @@ def schedule_map(
     *,
     router: CapabilityRouter,
     max_input_bytes: int,
+    max_stored_input_bytes: int | None = None,
     now: datetime | None = None,
 ) -> ScheduleResult:
     """Write a map dispatch, its WORKER_SCHEDULED event and its items in the caller's transaction.
+    `max_stored_input_bytes`: the caller has an object store (`map_input_limit`).
 
     Idempotent on (tenancy_id, idempotency_key) as `scheduling.schedule_many` is: a repeat
     returns the map it made (`created=False`) and writes nothing.
@@ -199,7 +222,9 @@ def schedule_map(
         As `prepare_map`, then as `scheduling.schedule_many` (InvalidId, UnknownCase,
         TenancyMismatch, IdempotencyConflict...): nothing is written.
     """
-    prepared = prepare_map(request, router=router, max_input_bytes=max_input_bytes)
+    prepared = prepare_map(
+        request, router=router, max_input_bytes=max_input_bytes, max_stored_input_bytes=max_stored_input_bytes
+    )
     (result,) = schedule_many(session, [prepared.request], router=router, max_input_bytes=max_input_bytes, now=now)
     write_items(session, result, prepared)
     return result
@@ -271,10 +296,22 @@ def map_shapes(session: Session, ids: Iterable[str], *, inputs: bool = False) ->
     }
 
 
-def ended_items(session: Session, dispatch_id: str) -> dict[int, str]:
-    """The map's ended items: index -> its end's ItemEventType value."""
-    query = sa.select(MapItemEnd.item_index, MapItemEnd.type).where(MapItemEnd.dispatch_id == dispatch_id)
-    return {int(index): str(kind) for index, kind in session.execute(query)}
+_ENDS = sa.select(MapItemEnd.item_index, MapItemEnd.type).where(MapItemEnd.dispatch_id == sa.bindparam("dispatch_id"))
+_ENDS_AMONG = _ENDS.where(MapItemEnd.item_index.in_(sa.bindparam("among", expanding=True)))
+
+
+def ended_items(session: Session, dispatch_id: str, *, among: Iterable[int] | None = None) -> dict[int, str]:
+    """The map's ended items: index -> its end's ItemEventType value. With `among`, only those
+    of these indexes (one query per QUERY_BATCH of them): a running map's hand-off asks about
+    the items it may end now, and reads their rows, not the whole map's."""
+    if among is None:
+        return {int(index): str(kind) for index, kind in session.execute(_ENDS, {"dispatch_id": dispatch_id})}
+    wanted = sorted(set(among))
+    found: dict[int, str] = {}
+    for start in range(0, len(wanted), QUERY_BATCH):
+        chunk = {"dispatch_id": dispatch_id, "among": wanted[start : start + QUERY_BATCH]}
+        found.update((int(index), str(kind)) for index, kind in session.execute(_ENDS_AMONG, chunk))
+    return found
 
 
 def item_events(session: Session, dispatch_id: str) -> list[CaseEvent]:

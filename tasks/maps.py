@@ -35,6 +35,7 @@ def schedule_map_in_session(
     parallelism: int,
     router: scheduling.CapabilityRouter,
     max_input_bytes: int,
+    max_stored_input_bytes: int | None = None,
     max_failed_items: int | None = None,
     min_succeeded: int | None = None,
     dispatch_id: str | None = None,
@@ -45,6 +46,8 @@ def schedule_map_in_session(
     """A map dispatch over `items` (each one Pod's input) in the caller's transaction; its
     Indexed Job's creation is sent after commit. `max_failed_items`: the Job stops once more
     items failed; `min_succeeded`: the map passes with at least that many (None: every item).
+    `max_stored_input_bytes` (`Settings.max_stored_input_bytes`): an object store carries the
+    items, so they may be larger (`store.maps.map_input_limit`).
 
     Raises:
         As `store.maps.schedule_map`: InvalidInput (items, parallelism, limits),
@@ -63,7 +66,9 @@ def schedule_map_in_session(
         dispatch_id=dispatch_id,
         priority=priority,
     )
-    prepared = maps.prepare_map(request, router=router, max_input_bytes=max_input_bytes)
+    prepared = maps.prepare_map(
+        request, router=router, max_input_bytes=max_input_bytes, max_stored_input_bytes=max_stored_input_bytes
+    )
     with session.begin_nested():  # the map's rows and its dispatch, all or nothing
         (result,) = schedule_many_in_session(
             session, [prepared.request], router=router, max_input_bytes=max_input_bytes, via=via, now=now
@@ -100,6 +105,7 @@ def schedule_map(
             parallelism=parallelism,
             router=rt.resolver,
             max_input_bytes=rt.settings.max_input_bytes,
+            max_stored_input_bytes=rt.settings.max_stored_input_bytes,
             max_failed_items=max_failed_items,
             min_succeeded=min_succeeded,
             dispatch_id=dispatch_id,

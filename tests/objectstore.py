@@ -10,7 +10,6 @@ fixture waits for it. With the tool cached the script only hashes its inputs and
 from __future__ import annotations
 
 import atexit
-import json
 import os
 import secrets
 import socket
@@ -22,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from k8s_dispatch.lab import seaweedfs
 
 BUILD_SCRIPT = Path(__file__).resolve().parents[1] / "tools" / "build.sh"
 READY_DEADLINE_S = 60.0
@@ -119,30 +120,9 @@ def object_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ObjectSto
     d = tmp_path_factory.mktemp("seaweedfs")
     (d / "data").mkdir()
     ak, sk = "dispatch", secrets.token_hex(16)
-    (d / "s3.json").write_text(
-        json.dumps(
-            {
-                "identities": [
-                    {
-                        "name": "dispatch",
-                        "credentials": [{"accessKey": ak, "secretKey": sk}],
-                        "actions": ["Admin", "Read", "List", "Tagging", "Write"],
-                    }
-                ]
-            }
-        )
-    )
-    p = _free_ports(10)
-    cmd = [
-        str(weed), f"-logdir={d}", "mini", f"-dir={d}/data", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-        f"-master.port={p[0]}", f"-master.port.grpc={p[1]}", "-master.telemetry=false",
-        "-master.volumeSizeLimitMB=64", f"-volume.port={p[2]}", f"-volume.port.grpc={p[3]}",
-        f"-filer.port={p[4]}", f"-filer.port.grpc={p[5]}", f"-filer.localSocket={d}/filer.sock",
-        f"-s3.port={p[6]}", f"-s3.port.grpc={p[7]}", f"-s3.config={d}/s3.json",
-        "-s3.port.iceberg=0", "-s3.port.lance=0", f"-s3.localSocket={d}/s3.sock",
-        "-webdav=false", "-admin.ui=false", f"-admin.port={p[8]}", f"-admin.port.grpc={p[9]}",
-        "-admin.port.legacy=0", f"-bucket={BUCKET}",
-    ]  # fmt: skip
+    (d / "s3.json").write_text(seaweedfs.s3_config("dispatch", ak, sk))
+    p = _free_ports(seaweedfs.PORTS)
+    cmd = seaweedfs.mini_argv(weed, d, p, BUCKET)
     log = d / "weed.log"
     with log.open("wb") as out:
         process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=d)

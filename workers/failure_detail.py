@@ -15,11 +15,12 @@ from __future__ import annotations
 import signal
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from k8s_dispatch.core.errors import LabelMismatch
 from k8s_dispatch.workers import labels as job_labels
-from k8s_dispatch.workers.job_status import terminated_state
+from k8s_dispatch.workers.job_status import parse_timestamp, terminated_state
 from k8s_dispatch.workers.manifest import CONTAINER_NAME
 
 OOM_KILLED = "OOMKilled"  # the container's reason, and the dispatch's
@@ -203,6 +204,9 @@ class PodLog:
     attempt: int
     started: bool  # the container ran (else there is no log to read)
     failed: bool  # the Pod failed (phase Failed, or its container exited non-zero)
+    # When its container ended (`state.terminated.finishedAt`, the node's clock); None while it
+    # runs or when its node never said (lost with it): how long an unreadable log is waited for.
+    finished_at: datetime | None = None
 
 
 def pod_log(pod: Mapping[str, Any], *, container: str = CONTAINER_NAME) -> PodLog | None:
@@ -241,6 +245,7 @@ def pod_log(pod: Mapping[str, Any], *, container: str = CONTAINER_NAME) -> PodLo
         attempt=int(attempt),
         started="running" in state or terminated is not None,
         failed=status.get("phase") == "Failed" or (isinstance(code, int) and code != 0),
+        finished_at=parse_timestamp(_dict(terminated).get("finishedAt")),
     )
 
 

@@ -7,11 +7,18 @@ Indexed` with `completions` = items, the map's `parallelism`, the capability's `
 index (`backoffLimitPerIndex`: an item's retries never spend another's) and `maxFailedIndexes`.
 The capability's `failOnExitCodes` fail the item (`FailIndex`), not the whole map.
 
-Inputs: the items' inputs travel as one JSON array in the Pod template's env (`ITEMS_ENV`) and
-the runner hands the function the one at its `JOB_COMPLETION_INDEX`. Chosen over a ConfigMap
-owned by the Job (one key per index, mounted) because neither localcluster nor our node agent
-mounts volumes, and the template needs no second object to exist before the Pods start; the price is that every Pod object carries the whole array, so a map's inputs are capped
-(`store.maps.MAX_MAP_INPUT_BYTES`, refused at schedule above it), far under etcd's 1.5 MiB.
+Inputs, with an object store: once they are more than a few KiB (`artifacts.inputs`), packed into
+one object (`container.packing`) whose presigned GET URL and Merkle root the Pod template carries
+(`ITEMS_URL_ENV`, `ITEMS_REF_ENV`, under 1 KiB whatever the map's size); each Pod reads and checks
+its own item's bytes only. Chosen over a ConfigMap or Secret owned by the Job (one key per index,
+mounted) because neither localcluster nor our node agent mounts volumes, such an object is capped
+at 1 MiB (a map's inputs would need many, made before the Pods can start), and mounted in full
+it would give every Pod every item anyway.
+
+Without a store (the fallback), or for small maps: one JSON array in the Pod template's env
+(`ITEMS_ENV`), the runner handing the function the one at its `JOB_COMPLETION_INDEX`. Every Pod
+object then carries the whole array, so a map's inputs are capped (`store.maps.MAX_MAP_INPUT_BYTES`,
+refused at schedule above it), far under etcd's 1.5 MiB.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from k8s_dispatch.container.contract import INPUT_ENV, encode_input
+from k8s_dispatch.container.contract import INPUT_ENV, ITEMS_REF_ENV, ITEMS_URL_ENV, ItemsDownload, encode_input
 from k8s_dispatch.container.runner import INDEX_ENV, ITEMS_ENV
 from k8s_dispatch.core.errors import InvalidManifest, LabelMismatch
 from k8s_dispatch.workers import labels as job_labels
@@ -44,16 +51,20 @@ def indexed_job(
     parallelism: int,
     max_failed_items: int | None,
     item_indexes: Sequence[int] | None = None,
+    items_download: ItemsDownload | None = None,
 ) -> dict[str, Any]:
     """`job` (a dispatch's Job from `build_job`) as the Indexed Job of a map over `inputs`.
     `item_indexes`: the map's item each input is (ascending); None or 0..n-1: every item, and
     the Job's completion indexes are the items'. Otherwise the Job names them
     (`ITEM_INDEXES_ANNOTATION`): a lost Job is made again for its open items only.
+    `items_download` (`artifacts.inputs.items_download`): `inputs` packed in the object store,
+    which the Pods read there; None: they travel in the env.
 
     Raises:
         InvalidManifest: no items, more than MAX_COMPLETIONS, parallelism / max_failed_items
             out of range (`store.maps` refuses them at schedule: a row edited by hand), or
-            `item_indexes` not one ascending index per input.
+            `item_indexes` not one ascending index per input, `items_download` packing
+            another number of items.
         InputNotSerialisable: an input is not JSON.
     """
     count = len(inputs)
@@ -62,6 +73,8 @@ def indexed_job(
     indexes = list(range(count)) if item_indexes is None else list(item_indexes)
     if len(indexes) != count or not _ascending(indexes):
         raise InvalidManifest(f"item indexes {indexes[:10]}... are not one ascending index per input")
+    if items_download is not None and items_download.items != count:
+        raise InvalidManifest(f"the packed inputs hold {items_download.items} items, the map runs {count}")
     if parallelism < 1:
         raise InvalidManifest(f"parallelism {parallelism} is not positive")
     if max_failed_items is not None and not 0 <= max_failed_items <= count:
@@ -84,7 +97,14 @@ def indexed_job(
             metadata["annotations"][ITEM_INDEXES_ANNOTATION] = format_intervals(indexes)
     for container in spec["template"]["spec"]["containers"]:
         env = [var for var in container.get("env", []) if var.get("name") != INPUT_ENV]
-        container["env"] = [*env, {"name": ITEMS_ENV, "value": encode_input(inputs)}]
+        if items_download is None:
+            container["env"] = [*env, {"name": ITEMS_ENV, "value": encode_input(inputs)}]
+        else:
+            container["env"] = [
+                *env,
+                {"name": ITEMS_URL_ENV, "value": items_download.url},
+                {"name": ITEMS_REF_ENV, "value": items_download.reference()},
+            ]
     return body
 
 

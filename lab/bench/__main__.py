@@ -28,6 +28,7 @@ from k8s_dispatch.lab.bench import (
     adapter,
     admission,
     api_load,
+    artifacts,
     cluster_speed,
     dispatch_throughput,
     maps,
@@ -52,6 +53,7 @@ BENCHMARKS: dict[str, Benchmark] = {
     "poll_cost": poll_cost.run,  # issue 16: objects read per finished Job, watch vs LIST poll
     "admission": admission.run,  # issue 17: a pass's cost with 1,000 vs 100,000 queued behind a limit
     "maps": maps.run,  # issue 29: N items as one map dispatch vs N single dispatches
+    "artifacts": artifacts.run,  # issue 28: a large result vs a raw PUT + GET; requests per Job with a store
 }
 # Not an issue-8 figure, so not in the quick run (about 2 minutes); `--only adapter` runs it there.
 SKIPPED_AT = {"adapter": {"quick"}}

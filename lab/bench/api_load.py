@@ -54,8 +54,6 @@ import yaml
 from celery import Celery
 from sqlalchemy.orm import Session, sessionmaker
 
-from k8s_dispatch import celeryconfig
-from k8s_dispatch.core.settings import load_settings
 from k8s_dispatch.lab.bench import baseline_app, rawhttp, services, workload
 
 # api_load before its split: what poll_cost, admission and the tests read here, re-exported
@@ -129,6 +127,9 @@ from k8s_dispatch.lab.bench.api_steady import (
     _pods_behind as _pods_behind,
 )
 from k8s_dispatch.lab.bench.api_steady import (
+    deployment,
+)
+from k8s_dispatch.lab.bench.api_steady import (
     initial_steps as initial_steps,
 )
 from k8s_dispatch.lab.bench.api_steady import (
@@ -147,7 +148,7 @@ from k8s_dispatch.ops.processes import (
     wait_for_log,
     wait_until,
 )
-from k8s_dispatch.store.db import make_engine, make_sessionmaker, transaction
+from k8s_dispatch.store.db import transaction
 from k8s_dispatch.store.models import TERMINAL_EVENT_TYPES, CaseEvent, Dispatch
 from k8s_dispatch.tasks.scheduling import schedule_in_session
 from k8s_dispatch.workers.manifest import job_name
@@ -303,26 +304,24 @@ def _ours(
             probing.enter_context(probe.open(cluster))
         pids = cluster.pids()
         metrics_port = free_port()
-        env = services.deployment_env(
-            {
-                "database_url": database_url,
-                "redis_url": ctx.redis_url,
-                "key_prefix": f"{ctx.key_prefix}-load-{kind}-{n}",
-                "namespace": OURS_NAMESPACE,
-                "kubeconfig": str(cluster.kubeconfig),
-                "capabilities": str(caps_file),
-                "poll_interval_s": str(POLL_INTERVAL_S),
-                "poll_page_size": str(PAGE_SIZE),
-                "worker_concurrency": str(CONCURRENCY),
-                "metrics_port": str(metrics_port),
-                **(extra_env or {}),
-            }
+        dep = probing.enter_context(
+            deployment(
+                {
+                    "database_url": database_url,
+                    "redis_url": ctx.redis_url,
+                    "key_prefix": f"{ctx.key_prefix}-load-{kind}-{n}",
+                    "namespace": OURS_NAMESPACE,
+                    "kubeconfig": str(cluster.kubeconfig),
+                    "capabilities": str(caps_file),
+                    "poll_interval_s": str(POLL_INTERVAL_S),
+                    "poll_page_size": str(PAGE_SIZE),
+                    "worker_concurrency": str(CONCURRENCY),
+                    "metrics_port": str(metrics_port),
+                    **(extra_env or {}),
+                }
+            )
         )
-        settings = load_settings(env)
-        engine = make_engine(database_url)
-        sessions = make_sessionmaker(engine)
-        producer = Celery("bench-producer", set_as_current=False)
-        producer.conf.update(celeryconfig.config(settings))
+        env, settings, sessions, producer = dep.env, dep.settings, dep.sessions, dep.producer
         case_id = workload.new_case(sessions)
 
         def start_jobs(steps: Sequence[int]) -> None:
@@ -361,28 +360,20 @@ def _ours(
         def details() -> str:
             return "\n".join(_log_tail(ctx.work_dir / f"{name}.log") for name in ("bench-worker", "bench-beat"))
 
-        try:
-            with services.worker_and_beat(ctx.work_dir, env, concurrency=CONCURRENCY) as ready:
-                with steady(cluster, OURS_NAMESPACE, n, pre_create=partial(pre_create, ready=ready),
-                            start_jobs=start_jobs, details=details) as watch:  # fmt: skip
-                    behind = (
-                        _pods_behind(cluster, slack=max(2, round(2 * n / knobs.job_s))) if kind == services.REAL else 0
-                    )
-                    if before_window is not None:
-                        before_window(cluster, settings)
-                    window = measure(cluster, watch, knobs.window_s, pids=pids,
-                                     worker_metrics=f"http://127.0.0.1:{metrics_port}/metrics",
-                                     leave_out=probe.namespaces if probe is not None else frozenset())  # fmt: skip
-                    window.pods_behind = behind
-                    window.job_bytes = _listed_bytes_per_job(cluster, OURS_NAMESPACE)
-                # The window's Jobs get their terminal events a poll or so later.
-                window.latencies_s, window.unrecorded = _latencies(sessions, window.finished)
-            window.tasks = task_times(
-                (ctx.work_dir / "bench-worker.log").read_text(errors="replace"), within=window.span
-            )
-        finally:
-            producer.close()
-            engine.dispose()
+        with services.worker_and_beat(ctx.work_dir, env, concurrency=CONCURRENCY) as ready:
+            with steady(cluster, OURS_NAMESPACE, n, pre_create=partial(pre_create, ready=ready),
+                        start_jobs=start_jobs, details=details) as watch:  # fmt: skip
+                behind = _pods_behind(cluster, slack=max(2, round(2 * n / knobs.job_s))) if kind == services.REAL else 0
+                if before_window is not None:
+                    before_window(cluster, settings)
+                window = measure(cluster, watch, knobs.window_s, pids=pids,
+                                 worker_metrics=f"http://127.0.0.1:{metrics_port}/metrics",
+                                 leave_out=probe.namespaces if probe is not None else frozenset())  # fmt: skip
+                window.pods_behind = behind
+                window.job_bytes = _listed_bytes_per_job(cluster, OURS_NAMESPACE)
+            # The window's Jobs get their terminal events a poll or so later.
+            window.latencies_s, window.unrecorded = _latencies(sessions, window.finished)
+        window.tasks = task_times((ctx.work_dir / "bench-worker.log").read_text(errors="replace"), within=window.span)
     return window
 
 

@@ -16,14 +16,18 @@ import time
 import urllib.parse
 import urllib.request
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from celery import Celery
 from prometheus_client.parser import text_string_to_metric_families
+from sqlalchemy.orm import Session, sessionmaker
 
+from k8s_dispatch import celeryconfig
+from k8s_dispatch.core.settings import Settings, load_settings
 from k8s_dispatch.lab.bench import services
 from k8s_dispatch.lab.bench.api_counts import (
     CREATED,
@@ -40,6 +44,7 @@ from k8s_dispatch.ops.processes import (
     WaitTimeout,
     wait_until,
 )
+from k8s_dispatch.store.db import make_engine, make_sessionmaker
 
 POLL_INTERVAL_S = 2.0
 PAGE_SIZE = 500  # poll's LIST pages (K8S_DISPATCH_POLL_PAGE_SIZE, its default)
@@ -116,30 +121,52 @@ class Window:
 # --- seeing Jobs finish ------------------------------------------------------------------
 
 
-class JobWatch:
-    """One raw watch request on a namespace's Jobs, read on a thread: the instant each Job is
-    first seen with a Complete or Failed condition, and the Jobs seen at all."""
+@dataclass(frozen=True)
+class Deployment:
+    """A deployment as a bench drives it: the environment its worker and beat get, its settings,
+    and an engine's handles on it (sessions on its database, a Celery producer on its broker)."""
 
-    def __init__(self, cluster: services.Cluster, namespace: str, on_finished: Callable[[str], None]) -> None:
+    env: dict[str, str]
+    settings: Settings
+    sessions: sessionmaker[Session]
+    producer: Celery
+
+
+@contextmanager
+def deployment(values: Mapping[str, str]) -> Iterator[Deployment]:
+    """The deployment `values` (settings' names: `services.deployment_env`) make, with an
+    engine's sessions and producer, closed at the end."""
+    env = services.deployment_env(dict(values))
+    settings = load_settings(env)
+    engine = make_engine(settings.database_url)
+    producer = Celery("bench-producer", set_as_current=False)
+    producer.conf.update(celeryconfig.config(settings))
+    try:
+        yield Deployment(env, settings, make_sessionmaker(engine), producer)
+    finally:
+        producer.close()
+        engine.dispose()
+
+
+class RawWatch:
+    """Raw watch requests on one collection (`path`, e.g. /api/v1/namespaces/NS/pods), one after
+    another from the last resourceVersion seen, read on a thread: each object event is handed to
+    `on_object` with the instant it was read. A failure is kept in `error` (the caller raises it);
+    `stop` ends the request under way."""
+
+    def __init__(self, cluster: services.Cluster, path: str, *, name: str) -> None:
         self._cluster = cluster
-        self._namespace = namespace
-        self._on_finished = on_finished
-        self.finished_at: dict[str, float] = {}
-        # how late the watch saw each Job finish, against its completionTime (whole seconds: 0-1 s
-        # is on time): the instrument's own lag, which would hide latency
-        self.lag_s: dict[str, float] = {}
-        self.seen: set[str] = set()
+        self._path = path
         self.ended_at: list[float] = []  # when each of our watch requests ended (the server counts it then)
         self.events = 0  # events the server sent this watch (counted in its apiserver_watch_events_total)
         self.error: BaseException | None = None
         self._conn: http.client.HTTPConnection | None = None
         self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"watch-{namespace}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
-    @property
-    def in_flight(self) -> int:
-        """Jobs seen and not (yet) seen finished."""
-        return len(self.seen) - len(self.finished_at)
+    def on_object(self, obj: dict[str, Any], now: float) -> None:
+        """An object as an ADDED, MODIFIED or DELETED event carried it, read at `now`."""
+        raise NotImplementedError
 
     def start(self) -> None:
         self._thread.start()
@@ -157,19 +184,17 @@ class JobWatch:
         try:
             while not self._stopping.is_set():
                 rv = self._watch(rv)
-        except Exception as e:
+        except Exception as e:  # the thread's end: the caller raises `error` in its own thread
             if not self._stopping.is_set():
                 self.error = e
 
     def _watch(self, rv: str) -> str:
-        """One watch request, from `rv` ("" = every Job now, then changes); the last rv seen."""
+        """One watch request, from `rv` ("" = every object now, then changes); the last rv seen."""
         conn = self._cluster.connection(timeout=None)
         self._conn = conn
         query = urllib.parse.urlencode({"watch": "true", "timeoutSeconds": "3600", "resourceVersion": rv})
         try:
-            conn.request(
-                "GET", f"/apis/batch/v1/namespaces/{self._namespace}/jobs?{query}", headers=self._cluster.headers()
-            )
+            conn.request("GET", f"{self._path}?{query}", headers=self._cluster.headers())
             response = conn.getresponse()
             if response.status != 200:
                 raise RuntimeError(f"watch answered {response.status}: {response.read()[:200]!r}")
@@ -180,20 +205,42 @@ class JobWatch:
                 obj = event["object"]
                 if event["type"] == "ERROR":
                     raise RuntimeError(f"watch error: {obj.get('message')}")
-                meta = obj.get("metadata") or {}
-                rv = meta.get("resourceVersion", rv)
-                name = meta.get("name")
-                if event["type"] == "BOOKMARK" or name is None:
-                    continue
-                self.seen.add(name)
-                if name not in self.finished_at and _finished(obj):
-                    self.finished_at[name] = now
-                    self.lag_s[name] = now - _completion_time(obj, default=now)
-                    self._on_finished(name)
+                rv = (obj.get("metadata") or {}).get("resourceVersion", rv)
+                if event["type"] != "BOOKMARK":
+                    self.on_object(obj, now)
         finally:
             self.ended_at.append(time.time())
             conn.close()
         return rv
+
+
+class JobWatch(RawWatch):
+    """A watch of a namespace's Jobs: the instant each Job is first seen with a Complete or
+    Failed condition, and the Jobs seen at all."""
+
+    def __init__(self, cluster: services.Cluster, namespace: str, on_finished: Callable[[str], None]) -> None:
+        super().__init__(cluster, f"/apis/batch/v1/namespaces/{namespace}/jobs", name=f"watch-{namespace}")
+        self._on_finished = on_finished
+        self.finished_at: dict[str, float] = {}
+        # how late the watch saw each Job finish, against its completionTime (whole seconds: 0-1 s
+        # is on time): the instrument's own lag, which would hide latency
+        self.lag_s: dict[str, float] = {}
+        self.seen: set[str] = set()
+
+    @property
+    def in_flight(self) -> int:
+        """Jobs seen and not (yet) seen finished."""
+        return len(self.seen) - len(self.finished_at)
+
+    def on_object(self, obj: dict[str, Any], now: float) -> None:
+        name = (obj.get("metadata") or {}).get("name")
+        if name is None:
+            return
+        self.seen.add(name)
+        if name not in self.finished_at and _finished(obj):
+            self.finished_at[name] = now
+            self.lag_s[name] = now - _completion_time(obj, default=now)
+            self._on_finished(name)
 
 
 def _completion_time(job: dict[str, Any], *, default: float) -> float:

@@ -13,15 +13,12 @@ Our worker never watches Pods: the bench's watch of them is left out of the coun
 
 from __future__ import annotations
 
-import http.client
 import json
-import threading
 import time
-import urllib.parse
 import uuid
 from collections import Counter
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,15 +26,13 @@ import sqlalchemy as sa
 import yaml
 from celery import Celery
 
-from k8s_dispatch import celeryconfig
-from k8s_dispatch.core.settings import load_settings
 from k8s_dispatch.lab.bench import services, workload
 from k8s_dispatch.lab.bench.api_counts import Scrape, scrape
-from k8s_dispatch.lab.bench.api_steady import POLL_INTERVAL_S
+from k8s_dispatch.lab.bench.api_steady import POLL_INTERVAL_S, RawWatch, deployment
 from k8s_dispatch.lab.bench.results import BenchResult, Figure, Ratio, Target
 from k8s_dispatch.lab.bench.sizes import Size
 from k8s_dispatch.ops.processes import wait_until
-from k8s_dispatch.store.db import make_engine, make_sessionmaker, transaction
+from k8s_dispatch.store.db import transaction
 from k8s_dispatch.store.models import TERMINAL_EVENT_TYPES, CaseEvent, Dispatch, MapItemEnd
 from k8s_dispatch.tasks.maps import schedule_map_in_session
 from k8s_dispatch.tasks.scheduling import schedule_in_session
@@ -152,8 +147,7 @@ def _measure(ctx: services.BenchContext, knobs: Knobs, variant: str) -> Run:
     with (
         services.database(ctx.pg_admin_url) as database_url,
         services.cluster(ctx.work_dir, name=f"lc-maps-{variant}") as cluster,
-    ):
-        env = services.deployment_env(
+        deployment(
             {
                 "database_url": database_url,
                 "redis_url": ctx.redis_url,
@@ -164,29 +158,22 @@ def _measure(ctx: services.BenchContext, knobs: Knobs, variant: str) -> Run:
                 "poll_interval_s": str(POLL_INTERVAL_S),
                 "worker_concurrency": str(CONCURRENCY),
             }
-        )
-        settings = load_settings(env)
-        engine = make_engine(database_url)
-        sessions = make_sessionmaker(engine)
-        producer = Celery("bench-producer", set_as_current=False)
-        producer.conf.update(celeryconfig.config(settings))
-        try:
-            case_id = workload.new_case(sessions)
-            with services.worker_and_beat(ctx.work_dir, env, concurrency=CONCURRENCY) as ready:
-                ready()
-                with watching(cluster) as seen:
-                    before = scrape(cluster)
-                    started = time.time()
-                    ids = _schedule(sessions, producer, caps, settings.max_input_bytes, case_id, knobs, variant)
-                    # single dispatches have no parallelism of their own: every Job at once, as many as items
-                    deadline = max(300.0, 6 * knobs.items * knobs.item_s / knobs.parallelism, 0.3 * knobs.items)
-                    wait_until(lambda: seen.sample() == 0 and _all_ended(sessions, ids), timeout=deadline,
-                               interval=0.5, what=f"{variant}: every item recorded and no Job left")  # fmt: skip
-                    after = scrape(cluster)
-                recorded = _recorded(sessions, ids, variant)
-        finally:
-            producer.close()
-            engine.dispose()
+        ) as dep,
+    ):
+        sessions = dep.sessions
+        case_id = workload.new_case(sessions)
+        with services.worker_and_beat(ctx.work_dir, dep.env, concurrency=CONCURRENCY) as ready:
+            ready()
+            with watching(cluster) as seen:
+                before = scrape(cluster)
+                started = time.time()
+                ids = _schedule(sessions, dep.producer, caps, dep.settings.max_input_bytes, case_id, knobs, variant)
+                # single dispatches have no parallelism of their own: every Job at once, as many as items
+                deadline = max(300.0, 6 * knobs.items * knobs.item_s / knobs.parallelism, 0.3 * knobs.items)
+                wait_until(lambda: seen.sample() == 0 and _all_ended(sessions, ids), timeout=deadline,
+                           interval=0.5, what=f"{variant}: every item recorded and no Job left")  # fmt: skip
+                after = scrape(cluster)
+            recorded = _recorded(sessions, ids, variant)
     requests, objects = _ours(before, after, seen)
     latencies = [recorded[key] - at for key, at in seen.finished_at.items() if key in recorded]
     return Run(
@@ -263,20 +250,16 @@ def _ours(before: Scrape, after: Scrape, seen: PodWatch) -> tuple[Counter[Any], 
     return +requests, +objects
 
 
-class PodWatch:
+class PodWatch(RawWatch):
     """The bench's eye on the run: a watch of the namespace's Pods on a thread (when each Pod is
     first seen finished, by Job name and completion index), and `sample()`, the Jobs there now."""
 
     def __init__(self, cluster: services.Cluster) -> None:
-        self._cluster = cluster
+        super().__init__(cluster, f"/api/v1/namespaces/{NAMESPACE}/pods", name="maps-pod-watch")
         self.finished_at: dict[tuple[str, int], float] = {}
         self.peak_jobs = 0
         self.samples = 0  # LISTs of one Job the bench made
         self.sampled_objects = 0
-        self.error: BaseException | None = None
-        self._stopping = threading.Event()
-        self._conn: http.client.HTTPConnection | None = None
-        self._thread = threading.Thread(target=self._run, name="maps-pod-watch", daemon=True)
 
     def sample(self) -> int:
         """How many Jobs the namespace has now (a LIST of one, its remainingItemCount)."""
@@ -293,54 +276,18 @@ class PodWatch:
         self.peak_jobs = max(self.peak_jobs, count)
         return count
 
-    def _run(self) -> None:
-        rv = ""
-        try:
-            while not self._stopping.is_set():
-                rv = self._watch(rv)
-        except Exception as e:  # the thread's end: `sample()` raises it in the bench's thread
-            if not self._stopping.is_set():
-                self.error = e
-
-    def _watch(self, rv: str) -> str:
-        conn = self._cluster.connection(timeout=None)
-        self._conn = conn
-        query = urllib.parse.urlencode({"watch": "true", "timeoutSeconds": "3600", "resourceVersion": rv})
-        try:
-            conn.request("GET", f"/api/v1/namespaces/{NAMESPACE}/pods?{query}", headers=self._cluster.headers())
-            response = conn.getresponse()
-            if response.status != 200:
-                raise RuntimeError(f"watch answered {response.status}: {response.read()[:200]!r}")
-            for line in response:
-                now = time.time()
-                event = json.loads(line)
-                pod = event["object"]
-                if event["type"] == "ERROR":
-                    raise RuntimeError(f"watch error: {pod.get('message')}")
-                meta = pod.get("metadata") or {}
-                rv = meta.get("resourceVersion", rv)
-                if (pod.get("status") or {}).get("phase") not in ("Succeeded", "Failed"):
-                    continue
-                labels = meta.get("labels") or {}
-                key = (str(labels.get(JOB_NAME)), int(labels.get(COMPLETION_INDEX, 0)))
-                self.finished_at.setdefault(key, now)
-        finally:
-            conn.close()
-        return rv
-
-    def stop(self) -> None:
-        self._stopping.set()
-        conn = self._conn
-        if conn is not None and conn.sock is not None:
-            with suppress(OSError):
-                conn.sock.close()
-        self._thread.join(timeout=10)
+    def on_object(self, obj: dict[str, Any], now: float) -> None:
+        if (obj.get("status") or {}).get("phase") not in ("Succeeded", "Failed"):
+            return
+        labels = (obj.get("metadata") or {}).get("labels") or {}
+        key = (str(labels.get(JOB_NAME)), int(labels.get(COMPLETION_INDEX, 0)))
+        self.finished_at.setdefault(key, now)
 
 
 @contextmanager
 def watching(cluster: services.Cluster) -> Iterator[PodWatch]:
     watch = PodWatch(cluster)
-    watch._thread.start()
+    watch.start()
     try:
         yield watch
     finally:

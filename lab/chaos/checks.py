@@ -23,6 +23,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from k8s_dispatch.artifacts.errors import InvalidResultReference
+from k8s_dispatch.artifacts.reference import parse_reference
 from k8s_dispatch.core.limits import Limits
 from k8s_dispatch.lab.chaos.workload import Expected, ItemExpected
 from k8s_dispatch.store.models import STATE_FOR_TERMINAL_EVENT, EventType, ItemEventType
@@ -324,13 +326,28 @@ def mismatch(want: Expected, event: TerminalEvent, row: RowSnapshot | None) -> s
         return _row_disagrees(event, row)
     if event.type != want.event.value:
         return f"{event.type} {payload.get('reason') or ''} where {want.event.value} {want.reason or ''} was expected".strip()
-    if want.event is EventType.WORKER_COMPLETED and payload.get("output") != want.output:
+    if want.event is EventType.WORKER_COMPLETED and want.stored is not None:
+        why = _stored_mismatch(want.stored, payload.get("output"))
+        if why is not None:
+            return why
+    elif want.event is EventType.WORKER_COMPLETED and payload.get("output") != want.output:
         return f"output {payload.get('output')!r}, expected {want.output!r}"
     if want.event is EventType.WORKER_FAILED and payload.get("reason") not in {want.reason, *want.also}:
         return f"reason {payload.get('reason')!r}, expected {want.reason!r}"
     if want.event is EventType.WORKER_FAILED and want.detail is not None and payload.get("detail") != want.detail:
         return f"detail {payload.get('detail')!r}, expected {want.detail!r}"
     return _row_disagrees(event, row)
+
+
+def _stored_mismatch(stored: tuple[int, str], output: Any) -> str | None:
+    """Why a recorded output is not a reference to an object of `stored`'s (size, SHA-256)."""
+    try:
+        reference = parse_reference(output)
+    except InvalidResultReference as e:
+        return f"output {output!r} is no stored result: {e}"
+    if (reference.size, reference.sha256) != stored:
+        return f"stored result of {reference.size} bytes, SHA-256 {reference.sha256}; expected {stored[0]}, {stored[1]}"
+    return None
 
 
 def _row_disagrees(event: TerminalEvent, row: RowSnapshot | None) -> str | None:

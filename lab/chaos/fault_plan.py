@@ -40,6 +40,7 @@ class FaultKind(StrEnum):
     )
     REDIS_RESTART = "redis_restart"  # SIGKILL the run's own redis-server, start it again on the same port
     PG_RESTART = "pg_restart"  # SIGKILL the run's own PostgreSQL server (every backend), start it again
+    OBJECTSTORE_RESTART = "objectstore_restart"  # SIGKILL the run's own object store, start it again on its data
     CLOCK_STEP = "clock_step"  # step one process's wall clock by `step_s` (faketime), monotonic left alone
     LOST_CANCEL = "lost_cancel"  # cancel running dispatches in the database, the follow-up message never sent
     LABEL_EDIT = "label_edit"  # hand edits on Jobs: tenancy overwritten, delivered=true added, attempt garbled
@@ -96,6 +97,7 @@ def make_plan(
     api_latency_ms: int = 20,
     redis_restarts: int = 0,
     pg_restarts: int = 0,
+    objectstore_restarts: int = 0,
     lost_cancels: int = 0,
     label_edits: int = 0,
     rolling_upgrades: int = 0,
@@ -105,8 +107,8 @@ def make_plan(
 
     Kills are spread over the whole window; when there are at least as many kills as targets,
     every target (each worker, beat) is killed at least once and the rest are drawn at random.
-    Broker flushes, API restarts, DB kills, Pod deletions, Redis and PostgreSQL restarts, lost
-    cancels and label edits fall in the middle of the window; namespace changes in its first half;
+    Broker flushes, API restarts, DB kills, Pod deletions, Redis, PostgreSQL and object store
+    restarts, lost cancels and label edits fall in the middle of the window; namespace changes in its first half;
     a rolling upgrade early (before the other one-offs but the kills); each of `clock_steps`
     ((target, seconds)) after it. API faults (at
     `api_fault_rate`, with `api_latency_ms` added to every request) switch on within the first
@@ -118,7 +120,7 @@ def make_plan(
     if window_s <= 0:
         raise ValueError(f"window_s must be > 0, got {window_s}")
     counts = (broker_flushes, api_restarts, db_kills, pod_deletes, namespace_changes, redis_restarts, pg_restarts,
-              lost_cancels, label_edits, rolling_upgrades)  # fmt: skip
+              objectstore_restarts, lost_cancels, label_edits, rolling_upgrades)  # fmt: skip
     if min(kills, *counts, api_latency_ms) < 0:
         raise ValueError("fault counts and latency must be >= 0")
     if kills and not targets:
@@ -151,6 +153,8 @@ def make_plan(
     if api_fault_rate > 0:
         faults.append(Fault(at(0.0, API_FAULTS_ON_BY), FaultKind.API_FAULTS_ON))
         faults.append(Fault(round(window_s, 3), FaultKind.API_FAULTS_OFF))
+    # Drawn last: a seed's plan without them is what it was before they existed.
+    faults += [Fault(at(ONE_OFF_FROM, ONE_OFF_TO), FaultKind.OBJECTSTORE_RESTART) for _ in range(objectstore_restarts)]
     faults.sort(key=lambda f: (f.at_s, f.kind.value, f.target or ""))
     return FaultPlan(
         seed=seed,

@@ -22,6 +22,7 @@ from k8s_dispatch.lab.chaos.options import (
     CANCELS_PER_FAULT,
     LONG_FAULTS,
     MOVED_NAMESPACE,
+    NAMESPACE,
     NAMESPACES,
     OUTAGE_S,
     POD_DELETE_TRIES,
@@ -32,7 +33,7 @@ from k8s_dispatch.lab.chaos.options import (
 )
 from k8s_dispatch.lab.chaos.services import OwnPostgres, OwnRedis
 from k8s_dispatch.lab.chaos.state import RunState, Stopping
-from k8s_dispatch.lab.chaos.stores import conninfo, delete_prefix
+from k8s_dispatch.lab.chaos.stores import chunks, conninfo, delete_prefix
 from k8s_dispatch.lab.chaos.upgrade import migrate_to_head
 from k8s_dispatch.lab.chaos.workload import LIMITED_CAPABILITY, capabilities_config
 from k8s_dispatch.lab.kubeclient import opened
@@ -58,6 +59,7 @@ class FaultExecutor(RunState):
                 elif not self._do(fault):
                     return
         finally:
+            self.moved.set()  # the plan is over: whatever the feeder holds for a move is held no longer
             for thread in restarts:
                 thread.join(timeout=THREAD_JOIN_S)
 
@@ -114,6 +116,8 @@ class FaultExecutor(RunState):
             return self._restart_server(self.own_redis)
         if kind is FaultKind.PG_RESTART:
             return self._restart_server(self.own_pg)
+        if kind is FaultKind.OBJECTSTORE_RESTART:
+            return self._restart_store()
         if kind is FaultKind.CLOCK_STEP:
             clock = self.clocks[fault.target or ""]
             offset = clock.step(fault.step_s)
@@ -143,6 +147,24 @@ class FaultExecutor(RunState):
                     for name, proc in self.procs.items()
                 }
         return f"{server.proc.name} (pid {pid}) SIGKILLed, down {OUTAGE_S:g}s, started again (pid {server.proc.pid})"
+
+    def _restart_store(self) -> str:
+        """SIGKILL the run's object store, leave it down OUTAGE_S, start it on the same data; its
+        readiness is waited for outside the process lock (kills go on meanwhile)."""
+        store = self.own_store
+        if store is None:
+            raise RuntimeError("the run has no object store of its own: not restarted")
+        with self.proc_lock:
+            if self.stop.is_set():
+                raise Stopping
+            pid = store.proc.pid
+            store.proc.kill(signal.SIGKILL)
+            self.stop.wait(OUTAGE_S)  # down for a while even when stopping: start it again below
+            store.proc.start()
+        began = time.monotonic()
+        store.wait_ready()
+        return (f"{store.proc.name} (pid {pid}) SIGKILLed, down {OUTAGE_S:g}s, started again (pid {store.proc.pid}), "
+                f"taking writes {time.monotonic() - began:.1f}s later")  # fmt: skip
 
     def _deaf_after_broker_restart(self) -> list[str]:
         """The processes that lived through the last Redis restart (neither killed nor replaced
@@ -289,29 +311,60 @@ class FaultExecutor(RunState):
 
     def _change_namespace(self) -> str:
         """A rolling deploy onto a capability file that moves every capability to another
-        namespace: each worker in turn, then beat, restarted on it; the engine's router too."""
+        namespace: each worker in turn, then beat, restarted on it; the engine's router too.
+
+        Both sides of the move are made certain, whatever the machine's pace: the move waits
+        (up to TARGET_WAIT_S) until a dispatch of the run is recorded in the first namespace, and
+        the feeder holds the work planned after the move until every process runs the moved file
+        (`moved`): a `schedule` task sent then can only be consumed by a worker that has it (a
+        slow migration or restart once left every task to workers on the old file)."""
         from k8s_dispatch.core.settings import load_settings
         from k8s_dispatch.workers.resolver import CapabilityResolver
 
-        config = capabilities_config(self.options.mode, idle=self.idle)
-        for spec in config["capabilities"].values():
-            spec.setdefault("namespace", MOVED_NAMESPACE)  # the idle ones stay where they are
-        moved = self.dir / "capabilities-moved.yaml"
-        moved.write_text(yaml.safe_dump(config))
-        settings = load_settings(self.values | {"K8S_DISPATCH_CAPABILITIES": str(moved)})
-        self._resolver = CapabilityResolver.from_settings(settings)
-        self.caps_now = moved
-        restarted = []
-        for name in [*worker_names(self.options.workers), BEAT]:
-            with self.proc_lock:
-                if self.stop.is_set():
-                    raise Stopping
-                proc = self.procs[name]
-                proc.env["K8S_DISPATCH_CAPABILITIES"] = str(moved)
-                proc.stop()
-                proc.start()
-                restarted.append(name)
-        return f"capabilities moved to namespace {MOVED_NAMESPACE}; restarted {', '.join(restarted)} in turn"
+        try:
+            before = self._wait_recorded_in(NAMESPACE)
+            config = capabilities_config(self.options.mode, idle=self.idle, stored=self.stored)
+            for spec in config["capabilities"].values():
+                spec.setdefault("namespace", MOVED_NAMESPACE)  # the idle ones stay where they are
+            moved = self.dir / "capabilities-moved.yaml"
+            moved.write_text(yaml.safe_dump(config))
+            settings = load_settings(self.values | {"K8S_DISPATCH_CAPABILITIES": str(moved)})
+            self._resolver = CapabilityResolver.from_settings(settings)
+            with self.proc_lock:  # a rolling upgrade's next process is made on it from now on
+                self.caps_now = moved
+            restarted = []
+            for name in [*worker_names(self.options.workers), BEAT]:
+                with self.proc_lock:
+                    if self.stop.is_set():
+                        raise Stopping
+                    proc = self.procs[name]
+                    proc.env["K8S_DISPATCH_CAPABILITIES"] = str(moved)
+                    proc.stop()
+                    proc.start()
+                    restarted.append(name)
+            with self.ids_lock:
+                held = len(self.planned) - len(self.ids)
+        finally:
+            self.moved.set()
+        return (f"capabilities moved to namespace {MOVED_NAMESPACE} ({before} dispatches recorded in {NAMESPACE} "
+                f"before); restarted {', '.join(restarted)} in turn; {held} dispatches fed from now on")  # fmt: skip
+
+    def _wait_recorded_in(self, namespace: str) -> int:
+        """The run's dispatches recorded in `namespace`, once there is one (or after TARGET_WAIT_S:
+        then 0, and the verdict's namespaces say so)."""
+        deadline = time.monotonic() + TARGET_WAIT_S
+        while True:
+            with self.ids_lock:
+                ids = list(self.ids.values())
+            try:
+                found = _recorded_in(self.sessions, ids, namespace=namespace)
+            except DispatchError as e:  # a database restart: look again
+                log.info("cannot count the dispatches recorded in %s now: %s", namespace, e)
+                found = 0
+            if found or time.monotonic() >= deadline:
+                return found
+            if self.stop.wait(1.0):
+                raise Stopping
 
     def _flush_broker(self) -> str:
         """Every key under the run's prefix: queued and unacknowledged messages, bindings, claims."""
@@ -334,3 +387,20 @@ class FaultExecutor(RunState):
                 (self.result.database, WORKER_DB_APP),
             ).fetchall()
         return sum(1 for (killed,) in rows if killed)
+
+
+def _recorded_in(sessions: Any, ids: list[str], *, namespace: str) -> int:
+    """How many of `ids` are recorded with their Job's namespace `namespace`."""
+    import sqlalchemy as sa
+
+    from k8s_dispatch.store.db import transaction
+    from k8s_dispatch.store.models import Dispatch
+
+    found = 0
+    with transaction(sessions) as session:
+        for chunk in chunks(ids):
+            query = sa.select(sa.func.count()).where(
+                Dispatch.dispatch_id.in_(chunk), Dispatch.job_namespace == namespace
+            )
+            found += session.scalar(query) or 0
+    return found

@@ -1,17 +1,21 @@
 """The chaos run's feeder: the engine's side, scheduling each planned dispatch at the run's rate
 (in its own transaction or as the Celery `schedule` task; a map through `schedule_map_in_session`
-or the `schedule_map` task) and sending lost task calls again."""
+or the `schedule_map` task; a secret input sealed under the deployment's input key, in the
+database and in the task's message alike) and sending lost task calls again. The work planned
+after the namespace change waits for it to be done."""
 
 from __future__ import annotations
 
 import logging
 import time
 import uuid
+from collections.abc import Sequence
 
 import sqlalchemy as sa
 
 from k8s_dispatch.core.errors import DispatchError
-from k8s_dispatch.lab.chaos.options import RESEND_AFTER_S
+from k8s_dispatch.lab.chaos.fault_plan import FaultKind
+from k8s_dispatch.lab.chaos.options import RESEND_AFTER_S, TICK_S
 from k8s_dispatch.lab.chaos.state import RunState
 from k8s_dispatch.lab.chaos.stores import chunks
 from k8s_dispatch.lab.chaos.workload import Planned
@@ -20,19 +24,38 @@ from k8s_dispatch.store.models import Dispatch
 log = logging.getLogger(__name__)
 
 
+def waits_for_move(at_s: float, *, moves_at: Sequence[float], last: bool) -> bool:
+    """Whether the dispatch planned at `at_s` (seconds into the feed) waits until the namespace
+    change planned at `moves_at` is done: the work planned from the first move on, and the last
+    dispatch in any case, so that some of the run's work is scheduled by processes on the moved
+    file however long the move (or a rolling upgrade beside it) takes. No move, no wait."""
+    return bool(moves_at) and (at_s >= min(moves_at) or last)
+
+
 class Feeder(RunState):
     """The engine: schedules the planned dispatches at the run's rate, in the database or as the
     `schedule` task, and sends a task call again when its dispatch is not recorded in time."""
 
     def _feed(self) -> None:
+        moves = [f.at_s for f in self.result.plan.faults if f.kind is FaultKind.NAMESPACE_CHANGE]
         try:
             for planned in self.planned:
-                if not self._sleep_until(self.t0 + planned.index / self.options.rate):
+                at_s = planned.index / self.options.rate
+                if not self._sleep_until(self.t0 + at_s):
+                    return
+                if waits_for_move(at_s, moves_at=moves, last=planned is self.planned[-1]) and not self._wait_moved():
                     return
                 self._schedule(planned)
             self.result.feed_s = time.monotonic() - self.t0
         except BaseException as e:
             self.feed_error = e
+
+    def _wait_moved(self) -> bool:
+        """Wait until the namespace change is done (`moved`); False if the run is stopping."""
+        while not self.moved.wait(TICK_S):
+            if self.stop.is_set():
+                return False
+        return not self.stop.is_set()
 
     def _schedule(self, planned: Planned) -> None:
         from kombu.exceptions import OperationalError
@@ -46,7 +69,7 @@ class Feeder(RunState):
         # While the previous release runs on its schema, the engine sends the `schedule` task
         # (its workers write the rows), as an engine whose library is not upgraded yet would.
         if planned.via_task or self.old_schema:
-            dispatch_id = str(uuid.uuid4())
+            dispatch_id = planned.dispatch_id or str(uuid.uuid4())
             with self.ids_lock:
                 self.ids[planned.index] = dispatch_id
                 self.by_task[dispatch_id] = planned
@@ -71,7 +94,8 @@ class Feeder(RunState):
                     else:
                         (scheduled,) = schedule_many_in_session(
                             session, [planned.request()], router=resolver,
-                            max_input_bytes=self.settings.max_input_bytes, via=self.producer,
+                            max_input_bytes=self.settings.max_input_bytes, input_key=self.settings.input_key,
+                            via=self.producer,
                         )  # fmt: skip
             except DatabaseUnavailable as e:  # the engine retries its own transaction
                 log.warning("scheduling %s: %s; retrying", planned.idempotency_key, e)
@@ -95,6 +119,18 @@ class Feeder(RunState):
                 kwargs={"max_failed_items": planned.map.max_failed_items,
                         "min_succeeded": planned.map.min_succeeded, "dispatch_id": dispatch_id},
             )  # fmt: skip
+            return
+        if planned.secret:  # the message carries only the Fernet token, as send_schedule_until_recorded's
+            from k8s_dispatch.core.payloads import canonical_json
+            from k8s_dispatch.store.secret_inputs import seal
+
+            sealed = self.sealed.get(dispatch_id) or seal(canonical_json(planned.input), self.settings.input_key)
+            self.sealed[dispatch_id] = sealed  # sealed once: every resend carries the same token
+            self.producer.send_task(
+                names.SCHEDULE_TASK,
+                args=[planned.case_id, planned.tenancy_id, planned.capability, None, planned.idempotency_key],
+                kwargs={"dispatch_id": dispatch_id, "sealed_input": sealed},
+            )
             return
         self.producer.send_task(
             names.SCHEDULE_TASK,

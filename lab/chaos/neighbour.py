@@ -74,6 +74,9 @@ class Neighbour:
             "K8S_DISPATCH_KEY_PREFIX": self.prefix,
             "K8S_DISPATCH_CAPABILITIES": str(caps),
         }
+        prefix = "K8S_DISPATCH_OBJECT_STORE_PREFIX"
+        if prefix in self.values:  # the run's store, its own prefix: neither's sweep sees the other's objects
+            self.values[prefix] += "-neighbour"
         self.settings = load_settings(self.values)
         env = self.base_env | self.values
         self.engine = make_engine(db_url)
@@ -128,6 +131,10 @@ class Neighbour:
         with self.ids_lock:
             ids = list(self.ids.values())
         return pending(self.sessions, ids, planned=len(self.planned))
+
+    def slots_held(self) -> int:
+        """Slots held in its database. Raises DispatchError: the database cannot say."""
+        return open_slots(self.sessions)[0]
 
     def revive(self) -> list[str]:
         notes = []

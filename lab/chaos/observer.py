@@ -11,12 +11,16 @@ are applied in the order of their resourceVersions (one counter for every object
 localcluster's), each only once both watches have reached it (`VersionOrder`): so a sample never
 counts a Job that had ended before a later Pod was created, nor the other way round; what it
 counts, the cluster held at one moment.
+
+Every Job and Pod it reads, in every version it sees, is handed to the run's `MarkerScan`, when it
+has one: no secret input may appear in them.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import json
 import logging
 import threading
 from collections import Counter, defaultdict
@@ -120,8 +124,9 @@ class VersionOrder:
 
 
 class JobObserver:
-    def __init__(self, kubeconfig: Path) -> None:
+    def __init__(self, kubeconfig: Path, *, scan: Any = None) -> None:
         self.kubeconfig = kubeconfig
+        self.scan = scan  # lab.chaos.objects.MarkerScan, or None
         self._seen: defaultdict[str, set[tuple[str, str]]] = defaultdict(set)
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -176,9 +181,15 @@ class JobObserver:
         with self._lock:
             return {k: set(v) for k, v in self._seen.items()}
 
+    def _scanned(self, stream: str, obj: Any) -> None:
+        if self.scan is not None and self.scan.markers and obj.metadata is not None:
+            self.scan.scan(stream[:-1] if stream.endswith("s") else stream, json.dumps(self._serialise(obj)),
+                           where=f"{obj.metadata.namespace}/{obj.metadata.name}")  # fmt: skip
+
     def _note(self, stream: str, obj: Any, *, deleted: bool = False) -> None:
         metadata = obj.metadata
         uid = str(metadata.uid)
+        self._scanned(stream, obj)
         if stream == JOBS:
             dispatch_id = (metadata.labels or {}).get(DISPATCH_ID_KEY)
             live: LiveJob | None = None if deleted else live_job(self._serialise(obj))
@@ -217,6 +228,8 @@ class JobObserver:
         assert listed.metadata is not None  # a LIST always carries its ListMeta
         version = str(listed.metadata.resource_version)
         read = live_job if stream == JOBS else live_pod
+        for item in listed.items:
+            self._scanned(stream, item)
         fresh = {str(o.metadata.uid): read(self._serialise(o)) for o in listed.items if o.metadata}
         kept = {uid: live for uid, live in fresh.items() if live is not None}
         table = self._live if stream == JOBS else self._pods

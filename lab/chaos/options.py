@@ -11,6 +11,7 @@ from typing import Any
 from k8s_dispatch.lab.chaos.checks import Verdict
 from k8s_dispatch.lab.chaos.cluster import LOCALCLUSTER
 from k8s_dispatch.lab.chaos.fault_plan import BEAT, Fault, FaultKind, FaultPlan, make_plan, worker_names
+from k8s_dispatch.lab.chaos.objects import ObjectVerdict
 from k8s_dispatch.lab.chaos.workload import MAP_EVERY
 
 NAMESPACE = "chaos"
@@ -22,7 +23,11 @@ CLOCK_STEP_S = 600.0  # the first worker's clock steps forward by this much, bea
 # The previous release the rolling upgrade starts from (a commit-ish of this clone).
 DEFAULT_UPGRADE_FROM = "HEAD~1"
 CANCELS_PER_FAULT = 3  # running dispatches one LOST_CANCEL cancels
-OUTAGE_S = 2.0  # how long a restarted Redis or PostgreSQL stays down
+OUTAGE_S = 2.0  # how long a restarted Redis, PostgreSQL or object store stays down
+MESSAGE_SCAN_S = 1.0  # how often the Celery messages in the broker are read for secret markers
+# The object store's deployment settings: orphans of an ended dispatch are deleted by the sweep
+# after this grace (the sweep runs every 5 minutes at most: seldom within a short run).
+OBJECT_STORE_SETTINGS = {"OBJECT_STORE_ORPHAN_GRACE_S": "30"}
 # The application_name of the workers' database connections: what the DB_KILL fault kills.
 WORKER_DB_APP = "k8s-dispatch-worker"
 HARNESS_DB_APP = "k8s-dispatch-chaos"
@@ -80,6 +85,12 @@ class ChaosOptions:
     clock_step_s: float = CLOCK_STEP_S  # 0: no step
     idle_namespaces: int = 48  # capabilities in namespaces no dispatch uses, beside the run's two
     maps: int | None = None  # map dispatches among `dispatches`; None: one per workload.MAP_EVERY
+    # The run's own object store (SeaweedFS): stored results, secret inputs, archived logs, and
+    # `objectstore_restarts` restarts of it; False: none of them.
+    objectstore: bool = True
+    objectstore_restarts: int = 1
+    large_results: int = 5  # dispatches among `dispatches` whose results (1-3 MiB) go to the store
+    secret_inputs: int = 6  # dispatches among `dispatches` with a secret input
     upgrade_from: str | None = DEFAULT_UPGRADE_FROM  # the previous release's ref; None: no upgrade
     database_url: str | None = None  # use this database (not dropped); default: a fresh one
     admin_database_url: str | None = None  # where the fresh database is created; default: our own server
@@ -89,6 +100,14 @@ class ChaosOptions:
     @property
     def map_count(self) -> int:
         return self.maps if self.maps is not None else self.dispatches // MAP_EVERY
+
+    @property
+    def large_count(self) -> int:
+        return self.large_results if self.objectstore else 0
+
+    @property
+    def secret_count(self) -> int:
+        return self.secret_inputs if self.objectstore else 0
 
     @property
     def window_s(self) -> float:
@@ -117,6 +136,8 @@ class ChaosResult:
     api_faults_by_kind: dict[str, int] = field(default_factory=dict)
     db_connections_killed: int = 0
     converged_s: float | None = None  # None: not converged by the deadline
+    # How long slots stayed held by ended dispatches once nothing else was left (None: never so).
+    slots_wait_s: float | None = None
     feed_s: float = 0.0
     wall_s: float = 0.0
     resends: int = 0
@@ -135,6 +156,7 @@ class ChaosResult:
     deaf: list[str] = field(default_factory=list)  # processes that went on consuming nothing after a Redis restart
     unexpected_errors: list[str] = field(default_factory=list)  # exceptions that escaped a task
     stories: dict[str, list[str]] = field(default_factory=dict)  # a suspect dispatch -> its last log lines
+    objects: ObjectVerdict = field(default_factory=ObjectVerdict)  # the object store's and the secrets' checks
 
     def count_done(self, kind: FaultKind) -> int:
         return sum(1 for d in self.done if d.fault.kind is kind and d.ok)
@@ -150,10 +172,14 @@ class ChaosResult:
     @property
     def ok(self) -> bool:
         return (self.error is None and self.converged_s is not None and self.verdict.ok and not self.deaf
-                and not self.unexpected_errors)  # fmt: skip
+                and not self.unexpected_errors and self.objects.ok)  # fmt: skip
+
+    @property
+    def objectstore_restarts(self) -> int:
+        return self.count_done(FaultKind.OBJECTSTORE_RESTART)
 
     def final_line(self) -> str:
-        v = self.verdict
+        v, o = self.verdict, self.objects
         converged = f"{self.converged_s:.1f}" if self.converged_s is not None else "timeout"
         return (
             f"chaos: dispatched={v.dispatched} terminal={v.terminal} lost={v.lost} duplicates={v.duplicates} "
@@ -163,7 +189,11 @@ class ChaosResult:
             f"items_wrong_output={v.items_wrong_output} held_pods={v.held_pods} kills={self.kills} "
             f"broker_flushes={self.broker_flushes} api_faults={self.api_faults} converged_s={converged} "
             f"seed={self.options.seed}"
-        )
+            + (f" large_results={o.large} large_bad={o.large_bad} orphan_objects={o.orphan_objects} "
+               f"logs_archived={o.logs_archived} logs_missing={o.logs_missing} secret_inputs={o.secrets} "
+               f"secret_leaks={o.secret_leaks} objectstore_restarts={self.objectstore_restarts}"
+               if self.options.objectstore else "")
+        )  # fmt: skip
 
     def to_dict(self) -> dict[str, Any]:
         v = self.verdict
@@ -199,6 +229,18 @@ class ChaosResult:
             "db_kills": self.count_done(FaultKind.DB_KILL),
             "redis_restarts": self.count_done(FaultKind.REDIS_RESTART),
             "pg_restarts": self.count_done(FaultKind.PG_RESTART),
+            "objectstore_restarts": self.objectstore_restarts,
+            "large_results": self.objects.large,
+            "large_bad": self.objects.large_bad,
+            "objects": self.objects.objects,
+            "orphan_objects": self.objects.orphan_objects,
+            "logs_archived": self.objects.logs_archived,
+            "logs_missing": self.objects.logs_missing,
+            "other_logs_missing": self.objects.other_logs_missing,
+            "secret_inputs": self.objects.secrets,
+            "secret_leaks": self.objects.secret_leaks,
+            "secret_scanned": self.objects.scanned,
+            "object_problems": self.objects.problems,
             "clock_steps": self.count_done(FaultKind.CLOCK_STEP),
             "rolling_upgrades": self.count_done(FaultKind.ROLLING_UPGRADE),
             "release": self.release,
@@ -209,6 +251,7 @@ class ChaosResult:
             "unexpected_task_errors": self.unexpected_errors,
             "db_connections_killed": self.db_connections_killed,
             "converged_s": round(self.converged_s, 1) if self.converged_s is not None else None,
+            "slots_wait_s": round(self.slots_wait_s, 1) if self.slots_wait_s is not None else None,
             "seed": self.options.seed,
             "ok": self.ok,
             "error": self.error,
@@ -263,6 +306,7 @@ def fault_plan(options: ChaosOptions) -> FaultPlan:
         api_latency_ms=options.api_latency_ms,
         redis_restarts=options.redis_restarts if options.redis_url is None else 0,
         pg_restarts=options.pg_restarts if options.admin_database_url is None and options.database_url is None else 0,
+        objectstore_restarts=options.objectstore_restarts if options.objectstore else 0,
         lost_cancels=options.lost_cancels,
         label_edits=options.label_edits,
         rolling_upgrades=1 if options.upgrade_from else 0,
@@ -281,4 +325,4 @@ def stepped_worker(workers: int) -> str:
 # Faults that may take long (a restart, a migration and the replacement of every process): they
 # run beside the others, which go on on schedule.
 LONG_FAULTS = (FaultKind.API_RESTART, FaultKind.POD_DELETE, FaultKind.ROLLING_UPGRADE, FaultKind.LOST_CANCEL,
-               FaultKind.LABEL_EDIT)  # fmt: skip
+               FaultKind.LABEL_EDIT, FaultKind.OBJECTSTORE_RESTART)  # fmt: skip

@@ -27,8 +27,10 @@ def render(result: ChaosResult, console: Any) -> None:
         ("cluster", _cluster_words(options)),
         ("deployment", ", ".join(f"{k.lower()}={v}" for k, v in DEPLOYMENT_SETTINGS.items())),
         ("database / prefix", f"{result.database} / {result.prefix}"),
-        ("converged", f"{result.converged_s:.1f}s after the faults stopped" if result.converged_s is not None
-         else f"NOT within {options.deadline_s:g}s"),
+        ("converged", (f"{result.converged_s:.1f}s after the faults stopped" if result.converged_s is not None
+                       else f"NOT within {options.deadline_s:g}s")
+         + (f" ({result.slots_wait_s:.1f}s of it waiting for the slots of ended dispatches to be freed)"
+            if result.slots_wait_s is not None else "")),
         ("wall time", f"{result.wall_s:.1f}s"),
     ):  # fmt: skip
         setup.add_row(name, str(value))
@@ -97,6 +99,17 @@ def render(result: ChaosResult, console: Any) -> None:
         ("ended without the engine told", verdict.unnotified),
     ):
         checks.add_row(name, str(value), "[green]ok[/green]" if value == 0 else "[red]FAIL[/red]")
+    objects = result.objects
+    if options.objectstore:
+        for name, value in (
+            (f"stored results ({objects.large}) not read back as their SHA-256", objects.large_bad),
+            (f"objects under the run's prefix ({objects.objects}) no dispatch of it records", objects.orphan_objects),
+            (f"planned failures without their archived log ({objects.logs_archived} with)", objects.logs_missing),
+            (f"secret inputs ({objects.secrets}) found where they must not be", objects.secret_leaks),
+        ):
+            checks.add_row(name, str(value), "[green]ok[/green]" if value == 0 else "[red]FAIL[/red]")
+        scanned = ", ".join(f"{n} {place}s" for place, n in objects.scanned.items())
+        checks.add_row("read for secret markers", scanned or "nothing", "")
     for name, value in sorted(result.stats.items()):
         checks.add_row(f"stat: {name}", str(value), "")
     checks.add_row("schedule task calls sent again by the engine", str(result.resends), "")
@@ -116,7 +129,7 @@ def render(result: ChaosResult, console: Any) -> None:
             mark = "[green]ok[/green]" if peak.excess <= 0 else "[red]FAIL[/red]"
             limits.add_row(f"{peak.scope} {peak.name}", str(peak.limit), str(peak.peak), queued, mark)
         console.print(limits)
-    for problem in verdict.problems:
+    for problem in [*verdict.problems, *result.objects.problems]:
         console.print(f"[red]{problem}[/red]")
     for dispatch_id, lines in result.stories.items():
         console.print(f"what the logs say of {dispatch_id} (the last {len(lines)} lines naming it):", markup=False)

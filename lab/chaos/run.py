@@ -1,15 +1,16 @@
 """The chaos run: the whole system abused on a seeded schedule, then checked for anything lost,
 doubled, wrong or left over (`python -m k8s_dispatch.lab chaos`, `make chaos`).
 
-`run(options)` starts a PostgreSQL instance and a redis-server of its own (`lab.chaos.services`:
-restarting them hurts no one else), the cluster (`localcluster serve`, or the real control plane
+`run(options)` starts a PostgreSQL instance, a redis-server and an object store (SeaweedFS) of its
+own (`lab.chaos.services`: restarting them hurts no one else), the cluster (`localcluster serve`, or the real control plane
 behind a fault proxy: `lab.chaos.cluster`), W `celery -A k8s_dispatch.tasks worker` processes and
 `celery -A k8s_dispatch.tasks beat` as a user would (from the previous release when the run rehearses
 a rolling upgrade: `lab.chaos.upgrade`), and feeds N dispatches at a steady rate while
 `lab.chaos.fault_plan` kills processes, flushes and restarts the broker, breaks and restarts the API
-server, kills database connections and restarts the database, steps clocks, loses cancels and
-edits Jobs by hand (`lab.chaos.edits`). Then it stops the faults, waits for convergence and judges
-the end state (`lab.chaos.checks`). Every process, server, worktree and temp dir is removed at the
+server, kills database connections and restarts the database, restarts the object store, steps clocks,
+loses cancels and edits Jobs by hand (`lab.chaos.edits`). Then it stops the faults, waits for
+convergence and judges the end state (`lab.chaos.checks`), the object store's and the secret
+inputs' included (`lab.chaos.objects`). Every process, server, worktree and temp dir is removed at the
 end, whatever happened.
 """
 
@@ -36,15 +37,17 @@ from k8s_dispatch.core.errors import DispatchError
 from k8s_dispatch.lab.chaos import cluster as chaos_cluster
 from k8s_dispatch.lab.chaos.checks import story, unexpected_task_errors
 from k8s_dispatch.lab.chaos.cluster import CLUSTERS
-from k8s_dispatch.lab.chaos.convergence import Convergence
+from k8s_dispatch.lab.chaos.convergence import Convergence, slot_dispatches
 from k8s_dispatch.lab.chaos.fault_plan import BEAT, worker_names
 from k8s_dispatch.lab.chaos.faults import FaultExecutor
 from k8s_dispatch.lab.chaos.feeder import Feeder
 from k8s_dispatch.lab.chaos.options import (
     DEPLOYMENT_SETTINGS,
     HARNESS_DB_APP,
+    MESSAGE_SCAN_S,
     NAMESPACE,
     NAMESPACES,
+    OBJECT_STORE_SETTINGS,
     PROGRESS_EVERY_S,
     QUEUE_COUNT_S,
     SKEW_S,
@@ -59,10 +62,17 @@ from k8s_dispatch.lab.chaos.options import (
     stepped_worker,
 )
 from k8s_dispatch.lab.chaos.report import render
-from k8s_dispatch.lab.chaos.services import OwnPostgres, OwnRedis, SteppedClock, build_sleep_shim
+from k8s_dispatch.lab.chaos.services import (
+    STORE_BUCKET,
+    OwnObjectStore,
+    OwnPostgres,
+    OwnRedis,
+    SteppedClock,
+    build_sleep_shim,
+)
 from k8s_dispatch.lab.chaos.stores import conninfo, delete_prefix, drop_database, with_app_name
 from k8s_dispatch.lab.chaos.upgrade import PreviousRelease
-from k8s_dispatch.lab.chaos.workload import capabilities_config, idle_namespaces
+from k8s_dispatch.lab.chaos.workload import capabilities_config, idle_namespaces, stored_results
 from k8s_dispatch.ops import interrupts
 from k8s_dispatch.ops.processes import WaitTimeout, wait_for_log, wait_until
 
@@ -150,6 +160,20 @@ class _Run(Feeder, FaultExecutor, Convergence):
         self.stack.callback(self.redis.close)
         self.stack.callback(self._delete_keys)
         self.redis.ping()
+        self.own_store, self.stored = None, None
+        store_values: dict[str, str] = {}
+        if options.objectstore:
+            from cryptography.fernet import Fernet
+
+            self.own_store = OwnObjectStore(directory=self.dir / "objectstore", log_dir=self.dir, env=server_env)
+            self.stack.callback(self.own_store.stop)
+            self.own_store.start()
+            self.stored = stored_results(self.planned, prefix=self.object_prefix)
+            store_values = {f"K8S_DISPATCH_{k}": v for k, v in
+                            (self.own_store.settings(self.object_prefix) | OBJECT_STORE_SETTINGS).items()}  # fmt: skip
+            store_values["K8S_DISPATCH_INPUT_KEY"] = Fernet.generate_key().decode()
+            if options.mode == "simulate":
+                self._write_stored_results()
 
         self.release: PreviousRelease | None = None
         if options.upgrade_from:
@@ -168,7 +192,7 @@ class _Run(Feeder, FaultExecutor, Convergence):
         self.idle = idle_namespaces(options.idle_namespaces)
         self.all_namespaces = (*NAMESPACES, *self.idle)
         caps_path = self.dir / "capabilities.yaml"
-        caps_path.write_text(yaml.safe_dump(capabilities_config(options.mode, idle=self.idle)))
+        caps_path.write_text(yaml.safe_dump(capabilities_config(options.mode, idle=self.idle, stored=self.stored)))
         cluster = chaos_cluster.make(options.cluster, directory=self.dir, mode=options.mode,
                                      namespaces=self.all_namespaces, env=base_env,
                                      ready_gate=options.api_ready_gate)  # fmt: skip
@@ -183,6 +207,7 @@ class _Run(Feeder, FaultExecutor, Convergence):
             "K8S_DISPATCH_CAPABILITIES": str(caps_path),
             "K8S_DISPATCH_KUBECONFIG": str(cluster.worker_kubeconfig),
             **{f"K8S_DISPATCH_{k}": v for k, v in DEPLOYMENT_SETTINGS.items()},
+            **store_values,
         }
         self.env = base_env | values
         self.values = values
@@ -219,7 +244,7 @@ class _Run(Feeder, FaultExecutor, Convergence):
             self.neighbour.start()
         from k8s_dispatch.lab.chaos.observer import JobObserver
 
-        self.observer = JobObserver(cluster.harness_kubeconfig)
+        self.observer = JobObserver(cluster.harness_kubeconfig, scan=self.scan)
         self.stack.callback(self.observer.stop)
         self.observer.start()
         skewed = ", ".join(f"{n} {c.offset_s:+g}s" for n, c in self.clocks.items())
@@ -230,6 +255,20 @@ class _Run(Feeder, FaultExecutor, Convergence):
             f"{len(self.all_namespaces)} namespaces; database {self.result.database}, prefix {self.prefix}, "
             f"logs in {self.dir}, temp dirs {' '.join(self.result.temp_dirs) or 'none'}"
         )
+
+    def _write_stored_results(self) -> None:
+        """Simulate mode: each stored-result dispatch's first attempt's object, written as its
+        container would have (nothing runs in a simulated Pod; its message is the reference)."""
+        assert self.own_store is not None and self.stored is not None
+        by_capability = {p.capability: p for p in self.planned if p.stored is not None}
+        client = self.own_store.client()
+        try:
+            for stored in self.stored:
+                plan = by_capability[stored.capability].stored
+                assert plan is not None
+                client.put_object(Bucket=STORE_BUCKET, Key=stored.key, Body=plan.data())
+        finally:
+            client.close()
 
     def _create_database(self) -> str:
         name = f"k8s_dispatch_chaos_{self.tag}"
@@ -296,19 +335,31 @@ class _Run(Feeder, FaultExecutor, Convergence):
         self.progress(f"chaos: faults stopped after {stopped - self.t0:.0f}s; waiting for convergence")
         deadline = stopped + self.options.deadline_s
         converged = False
-        next_report, last_said = time.monotonic() + PROGRESS_EVERY_S, (-1, -1, -1)
+        next_report, last_said = time.monotonic() + PROGRESS_EVERY_S, (-1, -1, -1, -1)
+        only_slots: float | None = None  # when all that was left was slots held by ended dispatches
         while time.monotonic() < deadline:
             self._tick()
             pending, jobs = self._pending() + (self.neighbour.pending() if self.neighbour else 0), self._jobs_left()
             held = self._pods_held() if pending == 0 and jobs == 0 else -1  # Pods are freed before their Job
-            if held == 0:
+            # An ended dispatch's slot frees once its Job is seen stopped, which may be a sweep after it is gone.
+            slots = self._slots_held() if held == 0 else -1
+            if slots > 0 and only_slots is None:
+                only_slots = time.monotonic()
+                self.progress(f"chaos: converging: every dispatch ended and notified, no job or pod left; "
+                              f"{slots} slots still held, waiting for them to be freed: {self._slot_words()}")  # fmt: skip
+            if slots == 0:
                 converged = True
                 break
-            if time.monotonic() >= next_report and (pending, jobs, held) != last_said:  # said once while it stays
-                next_report, last_said = time.monotonic() + PROGRESS_EVERY_S, (pending, jobs, held)
+            if time.monotonic() >= next_report and (pending, jobs, held, slots) != last_said:  # once while it stays
+                next_report, last_said = time.monotonic() + PROGRESS_EVERY_S, (pending, jobs, held, slots)
                 self.progress(f"chaos: converging: {pending} dispatches not ended and notified, {jobs} jobs left"
-                              + (f", {held} pods held" if held > 0 else ""))  # fmt: skip
+                              + (f", {held} pods held" if held > 0 else "")
+                              + (f", {slots} slots held" if slots > 0 else ""))  # fmt: skip
             time.sleep(TICK_S)
+        if only_slots is not None:
+            result.slots_wait_s = time.monotonic() - only_slots
+            self.progress(f"chaos: slots held after the rest converged: {'freed' if converged else 'NOT freed'} "
+                          f"after {result.slots_wait_s:.1f}s")  # fmt: skip
         if converged:
             result.converged_s = time.monotonic() - stopped
             # A claim is released by its holder or expires with its lease: none may stay longer.
@@ -320,7 +371,16 @@ class _Run(Feeder, FaultExecutor, Convergence):
                 for path in sorted(self.dir.glob("**/*.log"))}  # fmt: skip
         self.result.unexpected_errors = unexpected_task_errors({n: t for n, t in logs.items() if "worker" in n})
         self._judge()
+        if self.own_store is not None:
+            self._judge_objects(logs)
         self.result.stories = {d: story(logs, d) for d in self.result.verdict.suspects[:STORIES]}
+
+    def _slot_words(self) -> str:
+        """The dispatches of this deployment that hold a slot, as the progress line names them."""
+        try:
+            return "; ".join(h.describe() for h in slot_dispatches(self.sessions)) or "by the second deployment"
+        except DispatchError as e:
+            return f"cannot say ({e.__class__.__name__})"
 
     def _tick(self) -> None:
         """Restart what died on its own (and say so); send lost `schedule` calls again."""
@@ -341,6 +401,22 @@ class _Run(Feeder, FaultExecutor, Convergence):
                 self.result.unexpected_exits += self.neighbour.revive()
         self._resend_unrecorded()
         self._count_queued()
+        self._scan_messages()
+
+    def _scan_messages(self) -> None:
+        """Read the Celery messages in the broker now (queued and unacknowledged) for the secret
+        inputs' markers (once a MESSAGE_SCAN_S)."""
+        if not self.scan.markers or time.monotonic() < self.next_message_scan or not hasattr(self, "redis"):
+            return
+        self.next_message_scan = time.monotonic() + MESSAGE_SCAN_S
+        try:
+            for key in self.redis.scan_iter(match=f"{self.prefix}:*", count=1000, _type="list"):
+                for raw in self.redis.lrange(key, 0, -1):
+                    self.scan.scan_message(raw, where=key.decode(errors="replace"))
+            for raw in self.redis.hvals(f"{self.prefix}:unacked"):
+                self.scan.scan_message(raw, where="unacked")
+        except redis.RedisError as e:
+            log.debug("cannot read the broker's messages now: %s", e)
 
     def _count_queued(self) -> None:
         """Note the most dispatches of each tenancy waiting for a slot at once (once a second)."""

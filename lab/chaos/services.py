@@ -7,6 +7,9 @@ faked wall clocks of the processes whose clock the run steps.
 - `OwnPostgres`: `initdb` into a temp dir with the Debian binaries, `postgres` on a free port as the
   `postgres` user when we are root; a restart is SIGKILL of the postmaster and every backend, then a
   start that replays the WAL, as after a host crash.
+- `OwnObjectStore`: SeaweedFS's `weed mini` (master, volume server, filer and S3 gateway in one
+  process; built by `tools/build.sh seaweedfs`) on free ports, its data under the run's work dir: a
+  restart is SIGKILL, then a start on the same ports and data, ready once a signed PUT succeeds.
 - `SteppedClock`: a process runs under libfaketime reading its offset from a file (again every
   second: `FAKETIME_NO_CACHE`, a read on every call, made a worker's start-up 30 times slower), so
   the offset jumps while it runs, within about 2 s of a step; the monotonic clocks stay true. libfaketime 0.9.10 breaks
@@ -22,15 +25,18 @@ from __future__ import annotations
 import glob
 import os
 import pwd
+import secrets
 import shutil
 import signal
 import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from k8s_dispatch.lab import seaweedfs
 from k8s_dispatch.lab.chaos.faketime import libfaketime, write_offset
-from k8s_dispatch.ops.processes import ManagedProcess, free_port, wait_for_log
+from k8s_dispatch.ops.processes import ManagedProcess, free_port, wait_for_log, wait_until
 
 START_TIMEOUT_S = 60.0
 REDIS_READY = "Ready to accept connections"
@@ -146,6 +152,100 @@ class OwnPostgres:
                 self.proc.stop(timeout=15)
         finally:
             shutil.rmtree(self.data, ignore_errors=True)
+
+
+# --- the object store ------------------------------------------------------------------------------
+
+BUILD_SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "build.sh"
+BUILD_TIMEOUT_S = 1800.0  # a cold build of weed: about 11 CPU-minutes
+STORE_BUCKET = "chaos"
+PROBE_KEY = ".chaos-probe"
+
+
+def weed_binary() -> Path:
+    """`weed`, built from its Go module into the tools cache (a cached build only hashes its
+    inputs). Raises ServiceUnavailable: the build failed."""
+    try:
+        done = subprocess.run(["bash", str(BUILD_SCRIPT), "seaweedfs"], capture_output=True, text=True,
+                              timeout=BUILD_TIMEOUT_S)  # fmt: skip
+    except subprocess.TimeoutExpired as e:
+        raise ServiceUnavailable(f"tools/build.sh seaweedfs took over {BUILD_TIMEOUT_S:g}s") from e
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        raise ServiceUnavailable(f"tools/build.sh seaweedfs failed ({done.returncode}): {done.stderr[-2000:]}")
+    return Path(lines[-1]) / "weed"
+
+
+class OwnObjectStore:
+    """A SeaweedFS of the run's own (`weed mini`) on free ports, its data under `directory`, one
+    bucket (STORE_BUCKET) and one identity with a fresh secret key."""
+
+    def __init__(self, *, directory: Path, log_dir: Path, env: dict[str, str]) -> None:
+        weed = weed_binary()
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "data").mkdir(exist_ok=True)
+        self.access_key, self.secret_key = "chaos", secrets.token_hex(16)
+        (directory / "s3.json").write_text(seaweedfs.s3_config("chaos", self.access_key, self.secret_key))
+        p = [free_port() for _ in range(seaweedfs.PORTS)]
+        self.port = p[6]
+        argv = seaweedfs.mini_argv(weed, directory, p, STORE_BUCKET)
+        self.proc = ManagedProcess("seaweedfs", argv, env, log_dir / "seaweedfs.log", cwd=directory)
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def settings(self, prefix: str) -> dict[str, str]:
+        """The K8S_DISPATCH_* settings (without the prefix) that use this store, objects under `prefix`."""
+        return {
+            "OBJECT_STORE_ENDPOINT": self.endpoint,
+            "OBJECT_STORE_BUCKET": STORE_BUCKET,
+            "OBJECT_STORE_PREFIX": prefix,
+            "OBJECT_STORE_ACCESS_KEY": self.access_key,
+            "OBJECT_STORE_SECRET_KEY": self.secret_key,
+        }
+
+    def client(self) -> Any:
+        """A boto3 S3 client of the store (the harness's own: its reads and lists)."""
+        import boto3
+        from botocore.config import Config
+
+        return boto3.client(
+            "s3", endpoint_url=self.endpoint, aws_access_key_id=self.access_key, aws_secret_access_key=self.secret_key,
+            region_name="us-east-1",
+            config=Config(s3={"addressing_style": "path"}, connect_timeout=5, read_timeout=30,
+                          retries={"max_attempts": 3, "mode": "standard"}),
+        )  # fmt: skip
+
+    def start(self) -> None:
+        """Start it and wait until it takes writes. Raises WaitTimeout, RuntimeError (it exited)."""
+        self.proc.start()
+        self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Until a signed PUT succeeds (the gateway answers before the filer and a volume take
+        writes; after a SIGKILL, seen 15 s). Raises WaitTimeout, RuntimeError (it exited)."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        client = self.client()
+
+        def writable() -> bool:
+            if not self.proc.alive:
+                raise RuntimeError(f"weed exited with code {self.proc.returncode}:\n{self.proc.log_tail(20)}")
+            try:
+                client.put_object(Bucket=STORE_BUCKET, Key=PROBE_KEY, Body=b"ok")
+                client.delete_object(Bucket=STORE_BUCKET, Key=PROBE_KEY)
+            except (BotoCoreError, ClientError):
+                return False
+            return True
+
+        try:
+            wait_until(writable, timeout=START_TIMEOUT_S, interval=0.1, what="the object store to take a write")
+        finally:
+            client.close()
+
+    def stop(self) -> None:
+        self.proc.stop(timeout=10)
 
 
 # --- faked clocks ----------------------------------------------------------------------------------

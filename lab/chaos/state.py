@@ -15,10 +15,11 @@ import redis
 
 from k8s_dispatch.lab.chaos.cluster import ChaosCluster
 from k8s_dispatch.lab.chaos.fault_plan import BEAT
+from k8s_dispatch.lab.chaos.objects import MarkerScan
 from k8s_dispatch.lab.chaos.options import ChaosOptions, ChaosResult
-from k8s_dispatch.lab.chaos.services import OwnPostgres, OwnRedis, SteppedClock
+from k8s_dispatch.lab.chaos.services import OwnObjectStore, OwnPostgres, OwnRedis, SteppedClock
 from k8s_dispatch.lab.chaos.upgrade import PreviousRelease
-from k8s_dispatch.lab.chaos.workload import Planned, workload
+from k8s_dispatch.lab.chaos.workload import Planned, StoredResult, workload
 from k8s_dispatch.ops.processes import ManagedProcess, celery_beat, celery_worker
 
 if TYPE_CHECKING:
@@ -39,6 +40,8 @@ class RunState:
 
     own_pg: OwnPostgres | None
     own_redis: OwnRedis | None
+    own_store: OwnObjectStore | None  # the run's object store (None: the run has none)
+    stored: list[StoredResult] | None  # the stored-result dispatches' objects (None: no object store)
     admin_url: str
     redis_url: str
     redis: redis.Redis
@@ -63,6 +66,7 @@ class RunState:
         self.tag = tag
         self.progress = progress
         self.prefix = result.prefix
+        self.object_prefix = f"chaos-{tag}"  # the run's objects, under it in the object store
         self.dir = result.work_dir
         self.stack = ExitStack()
         self.stop = threading.Event()
@@ -71,12 +75,17 @@ class RunState:
         # (kills, the rolling restart of the namespace change) go on meanwhile, on schedule.
         self.cluster_lock = threading.RLock()
         self.procs: dict[str, ManagedProcess] = {}
-        self.planned = workload(options.seed, options.dispatches, tag=tag, maps=options.map_count)
+        self.planned = workload(options.seed, options.dispatches, tag=tag, maps=options.map_count,
+                                stored=options.large_count, secrets=options.secret_count)  # fmt: skip
+        # Each secret input's marker: looked for in everything the run can read (lab.chaos.objects).
+        self.scan = MarkerScan(str(p.input["token"]) for p in self.planned if p.secret)
+        self.next_message_scan = 0.0
         self.ids: dict[int, str] = {}  # planned index -> dispatch id, once scheduled
         self.sent_at: dict[str, float] = {}  # dispatch id -> last `schedule` task send (task path)
         self.sends: Counter[str] = Counter()  # dispatch id -> `schedule` task sends
         self.recorded: set[str] = set()  # task-path dispatch ids seen in the database
         self.by_task: dict[str, Planned] = {}  # dispatch id -> its planned dispatch, sent as the task
+        self.sealed: dict[str, str] = {}  # dispatch id -> its secret input's Fernet token (task path)
         self.old_schema = False  # the previous release's schema: before the rolling upgrade's migrate
         self.clocks: dict[str, SteppedClock] = {}
         # name -> (process, its start count, its log's size) when the run's Redis came back
@@ -88,6 +97,9 @@ class RunState:
         self.neighbour: Any = None  # lab.chaos.neighbour.Neighbour, when the run has one
         self.observer: Any = None  # lab.chaos.observer.JobObserver
         self.caps_now: Path | None = None  # the capability file the workers run on
+        # Set once the namespace change has restarted every process on the moved file (or will
+        # not happen): the feeder holds the work planned after it until then.
+        self.moved = threading.Event()
         self.feed_error: BaseException | None = None
         self.threads: list[threading.Thread] = []
         self.t0 = 0.0

@@ -15,18 +15,31 @@ capability's `by-index` annotation (localcluster and our node agent read it by c
 which is the item's as long as the map's Job is its first), in exec mode from its input (`sleep`,
 a negative number of seconds failing). Each must end in one item event per item and one terminal
 event with its counts (`expected_map`, `expected_items`).
+
+The object store's part (issue 28): a few dispatches whose results go to the object store
+(`StoredPlan`: 1-3 MiB of random bytes from a seed, the expected output a reference with their
+size and SHA-256), each under a capability of its own, `chaos.large-N`; a few with secret inputs
+(`chaos.secret`, each input holding a random marker the run looks for everywhere it must not be);
+and `chaos.fail` archiving its failed Pods' logs (`archiveLogs: onFailure`). In exec mode the
+runner calls `lab.chaos.functions` (the bytes uploaded through the attempt's presigned URL); in
+simulate mode nothing runs in the Pod, so the harness writes the first attempt's object before the
+dispatch is scheduled, as its container would have, and the capability's simulated termination
+message is the reference to it (hence one capability per such dispatch).
 """
 
 from __future__ import annotations
 
 import base64
 import copy
+import hashlib
 import json
 import random
+import uuid
 from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any
 
+from k8s_dispatch.container.contract import result_reference
 from k8s_dispatch.store.models import EventType, ItemEventType
 from k8s_dispatch.store.scheduling import ScheduleRequest
 
@@ -59,6 +72,16 @@ ITEM_FAILURE_REASON = "ContainerFailed"
 TIMEOUT_DEADLINE_S = 2
 EXEC_SLOW_S = 1.5
 EXEC_HANG_S = 600
+# The object store's part: stored results of STORED_BYTES (drawn), at seeded places in the first
+# STORED_SPAN of the feed; secret inputs in SECRET_SPAN of it (after the rolling upgrade).
+STORED_BYTES = (1 << 20, 3 << 20)
+STORED_SPAN = (0.05, 0.8)
+SECRET_SPAN = (0.3, 0.9)
+STORED_MAX_BYTES = 8 << 20  # the stored capabilities' maxResultBytes
+STORED_SIM_MS = 300
+FIRST_ATTEMPT = 0  # a dispatch's first Job's attempt (the key its first upload goes to)
+FAIL_LOG = "chaos: a planned failure\n"  # what a simulated chaos.fail container writes to its log
+FUNCTIONS = "k8s_dispatch.lab.chaos.functions"
 
 
 class Kind(StrEnum):
@@ -72,6 +95,8 @@ class Kind(StrEnum):
     POISON_UTF8 = "poison-utf8"
     POISON_DEEP = "poison-deep"
     MAP = "map"  # a map dispatch (`MapPlan`), never drawn from MIX
+    LARGE = "large"  # a result in the object store (`StoredPlan`), never drawn from MIX
+    SECRET = "secret"  # a secret input holding a marker, never drawn from MIX
 
 
 # What each poison kind's container writes as its termination message (issue 13's holes).
@@ -105,7 +130,8 @@ class Expected:
     """The one terminal event a dispatch must end with."""
 
     event: EventType
-    output: Any = None  # WORKER_COMPLETED: the exact output
+    output: Any = None  # WORKER_COMPLETED: the exact output (unless `stored`)
+    stored: tuple[int, str] | None = None  # WORKER_COMPLETED: a reference to an object of this size and SHA-256
     reason: str | None = None  # WORKER_FAILED: the reason
     also: frozenset[str] = frozenset()  # WORKER_FAILED: other reasons the Job controller may give
     detail: Any = None  # WORKER_FAILED: the exact detail, when given (a map's counts)
@@ -139,6 +165,27 @@ class MapPlan:
 
 
 @dataclass(frozen=True)
+class StoredPlan:
+    """A dispatch whose result goes to the object store: `size` bytes drawn from `stream`."""
+
+    number: int
+    stream: str
+    size: int
+
+    @property
+    def capability(self) -> str:
+        return f"chaos.{Kind.LARGE.value}-{self.number}"
+
+    def data(self) -> bytes:
+        return stored_bytes(self.stream, self.size)
+
+
+def stored_bytes(stream: str, size: int) -> bytes:
+    """The `size` random bytes of `stream` (the same on every call: the expected output's)."""
+    return random.Random(stream).randbytes(size)
+
+
+@dataclass(frozen=True)
 class Planned:
     """One dispatch the feeder schedules (a map dispatch when `map` is set)."""
 
@@ -150,13 +197,46 @@ class Planned:
     via_task: bool  # sent as the Celery `schedule` (`schedule_map`) task, else the in-transaction Python call
     idempotency_key: str
     map: MapPlan | None = None
+    stored: StoredPlan | None = None
+    secret: bool = False  # scheduled with secret=True (its input holds a marker)
+    dispatch_id: str | None = None  # fixed in advance (a stored result's key names it), else drawn at schedule
 
     @property
     def capability(self) -> str:
-        return capability(self.kind)
+        return self.stored.capability if self.stored is not None else capability(self.kind)
 
     def request(self) -> ScheduleRequest:
-        return ScheduleRequest(self.case_id, self.tenancy_id, self.capability, self.input, self.idempotency_key)
+        return ScheduleRequest(self.case_id, self.tenancy_id, self.capability, self.input, self.idempotency_key,
+                               dispatch_id=self.dispatch_id, secret=self.secret)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class StoredResult:
+    """A stored-result dispatch as its capability and the harness see it: the first attempt's key
+    and the bytes' size and SHA-256."""
+
+    capability: str
+    key: str
+    size: int
+    sha256: str
+
+
+def stored_results(planned: list[Planned], *, prefix: str) -> list[StoredResult]:
+    """The stored-result dispatches of `planned`, their objects under the object store `prefix`."""
+    from k8s_dispatch.artifacts.keys import result_key
+
+    found = []
+    for p in planned:
+        if p.stored is not None and p.dispatch_id is not None:
+            data = p.stored.data()
+            found.append(StoredResult(p.stored.capability, result_key(prefix, p.dispatch_id, FIRST_ATTEMPT), len(data),
+                                      hashlib.sha256(data).hexdigest()))  # fmt: skip
+    return found
+
+
+def secret_marker(tag: str, seed: int, index: int) -> str:
+    """A string that appears nowhere but in one secret input of the run tagged `tag`."""
+    return "sekret-" + hashlib.sha256(f"chaos-secret-{tag}-{seed}-{index}".encode()).hexdigest()[:32]
 
 
 def cases(tag: str) -> list[tuple[str, str]]:
@@ -174,24 +254,32 @@ def idle_namespaces(count: int) -> tuple[str, ...]:
 
 
 def capabilities_config(
-    mode: str, *, python: str = "python", limits: bool = True, idle: tuple[str, ...] = ()
+    mode: str,
+    *,
+    python: str = "python",
+    limits: bool = True,
+    idle: tuple[str, ...] = (),
+    stored: list[StoredResult] | None = None,
 ) -> dict[str, Any]:
     """The capability file's content for `mode` ("simulate" or "exec"), with `LIMITS` unless
-    `limits` is False, and one capability in each of the `idle` namespaces (never dispatched)."""
+    `limits` is False, and one capability in each of the `idle` namespaces (never dispatched).
+    With `stored` (an object store configured), one `results: objectStore` capability for each
+    stored-result dispatch and `chaos.secret`; without, neither."""
     if mode not in ("simulate", "exec"):
         raise ValueError(f"mode must be simulate or exec, got {mode!r}")
     functions = {Kind.QUICK: "echo", Kind.SLOW: "sleep", Kind.FAIL: "fail", Kind.TIMEOUT: "sleep", Kind.MAP: "sleep"}
+    runner = [python, "-m", "k8s_dispatch.container.runner"]
     table: dict[Kind, dict[str, Any]] = {
         kind: {
             "worker": f"chaos-{kind.value}",
             "image": IMAGE,
-            "command": [python, "-m", "k8s_dispatch.container.runner"],
+            "command": runner,
             "args": [f"k8s_dispatch.demo.functions:{functions[kind]}"],
             "backoffLimit": 0,
         }
-        for kind in Kind
-        if kind not in POISON
+        for kind in functions
     }
+    table[Kind.FAIL]["archiveLogs"] = "onFailure"  # the default, said: each failure's log is checked
     for kind, written in POISON.items():
         encoded = base64.b64encode(written).decode()
         table[kind] = {"worker": f"chaos-{kind.value}", "image": IMAGE, "backoffLimit": 0}
@@ -203,10 +291,28 @@ def capabilities_config(
         table[Kind.QUICK]["annotations"] = {SIM + "duration-ms": "50"}
         table[Kind.SLOW]["annotations"] = {SIM + "duration-ms": str(SLOW_MS)}
         table[Kind.FAIL]["annotations"] = {SIM + "duration-ms": "100", SIM + "outcome": "fail", SIM + "exit-code": "3"}
+        table[Kind.FAIL]["annotations"][SIM + "log"] = FAIL_LOG
         table[Kind.TIMEOUT]["annotations"] = {SIM + "outcome": "hang"}
         table[Kind.MAP]["annotations"] = {SIM + "by-index": json.dumps(_by_index(), sort_keys=True)}
     table[Kind.TIMEOUT]["activeDeadlineSeconds"] = TIMEOUT_DEADLINE_S
     config: dict[str, Any] = {"capabilities": {capability(kind): fields for kind, fields in table.items()}}
+    if stored is not None:
+        config["capabilities"][capability(Kind.SECRET)] = {
+            "worker": f"chaos-{Kind.SECRET.value}", "image": IMAGE, "command": runner,
+            "args": [f"{FUNCTIONS}:secret_digest"], "backoffLimit": 0,
+        }  # fmt: skip
+        if mode == "simulate":
+            config["capabilities"][capability(Kind.SECRET)]["annotations"] = {SIM + "duration-ms": "50"}
+        for result in stored:
+            spec: dict[str, Any] = {
+                "worker": f"chaos-{Kind.LARGE.value}", "image": IMAGE, "command": runner,
+                "args": [f"{FUNCTIONS}:stored_bytes"], "backoffLimit": 0, "results": "objectStore",
+                "maxResultBytes": STORED_MAX_BYTES,
+            }  # fmt: skip
+            if mode == "simulate":  # the message the container would write once its upload is done
+                message = result_reference(key=result.key, size=result.size, sha256=result.sha256)
+                spec["annotations"] = {SIM + "duration-ms": str(STORED_SIM_MS), SIM + "result": message}
+            config["capabilities"][result.capability] = spec
     for namespace in idle:
         config["capabilities"][f"chaos.{namespace}"] = {
             "worker": namespace, "image": IMAGE, "namespace": namespace, "backoffLimit": 0,
@@ -216,17 +322,25 @@ def capabilities_config(
     return config
 
 
-def workload(seed: int, count: int, *, tag: str, task_every: int = 4, maps: int = 0) -> list[Planned]:
+def workload(
+    seed: int, count: int, *, tag: str, task_every: int = 4, maps: int = 0, stored: int = 0, secrets: int = 0
+) -> list[Planned]:
     """`count` dispatches with kinds drawn from MIX by `seed`; every `task_every`-th is sent as
     the Celery `schedule` task (0: none), the rest through the Python call. `maps` of them, at
     places drawn from `seed` in the first MAP_SPAN of the feed, are map dispatches (`map_plan`),
-    every second one sent as the `schedule_map` task. `tag` (unique per run) goes into case ids
-    and idempotency keys, so runs sharing a database never meet."""
+    every second one sent as the `schedule_map` task. `stored` of them (at places drawn in
+    STORED_SPAN, not a map's) store their results (`StoredPlan`), and `secrets` (in SECRET_SPAN)
+    have secret inputs; every second of each sent as the task. `tag` (unique per run) goes into
+    case ids, idempotency keys, the stored results' dispatch ids and the secret markers, so runs
+    sharing a database (or a store) never meet."""
     rng = random.Random(f"workload-{seed}")
     kinds, weights = zip(*MIX, strict=True)
     all_cases = cases(tag)
     span = max(1, min(count, int(count * MAP_SPAN)))
     at = sorted(random.Random(f"maps-{seed}").sample(range(span), min(maps, span)))
+    placer = random.Random(f"objects-{seed}")
+    stored_at = _places(placer, count, STORED_SPAN, stored, taken=set(at))
+    secret_at = _places(placer, count, SECRET_SPAN, secrets, taken=set(at) | set(stored_at))
     planned = []
     for i in range(count):
         kind = rng.choices(kinds, weights)[0]  # drawn for a map's place too: the singles stay as they were
@@ -235,6 +349,22 @@ def workload(seed: int, count: int, *, tag: str, task_every: int = 4, maps: int 
             number = at.index(i)
             planned.append(Planned(i, Kind.MAP, case_id, tenancy_id, {}, number % 2 == 1, f"chaos-{tag}-{i}",
                                    map_plan(seed, number)))  # fmt: skip
+            continue
+        if i in stored_at:
+            number = stored_at.index(i)
+            plan = StoredPlan(
+                number, f"stored-{seed}-{number}", random.Random(f"stored-{seed}-{number}").randint(*STORED_BYTES)
+            )
+            dispatch_id = str(uuid.UUID(bytes=hashlib.sha256(f"chaos-{tag}-{i}".encode()).digest()[:16], version=4))
+            stored_input = {"n": i, "stream": plan.stream, "size": plan.size}
+            planned.append(Planned(i, Kind.LARGE, case_id, tenancy_id, stored_input, number % 2 == 1,
+                                   f"chaos-{tag}-{i}", stored=plan, dispatch_id=dispatch_id))  # fmt: skip
+            continue
+        if i in secret_at:
+            number = secret_at.index(i)
+            secret_input = {"n": i, "token": secret_marker(tag, seed, i)}
+            planned.append(Planned(i, Kind.SECRET, case_id, tenancy_id, secret_input, number % 2 == 1,
+                                   f"chaos-{tag}-{i}", secret=True))  # fmt: skip
             continue
         data: dict[str, Any] = {"n": i, "seed": seed, "text": f"dispatch {i} of run {seed}"}
         if kind is Kind.SLOW:
@@ -246,6 +376,13 @@ def workload(seed: int, count: int, *, tag: str, task_every: int = 4, maps: int 
         via_task = task_every > 0 and i % task_every == task_every - 1
         planned.append(Planned(i, kind, case_id, tenancy_id, data, via_task, f"chaos-{tag}-{i}"))
     return planned
+
+
+def _places(rng: random.Random, count: int, span: tuple[float, float], n: int, *, taken: set[int]) -> list[int]:
+    """`n` indexes drawn by `rng` in `span` (fractions) of `count`, none of `taken`, in order."""
+    low, high = int(count * span[0]), max(int(count * span[0]) + 1, int(count * span[1]))
+    free = [i for i in range(low, min(high, count)) if i not in taken]
+    return sorted(rng.sample(free, min(n, len(free))))
 
 
 def map_plan(seed: int, number: int) -> MapPlan:
@@ -282,6 +419,15 @@ def _by_index() -> dict[str, dict[str, Any]]:
 
 def expected(kind: Kind, data: Any, *, mode: str) -> Expected:
     """The terminal event a dispatch of `kind` with input `data` must end with in `mode`."""
+    if kind is Kind.LARGE:
+        stored = stored_bytes(data["stream"], data["size"])
+        return Expected(EventType.WORKER_COMPLETED, stored=(len(stored), hashlib.sha256(stored).hexdigest()))
+    if kind is Kind.SECRET:  # a simulated container echoes only an input given as a literal value
+        if mode == "simulate":
+            return Expected(EventType.WORKER_COMPLETED, output={"simulated": True, "input": None})
+        from k8s_dispatch.lab.chaos.functions import secret_digest
+
+        return Expected(EventType.WORKER_COMPLETED, output=secret_digest(data))
     if kind is Kind.TIMEOUT:
         # The real Job controller checks the backoff limit before the deadline: when it has
         # deleted the Pod at the deadline but could not yet write DeadlineExceeded (the API
@@ -332,6 +478,8 @@ def kind_of(capability_name: str) -> Kind | None:
     prefix = "chaos."
     if not capability_name.startswith(prefix):
         return None
+    if capability_name.startswith(f"{prefix}{Kind.LARGE.value}-"):
+        return Kind.LARGE
     try:
         return Kind(capability_name[len(prefix) :])
     except ValueError:

@@ -41,10 +41,20 @@ def realcluster() -> None:
     help="agent: localcluster's node agent runs the Pods; kubelet: kube-scheduler, the kubelet and containerd "
     "run them in real containers (root; runc, CNI plugins and busybox-static from Debian).",
 )
-def serve(kubeconfig_path: Path, mode: str, node: str) -> None:
+@click.option(
+    "--nodes",
+    type=click.IntRange(1, controlplane.MAX_NODES),
+    default=1,
+    show_default=True,
+    help="With --node kubelet: how many kubelet nodes (each its own containerd, bridge and Pod subnet; "
+    "a drain of one moves its Pods to another).",
+)
+def serve(kubeconfig_path: Path, mode: str, node: str, nodes: int) -> None:
     """Start etcd, kube-apiserver, kube-controller-manager and a node; serve until stopped."""
+    if nodes > 1 and node != "kubelet":
+        raise click.UsageError("--nodes above 1 needs --node kubelet")
     directory = Path(tempfile.mkdtemp(prefix="realcluster-"))
-    sys.exit(controlplane.serve(directory, kubeconfig=kubeconfig_path, mode=mode, node=node))
+    sys.exit(controlplane.serve(directory, kubeconfig=kubeconfig_path, mode=mode, node=node, nodes=nodes))
 
 
 @realcluster.command()

@@ -4,7 +4,9 @@ garbage-collector, TTL-after-finished, ServiceAccount, namespace and Pod-GC cont
 localcluster's node agent (`node="agent"`, the default: no scheduler, the agent binds the Pods), or
 a real one (`node="kubelet"`: kube-scheduler, the kubelet and containerd, `lab/realcluster/node.py`,
 with the node lifecycle and root-CA publisher controllers a kubelet's Pods need, and the Deployment,
-ReplicaSet and disruption controllers the Helm chart's workloads and PodDisruptionBudget need).
+ReplicaSet and disruption controllers the Helm chart's workloads and PodDisruptionBudget need). With
+`nodes=2` (or `add_kubelet_node()` on a running plane) a second kubelet node runs beside the first,
+each with its own containerd: a drain of one moves its Pods to the other.
 
     with ControlPlane(directory=tmp, mode="simulate") as cp:
         config.load_kube_config(config_file=str(cp.kubeconfig))
@@ -35,6 +37,7 @@ from k8s_dispatch.ops.processes import ManagedProcess, free_port, project_env, w
 
 CONTEXT = "realcluster"
 NODE_NAME = "k8s-dispatch-node"
+MAX_NODES = 4  # kubelet nodes one plane can run: their users are in the token file kube-apiserver reads once
 SERVICE_CIDR = "10.96.0.0/24"  # only a setting: nothing is ever sent to it
 CONTROLLERS = "job,garbagecollector,ttl-after-finished,serviceaccount,serviceaccount-token,namespace,podgc"
 # A kubelet's node also needs its not-ready taint lifted and `kube-root-ca.crt` in every namespace
@@ -44,6 +47,11 @@ CONTROLLERS = "job,garbagecollector,ttl-after-finished,serviceaccount,serviceacc
 KUBELET_CONTROLLERS = CONTROLLERS + ",nodelifecycle,root-ca-cert-publisher,deployment,replicaset,disruption"
 NODE_KINDS = ("agent", "kubelet")
 UNINITIALIZED_TAINT = "node.cloudprovider.kubernetes.io/uninitialized"  # the kubelet's, with an external cloud provider
+
+
+def node_name(index: int) -> str:
+    """The name of the plane's `index`-th node (0: NODE_NAME, the only one unless more are asked for)."""
+    return NODE_NAME if index == 0 else f"{NODE_NAME}-{index + 1}"
 
 
 class ControlPlaneFailed(RuntimeError):
@@ -78,6 +86,7 @@ class ControlPlane:
     directory: Path
     mode: str = "simulate"  # the node agent's: exec | simulate | none (no node: Pods stay Pending)
     node: str = "agent"  # agent | kubelet (kube-scheduler, the kubelet and containerd: real containers)
+    nodes: int = 1  # kubelet nodes started with the plane (node="kubelet" only), at most MAX_NODES
     pod_gc_threshold: int = 12500  # --terminated-pod-gc-threshold (Kubernetes' default)
     kube_api_qps: int = 400  # the controller manager's client budget: the Job controller creates Pods with it
     apiserver_args: tuple[str, ...] = ()
@@ -91,9 +100,14 @@ class ControlPlane:
         self.kubeconfig = self.directory / "admin.kubeconfig"
         self._ports: dict[str, int] = {}
         self._ctx: ssl.SSLContext | None = None
-        self.kubelet_node: Node | None = None
+        self._keys: pki.Pki | None = None
+        self._node_kubeconfigs: list[Path] = []
+        self._nodes_made = 0  # a removed node's name and directory are never reused
+        self.kubelet_nodes: list[Node] = []
         if self.node not in NODE_KINDS:
             raise ValueError(f"node must be one of {NODE_KINDS}, not {self.node!r}")
+        if not 1 <= self.nodes <= (MAX_NODES if self.node == "kubelet" else 1):
+            raise ValueError(f"nodes must be 1 for the agent, 1 to {MAX_NODES} for kubelet nodes, not {self.nodes}")
 
     # --- the public surface ----------------------------------------------------------------
 
@@ -104,6 +118,11 @@ class ControlPlane:
     @property
     def token(self) -> str:
         return self.admin.token
+
+    @property
+    def kubelet_node(self) -> Node | None:
+        """The first kubelet node (NODE_NAME), None with the agent or once stopped."""
+        return self.kubelet_nodes[0] if self.kubelet_nodes else None
 
     def __enter__(self) -> ControlPlane:
         self.start()
@@ -116,27 +135,36 @@ class ControlPlane:
         """Build what is missing, then start and wait for every component. Raises ControlPlaneFailed."""
         bins = binaries.control_plane()
         self.directory.mkdir(parents=True, exist_ok=True)
-        keys = pki.make(self.directory / "pki")
+        keys = self._keys = pki.make(self.directory / "pki")
         self._ctx = ssl.create_default_context(cafile=str(keys.ca_cert))
         self._ports = {"etcd": free_port(), "etcd_peer": free_port(), "apiserver": free_port()}
         controller_manager = User("system:kube-controller-manager", secrets.token_urlsafe(24))
-        node = User(f"system:node:{NODE_NAME}", secrets.token_urlsafe(24), ("system:nodes", "system:masters"))
+        node_users = [
+            User(f"system:node:{node_name(i)}", secrets.token_urlsafe(24), ("system:nodes", "system:masters"))
+            for i in range(MAX_NODES)
+        ]
         scheduler = User("system:kube-scheduler", secrets.token_urlsafe(24))
-        (self.directory / "tokens.csv").write_text(token_file_text([self.admin, controller_manager, node, scheduler]))
+        (self.directory / "tokens.csv").write_text(
+            token_file_text([self.admin, controller_manager, *node_users, scheduler])
+        )
         self._write_kubeconfig(self.kubeconfig, keys, self.admin)
         cm_kubeconfig = self._write_kubeconfig(
             self.directory / "controller-manager.kubeconfig", keys, controller_manager
         )
-        node_kubeconfig = self._write_kubeconfig(self.directory / "node.kubeconfig", keys, node)
+        self._node_kubeconfigs = [
+            self._write_kubeconfig(self.directory / f"{'node' if i == 0 else f'node-{i + 1}'}.kubeconfig", keys, user)
+            for i, user in enumerate(node_users)
+        ]
         try:
             self._start_etcd(bins)
             self._start_apiserver(bins, keys)
             self._start_controller_manager(bins, keys, cm_kubeconfig)
             if self.node == "kubelet":
                 self._start_scheduler(self._write_kubeconfig(self.directory / "scheduler.kubeconfig", keys, scheduler))
-                self._start_kubelet_node(keys, node_kubeconfig)
+                for _ in range(self.nodes):
+                    self.add_kubelet_node()
             elif self.mode != "none":
-                self._start_node(node_kubeconfig)
+                self._start_node(self._node_kubeconfigs[0])
         except BaseException:
             self.stop()
             raise
@@ -155,20 +183,52 @@ class ControlPlane:
         proc.stop(timeout=20)
         proc.start()
 
+    def add_kubelet_node(self) -> Node:
+        """Start one more kubelet node (its own containerd, kubelet, bridge and Pod subnet) and wait
+        until Pods can land on it. Raises ControlPlaneFailed on an agent's plane or past MAX_NODES,
+        NodeFailed if it does not start (having removed what it made)."""
+        if self.node != "kubelet" or self._keys is None:
+            raise ControlPlaneFailed("kubelet nodes join a started plane with node='kubelet'")
+        index = self._nodes_made
+        if index >= MAX_NODES:
+            raise ControlPlaneFailed(f"a plane runs at most {MAX_NODES} kubelet nodes over its life")
+        self._nodes_made += 1
+        name = node_name(index)
+        node = Node(
+            directory=self.directory / ("node" if index == 0 else f"node-{index + 1}"), name=name,
+            kubeconfig=self._node_kubeconfigs[index], ca_cert=self._keys.ca_cert, bins=binaries.node(),
+            node_ready=lambda: self._node_schedulable(name), ready_timeout=self.ready_timeout,
+        )  # fmt: skip
+        node.start()
+        self.kubelet_nodes.append(node)
+        return node
+
+    def remove_kubelet_node(self, node: Node) -> None:
+        """Stop `node` (removing what it made on the host) and delete its Node object: Pods still
+        bound to it are then the Pod GC controller's, as after a node's real loss."""
+        self.kubelet_nodes.remove(node)
+        node.stop()
+        status, body = self.request("DELETE", f"/api/v1/nodes/{node.name}")
+        if status not in (200, 404):
+            raise ControlPlaneFailed(f"deleting node {node.name}: {status} {body[:300]!r}")
+
     def stop(self) -> None:
-        """Stop every component, the node first (it stops its containers), etcd last."""
-        if self.kubelet_node is not None:
-            self.kubelet_node.stop()
-            self.kubelet_node = None
+        """Stop every component, the nodes first (each stops its containers; the first node last,
+        as it made the host directories the nodes share), etcd last."""
+        while self.kubelet_nodes:
+            self.kubelet_nodes.pop().stop()
         for name in ("node", "kube-scheduler", "kube-controller-manager", "kube-apiserver", "etcd"):
             proc = self.processes.pop(name, None)
             if proc is not None:
                 proc.stop(timeout=20)
 
     def all_processes(self) -> dict[str, ManagedProcess]:
-        """Every running component, the kubelet node's containerd and kubelet included."""
-        node = self.kubelet_node.processes if self.kubelet_node is not None else {}
-        return {**self.processes, **node}
+        """Every running component, the kubelet nodes' containerd and kubelet included (a node
+        after the first named `<node name>/containerd`, `<node name>/kubelet`)."""
+        procs = dict(self.processes)
+        for i, node in enumerate(self.kubelet_nodes):
+            procs.update({name if i == 0 else f"{node.name}/{name}": p for name, p in node.processes.items()})
+        return procs
 
     def logs_tail(self, lines: int = 30) -> str:
         return "\n".join(f"--- {name}\n{p.log_tail(lines)}" for name, p in self.all_processes().items())
@@ -289,17 +349,10 @@ class ControlPlane:
             str(binaries.kube_scheduler()), f"--kubeconfig={kubeconfig}", "--leader-elect=false", "--secure-port=0",
         ])  # fmt: skip
 
-    def _start_kubelet_node(self, keys: pki.Pki, kubeconfig: Path) -> None:
-        self.kubelet_node = Node(
-            directory=self.directory / "node", name=NODE_NAME, kubeconfig=kubeconfig, ca_cert=keys.ca_cert,
-            bins=binaries.node(), node_ready=self._node_schedulable, ready_timeout=self.ready_timeout,
-        )  # fmt: skip
-        self.kubelet_node.start()
-
-    def _node_schedulable(self) -> bool:
+    def _node_schedulable(self, name: str) -> bool:
         """Ready, initialised, and the node lifecycle controller has lifted the not-ready taint:
-        Pods can land (polled; initialises the Node when it sees it uninitialised)."""
-        status, body = self.get(f"/api/v1/nodes/{NODE_NAME}")
+        Pods can land on node `name` (polled; initialises the Node when it sees it uninitialised)."""
+        status, body = self.get(f"/api/v1/nodes/{name}")
         if status != 200:
             return False
         node = json.loads(body)
@@ -315,11 +368,12 @@ class ControlPlane:
         at a Node address, so we set InternalIP 127.0.0.1, then lift the `uninitialized` taint.
         Each patch carries the resourceVersion read (a 409 is retried by the next poll). True if
         it patched."""
-        path = f"/api/v1/nodes/{NODE_NAME}"
+        name = node["metadata"]["name"]
+        path = f"/api/v1/nodes/{name}"
         rv = node["metadata"]["resourceVersion"]
         addresses = node.get("status", {}).get("addresses") or []
         if not any(a.get("type") == "InternalIP" for a in addresses):
-            wanted = [{"type": "InternalIP", "address": "127.0.0.1"}, {"type": "Hostname", "address": NODE_NAME}]
+            wanted = [{"type": "InternalIP", "address": "127.0.0.1"}, {"type": "Hostname", "address": name}]
             patch = {"metadata": {"resourceVersion": rv}, "status": {"addresses": wanted}}
             self.request("PATCH", path + "/status", patch, content_type="application/merge-patch+json")
             return True
@@ -358,7 +412,7 @@ def remove(directory: Path) -> None:
     shutil.rmtree(directory, ignore_errors=True)
 
 
-def serve(directory: Path, *, kubeconfig: Path | None, mode: str, node: str = "agent") -> int:
+def serve(directory: Path, *, kubeconfig: Path | None, mode: str, node: str = "agent", nodes: int = 1) -> int:
     """`realcluster serve`: start, copy the admin kubeconfig, wait for a signal, stop, clean up."""
     import signal
 
@@ -369,7 +423,7 @@ def serve(directory: Path, *, kubeconfig: Path | None, mode: str, node: str = "a
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    cp = ControlPlane(directory=directory, mode=mode, node=node)
+    cp = ControlPlane(directory=directory, mode=mode, node=node, nodes=nodes)
     try:
         cp.start()
         if kubeconfig is not None:

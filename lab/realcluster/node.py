@@ -11,12 +11,21 @@ with `restrict_oom_score_adj` (every container then gets 1000, which only raises
 
 No image pull leaves the machine: every registry is sent to a loopback port we hold bound and never
 listen on, so a missing image fails here with `connection refused`.
+
+Several nodes can run on one host (`ControlPlane(nodes=2)`): each has its own containerd (root,
+state, sockets), kubelet (port, root, certificate and Pod-log directories), cgroup root, bridge and
+Pod subnet. What they share is keyed apart: the shims' sockets in SHIM_SOCKETS by a hash of their
+containerd's address, libcni's cache entries by network name and sandbox id, the log links in
+CONTAINER_LOGS by container id. One path is shared for real: the kubelet's device-plugin socket
+(/var/lib/kubelet/device-plugins, a constant of the kubelet): the last kubelet started holds it,
+which costs nothing while no device plugin registers (none does here).
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import ipaddress
 import json
 import os
 import re
@@ -41,6 +50,7 @@ BUSYBOX = Path("/bin/busybox")
 CNI_CACHE = Path("/var/lib/cni")  # libcni's result cache: a path containerd does not let us move
 CONTAINER_LOGS = Path("/var/log/containers")  # the kubelet's symlinks, a path it does not let us move
 SHIM_SOCKETS = Path("/run/containerd")  # the runc shim's sockets: fixed for root (unix socket paths are short)
+PODS_NETWORK = "10.88.0.0/16"  # every node's Pod subnet is in it (pod_subnet)
 NAMESPACE = "k8s.io"  # containerd's namespace for the CRI
 
 
@@ -154,14 +164,22 @@ def pod_subnet(routes: str, pick: Callable[[int], int] = secrets.randbelow) -> s
 
 def cni_conflist(*, network: str, bridge: str, subnet: str, data_dir: Path) -> str:
     """A bridge with host-local addresses and no NAT: Pods get a network namespace, an address and
-    a loopback, and reach nothing beyond this machine (they need nothing)."""
+    a loopback, and reach nothing beyond this machine. Their one route is PODS_NETWORK through their
+    bridge: every node's Pods and bridge address, so a service this host offers on one bridge's
+    address (a test's relay) is reached from the Pods of every node; there is no default route."""
     return json.dumps({
         "cniVersion": "1.0.0", "name": network,
         "plugins": [
             {"type": "bridge", "bridge": bridge, "isGateway": True, "ipMasq": False,
-             "ipam": {"type": "host-local", "ranges": [[{"subnet": subnet}]], "dataDir": str(data_dir)}},
+             "ipam": {"type": "host-local", "ranges": [[{"subnet": subnet}]], "routes": [{"dst": PODS_NETWORK}],
+                      "dataDir": str(data_dir)}},
         ],
     }, indent=2)  # fmt: skip
+
+
+def gateway(subnet: str) -> str:
+    """The bridge's address in `subnet`: its first, as host-local gives the Pods for their gateway."""
+    return str(ipaddress.ip_network(subnet)[1])
 
 
 def kubelet_config(*, port: int, runtime_socket: Path, cgroup_root: str, ca_file: Path, pod_logs: Path) -> str:
@@ -217,6 +235,11 @@ class Node:
         self._made_shim_dir = self._made_logs_dir = self._made_cni_cache = False
         self._container_ids: set[str] = set()  # sandboxes' among them: libcni's cache names its entries by them
 
+    @property
+    def address(self) -> str:
+        """The bridge's address: the one address of this host the node's Pods reach (set at start)."""
+        return gateway(self.subnet)
+
     # --- start ------------------------------------------------------------------------------
 
     def start(self) -> None:
@@ -230,6 +253,7 @@ class Node:
         self._made_cni_cache = not CNI_CACHE.exists()
         try:
             self._make_cgroups()
+            self._make_bridge()
             self._start_containerd()
             self._import_images()
             self._start_kubelet()
@@ -259,10 +283,24 @@ class Node:
         except TimeoutError as e:
             raise NodeFailed(f"{e}\n{proc.log_tail(40)}") from e
 
-    def _start_containerd(self) -> None:
-        base = self.directory / "containerd"
+    def _make_bridge(self) -> None:
+        """The bridge with its address, made now rather than by the CNI plugin with the first Pod:
+        its route then keeps the next node from drawing the same subnet, and the address can be
+        served on before any Pod runs (the plugin adopts a bridge holding the gateway it would set)."""
         routes = subprocess.run(["ip", "-o", "route"], capture_output=True, text=True, check=False).stdout
         self.subnet = pod_subnet(routes)
+        prefix = ipaddress.ip_network(self.subnet).prefixlen
+        for argv in (
+            ["ip", "link", "add", "name", self.bridge, "type", "bridge"],
+            ["ip", "addr", "add", f"{gateway(self.subnet)}/{prefix}", "dev", self.bridge],
+            ["ip", "link", "set", self.bridge, "up"],
+        ):
+            made = subprocess.run(argv, capture_output=True, text=True, check=False)
+            if made.returncode != 0:
+                raise NodeFailed(f"{' '.join(argv)} failed: {made.stderr.strip()}")
+
+    def _start_containerd(self) -> None:
+        base = self.directory / "containerd"
         cni_conf, certs = base / "net.d", base / "certs.d" / "_default"
         for d in (cni_conf, certs, self.state):
             d.mkdir(parents=True, exist_ok=True)

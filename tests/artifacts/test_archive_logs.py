@@ -2,19 +2,27 @@
 cuts, the keys, what a Pod says of itself, the config), then against a real SeaweedFS, PostgreSQL,
 Redis and localcluster: a log is in the store before our finalizer leaves its Pod, `show --logs`
 prints it once the Pod is gone, a store that is down holds the Pod (and loses no result) until a
-later release, and the sweep keeps logs as the record of an ended dispatch."""
+later release, and the sweep keeps logs as the record of an ended dispatch. Then a log that cannot
+be read (pods/log failed by a relay in front of localcluster): for now, it holds the Pod until the
+API answers; for good (404), or still past the grace, the Pod is freed and the key the failure
+names holds a note saying why."""
 
 from __future__ import annotations
 
+import contextlib
 import io
+import json
 import os
+import re
 import socket
+import struct
 import subprocess
 import sys
+import threading
 import uuid
 from collections.abc import Iterator
 from dataclasses import replace
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -29,12 +37,13 @@ from sqlalchemy.orm import Session, sessionmaker
 from k8s_dispatch.artifacts import Artifacts, keys, logs
 from k8s_dispatch.artifacts.cleanup import clean
 from k8s_dispatch.artifacts.errors import ObjectStoreUnavailable
-from k8s_dispatch.core.errors import ConfigError
+from k8s_dispatch.core.errors import ConfigError, PodLogUnavailable
 from k8s_dispatch.core.settings import load_settings
+from k8s_dispatch.delivery.cleanup import release_pods
 from k8s_dispatch.delivery.complete import CompleteOutcome, complete_job
 from k8s_dispatch.delivery.create import CreateOutcome, create_job_for
 from k8s_dispatch.delivery.runtime import Runtime
-from k8s_dispatch.demo.localcluster import LocalCluster
+from k8s_dispatch.demo.localcluster import LocalCluster, kubeconfig
 from k8s_dispatch.demo.localcluster.node import log_slice
 from k8s_dispatch.ops.processes import wait_until
 from k8s_dispatch.ops.show import write_logs
@@ -43,7 +52,7 @@ from k8s_dispatch.store.db import make_sessionmaker, transaction
 from k8s_dispatch.store.models import EventType, utcnow
 from k8s_dispatch.workers import failure_detail
 from k8s_dispatch.workers.job_status import job_state
-from k8s_dispatch.workers.manifest import FINALIZER, job_name
+from k8s_dispatch.workers.manifest import CONTAINER_NAME, FINALIZER, job_name
 from k8s_dispatch.workers.resolver import CapabilityResolver
 
 SIM = "localcluster.k8s-dispatch.io/"
@@ -51,12 +60,12 @@ LOG = "".join(f"step {i}: working\n" for i in range(3000)) + "giving up: no inpu
 SHORT = "hello from the container\n"
 
 
-def _sim(*, fail: bool, log: str = LOG, **fields: Any) -> dict[str, Any]:
+def _sim(*, fail: bool, log: str = LOG, duration_ms: int = 20, **fields: Any) -> dict[str, Any]:
     outcome = {SIM + "outcome": "fail", SIM + "exit-code": "2"} if fail else {}
     return {
         "worker": "sim",
         "image": "sim:1",
-        "annotations": {SIM + "duration-ms": "20", SIM + "log": log, **outcome},
+        "annotations": {SIM + "duration-ms": str(duration_ms), SIM + "log": log, **outcome},
         **fields,
     }
 
@@ -67,6 +76,8 @@ CAPABILITIES = {
         "succeeds": _sim(fail=False, log=SHORT),
         "always": _sim(fail=False, log=SHORT, archiveLogs="always"),
         "never": _sim(fail=True, log=SHORT, archiveLogs="never"),
+        # runs past its Job's deadline: the Job controller deletes its Pod, the node kills it
+        "overdue": _sim(fail=False, log=SHORT, duration_ms=120_000, activeDeadlineSeconds=2),
     }
 }
 
@@ -157,20 +168,32 @@ def _pod(*, phase: str, state: dict[str, Any], annotations: dict[str, str] | Non
             "labels": our_labels,
             "annotations": {**our_annotations, labels.ATTEMPT_KEY: "1", **(annotations or {})},
         },
-        "status": {"phase": phase, "containerStatuses": [{"name": "main", "state": state}]},
+        "status": {"phase": phase, "containerStatuses": [{"name": CONTAINER_NAME, "state": state}]},
     }
 
 
 def test_a_pod_says_whose_log_it_holds_and_how_it_ended() -> None:
-    failed = failure_detail.pod_log(_pod(phase="Failed", state={"terminated": {"exitCode": 2}}))
+    ended = {"terminated": {"exitCode": 2, "finishedAt": "2026-12-03T04:20:00Z"}}
+    failed = failure_detail.pod_log(_pod(phase="Failed", state=ended))
     assert failed is not None and (failed.attempt, failed.started, failed.failed) == (1, True, True)
+    assert failed.finished_at == datetime(2026, 12, 3, 4, 20, tzinfo=UTC)  # how long an unreadable log is waited for
     ok = failure_detail.pod_log(_pod(phase="Succeeded", state={"terminated": {"exitCode": 0}}))
     assert ok is not None and (ok.started, ok.failed) == (True, False)
     waiting = failure_detail.pod_log(_pod(phase="Pending", state={"waiting": {"reason": "ImagePullBackOff"}}))
     assert waiting is not None and not waiting.started  # no log to read: no request
+    running = failure_detail.pod_log(_pod(phase="Running", state={"running": {"startedAt": "2026-12-03T04:19:00Z"}}))
+    assert running is not None and running.started and running.finished_at is None
     assert failure_detail.pod_log({"metadata": {"name": "other", "labels": {"app": "x"}}}) is None
     garbled = _pod(phase="Failed", state={}, annotations={"k8s-dispatch.io/attempt": "one"})
     assert failure_detail.pod_log(garbled) is None
+
+
+def test_the_note_for_a_log_given_up_on_is_one_bounded_line() -> None:
+    assert logs.unreadable_note("kd-x-abcde", "NotFound: read the log\nof pod: 404") == (
+        b"[k8s-dispatch: the log of pod kd-x-abcde could not be read: NotFound: read the log of pod: 404]\n"
+    )
+    long = logs.unreadable_note("p", "x" * 5000 + "\u00e9\ud800")
+    assert long.count(b"\n") == 1 and len(long) < logs.MAX_WHY + 100 and long.endswith(b"...]\n")
 
 
 def test_the_failure_detail_names_the_archived_log() -> None:
@@ -368,3 +391,191 @@ def test_the_sweep_keeps_logs_as_the_record_of_an_ended_dispatch_until_their_ret
     expired = clean(kept_a_day, sessions, now=utcnow() + timedelta(days=1, minutes=1))
     assert sorted(expired.deleted_keys) == sorted([lost_attempt, last_attempt])
     assert [item.key for item in store.store.list(store.prefix + "/")] == [in_flight]
+
+
+# --- a log that cannot be read ----------------------------------------------------------------
+
+
+class PodLogFaults:
+    """A TCP relay in front of localcluster's plain-http listener that forwards every request
+    unchanged but, while `fault` is set, pods/log GETs: those it answers itself, the way the API
+    fails them when the Pod's kubelet cannot be reached ("500": kube-apiserver's InternalError
+    from its proxy to the node) or no longer knows the Pod ("404"), or the way a load balancer
+    drops them ("reset": the connection cut before forwarding). Requests come one at a time per connection (urllib3 does not pipeline), so
+    a request's line starts a chunk from the client."""
+
+    LOG_GET = re.compile(rb"GET /api/v1/namespaces/([^/ ]+)/pods/([^/ ]+)/log[? ]")
+
+    def __init__(self, upstream_url: str) -> None:
+        host, _, port = upstream_url.removeprefix("http://").partition(":")
+        self._upstream = (host, int(port.rstrip("/")))
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        self.fault: str | None = None
+        self.failed = 0  # pods/log requests answered here
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def close(self) -> None:
+        self._closed = True
+        self._listener.close()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
+
+    def _serve(self, client: socket.socket) -> None:
+        with client, socket.create_connection(self._upstream) as upstream:
+            threading.Thread(target=self._pump, args=(upstream, client), daemon=True).start()
+            while chunk := client.recv(65536):
+                found = self.LOG_GET.match(chunk)
+                if found is not None and self.fault is not None:
+                    self.failed += 1
+                    if self.fault == "reset":
+                        client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    else:
+                        client.sendall(self._answer(self.fault, *(g.decode() for g in found.groups())))
+                    return
+                upstream.sendall(chunk)
+
+    @staticmethod
+    def _pump(source: socket.socket, sink: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while chunk := source.recv(65536):
+                sink.sendall(chunk)
+        with contextlib.suppress(OSError):
+            sink.shutdown(socket.SHUT_WR)
+
+    @staticmethod
+    def _answer(fault: str, namespace: str, pod: str) -> bytes:
+        if fault == "404":  # the kubelet no longer knows the Pod
+            code, reason, phrase, message = 404, "NotFound", "Not Found", f'pod "{namespace}/{pod}" does not exist'
+        else:
+            url = f"https://127.0.0.1:10250/containerLogs/{namespace}/{pod}/{CONTAINER_NAME}"
+            code, reason, phrase = 500, "InternalError", "Internal Server Error"
+            message = f'Get "{url}": dial tcp 127.0.0.1:10250: connect: connection refused'
+        body = json.dumps({
+            "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+            "message": message, "reason": reason, "code": code,
+        }).encode()  # fmt: skip
+        head = (
+            f"HTTP/1.1 {code} {phrase}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+        )
+        return head.encode() + body
+
+
+@pytest.fixture
+def faults(sim_cluster: LocalCluster) -> Iterator[PodLogFaults]:
+    relay = PodLogFaults(sim_cluster.url)
+    yield relay
+    relay.close()
+
+
+@pytest.fixture
+def relayed(env: dict[str, str], sim_cluster: LocalCluster, faults: PodLogFaults, tmp_path: Path) -> Iterator[Runtime]:
+    """A runtime whose API requests go through `faults`."""
+    config = kubeconfig.write(tmp_path / "relayed.kubeconfig", faults.url, sim_cluster.token)
+    runtime = Runtime.from_settings(load_settings({**env, "K8S_DISPATCH_KUBECONFIG": str(config)}))
+    yield runtime
+    runtime.close()
+
+
+def _failure(rt: Runtime, dispatch_id: str) -> dict[str, Any]:
+    with transaction(rt.sessions) as session:
+        event = dispatches.terminal_event(session, dispatch_id)
+    assert event is not None and event.type == EventType.WORKER_FAILED
+    detail: dict[str, Any] = event.payload["detail"]
+    return detail
+
+
+def _stored(rt: Runtime, key: str) -> bytes:
+    store = Artifacts.from_settings(rt.settings)
+    assert store is not None
+    return b"".join(store.store.read(key))
+
+
+def _finished_at(pod: dict[str, Any]) -> datetime:
+    found = failure_detail.pod_log(pod)
+    assert found is not None and found.finished_at is not None
+    return found.finished_at
+
+
+@pytest.mark.parametrize("fault", ["500", "reset"])
+def test_a_log_that_cannot_be_read_for_now_holds_its_pod_until_the_api_answers(
+    rt: Runtime, relayed: Runtime, faults: PodLogFaults, fault: str
+) -> None:
+    dispatch_id = _run(rt, "fails")
+    faults.fault = fault
+    with pytest.raises(PodLogUnavailable):
+        complete_job(relayed, "default", job_name(dispatch_id))
+    assert faults.failed >= 2  # the failure detail's tail, then the archive's read
+    key = _failure(rt, dispatch_id)["log_key"]  # recorded before any release, naming the log
+    (pod,) = _pods(rt, dispatch_id)
+    assert FINALIZER in pod["metadata"]["finalizers"]  # held: its log is still to be kept
+    assert key == keys.log_key(rt.settings.object_store_prefix, dispatch_id, 0, pod["metadata"]["name"])
+    assert _archived(rt, dispatch_id) == []
+
+    faults.fault = None  # the API answers again: the release tried again keeps the log, then frees
+    assert complete_job(relayed, "default", job_name(dispatch_id)) is CompleteOutcome.ALREADY_TERMINAL
+    (archived,) = _archived(rt, dispatch_id)
+    assert archived.key == key and _stored(rt, key).endswith(b"giving up: no input\n")
+    wait_until(lambda: not _pods(rt, dispatch_id), what="the pod is freed and gone", timeout=30)
+
+
+def test_past_the_grace_an_unreadable_log_is_given_up_and_its_key_says_why(
+    rt: Runtime, relayed: Runtime, faults: PodLogFaults
+) -> None:
+    """Two Pods whose logs cannot be read any more: one whose log a release stored before it
+    crashed (the log stays), one never stored (a note). Within the grace both stay held."""
+    stored, unread = _run(rt, "fails"), _run(rt, "fails")
+    (kept_pod,) = _pods(rt, stored)
+    (pod,) = _pods(rt, unread)
+    store = Artifacts.from_settings(rt.settings)
+    assert store is not None
+    assert logs.archive_logs(store, rt.kube, rt.resolver, "default", [failure_detail.pod_log(kept_pod)]) == 1
+    (kept,) = _archived(rt, stored)
+    name = pod["metadata"]["name"]
+    key = keys.log_key(rt.settings.object_store_prefix, unread, 0, name)
+    ended = max(_finished_at(pod), _finished_at(kept_pod))
+    faults.fault = "500"
+    within = ended + timedelta(seconds=logs.UNREADABLE_GRACE_S - 5)
+    with pytest.raises(PodLogUnavailable):
+        release_pods(relayed, "default", [kept_pod, pod], now=within)
+    assert _archived(rt, unread) == []
+
+    past = ended + timedelta(seconds=logs.UNREADABLE_GRACE_S + 5)
+    assert release_pods(relayed, "default", [kept_pod, pod], now=past) == 2  # freed
+    assert _stored(rt, kept.key).endswith(b"giving up: no input\n")  # never replaced by a note
+    note = _stored(rt, key)
+    assert note.startswith(f"[k8s-dispatch: the log of pod {name} could not be read: ApiUnavailable: ".encode())
+    assert note.endswith(b" s after it ended)]\n") and note.count(b"\n") == 1
+    assert b"500 InternalError" in note and b"connection refused" in note
+    for dispatch_id in (stored, unread):
+        (freed,) = _pods(rt, dispatch_id)
+        assert FINALIZER not in (freed["metadata"].get("finalizers") or [])
+
+
+def test_a_log_never_to_be_read_again_leaves_a_note_at_the_key_its_failure_names(
+    rt: Runtime, relayed: Runtime, faults: PodLogFaults
+) -> None:
+    """A Job past its activeDeadlineSeconds: the Job controller deletes its Pod, the node kills it
+    and, on a real kubelet, forgets it, while our finalizer keeps the Pod: pods/log answers 404.
+    The failure names the log's key all the same, and the key holds a note saying why."""
+    dispatch_id = _run(rt, "overdue")
+    (pod,) = _pods(rt, dispatch_id)
+    name = pod["metadata"]["name"]
+    faults.fault = "404"
+    assert complete_job(relayed, "default", job_name(dispatch_id)) is CompleteOutcome.COMPLETED  # not held
+    detail = _failure(rt, dispatch_id)
+    assert detail["job_reason"] == "DeadlineExceeded"
+    (archived,) = _archived(rt, dispatch_id)
+    assert archived.key == detail["log_key"]
+    note = _stored(rt, archived.key)
+    assert note.startswith(f"[k8s-dispatch: the log of pod {name} could not be read: NotFound: ".encode())
+    assert note.endswith(b"]\n") and note.count(b"\n") == 1
+    wait_until(lambda: not _pods(rt, dispatch_id), what="the pod is freed and gone", timeout=30)

@@ -197,20 +197,21 @@ def test_the_workload_is_reproducible_from_its_seed_and_unique_per_run():
 
 
 def test_the_workload_mixes_every_kind_and_both_ways_of_scheduling():
-    planned = workload(1, 400, tag="t", maps=5)
+    planned = workload(1, 400, tag="t", maps=5, stored=3, secrets=3)
     assert {p.kind for p in planned} == set(Kind)
     singles = [p for p in planned if p.map is None]
     assert 90 <= sum(p.via_task for p in singles) <= 100  # every 4th through the Celery task
     assert len({p.case_id for p in planned}) == 10
-    assert {p.kind for p in workload(1, 400, tag="t")} == set(Kind) - {Kind.MAP}  # no maps unless asked
+    # no maps, stored results or secret inputs unless asked
+    assert {p.kind for p in workload(1, 400, tag="t")} == set(Kind) - {Kind.MAP, Kind.LARGE, Kind.SECRET}
 
 
 @pytest.mark.parametrize("mode", ["simulate", "exec"])
 def test_the_capability_file_is_valid_and_names_every_kind(mode):
     resolver = CapabilityResolver.from_mapping(capabilities_config(mode), source="<chaos>")
-    assert {kind_of(name) for name in resolver.capabilities()} == set(Kind)
+    assert {kind_of(name) for name in resolver.capabilities()} == set(Kind) - {Kind.LARGE, Kind.SECRET}
     assert resolver.spec("chaos.timeout").active_deadline_seconds == 2
-    assert all(resolver.spec(f"chaos.{k.value}").backoff_limit == 0 for k in Kind)
+    assert all(resolver.spec(name).backoff_limit == 0 for name in resolver.capabilities())
 
 
 @pytest.mark.parametrize(

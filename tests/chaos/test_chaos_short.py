@@ -1,15 +1,18 @@
 """The chaos run, short (CI): `python -m k8s_dispatch.lab chaos` as a developer runs it, a few
-hundred dispatches (4 of them map dispatches of 10-20 items, judged item by item) under SIGKILLs of workers and beat, one broker flush, 5% API errors, an API
-server restart, a database connection kill, a restart of the run's own PostgreSQL and of its own
-Redis (the processes killed and started again, the workers and beat living through it), a rolling
-upgrade from the previous commit across `k8s-dispatch migrate`, a worker's clock stepped 10
-minutes forward and beat's 10 minutes back, cancels whose message is lost, hand edits of running
-Jobs (tenancy label overwritten, `delivered=true` added, attempt annotation garbled), and 50
-namespaces (48 idle), on each cluster: localcluster, and the real control plane (kube-apiserver
-restarted on the same etcd; the API errors, resets and lost responses from the fault proxy in
-front of it). Every fault class of the full run is in. Nothing may be lost, doubled, wrong or left
-over; and the run must leave no process, server, worktree or temp dir behind, also when it is
-interrupted.
+hundred dispatches (4 of them map dispatches of 10-20 items, judged item by item) under SIGKILLs
+of workers and beat, one broker flush, 5% API errors, an API server restart, a database connection
+kill, a restart of the run's own PostgreSQL and of its own Redis (the processes killed and started
+again, the workers and beat living through it), a rolling upgrade from the previous commit across
+`k8s-dispatch migrate`, a worker's clock stepped 10 minutes forward and beat's 10 minutes back,
+cancels whose message is lost, hand edits of running Jobs (tenancy label overwritten,
+`delivered=true` added, attempt annotation garbled), a namespace move with work scheduled on both
+sides of it, 50 namespaces (48 idle), and the run's own object store (SeaweedFS) restarted under 5
+results of 1-3 MiB stored in it, 6 secret inputs and the archived logs of every planned failure,
+on each cluster: localcluster, and the real control plane (kube-apiserver restarted on the same
+etcd; the API errors, resets and lost responses from the fault proxy in front of it). Every fault
+class of the full run is in. Nothing may be lost, doubled, wrong or left over, no slot held once it
+has converged; and the run must leave no process, server, worktree or temp dir behind, also when
+it is interrupted.
 """
 
 from __future__ import annotations
@@ -39,7 +42,11 @@ FINAL_LINE = re.compile(
     r"items_duplicates=(?P<items_duplicates>\d+) items_wrong_output=(?P<items_wrong_output>\d+) "
     r"held_pods=(?P<held_pods>\d+) "
     r"kills=(?P<kills>\d+) broker_flushes=(?P<broker_flushes>\d+) api_faults=(?P<api_faults>\d+) "
-    r"converged_s=(?P<converged_s>[\d.]+|timeout) seed=(?P<seed>\d+)$"
+    r"converged_s=(?P<converged_s>[\d.]+|timeout) seed=(?P<seed>\d+) "
+    r"large_results=(?P<large_results>\d+) large_bad=(?P<large_bad>\d+) orphan_objects=(?P<orphan_objects>\d+) "
+    r"logs_archived=(?P<logs_archived>\d+) logs_missing=(?P<logs_missing>\d+) "
+    r"secret_inputs=(?P<secret_inputs>\d+) secret_leaks=(?P<secret_leaks>\d+) "
+    r"objectstore_restarts=(?P<objectstore_restarts>\d+)$"
 )
 STDERR_TAIL = 40  # lines of the run's progress and warnings a failure shows
 # The shared servers the other tests use: the run must leave them alone (it brings its own).
@@ -147,6 +154,14 @@ def test_a_short_chaos_run_loses_nothing_doubles_nothing_and_leaves_nothing(tmp_
     assert numbers["limit_exceeded"] <= 0 and numbers["running"] == 0 and numbers["queued"] == 0, output
     assert numbers["kills"] == 8 and numbers["broker_flushes"] == 1 and numbers["seed"] == 11, output
     assert numbers["api_faults"] > 0, "the API server injected no error at all"
+    # The object store (issue 28): each stored result read back through k8s_dispatch.api as the
+    # bytes of its SHA-256; every object under the run's prefix a recorded result, an archived log
+    # or an input of a dispatch of the run; each planned failure's detail naming an archived log
+    # that is there; no secret input's marker in any Job, Pod, event, message or log read; the
+    # store restarted once under it all.
+    assert (numbers["large_results"], numbers["large_bad"], numbers["orphan_objects"]) == (5, 0, 0), output
+    assert numbers["logs_archived"] >= 10 and numbers["logs_missing"] == 0, output
+    assert (numbers["secret_inputs"], numbers["secret_leaks"], numbers["objectstore_restarts"]) == (6, 0, 1), output
     assert done.returncode == 0, output
 
     result = json.loads(json_out.read_text())
@@ -155,6 +170,10 @@ def test_a_short_chaos_run_loses_nothing_doubles_nothing_and_leaves_nothing(tmp_
     assert sum(result["api_faults_by_kind"].values()) == numbers["api_faults"]
     assert result["ok"] and result["held_claims"] == 0 and result["api_restarts"] == 1 and result["db_kills"] == 1
     assert result["db_connections_killed"] > 0, "the database kill found no worker connection"
+    assert result["objects"] >= numbers["large_results"] + numbers["logs_archived"], result["object_problems"]
+    scanned = result["secret_scanned"]  # every place a marker was looked for, and how many things in each
+    assert all(scanned.get(place, 0) > 0 for place in ("job", "pod", "celery message", "process log",
+                                                        "engine event", "dispatch row")), scanned  # fmt: skip
     assert result["unexpected_exits"] == [], result["unexpected_exits"]
     assert result["deaf_after_redis_restart"] == [], result["deaf_after_redis_restart"]
     assert result["unexpected_task_errors"] == [], result["unexpected_task_errors"]  # each fault a typed error

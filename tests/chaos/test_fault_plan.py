@@ -188,3 +188,27 @@ def test_the_cli_leaves_out_the_classes_of_fault_it_is_told_to_skip(capsys):
     out = capsys.readouterr().out
     assert "redis_restart" not in out and "clock_step" not in out
     assert sum(f" {kind}" in line for line in out.splitlines() for kind in ("pg_restart", "label_edit")) == 2
+
+
+@pytest.mark.parametrize("seed", [0, 11, 15])
+def test_the_short_run_feeds_work_on_both_sides_of_the_namespace_change(seed):
+    # The short run: 300 dispatches at 15/s. Whatever the move costs (a rolling upgrade's
+    # migration beside it once took as long as the feed), the work planned from the move on is
+    # fed only once every process runs the moved file, and the work before it is fed at once.
+    from k8s_dispatch.lab.chaos.feeder import waits_for_move
+    from k8s_dispatch.lab.chaos.options import ChaosOptions, fault_plan
+
+    options = ChaosOptions(dispatches=300, rate=15, kills=8, seed=seed)
+    moves = [f.at_s for f in fault_plan(options).faults if f.kind is FaultKind.NAMESPACE_CHANGE]
+    held = [waits_for_move(i / options.rate, moves_at=moves, last=i == 299) for i in range(300)]
+    assert len(moves) == 1 and held.index(True) > 0 and all(held[held.index(True) :])
+    assert 50 <= held.count(True) <= 250, held.count(True)
+
+
+def test_without_a_namespace_change_nothing_waits_and_the_last_dispatch_waits_for_a_late_one():
+    from k8s_dispatch.lab.chaos.feeder import waits_for_move
+
+    assert not waits_for_move(5.0, moves_at=[], last=True)
+    assert not waits_for_move(5.0, moves_at=[30.0], last=False)
+    assert waits_for_move(5.0, moves_at=[30.0], last=True)  # planned past the feed's end: the last one waits
+    assert waits_for_move(30.0, moves_at=[30.0], last=False)

@@ -11,29 +11,20 @@ import sys
 from typing import Any
 
 import pytest
+from map_databases import STORES, Router, migrated_url
 from rich.console import Console
 
 from k8s_dispatch.ops.show import read_story, render
-from k8s_dispatch.store import dispatches, maps, migrate, scheduling
+from k8s_dispatch.store import dispatches, maps, scheduling
 from k8s_dispatch.store.db import make_engine, make_sessionmaker, transaction
 from k8s_dispatch.store.models import EventType, ItemEventType
 
 TRACEBACK = 'Traceback (most recent call last):\n  File "/app/run.py", line 3, in <module>\nValueError: bad row 7\n'
 
 
-class Router:
-    def worker_for(self, capability: str) -> str:
-        return "w"
-
-
-@pytest.fixture(params=["postgresql", "sqlite"])
+@pytest.fixture(params=STORES)
 def url(request: pytest.FixtureRequest, tmp_path: Any) -> str:
-    if request.param == "postgresql":
-        url: str = request.getfixturevalue("new_pg_database")()
-    else:
-        url = f"sqlite:///{tmp_path / 'show-maps.db'}"
-    migrate.upgrade(url)
-    return url
+    return migrated_url(request, tmp_path / "show-maps.db")
 
 
 def _map(url: str, *, items: int, ends: list[maps.ItemEnd] | None = None, created: bool = True) -> str:

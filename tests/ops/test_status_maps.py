@@ -12,30 +12,21 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+from map_databases import STORES, Router, migrated_url
 from rich.console import Console
 
 from k8s_dispatch.ops.status import read_status, render
-from k8s_dispatch.store import dispatches, maps, migrate, scheduling
+from k8s_dispatch.store import dispatches, maps, scheduling
 from k8s_dispatch.store.db import make_engine, make_sessionmaker, transaction
 from k8s_dispatch.store.models import EventType, ItemEventType
 
 NOW = datetime(2026, 12, 2, 18, 0, tzinfo=UTC)
 
 
-class Router:
-    def worker_for(self, capability: str) -> str:
-        return "w"
-
-
-@pytest.fixture(params=["postgresql", "sqlite"])
+@pytest.fixture(params=STORES)
 def url(request: pytest.FixtureRequest, tmp_path: Any) -> str:
     """An empty, migrated database for this test alone: the maps in it are all ours."""
-    if request.param == "postgresql":
-        url: str = request.getfixturevalue("new_pg_database")()
-    else:
-        url = f"sqlite:///{tmp_path / 'status-maps.db'}"
-    migrate.upgrade(url)
-    return url
+    return migrated_url(request, tmp_path / "status-maps.db")
 
 
 def populate(url: str) -> dict[str, str]:

@@ -1,17 +1,19 @@
 """The product as its users run it: the OCI image tools/image.py assembles here (no Docker), imported
-into the real node's containerd, and the Helm chart installed onto that node. Worker, beat and
+into the real nodes' containerd, and the Helm chart installed onto the first node. Worker, beat and
 Flower run as Pods from that image; a dispatch scheduled from outside (the engine's side: this test)
-completes exactly once; Flower, behind its login, lists our tasks; `kubectl drain` of the node
-evicts them all, the Job's Pod of a running dispatch too, and ends (the stopping worker records
-that Pod's disruption and lets it go: delivery/shutdown.py); after `kubectl uncordon` they come
-back and every dispatch ends once, no Job left. The control plane runs the Deployment, ReplicaSet
-and disruption controllers the chart needs (lab/realcluster/controlplane.py's KUBELET_CONTROLLERS).
+completes exactly once; Flower, behind its login, lists our tasks; `kubectl drain` of that node
+evicts them all, the Job's Pod of a running dispatch too (the stopping worker records that Pod's
+disruption and lets it go: delivery/shutdown.py), and they come back on a second kubelet node, added
+to the session's cluster for this test: there every dispatch ends once and no Job is left, the
+drained node still cordoned. The control plane runs the Deployment, ReplicaSet and disruption
+controllers the chart needs (lab/realcluster/controlplane.py's KUBELET_CONTROLLERS).
 
-The node's Pods are on a bridge of their own with no default route (lab/realcluster/node.py): of
-this host they reach the bridge's address alone, not 127.0.0.1 where kube-apiserver, PostgreSQL
-and Redis listen. So a relay here listens on the bridge's address for each of them, and the chart is given, as values, what
-a cluster gives its Pods: the API server's address (`kubernetes.default.svc`, a name its certificate
-holds, through hostAliases) and the services' URLs in its Secret.
+Each node's Pods are on a bridge of their own with no default route (lab/realcluster/node.py): of
+this host they reach the bridges' addresses alone (their one route covers every node's subnet), not
+127.0.0.1 where kube-apiserver, PostgreSQL and Redis listen. So a relay here listens on the first
+node's bridge address for each of them, and the chart is given, as values, what a cluster gives
+its Pods: the API server's address (`kubernetes.default.svc`, a name its certificate holds, through
+hostAliases) and the services' URLs in its Secret.
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import importlib.util
-import ipaddress
 import json
 import re
 import secrets
@@ -42,6 +43,7 @@ from sqlalchemy.engine import make_url
 
 from k8s_dispatch.lab.realcluster.binaries import build as build_tool
 from k8s_dispatch.lab.realcluster.controlplane import NODE_NAME
+from k8s_dispatch.lab.realcluster.node import Node
 from k8s_dispatch.store import dispatches
 from k8s_dispatch.store.db import transaction
 from k8s_dispatch.store.models import EventType
@@ -168,17 +170,24 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
         writer.close()
 
 
-def gateway(cluster: Any) -> str:
-    """The node's bridge address, the one address of this host its Pods reach (they have no
-    default route): the first of the node's Pod subnet."""
-    return str(ipaddress.ip_network(cluster.backend.kubelet_node.subnet)[1])
+@pytest.fixture
+def relay(kubelet_cluster: Any) -> Iterator[Relay]:
+    """Relays on the first node's bridge address, which every node's Pods reach."""
+    r = Relay(kubelet_cluster.backend.kubelet_node.address)
+    yield r
+    r.close()
 
 
 @pytest.fixture
-def relay(kubelet_cluster: Any) -> Iterator[Relay]:
-    r = Relay(gateway(kubelet_cluster))
-    yield r
-    r.close()
+def second_node(kubelet_cluster: Any) -> Iterator[Node]:
+    """A second kubelet node in the session's cluster for this test alone (about 3 s to start):
+    the other tests on the real node keep their one node."""
+    plane = kubelet_cluster.backend
+    node = plane.add_kubelet_node()
+    try:
+        yield node
+    finally:
+        plane.remove_kubelet_node(node)
 
 
 def kubectl(cluster: Any, *args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
@@ -191,12 +200,13 @@ def pods(d: Any, component: str) -> list[dict[str, Any]]:
     return d.kube.list_pods(d.namespace, label_selector=f"app.kubernetes.io/component={component}")
 
 
-def running(d: Any, component: str) -> list[dict[str, Any]]:
-    """The component's Pods that run and are ready (none being deleted)."""
+def running(d: Any, component: str, node: str | None = None) -> list[dict[str, Any]]:
+    """The component's Pods that run and are ready (none being deleted), on `node` if given."""
     return [
         p
         for p in pods(d, component)
         if p["status"].get("phase") == "Running"
+        and node in (None, p["spec"].get("nodeName"))
         and not p["metadata"].get("deletionTimestamp")
         and all(c.get("ready") for c in p["status"].get("containerStatuses", []))
     ]
@@ -231,17 +241,27 @@ SLOW = {  # ends on the eviction's SIGTERM, so a drain mid-run is a disruption; 
 }  # fmt: skip
 
 
+def unschedulable(cluster: Any, node: str) -> bool:
+    status, body = cluster.backend.get(f"/api/v1/nodes/{node}")
+    assert status == 200, body
+    return bool(json.loads(body)["spec"].get("unschedulable"))
+
+
 @pytest.mark.timeout(900)
-def test_the_chart_runs_on_the_node_from_the_image_flower_shows_the_work_and_a_drain_loses_nothing(
-    deploy: Any, kubelet_cluster: Any, relay: Relay, tmp_path: Path
+def test_the_chart_runs_on_the_node_from_the_image_flower_shows_the_work_and_a_drain_moves_it_losing_nothing(
+    second_node: Node, deploy: Any, kubelet_cluster: Any, relay: Relay, tmp_path: Path
 ) -> None:
     built = image_tool().build(tmp_path / "image")  # cached: the test above built the same inputs
-    node = kubelet_cluster.backend.kubelet_node
-    imported = subprocess.run(
-        [str(node.bins.ctr), "--address", str(node.socket), "--namespace", "k8s.io", "images", "import",
-         str(built.path)], capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert imported.returncode == 0, imported.stderr
+    first_node = kubelet_cluster.backend.kubelet_node
+    for node in (first_node, second_node):
+        imported = subprocess.run(
+            [str(node.bins.ctr), "--address", str(node.socket), "--namespace", "k8s.io", "images", "import",
+             str(built.path)], capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert imported.returncode == 0, imported.stderr
+    # Everything starts on the first node, the one drained below: the second waits cordoned.
+    cordoned = kubectl(kubelet_cluster, "cordon", second_node.name)
+    assert cordoned.returncode == 0, cordoned.stderr
     d = deploy(kubelet_cluster, capabilities={"slow": SLOW}, sweep_interval_s="2", sweep_grace_s="1")
 
     # What a cluster would give the Pods: the services at an address they reach.
@@ -286,7 +306,7 @@ def test_the_chart_runs_on_the_node_from_the_image_flower_shows_the_work_and_a_d
     manifest, _ = layout(built.path)
     ours = (built.digest, manifest["config"]["digest"])  # the CRI reports either
     for component in ("worker", "beat", "flower"):
-        [pod] = running(d, component)
+        [pod] = running(d, component, NODE_NAME)
         [status] = pod["status"]["containerStatuses"]
         assert status["imageID"].endswith(ours), status["imageID"]  # our image, as built
 
@@ -310,7 +330,8 @@ def test_the_chart_runs_on_the_node_from_the_image_flower_shows_the_work_and_a_d
     assert status == 200 and b"<html" in page.lower()
 
     # A drain mid-run evicts every Pod, the Job's too, and ends: the evicted worker, stopping, records
-    # the Job Pod's disruption and lets it go. Nothing is lost once the node is back.
+    # the Job Pod's disruption and lets it go. Worker, beat and Flower come back on the second node,
+    # the Job runs again there, and nothing waits for the drained node's `uncordon`.
     [second] = d.schedule_batch("slow", 1)
 
     def job_pod_running() -> list[str]:
@@ -322,6 +343,8 @@ def test_the_chart_runs_on_the_node_from_the_image_flower_shows_the_work_and_a_d
 
     [evicted] = d.wait(job_pod_running, timeout_s=60, what="the second dispatch's container running")
     [worker] = running(d, "worker")
+    uncordoned = kubectl(kubelet_cluster, "uncordon", second_node.name)
+    assert uncordoned.returncode == 0, uncordoned.stderr
     with (tmp_path / "worker.log").open("wb") as out:  # its log, to its last line
         follow = subprocess.Popen(
             ["kubectl", "--kubeconfig", str(kubelet_cluster.kubeconfig), "-n", d.namespace, "logs", "-f",
@@ -336,8 +359,29 @@ def test_the_chart_runs_on_the_node_from_the_image_flower_shows_the_work_and_a_d
         for component in ("worker", "beat", "flower"):
             assert f"pod/{RELEASE}-{component}-" in drained.stdout, drained.stdout
         assert f"pod/{evicted} evicted" in drained.stdout, drained.stdout
-        [third] = d.schedule_batch("slow", 1)  # while no worker runs: it waits in Redis
-        assert d.terminal_events([second, third]) == {second: [], third: []}
+        [third] = d.schedule_batch("slow", 1)  # as the drain ends: whichever worker runs takes it
+        for component in ("worker", "beat", "flower"):
+            d.wait(lambda c=component: running(d, c, second_node.name), timeout_s=180,
+                   what=f"the {component} running and ready on {second_node.name}")  # fmt: skip
+        d.wait_terminal([second, third], timeout_s=240)
+        assert ended_once(d, second) == [
+            EventType.WORKER_SCHEDULED, EventType.WORKER_DISRUPTED, EventType.WORKER_COMPLETED
+        ]  # fmt: skip
+        assert ended_once(d, third) == [EventType.WORKER_SCHEDULED, EventType.WORKER_COMPLETED]
+        d.wait_no_jobs(timeout_s=120)
+        assert sorted(d.notifications()) == sorted([first, second, third])
+        # Every Pod of the release is on the second node; the drained one held nothing back.
+        assert {p["spec"]["nodeName"] for c in ("worker", "beat", "flower") for p in pods(d, c)} == {second_node.name}
+        assert unschedulable(kubelet_cluster, NODE_NAME)
+        # Flower there, behind its login, hears the workers' events through the first node's relay.
+        [moved] = running(d, "flower", second_node.name)
+
+        def polls() -> list[str]:
+            status, body = flower_get(moved, "/api/tasks", flower_auth)
+            tasks = json.loads(body) if status == 200 else {}
+            return [t["name"] for t in tasks.values() if t.get("name") == "k8s-dispatch.poll"]
+
+        d.wait(polls, timeout_s=60, what="Flower on the second node listing beat's polls")
     finally:
         uncordoned = kubectl(kubelet_cluster, "uncordon", NODE_NAME)
         try:
@@ -349,13 +393,6 @@ def test_the_chart_runs_on_the_node_from_the_image_flower_shows_the_work_and_a_d
     # The evicted worker's last pass is what let the evicted Job Pod go.
     worker_log = (tmp_path / "worker.log").read_text(errors="replace")
     assert "last pass: 1 pod(s) of ours were being deleted: 1 disrupted" in worker_log, worker_log[-4000:]
-    d.wait_terminal([second, third], timeout_s=240)
-    assert ended_once(d, second) == [EventType.WORKER_SCHEDULED, EventType.WORKER_DISRUPTED, EventType.WORKER_COMPLETED]
-    assert ended_once(d, third) == [EventType.WORKER_SCHEDULED, EventType.WORKER_COMPLETED]
-    d.wait_no_jobs(timeout_s=120)
-    for component in ("worker", "beat", "flower"):
-        d.wait(lambda c=component: running(d, c), timeout_s=120, what=f"the {component} back")
-    assert sorted(d.notifications()) == sorted([first, second, third])
     uninstalled = subprocess.run(
         [str(helm), "uninstall", RELEASE, "--namespace", d.namespace, "--kubeconfig", str(kubelet_cluster.kubeconfig),
          "--wait", "--timeout", "120s"], capture_output=True, text=True, timeout=180,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ from k8s_dispatch.core.errors import BrokerUnavailable
 from k8s_dispatch.delivery.runtime import Runtime
 from k8s_dispatch.demo.localcluster import LocalCluster
 from k8s_dispatch.demo.localcluster.quota import QUOTA_JOBS
-from k8s_dispatch.store import scheduling
+from k8s_dispatch.store import migrate, scheduling
 from k8s_dispatch.store.db import transaction
 
 
@@ -84,3 +85,30 @@ def set_job_quota(cluster: LocalCluster, namespace: str, limit: int | None) -> N
         kubernetes.client.CoreV1Api(api).patch_namespace(namespace, body)
     finally:
         api.close()
+
+
+def own_database_values(
+    *,
+    cluster: LocalCluster,
+    new_pg_database: Callable[[], str],
+    redis_url: str,
+    key_prefix: str,
+    tmp: Path,
+    namespace: str,
+    capabilities: Any,
+    **settings: str,
+) -> dict[str, str]:
+    """`runtime_values` on a new, migrated database of the test's own (a sweep reads all of it),
+    a Redis prefix and a namespace `namespace-<8 hex>` no other test shares, on `cluster`."""
+    database_url = new_pg_database()
+    migrate.upgrade(database_url)
+    return runtime_values(
+        database_url=database_url,
+        redis_url=redis_url,
+        prefix=f"{key_prefix}-{uuid.uuid4().hex[:8]}",
+        namespace=f"{namespace}-{uuid.uuid4().hex[:8]}",
+        kubeconfig=cluster.kubeconfig,
+        capabilities=capabilities,
+        tmp=tmp,
+        **settings,
+    )

@@ -6,12 +6,11 @@ Real PostgreSQL and Redis, localcluster over HTTP (its fault switch and its quot
 from __future__ import annotations
 
 import threading
-import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from runtimes import runtime_values, schedule, set_job_quota
+from runtimes import own_database_values, schedule, set_job_quota
 
 from k8s_dispatch.core.errors import NotFound
 from k8s_dispatch.delivery import cancel, cleanup, complete, create, records
@@ -20,7 +19,7 @@ from k8s_dispatch.demo.localcluster import LocalCluster
 from k8s_dispatch.ops.processes import wait_until
 from k8s_dispatch.recovery.plan import Category
 from k8s_dispatch.recovery.sweep import run_sweep
-from k8s_dispatch.store import dispatches, migrate
+from k8s_dispatch.store import dispatches
 from k8s_dispatch.store.db import transaction
 from k8s_dispatch.store.models import DispatchState, EventType
 from k8s_dispatch.workers.budget import Budget
@@ -41,12 +40,9 @@ RETRY_AFTER_S = 4.0  # how long the create under test waits between its read and
 @pytest.fixture
 def runtime_env(sim_cluster, new_pg_database, redis_url, key_prefix, tmp_path) -> dict[str, str]:
     """This test's own database (a sweep reads all of it), namespace and Redis prefix."""
-    database_url = new_pg_database()
-    migrate.upgrade(database_url)
-    return runtime_values(
-        database_url=database_url, redis_url=redis_url, prefix=f"{key_prefix}-{uuid.uuid4().hex[:8]}",
-        namespace=f"once-{uuid.uuid4().hex[:8]}", kubeconfig=sim_cluster.kubeconfig, capabilities=CAPABILITIES,
-        tmp=tmp_path, sweep_grace_s="0",
+    return own_database_values(
+        cluster=sim_cluster, new_pg_database=new_pg_database, redis_url=redis_url, key_prefix=key_prefix,
+        tmp=tmp_path, namespace="once", capabilities=CAPABILITIES, sweep_grace_s="0",
     )  # fmt: skip
 
 

@@ -8,12 +8,12 @@ import json
 import uuid
 
 import pytest
-from runtimes import runtime_values
+from runtimes import own_database_values
 
 from k8s_dispatch.delivery.runtime import Runtime
 from k8s_dispatch.recovery.plan import Category
 from k8s_dispatch.recovery.sweep import run_sweep
-from k8s_dispatch.store import dispatches, maps, migrate, scheduling
+from k8s_dispatch.store import dispatches, maps, scheduling
 from k8s_dispatch.store.db import transaction
 from k8s_dispatch.store.models import DispatchState, EventType, ItemEventType
 from k8s_dispatch.workers import indexed
@@ -24,12 +24,9 @@ CAPABILITIES = {"capabilities": {"sim.map": {"worker": "sim", "image": "sim:1", 
 
 @pytest.fixture
 def runtime_env(sim_cluster, new_pg_database, redis_url, key_prefix, tmp_path) -> dict[str, str]:
-    database_url = new_pg_database()
-    migrate.upgrade(database_url)
-    return runtime_values(
-        database_url=database_url, redis_url=redis_url, prefix=f"{key_prefix}-{uuid.uuid4().hex[:8]}",
-        namespace=f"mr-{uuid.uuid4().hex[:8]}", kubeconfig=sim_cluster.kubeconfig, capabilities=CAPABILITIES,
-        tmp=tmp_path, sweep_grace_s="0",
+    return own_database_values(
+        cluster=sim_cluster, new_pg_database=new_pg_database, redis_url=redis_url, key_prefix=key_prefix,
+        tmp=tmp_path, namespace="mr", capabilities=CAPABILITIES, sweep_grace_s="0",
     )  # fmt: skip
 
 

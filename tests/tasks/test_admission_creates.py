@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, cast
 
 import kubernetes
@@ -51,15 +52,13 @@ class Broker:
         self.sent.append((name, list(args or [])))
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[LocalCluster]:
-    with LocalCluster(mode="simulate") as c:
-        yield c
-
-
-@pytest.fixture
-def rt(cluster: LocalCluster, new_pg_database: Any, redis_url: str, key_prefix: str) -> Iterator[Runtime]:
-    url = new_pg_database()  # admission reads every queue: a database of this test's own
+@contextmanager
+def admission_runtime(
+    cluster: LocalCluster, new_pg_database: Any, redis_url: str, key_prefix: str, capabilities: dict[str, Any]
+) -> Iterator[Runtime]:
+    """A Runtime on a database of the test's own (admission reads every queue), a namespace and
+    Redis prefix no other test shares, with `capabilities` (and their limits); closed at the end."""
+    url = new_pg_database()
     migrate.upgrade(url)
     settings = load_settings(
         {
@@ -70,9 +69,17 @@ def rt(cluster: LocalCluster, new_pg_database: Any, redis_url: str, key_prefix: 
             "K8S_DISPATCH_KUBECONFIG": str(cluster.kubeconfig),
         }
     )
-    runtime = Runtime.from_settings(settings, resolver=CapabilityResolver.from_mapping(CAPABILITIES, source="<test>"))
-    yield runtime
-    runtime.close()
+    runtime = Runtime.from_settings(settings, resolver=CapabilityResolver.from_mapping(capabilities, source="<test>"))
+    try:
+        yield runtime
+    finally:
+        runtime.close()
+
+
+@pytest.fixture
+def rt(sim_cluster: LocalCluster, new_pg_database: Any, redis_url: str, key_prefix: str) -> Iterator[Runtime]:
+    with admission_runtime(sim_cluster, new_pg_database, redis_url, key_prefix, CAPABILITIES) as runtime:
+        yield runtime
 
 
 def queue(rt: Runtime, n: int) -> list[str]:
@@ -131,11 +138,11 @@ def test_the_pass_makes_the_jobs_it_admitted_without_a_message(rt: Runtime) -> N
 
 
 def test_what_the_api_refuses_for_now_goes_to_create_jobs_and_an_unsent_message_to_the_sweep(
-    cluster: LocalCluster, rt: Runtime
+    sim_cluster: LocalCluster, rt: Runtime
 ) -> None:
     first, second = queue(rt, 2)
-    make_namespace(cluster, rt.settings.namespace)
-    set_job_quota(cluster, rt.settings.namespace, 0)  # a full ResourceQuota: 403 exceeded quota, a Transient
+    make_namespace(sim_cluster, rt.settings.namespace)
+    set_job_quota(sim_cluster, rt.settings.namespace, 0)  # a full ResourceQuota: 403 exceeded quota, a Transient
     broker = Broker()
 
     assert len(run_pass(rt, cast(Celery, broker))) == 2

@@ -121,9 +121,15 @@ def test_a_failure_read_from_its_finished_job_frees_its_slot_at_once_not_a_sweep
     # that recorded the failure frees the slot (the sweep, ten minutes away, never comes).
     events = d.wait_terminal(ids, timeout_s=60)
     assert all(e[0][0] == EventType.WORKER_FAILED.value for e in events.values()), events
-    with transaction(d.sessions) as session:
-        rows = dispatches.get_dispatches(session, ids)
-    assert all(r.job_stopped_at is not None for r in rows.values())
+
+    def stopped() -> bool:
+        with transaction(d.sessions) as session:
+            rows = dispatches.get_dispatches(session, ids)
+        return all(r.job_stopped_at is not None for r in rows.values())
+
+    # The last failure's stop is recorded just after its end, in a transaction of its own (its
+    # Job read in between): a poll, with a deadline far inside the ten-minute sweep.
+    d.wait(stopped, timeout_s=15, what="every failed dispatch's Job recorded stopped")
     d.wait_no_jobs(timeout_s=30)
 
 

@@ -11,16 +11,14 @@ from typing import Any, cast
 import pytest
 from celery import Celery
 
-from k8s_dispatch.core.settings import load_settings
 from k8s_dispatch.delivery.runtime import Runtime
 from k8s_dispatch.demo.localcluster import LocalCluster
-from k8s_dispatch.store import admission, maps, migrate, scheduling
+from k8s_dispatch.store import admission, maps, scheduling
 from k8s_dispatch.store.db import transaction
 from k8s_dispatch.store.models import DispatchState
 from k8s_dispatch.tasks.admission import run_pass
 from k8s_dispatch.workers.manifest import job_name
-from k8s_dispatch.workers.resolver import CapabilityResolver
-from tests.tasks.test_admission_creates import Broker
+from tests.tasks.test_admission_creates import Broker, admission_runtime
 
 SIM = "localcluster.k8s-dispatch.io/"
 CAPABILITIES = {
@@ -29,28 +27,10 @@ CAPABILITIES = {
 }
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[LocalCluster]:
-    with LocalCluster(mode="simulate") as c:
-        yield c
-
-
 @pytest.fixture
-def rt(cluster: LocalCluster, new_pg_database: Any, redis_url: str, key_prefix: str) -> Iterator[Runtime]:
-    url = new_pg_database()  # admission reads every queue: a database of this test's own
-    migrate.upgrade(url)
-    settings = load_settings(
-        {
-            "K8S_DISPATCH_DATABASE_URL": url,
-            "K8S_DISPATCH_REDIS_URL": redis_url,
-            "K8S_DISPATCH_KEY_PREFIX": f"{key_prefix}-{uuid.uuid4().hex[:8]}",
-            "K8S_DISPATCH_NAMESPACE": f"adm-{uuid.uuid4().hex[:8]}",
-            "K8S_DISPATCH_KUBECONFIG": str(cluster.kubeconfig),
-        }
-    )
-    runtime = Runtime.from_settings(settings, resolver=CapabilityResolver.from_mapping(CAPABILITIES, source="<test>"))
-    yield runtime
-    runtime.close()
+def rt(sim_cluster: LocalCluster, new_pg_database: Any, redis_url: str, key_prefix: str) -> Iterator[Runtime]:
+    with admission_runtime(sim_cluster, new_pg_database, redis_url, key_prefix, CAPABILITIES) as runtime:
+        yield runtime
 
 
 def test_a_map_admitted_into_the_room_left_runs_its_job_at_that_parallelism(rt: Runtime) -> None:

@@ -10,9 +10,9 @@ lost map Job is made again for its open items only.
 
 from __future__ import annotations
 
-import json
-import uuid
 from typing import Any
+
+from map_runs import assert_nothing_left, check_items, items_of, map_capability, schedule_map
 
 from k8s_dispatch import api
 from k8s_dispatch.demo.functions import wordcount
@@ -24,82 +24,21 @@ from k8s_dispatch.workers import indexed
 from k8s_dispatch.workers import labels as job_labels
 from k8s_dispatch.workers.indexed import is_map_job
 from k8s_dispatch.workers.manifest import FINALIZER, job_name
-from k8s_dispatch.workers.resolver import CapabilityResolver
 
-SIM = "localcluster.k8s-dispatch.io/"
 ITEMS = 20
 FAILING = {3, 7, 11}
+NUMBERS = [{"n": i} for i in range(ITEMS)]
 
 
 def capability(duration_ms: int) -> dict[str, Any]:
-    """Each index's Pod returns {"i": index}; the FAILING ones exit 2 with a log line saying so."""
-    by_index = {
-        str(i): {"outcome": "fail", "exit-code": "2", "log": f"bad item {i}\n"}
-        if i in FAILING
-        else {"result": {"i": i}}
-        for i in range(ITEMS)
-    }
-    return {
-        "worker": "sim",
-        "image": "sim:1",
-        "backoffLimit": 0,
-        "annotations": {SIM + "duration-ms": str(duration_ms), SIM + "by-index": json.dumps(by_index)},
-    }
-
-
-def schedule_map(d: Any, capability: str = "sim.map", items: list[Any] | None = None, **kwargs: Any) -> str:
-    """A map of `capability` over `items` (ITEMS of {"n": i} unless given) on a new case; its id."""
-    with transaction(d.sessions) as session:
-        case_id = f"case-{uuid.uuid4().hex[:10]}"
-        api.create_case(session, case_id=case_id, tenancy_id="tenant-a")
-        result = api.schedule_map_in_session(
-            session,
-            case_id=case_id,
-            tenancy_id="tenant-a",
-            capability=capability,
-            items=[{"n": i} for i in range(ITEMS)] if items is None else items,
-            idempotency_key=f"map-{uuid.uuid4().hex}",
-            router=CapabilityResolver.from_settings(d.settings),
-            max_input_bytes=d.settings.max_input_bytes,
-            via=d.producer,
-            **kwargs,
-        )
-    return result.dispatch_id
-
-
-def items_of(d: Any, map_id: str) -> list[api.ItemOutcome]:
-    with transaction(d.sessions) as session:
-        return api.item_outcomes(session, map_id)
-
-
-def check_items(outcomes: list[api.ItemOutcome]) -> None:
-    """One event per item, each with its own output, or the failure its Pod had."""
-    assert sorted(o.index for o in outcomes) == list(range(ITEMS)), [o.index for o in outcomes]
-    for o in outcomes:
-        if o.index in FAILING:
-            assert o.event is api.ItemEventType.ITEM_FAILED, o
-            assert (o.payload["reason"], o.payload["exit_code"]) == ("ContainerFailed", 2), o
-            assert f"bad item {o.index}" in o.payload["message"], o
-        else:
-            assert o.event is api.ItemEventType.ITEM_COMPLETED, o
-            assert o.payload == {"item": o.index, "output": {"i": o.index}}, o
-
-
-def assert_nothing_left(d: Any) -> None:
-    d.wait_no_jobs(timeout_s=30)
-
-    def held() -> list[str]:
-        pods = d.kube.list_pods(d.namespace, label_selector=job_labels.selector())
-        return [p["metadata"]["name"] for p in pods if FINALIZER in (p["metadata"].get("finalizers") or [])]
-
-    d.wait(lambda: not held(), timeout_s=30, what="no Pod holding our finalizer")
+    return map_capability(ITEMS, FAILING, duration_ms)
 
 
 def test_a_map_ends_each_item_once_as_its_pod_finishes_and_the_map_once(deploy, any_cluster):
     d = deploy(any_cluster, capabilities={"sim.map": capability(400)})
     d.start_worker("w1")
     d.start_beat()
-    map_id = schedule_map(d, parallelism=4, min_succeeded=15)
+    map_id = schedule_map(d, "sim.map", NUMBERS, parallelism=4, min_succeeded=15)
     job = d.wait(
         lambda: next((j for j in d.jobs() if j["metadata"]["name"] == job_name(map_id)), None), what="the map's Job"
     )
@@ -111,7 +50,7 @@ def test_a_map_ends_each_item_once_as_its_pod_finishes_and_the_map_once(deploy, 
     [(event, payload)] = d.wait_terminal([map_id], timeout_s=90)[map_id]
     assert event == EventType.WORKER_COMPLETED.value, payload
     assert payload == {"output": {"items": ITEMS, "succeeded": ITEMS - 3, "failed": 3, "needed": 15}}
-    check_items(items_of(d, map_id))
+    check_items(items_of(d, map_id), ITEMS, FAILING)
     with transaction(d.sessions) as session:
         events = dispatches.events_for(session, map_id)
     ended_at = next(e.created_at for e in events if e.type == EventType.WORKER_COMPLETED.value)
@@ -124,7 +63,7 @@ def test_a_map_that_needs_every_item_fails_saying_how_many_did(deploy, any_clust
     d = deploy(any_cluster, capabilities={"sim.map": capability(50)})
     d.start_worker("w1")
     d.start_beat()
-    map_id = schedule_map(d, parallelism=5)
+    map_id = schedule_map(d, "sim.map", NUMBERS, parallelism=5)
     [(event, payload)] = d.wait_terminal([map_id], timeout_s=90)[map_id]
     assert event == EventType.WORKER_FAILED.value, payload
     assert (
@@ -132,7 +71,7 @@ def test_a_map_that_needs_every_item_fails_saying_how_many_did(deploy, any_clust
         and payload["message"] == f"{ITEMS - 3} of {ITEMS} items succeeded, {ITEMS} needed"
     )
     assert payload["detail"] == {"items": ITEMS, "succeeded": ITEMS - 3, "failed": 3, "needed": ITEMS}
-    check_items(items_of(d, map_id))
+    check_items(items_of(d, map_id), ITEMS, FAILING)
     assert_nothing_left(d)
 
 
@@ -140,7 +79,7 @@ def test_a_worker_and_beat_killed_mid_map_and_the_broker_flushed_still_deliver_e
     d = deploy(any_cluster, capabilities={"sim.map": capability(700)})
     w1 = d.start_worker("w1")
     beat = d.start_beat()
-    map_id = schedule_map(d, parallelism=2, min_succeeded=1)
+    map_id = schedule_map(d, "sim.map", NUMBERS, parallelism=2, min_succeeded=1)
     d.wait(lambda: len(items_of(d, map_id)) >= 3, timeout_s=60, what="3 items ended")
     for proc in (w1, beat):  # SIGKILL, mid-map: whatever they held is left half done
         proc.managed.kill()
@@ -155,7 +94,7 @@ def test_a_worker_and_beat_killed_mid_map_and_the_broker_flushed_still_deliver_e
     [(event, payload)] = d.wait_terminal([map_id], timeout_s=120)[map_id]
     assert event == EventType.WORKER_COMPLETED.value, payload
     assert payload["output"]["succeeded"] == ITEMS - 3
-    check_items(items_of(d, map_id))
+    check_items(items_of(d, map_id), ITEMS, FAILING)
     with transaction(d.sessions) as session:
         row = dispatches.get_dispatch(session, map_id)
     assert row is not None and row.state is DispatchState.COMPLETED
@@ -166,7 +105,7 @@ def test_cancel_ends_every_unfinished_item_once(deploy, any_cluster):
     d = deploy(any_cluster, capabilities={"sim.map": capability(1500)})
     d.start_worker("w1")
     d.start_beat()
-    map_id = schedule_map(d, parallelism=2)
+    map_id = schedule_map(d, "sim.map", NUMBERS, parallelism=2)
     d.wait(lambda: len(items_of(d, map_id)) >= 1, timeout_s=60, what="an item ended")
     with transaction(d.sessions) as session:
         assert api.cancel_in_session(session, map_id, via=d.producer)
