@@ -61,7 +61,7 @@ test: $(STAMP) tools lint
 	bash tests/services.sh
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-# Quick (about 2-3 minutes, both clusters); FULL=1 for the issues' sizes. Writes lab/bench/results.json.
+# Quick (about half an hour on 2 cores, both clusters); FULL=1 for the issues' sizes. Writes lab/bench/results.json.
 bench: $(STAMP)
 	bash tests/services.sh
 	$(BIN)/python -m k8s_dispatch.lab.bench $(if $(FULL),--full) $(BENCH_ARGS)

@@ -122,6 +122,39 @@ KINDS: dict[str, Kind] = {
         "Job; every API request the server counted. Also right after the burst, before the table's "
         "statistics exist.",
     ),
+    "maps": Kind(
+        "Fan-out: one map against single dispatches",
+        "N items as one map dispatch (an Indexed Job) against N single dispatches: requests and objects per item",
+        "N items run side by side in one run, first as ONE map dispatch (an Indexed Job at the map's "
+        "parallelism), then as N single dispatches, each on a new localcluster with its own database and a "
+        "real Celery worker and beat (poll every 2 s); every row is written in one transaction, as an engine "
+        "would, and the run ends once every item is recorded and no Job is left. Per variant: our API "
+        "requests per item and objects read per item (every request and object the server counted between "
+        "two scrapes, the bench's own watch of Pods and its LISTs of one Job taken out; target for the map: "
+        "at most 1.3 requests, a Pod's release being the one request an item cannot share), the Job objects "
+        "at peak (a LIST of one Job every 0.5 s, its `remainingItemCount`), schedule to last item recorded, "
+        "and item finished to item recorded p99 (each Pod as the bench's watch first sees it finished, "
+        "against its item end's or its single dispatch's terminal event's `created_at`; target for the map: "
+        "at most the poll interval + 1 s). The notes break each variant's requests down by verb, resource "
+        "and response code.",
+    ),
+    "artifacts": Kind(
+        "Results in the object store",
+        "A 100 MiB result from `schedule` to terminal event against a raw PUT + GET; requests per Job with a store",
+        "A result of 100 MiB (4 MiB at the smoke size) from `schedule` to its terminal event: a worker and "
+        "beat, PostgreSQL, Redis, SeaweedFS and localcluster in exec mode, where the Job is the runner as a "
+        "local process whose function returns a file of random bytes written before the round: the runner "
+        "reads it once for its Content-MD5, streams it in a PUT to its attempt's presigned URL in 1 MiB "
+        "pieces, taking its SHA-256 as it sends, and leaves the "
+        "reference as its termination message; the worker HEADs the object and reads it back through "
+        "SHA-256 before it records the reference. Its throughput is divided, round by round, by that of the "
+        "product's own S3 client (boto3) PUTting the same bytes from memory and GETting them back, to the "
+        "same store in the same run, rounds interleaved. Then the API-load steady state of 1,000 Jobs of 60 s with an "
+        "object store configured (`archiveLogs: onFailure`, the default): Kubernetes requests per finished "
+        "Job as in API load, and the object store's requests (counted by a relay in front of it) per "
+        "finished Job. Those Jobs succeed, so no log is archived; a failed Pod adds one `pods/log` GET and "
+        "one PUT.",
+    ),
 }
 
 SIZE_WORDS = {

@@ -32,8 +32,8 @@ import configparser
 import hashlib
 import importlib.util
 import json
-import multiprocessing
 import os
+import pickle
 import platform
 import re
 import shutil
@@ -42,10 +42,9 @@ import sys
 import tempfile
 import time
 import zipfile
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from importlib._bootstrap_external import _code_to_hash_pyc  # type: ignore[attr-defined]  # what py_compile uses
 from pathlib import Path
 
 from packaging.markers import Marker, default_environment
@@ -345,15 +344,33 @@ def venv_entries(wheels: list[Path], python: str, full_version: str) -> tuple[En
     return tuple(files[p] for p in sorted(files))
 
 
-def _bytecode(source: tuple[str, bytes]) -> tuple[str, bytes] | None:
-    path, data = source
+# Run in a fresh, isolated interpreter with a fixed hash seed: marshal flags a string as interned or
+# shared by the state of the process that writes it, and a set constant's order follows the hash
+# seed, so bytecode written by a long-lived process differs from one build to the next.
+_COMPILE = """
+import importlib.util, pickle, sys
+from importlib._bootstrap_external import _code_to_hash_pyc
+made = []
+for path, data in pickle.load(sys.stdin.buffer):
     try:
         code = compile(data, "/" + path, "exec", dont_inherit=True, optimize=0)
     except (SyntaxError, ValueError):
-        return None
-    directory, _, name = path.rpartition("/")
-    pyc = f"{directory}/__pycache__/{name[:-3]}.{sys.implementation.cache_tag}.pyc"
-    return pyc, bytes(_code_to_hash_pyc(code, importlib.util.source_hash(data), checked=False))
+        made.append(None)
+        continue
+    made.append(bytes(_code_to_hash_pyc(code, importlib.util.source_hash(data), checked=False)))
+pickle.dump(made, sys.stdout.buffer)
+"""
+BATCH = 256  # modules per interpreter; fixed, so each batch's output depends on its sources alone
+
+
+def _compile_batch(batch: list[tuple[str, bytes]]) -> list[bytes | None]:
+    env = {"PYTHONHASHSEED": "0", "PATH": os.environ.get("PATH", "")}
+    done = subprocess.run([sys.executable, "-I", "-S", "-W", "ignore", "-c", _COMPILE], input=pickle.dumps(batch),
+                          capture_output=True, env=env, check=False)  # fmt: skip
+    if done.returncode != 0:
+        raise ImageBuildFailed(f"compiling bytecode failed: {done.stderr.decode(errors='replace')[-2000:]}")
+    made: list[bytes | None] = pickle.loads(done.stdout)
+    return made
 
 
 def with_bytecode(entries: tuple[Entry, ...], under: str) -> tuple[Entry, ...]:
@@ -363,8 +380,15 @@ def with_bytecode(entries: tuple[Entry, ...], under: str) -> tuple[Entry, ...]:
     hash-based .pyc (PEP 552): no source time inside, never revalidated (the image never changes).
     A module that does not compile (a template, another Python's file) is left without."""
     sources = [(e.path, e.data) for e in entries if e.path.startswith(under) and e.path.endswith(".py") and e.data]
-    with ProcessPoolExecutor(max_workers=os.cpu_count() or 1, mp_context=multiprocessing.get_context("fork")) as pool:
-        made = [Entry(pyc, 0o644, data=data) for pyc, data in filter(None, pool.map(_bytecode, sources, chunksize=64))]
+    batches = [sources[i : i + BATCH] for i in range(0, len(sources), BATCH)]
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        compiled = [pyc for batch in pool.map(_compile_batch, batches) for pyc in batch]
+    made = []
+    for (path, _), data in zip(sources, compiled, strict=True):
+        if data is not None:
+            directory, _, name = path.rpartition("/")
+            pyc = f"{directory}/__pycache__/{name[:-3]}.{sys.implementation.cache_tag}.pyc"
+            made.append(Entry(pyc, 0o644, data=data))
     return tuple(sorted((*entries, *made), key=lambda e: e.path))
 
 

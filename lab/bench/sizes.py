@@ -22,10 +22,8 @@ class Size:
     list_page: int
     # the adapter: raw JSON vs the client's models, for one page
     adapter_page: int
-    # dispatch throughput (figure 1): Jobs per variant per round, the rounds, and the threads
-    # (the worker's and the raw client's alike)
-    dispatch_jobs: int
-    dispatch_rounds: int
+    # dispatch throughput (figure 1): the threads, the worker's and the raw client's alike (its Jobs
+    # and rounds are dispatch_throughput.KNOBS)
     dispatch_threads: int
     # admission (issue 17): the queues measured side by side (dispatches waiting behind a full
     # limit), and the admission passes timed per queue and kind
@@ -42,8 +40,6 @@ QUICK = Size(
     list_jobs=10_000,
     list_page=500,
     adapter_page=500,
-    dispatch_jobs=200,
-    dispatch_rounds=3,
     dispatch_threads=8,
     admission_queued=(1_000, 100_000),
     admission_passes=200,
@@ -59,13 +55,11 @@ SMOKE = replace(
     list_jobs=120,
     list_page=50,
     adapter_page=40,
-    dispatch_jobs=20,
-    dispatch_rounds=2,
     dispatch_threads=4,
     admission_queued=(200, 2_000),
     admission_passes=20,
     check_targets=False,
 )
-FULL = replace(QUICK, name="full", rounds=5, creates=1000, dispatch_jobs=2000, admission_passes=1000)
+FULL = replace(QUICK, name="full", rounds=5, creates=1000, admission_passes=1000)
 
 SIZES = {s.name: s for s in (SMOKE, QUICK, FULL)}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import threading
 import urllib.error
 import urllib.request
 import uuid
@@ -15,6 +16,7 @@ from typing import Any
 import pytest
 from funcs import random_bytes
 from objectstore import ObjectStoreServer
+from store_relay import StoreRelay
 
 from k8s_dispatch.artifacts import Artifacts, result_upload, verify_for_delivery
 from k8s_dispatch.artifacts.errors import ObjectStoreUnavailable, ResultObjectMissing
@@ -170,6 +172,52 @@ def test_the_store_refuses_bytes_that_do_not_match_their_content_md5(artifacts: 
     refused.value.close()
     assert refused.value.code == 400
     assert artifacts.store.size(upload.key) is None
+
+
+@pytest.mark.parametrize("change", ["grew", "shrank"])
+def test_a_result_file_that_changes_while_it_is_sent_ends_the_run_and_stores_nothing(
+    object_store: ObjectStoreServer, unique_prefix: str, tmp_path: Path, change: str
+) -> None:
+    """The runner takes the Content-MD5 in one read and the SHA-256 as it sends: a file changed in
+    between must end the run, never store bytes its reference does not describe. A relay holds the
+    PUT (its Content-MD5 taken), the file changes, the relay drops the PUT: the runner's try again
+    reads the changed file."""
+    relay = StoreRelay(object_store.endpoint)
+    try:
+        env = object_store.env(unique_prefix) | {"K8S_DISPATCH_OBJECT_STORE_ENDPOINT": relay.endpoint}
+        artifacts = Artifacts.from_settings(load_settings(env))
+        assert artifacts is not None
+        upload = result_upload(artifacts, spec(), dispatch_id=str(uuid.uuid4()), attempt=0)
+        assert upload is not None
+        result = tmp_path / "result.bin"
+        result.write_bytes(random_bytes({"seed": 5, "size": 4 * MIB}))
+        relay.hold("PUT", 1)
+        outcome: dict[str, Any] = {}
+
+        def send() -> None:
+            try:
+                outcome["sent"] = runner.upload(upload.url, result)
+            except runner.RunnerError as e:
+                outcome["error"] = e
+
+        sender = threading.Thread(target=send, daemon=True)
+        sender.start()
+        assert relay.holding.wait(60), "the runner's PUT never reached the relay"
+        if change == "grew":
+            with result.open("ab") as f:
+                f.write(b"more")
+        else:
+            with result.open("r+b") as f:
+                f.truncate(MIB)
+        relay.release()
+        sender.join(120)
+        assert not sender.is_alive()
+        assert "sent" not in outcome, outcome
+        assert "the result changed while it was uploaded" in str(outcome["error"])
+        assert outcome["error"].exit_code == runner.EXIT_FAILED
+        assert artifacts.store.size(upload.key) is None
+    finally:
+        relay.close()
 
 
 def test_a_url_for_one_key_writes_no_other(artifacts: Artifacts) -> None:
