@@ -10,12 +10,9 @@ import functools
 import http.server
 import ipaddress
 import json
-import os
-import signal
 import subprocess
 import sys
 import threading
-import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -25,7 +22,7 @@ from kubernetes import client, config
 from k8s_dispatch.lab.realcluster import node
 from k8s_dispatch.lab.realcluster.controlplane import node_name
 from k8s_dispatch.ops.processes import wait_until
-from tests.realcluster.test_node import _host_state
+from tests.realcluster.test_node import _host_state, assert_nothing_left, stop_serve
 
 
 def test_a_pods_one_route_is_every_nodes_pod_network_and_no_default() -> None:
@@ -107,17 +104,6 @@ def test_serve_runs_two_nodes_whose_pods_reach_each_other_and_sigterm_leaves_not
         if server is not None:
             server.shutdown()
             server.server_close()
-        if serve.poll() is None:
-            os.killpg(serve.pid, signal.SIGTERM)
-        code = serve.wait(timeout=120)
-        log.close()
+        code = stop_serve(serve, log)
     assert code == 0, (tmp_path / "serve.log").read_text()[-4000:]
-    deadline = time.monotonic() + 10  # the kernel frees a network namespace's interfaces asynchronously
-    while True:
-        after = _host_state()
-        left = {kind: after[kind] - before[kind] for kind in before}
-        if not any(left.values()) or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    assert not any(left.values()), left
-    assert not kubeconfig.exists()
+    assert_nothing_left(before, kubeconfig)

@@ -13,6 +13,7 @@ import time
 import tomllib
 import uuid
 from pathlib import Path
+from typing import BinaryIO
 
 import pytest
 import yaml
@@ -124,6 +125,28 @@ def _host_state() -> dict[str, set[str]]:
     return {"mounts": mounts, "interfaces": interfaces, "cgroups": cgroups, "shims": shims, "files": files}
 
 
+def stop_serve(serve: subprocess.Popen[bytes], log: BinaryIO) -> int:
+    """SIGTERM `realcluster serve` if it still runs; its exit code."""
+    if serve.poll() is None:
+        os.killpg(serve.pid, signal.SIGTERM)
+    code = serve.wait(timeout=120)
+    log.close()
+    return code
+
+
+def assert_nothing_left(before: dict[str, set[str]], kubeconfig: Path) -> None:
+    """Nothing of what `_host_state` sees is left that was not there `before`, nor the kubeconfig."""
+    deadline = time.monotonic() + 10  # the kernel frees a network namespace's interfaces asynchronously
+    while True:
+        after = _host_state()
+        left = {kind: after[kind] - before[kind] for kind in before}
+        if not any(left.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert not any(left.values()), left
+    assert not kubeconfig.exists()
+
+
 def test_serve_runs_a_pod_in_a_real_container_and_sigterm_leaves_nothing_behind(tmp_path: Path) -> None:
     before = _host_state()
     kubeconfig = tmp_path / "kubeconfig"
@@ -161,17 +184,6 @@ def test_serve_runs_a_pod_in_a_real_container_and_sigterm_leaves_nothing_behind(
         assert made["cgroups"] and made["shims"] and made["interfaces"] and made["mounts"], made
         api.close()
     finally:
-        if serve.poll() is None:
-            os.killpg(serve.pid, signal.SIGTERM)
-        code = serve.wait(timeout=120)
-        log.close()
+        code = stop_serve(serve, log)
     assert code == 0, (tmp_path / "serve.log").read_text()[-4000:]
-    deadline = time.monotonic() + 10  # the kernel frees a network namespace's interfaces asynchronously
-    while True:
-        after = _host_state()
-        left = {kind: after[kind] - before[kind] for kind in before}
-        if not any(left.values()) or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    assert not any(left.values()), left
-    assert not kubeconfig.exists()
+    assert_nothing_left(before, kubeconfig)
