@@ -22,19 +22,43 @@ class Seen:
     path: str
 
 
-class StoreRelay:
+class Listener:
+    """A loopback listener handing each connection it accepts to `_serve`, on a thread of its own,
+    until `close`: what every relay of these tests shares."""
+
+    def __init__(self) -> None:
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def close(self) -> None:
+        self._closed = True
+        self._listener.close()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
+
+    def _serve(self, client: socket.socket) -> None:
+        raise NotImplementedError
+
+
+class StoreRelay(Listener):
     def __init__(self, upstream_endpoint: str) -> None:
         host, _, port = upstream_endpoint.removeprefix("http://").partition(":")
         self._upstream = (host, int(port))
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.endpoint = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
         self._lock = threading.Lock()
         self._seen: list[Seen] = []
         self._hold: tuple[str, int] | None = None
         self.holding = threading.Event()  # set once the request to hold has arrived (not forwarded)
         self._released = threading.Event()
-        self._closed = False
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__()
+        self.endpoint = self.url
 
     def seen(self, method: str | None = None) -> list[Seen]:
         with self._lock:
@@ -50,24 +74,18 @@ class StoreRelay:
         self._released.set()
 
     def close(self) -> None:
-        self._closed = True
         self._released.set()
-        self._listener.close()
+        super().close()
 
-    def _accept(self) -> None:
-        while not self._closed:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return
-            try:
-                upstream = socket.create_connection(self._upstream, timeout=10)
-            except OSError:
-                client.close()
-                continue
-            upstream.settimeout(None)
-            threading.Thread(target=self._requests, args=(client, upstream), daemon=True).start()
-            threading.Thread(target=self._responses, args=(upstream, client), daemon=True).start()
+    def _serve(self, client: socket.socket) -> None:
+        try:
+            upstream = socket.create_connection(self._upstream, timeout=10)
+        except OSError:
+            client.close()
+            return
+        upstream.settimeout(None)
+        threading.Thread(target=self._responses, args=(upstream, client), daemon=True).start()
+        self._requests(client, upstream)
 
     def _requests(self, client: socket.socket, upstream: socket.socket) -> None:
         carry, offset, seen_to = b"", 0, 0  # offset: the stream position where `carry` starts

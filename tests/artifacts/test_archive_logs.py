@@ -33,6 +33,7 @@ from hypothesis import strategies as st
 from objectstore import ObjectStoreServer
 from records import end, schedule
 from sqlalchemy.orm import Session, sessionmaker
+from store_relay import Listener
 
 from k8s_dispatch.artifacts import Artifacts, keys, logs
 from k8s_dispatch.artifacts.cleanup import clean
@@ -396,7 +397,7 @@ def test_the_sweep_keeps_logs_as_the_record_of_an_ended_dispatch_until_their_ret
 # --- a log that cannot be read ----------------------------------------------------------------
 
 
-class PodLogFaults:
+class PodLogFaults(Listener):
     """A TCP relay in front of localcluster's plain-http listener that forwards every request
     unchanged but, while `fault` is set, pods/log GETs: those it answers itself, the way the API
     fails them when the Pod's kubelet cannot be reached ("500": kube-apiserver's InternalError
@@ -409,24 +410,9 @@ class PodLogFaults:
     def __init__(self, upstream_url: str) -> None:
         host, _, port = upstream_url.removeprefix("http://").partition(":")
         self._upstream = (host, int(port.rstrip("/")))
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
         self.fault: str | None = None
         self.failed = 0  # pods/log requests answered here
-        self._closed = False
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def close(self) -> None:
-        self._closed = True
-        self._listener.close()
-
-    def _accept(self) -> None:
-        while not self._closed:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
+        super().__init__()
 
     def _serve(self, client: socket.socket) -> None:
         with client, socket.create_connection(self._upstream) as upstream:
