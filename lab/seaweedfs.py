@@ -1,10 +1,11 @@
 """How the lab starts its own SeaweedFS (`weed mini`: master, volume, filer and S3 gateway in one
 process, on loopback only): the S3 identity file and the command line, shared by the tests' store,
-the chaos run's and the artifacts bench's, so the three start the same server."""
+the chaos run's and the artifacts bench's, so the three start and stop the same server."""
 
 from __future__ import annotations
 
 import json
+import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -34,3 +35,19 @@ def mini_argv(weed: Path, directory: Path, ports: Sequence[int], bucket: str, *,
         "-webdav=false", "-admin.ui=false", f"-admin.port={p[8]}", f"-admin.port.grpc={p[9]}",
         "-admin.port.legacy=0", f"-bucket={bucket}",
     ]  # fmt: skip
+
+
+def start(argv: Sequence[str], directory: Path) -> subprocess.Popen[bytes]:
+    """`argv` (from `mini_argv`) run in `directory`, its output in `directory`/weed.log."""
+    with (directory / "weed.log").open("wb") as log:
+        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=directory)
+
+
+def stop(process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within 10 s."""
+    process.terminate()
+    try:
+        process.wait(10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()

@@ -124,19 +124,13 @@ def object_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ObjectSto
     p = _free_ports(seaweedfs.PORTS)
     cmd = seaweedfs.mini_argv(weed, d, p, BUCKET)
     log = d / "weed.log"
-    with log.open("wb") as out:
-        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=d)
+    process = seaweedfs.start(cmd, d)
     server = ObjectStoreServer(f"http://127.0.0.1:{p[6]}", ak, sk, BUCKET, d, process)
     try:
         _wait_ready(server, log)
         yield server
     finally:
-        process.terminate()
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        seaweedfs.stop(process)
 
 
 @pytest.fixture

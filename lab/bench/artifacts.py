@@ -194,8 +194,7 @@ def seaweedfs(work_dir: Path) -> Iterator[Store]:
     (d / "s3.json").write_text(weed_mini.s3_config("bench", access, secret))
     p = _free_ports(weed_mini.PORTS)
     argv = weed_mini.mini_argv(weed, d, p, BUCKET, volume_size_mb=1024)
-    with (d / "weed.log").open("wb") as log:
-        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=d)
+    process = weed_mini.start(argv, d)
     store = Store(f"http://127.0.0.1:{p[6]}", access, secret)
     try:
         probe = store.client("probe")
@@ -213,12 +212,7 @@ def seaweedfs(work_dir: Path) -> Iterator[Store]:
         wait_until(ready, timeout=STORE_READY_S, interval=0.1, what="SeaweedFS taking writes")
         yield store
     finally:
-        process.terminate()
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        weed_mini.stop(process)
 
 
 def _free_ports(n: int) -> list[int]:
