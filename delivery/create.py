@@ -104,6 +104,9 @@ class _Made:
     namespace: str
     name: str
     attempt: int
+    # Adopted out of our selectors (`delivered=true` put on by hand before the row was marked):
+    # no LIST or watch event of ours will show it, so the row notes it as hand-edited.
+    hidden: bool = False
 
 
 @dataclass(frozen=True)
@@ -195,6 +198,9 @@ def create_jobs_for(
         marked = dispatches.mark_created_many(
             session, [dispatches.CreatedJob(m.record.dispatch_id, m.name, m.namespace, m.attempt) for m in made]
         )
+        for m in made:
+            if m.hidden and m.record.dispatch_id in marked:  # with its mark: the sweep reads it by name
+                dispatches.note_job_tampered(session, m.record.dispatch_id)
         ended = terminal.record(session, [event for _, event in ends.values()])
     _after_creates(rt, made, marked, [ends[d] for d in sorted(ended)])
     if stopped is not None:
@@ -419,8 +425,10 @@ def _adopt(
     except (LabelMismatch, TenancyMismatch, UnknownDispatch) as e:
         refuse_job(rt, job, e)
         return _failed(LabelMismatch(f"a Job named {name} exists but is not this dispatch's: {e}"))
-    if job_labels.deployment_of((job.get("metadata") or {}).get("labels")) is None:
+    labels = (job.get("metadata") or {}).get("labels") or {}
+    if job_labels.deployment_of(labels) is None:
         label_deployment(rt, namespace, name, snapshot=job)
+        labels = {**labels, job_labels.DEPLOYMENT_LABEL: rt.settings.effective_deployment}
     if context.deleting and context.attempt < attempt:
         # An earlier attempt's Job on its way out (a lost result's re-run deleted it): adopting
         # it would count an attempt that never ran. Create this one once that one is gone.
@@ -430,5 +438,11 @@ def _adopt(
         failure = _ensure_secret(rt, job, secret_text)
         if failure is not None:
             return failure
-    log.info("adopted existing job %s/%s for dispatch %s", namespace, name, record.dispatch_id)
-    return _Step(CreateOutcome.ADOPTED, _Made(record, CreateOutcome.ADOPTED, namespace, name, context.attempt))
+    hidden = job_labels.is_hidden(labels, rt.settings.effective_deployment)
+    if hidden:
+        log.warning("adopted job %s/%s for dispatch %s, out of our selectors (edited by hand): noted for the "
+                    "sweep, which delivers it by name once it finishes", namespace, name, record.dispatch_id)  # fmt: skip
+    else:
+        log.info("adopted existing job %s/%s for dispatch %s", namespace, name, record.dispatch_id)
+    made = _Made(record, CreateOutcome.ADOPTED, namespace, name, context.attempt, hidden=hidden)
+    return _Step(CreateOutcome.ADOPTED, made)

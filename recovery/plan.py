@@ -312,8 +312,7 @@ def hidden(job: JobDict, deployment: str) -> bool:
     """Whether the Job is out of our undelivered selector while carrying our managed-by label:
     `delivered=true`, or no or another deployment label (pure)."""
     labels = _metadata(job).get("labels")
-    labels = labels if isinstance(labels, Mapping) else {}
-    return job_labels.is_delivered(labels) or job_labels.deployment_of(labels) != deployment
+    return job_labels.is_hidden(labels if isinstance(labels, Mapping) else {}, deployment)
 
 
 def named_dispatch_ids(job: JobDict) -> list[str]:

@@ -182,6 +182,12 @@ def is_delivered(labels: Mapping[str, object] | None) -> bool:
     return (labels or {}).get(DELIVERED_LABEL) == DELIVERED
 
 
+def is_hidden(labels: Mapping[str, object] | None, deployment: str) -> bool:
+    """Whether a Job with these labels is out of the deployment's undelivered selector (what poll
+    and the sweep list): `delivered=true`, or no or another deployment label."""
+    return is_delivered(labels) or deployment_of(labels) != deployment
+
+
 def decode_attempt(annotations: Mapping[str, object] | None) -> int:
     """Which re-creation of its Job this is (0 for the first; absent means 0).
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import kubernetes
 import pytest
+import sqlalchemy as sa
 from runtimes import runtime_values, schedule
 
 from k8s_dispatch.core.errors import NotFound
@@ -25,7 +26,7 @@ from k8s_dispatch.recovery.plan import JOB_TAMPERED_REASON, Category
 from k8s_dispatch.recovery.sweep import run_sweep
 from k8s_dispatch.store import dispatches, migrate
 from k8s_dispatch.store.db import transaction
-from k8s_dispatch.store.models import DispatchState, EventType
+from k8s_dispatch.store.models import Dispatch, DispatchState, EventType
 from k8s_dispatch.workers import labels as job_labels
 from k8s_dispatch.workers.job_status import job_state
 from k8s_dispatch.workers.manifest import FINALIZER, job_name
@@ -231,3 +232,38 @@ def test_with_the_delete_policy_the_removed_jobs_dispatch_runs_again_from_its_ro
     sweep_until(rt, lambda: row(rt, dispatch_id).state == DispatchState.COMPLETED, what="delivered")
     assert [kind for kind, _ in terminal_events(rt, dispatch_id)] == [EventType.WORKER_COMPLETED]
     assert row(rt, dispatch_id).job_tampered_at is None  # put right: forgotten
+
+
+def test_a_job_hidden_before_its_create_was_marked_is_adopted_noted_and_delivered(make_runtime, hand):
+    """The create's answer was lost (its Job made, its row still SCHEDULED), then the Job was
+    labelled `delivered=true` by hand: the create's retry adopts it on 409 while nothing of ours
+    selects it and no watch event will come. The row notes it with its mark, so beat's sweep
+    delivers it by name though the watch is healthy and the namespace's next LIST is far away."""
+    rt = make_runtime(tampered_grace_s="300")
+    dispatch_id, name = created(rt, "sim.ok")
+    uid = rt.kube.get_job(rt.settings.namespace, name)["metadata"]["uid"]
+    with transaction(rt.sessions) as session:  # the mark never committed
+        session.execute(
+            sa.update(Dispatch)
+            .where(Dispatch.dispatch_id == dispatch_id)
+            .values(state=DispatchState.SCHEDULED, job_name=None, job_created_at=None)
+        )
+    edit(hand, rt, name, labels={job_labels.DELIVERED_LABEL: job_labels.DELIVERED})
+
+    assert create.create_jobs_for(rt, [dispatch_id]) == {dispatch_id: create.CreateOutcome.ADOPTED}
+    assert row(rt, dispatch_id).state == DispatchState.CREATED
+    assert row(rt, dispatch_id).job_tampered_at is not None
+    watch = jobwatch.key(rt.settings.key_prefix, rt.settings.effective_deployment, rt.settings.namespace)
+    rt.redis.set(jobwatch.healthy_key(watch), 1, ex=600)
+    rt.redis.set(jobwatch.listed_key(watch), 1, ex=600)
+
+    def ended() -> bool:
+        run_sweep(rt, watched=True)
+        return row(rt, dispatch_id).state != DispatchState.CREATED
+
+    wait_until(ended, what="the hidden Job's dispatch ended", timeout=20.0)
+    ((kind, payload),) = terminal_events(rt, dispatch_id)
+    assert (kind, payload.get("output")) == (EventType.WORKER_COMPLETED, {"simulated": True, "input": {"n": 1}})
+    sweep_until(rt, lambda: job_or_none(rt, name) is None, what="the delivered Job's bulk delete")
+    assert_cleaned_up(rt, name)
+    assert uid and len(terminal_events(rt, dispatch_id)) == 1
