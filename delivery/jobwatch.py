@@ -311,6 +311,38 @@ def _expected(version: str | None) -> str:
     return "" if version is None else "=" + version
 
 
+def ahead(stored: str | None, listed: str) -> bool:
+    """Whether a position stored before a LIST is ahead of that LIST's version (pure): the cluster's
+    store was restored from a backup, or replaced, under the same Redis. kube-apiserver then
+    holds a watch from the stored version open without a single event until its own versions
+    reach it, and the watch would look healthy while it saw nothing. Versions that are not
+    decimal (a server that does not number them as etcd does) are never compared."""
+    return stored is not None and stored.isdecimal() and listed.isdecimal() and int(stored) > int(listed)
+
+
+# Delete a position (and its healthy mark) if it is still at the version expected. KEYS: the
+# position, its healthy key. ARGV: the version. 1 if deleted.
+_DROP = """
+if redis.call('HGET', KEYS[1], 'rv') ~= ARGV[1] then
+    return 0
+end
+redis.call('DEL', KEYS[1], KEYS[2])
+return 1
+"""
+
+
+def stored_version(client: redis.Redis, name: str) -> str | None:
+    """The version of the position `name` (None: none stored), without its Jobs."""
+    raw = cast(bytes | None, client.hget(name, _RV))
+    return raw.decode() if raw is not None else None
+
+
+def drop(client: redis.Redis, name: str, version: str) -> bool:
+    """Forget the position `name` if it still stands at `version` (compare-and-delete: a poll that
+    stored another one since keeps it): the next poll LISTs and resumes from that LIST."""
+    return bool(client.register_script(_DROP)(keys=[name, healthy_key(name)], args=[version]))
+
+
 def is_healthy(client: redis.Redis, prefix: str, deployment: str, namespace: str) -> bool:
     """Whether poll's watch of the namespace stored a position lately (by Redis' clock)."""
     return bool(client.exists(healthy_key(key(prefix, deployment, namespace))))

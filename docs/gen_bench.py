@@ -371,7 +371,7 @@ def render_index(all_runs: list[Run]) -> str:
         "```sh",
         "make bench                 # quick: every figure at reduced sizes, targets judged",
         "make bench FULL=1          # the sizes the targets are stated at",
-        "python -m k8s_dispatch.lab.bench --only NAME [--cluster local|real|both]",
+        "python -m k8s_dispatch.lab.bench --only NAME [--cluster local|real|both|kubelet|all]",
         "python -m k8s_dispatch.lab.bench --smoke   # tiny sizes, seconds: what the test suite runs",
         "python docs/gen_bench.py --import lab/bench/results.json   # publish a run on these pages",
         "```",

@@ -236,9 +236,12 @@ def _sweep_jobs(rt: Runtime, namespace: str, act: Executor, *, now: datetime, po
     _adopt_unlabelled(rt, namespace, act, now=now, policy=policy)
     lost = _LostJobs(rt, namespace, act, now=now, policy=policy)
     selector = job_labels.undelivered_selector(rt.settings.effective_deployment)
+    position = _Position(rt, namespace)  # read before the LIST: see `_Position.check`
     try:
         for page in _prefetched(
-            rt.kube.iter_jobs(namespace, label_selector=selector, page_size=rt.settings.poll_page_size)
+            rt.kube.iter_jobs(
+                namespace, label_selector=selector, page_size=rt.settings.poll_page_size, on_version=position.listed
+            )
         ):
             report.jobs_listed += len(page)
             views = views_for_jobs(rt, page)
@@ -247,6 +250,8 @@ def _sweep_jobs(rt: Runtime, namespace: str, act: Executor, *, now: datetime, po
             act.starts(namespace, start_checks.due(page, actions, views, now=now, policy_for=_start_policy(rt)))
             lost.page(page)
         lost.end()
+        if not act.dry_run:
+            position.check()
         if not act.dry_run and not lost.unnoted:
             _listed(rt, namespace)
     except DispatchError as e:  # the LIST, or the page's dispatches: the next sweep starts over
@@ -260,6 +265,43 @@ def _sweep_jobs(rt: Runtime, namespace: str, act: Executor, *, now: datetime, po
             log.warning("sweep: the bulk delete of delivered jobs in %s failed: %s: %s", namespace, e.reason, e)
             report.add_problem(f"deleting delivered jobs in {namespace}: {e.reason}: {e}")
     return lost.matched
+
+
+class _Position:
+    """Poll's watch position of a namespace against a LIST of its Jobs (watch poll only). Read
+    before the LIST, a position legitimately stands at or behind the LIST's version; one ahead of
+    it comes from before the cluster's store was restored or replaced (`jobwatch.ahead`), and is
+    dropped so that the next poll LISTs: until then its watch would see nothing."""
+
+    def __init__(self, rt: Runtime, namespace: str) -> None:
+        self.rt, self.namespace = rt, namespace
+        settings = rt.settings
+        self.name = jobwatch.key(settings.key_prefix, settings.effective_deployment, namespace)
+        self.stored: str | None = None
+        self.version = ""
+        if settings.poll_mode is PollMode.WATCH:
+            try:
+                self.stored = jobwatch.stored_version(rt.redis, self.name)
+            except redis.RedisError as e:  # then nothing is checked this sweep
+                log.warning("sweep: cannot read the watch position of %s (%s)", namespace, e)
+
+    def listed(self, version: str) -> None:
+        self.version = version
+
+    def check(self) -> None:
+        if not jobwatch.ahead(self.stored, self.version):
+            return
+        assert self.stored is not None
+        try:
+            dropped = jobwatch.drop(self.rt.redis, self.name, self.stored)
+        except redis.RedisError as e:
+            log.warning("sweep: cannot drop the watch position of %s (%s)", self.namespace, e)
+            return
+        if dropped:
+            log.warning(
+                "sweep: poll's watch of jobs in %s stood at version %s, ahead of the cluster's %s (its store "
+                "restored or replaced): dropped, the next poll lists them", self.namespace, self.stored, self.version,
+            )  # fmt: skip
 
 
 def _start_policy(rt: Runtime) -> Callable[[str], StartPolicy]:

@@ -246,8 +246,11 @@ class KubeClient:
         *,
         label_selector: str,
         page_size: int = DEFAULT_PAGE_SIZE,
+        on_version: Callable[[str], None] | None = None,
     ) -> Iterator[list[JsonDict]]:
         """Yield the matching Jobs page by page (one LIST per page, memory bounded by a page).
+        `on_version` is told the listing's resourceVersion (its first page's) before that page
+        is yielded.
 
         A 410 Expired continue token restarts the listing from scratch, so after a restart a
         Job may be yielded twice: consumers must be idempotent (ours are).
@@ -268,6 +271,8 @@ class KubeClient:
                 log.info("list of jobs in %s expired mid-way; listing again from the start", namespace)
                 token = None
                 continue
+            if token is None and on_version is not None:
+                on_version(str((page.get("metadata") or {}).get("resourceVersion") or ""))
             yield page.get("items") or []
             token = (page.get("metadata") or {}).get("continue") or None
             if token is None:

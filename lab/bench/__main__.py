@@ -58,7 +58,14 @@ BENCHMARKS: dict[str, Benchmark] = {
 # Not an issue-8 figure, so not in the quick run (about 2 minutes); `--only adapter` runs it there.
 SKIPPED_AT = {"adapter": {"quick"}}
 DEFAULT_RESULTS = Path(__file__).resolve().parent / "results.json"
-CLUSTERS = {"local": (services.LOCAL,), "real": (services.REAL,), "both": (services.LOCAL, services.REAL)}
+CLUSTERS = {
+    "local": (services.LOCAL,),
+    "real": (services.REAL,),
+    "both": (services.LOCAL, services.REAL),
+    # api_load beside a real node: the agent's control plane, then the kubelet's (minutes more)
+    "kubelet": (services.KUBELET,),
+    "all": (services.LOCAL, services.REAL, services.KUBELET),
+}
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -72,7 +79,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--only", nargs="+", choices=sorted(BENCHMARKS), metavar="NAME",
                         help=f"run only these ({', '.join(BENCHMARKS)})")  # fmt: skip
     parser.add_argument("--cluster", choices=CLUSTERS, default="both",
-                        help="the API servers api_load runs against: localcluster, the real control plane, or both")  # fmt: skip
+                        help="the API servers api_load runs against: localcluster, the real control plane, both, beside "
+                             "a real node (kubelet: the node agent's and the kubelet's control planes), or all")  # fmt: skip
     parser.add_argument("--results", type=Path, default=DEFAULT_RESULTS, help="where the JSON results go")
     parser.add_argument("--json-out", type=Path, help="also write the JSON results here")
     parser.add_argument("--plot", action="store_true", help="only draw poll_cost's results (--results) as a PNG")

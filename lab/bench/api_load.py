@@ -309,7 +309,8 @@ def _ours(
                 {
                     "database_url": database_url,
                     "redis_url": ctx.redis_url,
-                    "key_prefix": f"{ctx.key_prefix}-load-{kind}-{n}",
+                    # one of its own: a run after another on a new server never resumes its watch
+                    "key_prefix": f"{ctx.key_prefix}-load-{kind}-{n}-{uuid.uuid4().hex[:6]}",
                     "namespace": OURS_NAMESPACE,
                     "kubeconfig": str(cluster.kubeconfig),
                     "capabilities": str(caps_file),

@@ -37,10 +37,11 @@ from k8s_dispatch.lab.bench.results import BenchResult, Figure, Ratio
 from k8s_dispatch.ops.processes import WaitTimeout, wait_until
 from k8s_dispatch.workers.resolver import CapabilityResolver
 
-KUBELET = "kubelet"  # in `BenchContext.clusters`: this comparison runs
+KUBELET = services.KUBELET  # in `BenchContext.clusters`: this comparison runs
 RAW_NAMESPACE = "bench-load-raw"
 RAW_INTERVAL_S = 1.0  # one raw Job a second beside ours
 RAW_JOB_S = 1  # how long a raw Job's container sleeps (its start is what is measured)
+RAW_HEADROOM = 50  # the agent's exec processes beyond ours: the raw Jobs' (one a second, each a second)
 JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
 STARTED_WAIT_S = 30.0  # after the window: how long the window's Jobs may take to show a container started
 # where a result goes: the termination message, or the agent's file for it in exec mode
@@ -68,10 +69,16 @@ def capability_config(job_s: float) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def node_cluster(directory: Path, *, node: str, kube_api_qps: int) -> AbstractContextManager[services.Cluster]:
+def node_cluster(
+    directory: Path, *, node: str, kube_api_qps: int, jobs: int
+) -> AbstractContextManager[services.Cluster]:
     """The real control plane with `node` ("agent", in exec mode: the same script as a host process,
-    or KUBELET), its audit log on, as services.cluster(kind=REAL) makes it."""
-    return services.real_cluster(directory, kube_api_qps=kube_api_qps, mode="exec", node=node)
+    or KUBELET), its audit log on, as services.cluster(kind=REAL) makes it. The agent runs every one
+    of the `jobs` Jobs (and the raw ones) at once, as the kubelet does: its default of two processes
+    per CPU would queue these sleeping containers behind each other."""
+    return services.real_cluster(
+        directory, kube_api_qps=kube_api_qps, mode="exec", node=node, max_running=jobs + RAW_HEADROOM
+    )
 
 
 @dataclass
@@ -220,7 +227,7 @@ def run_nodes(
         directory = ctx.work_dir / f"rc-{node}-load-{n}"
         window = api_load._ours(
             ctx, knobs, n, caps, caps_file, kind=services.REAL, probe=probe,
-            cluster_cm=partial(node_cluster, directory, node=node, kube_api_qps=api_load.REAL_KUBE_API_QPS),
+            cluster_cm=partial(node_cluster, directory, node=node, kube_api_qps=api_load.REAL_KUBE_API_QPS, jobs=n),
         )  # fmt: skip
         if probe.error is not None:
             raise RuntimeError(f"the Pod-start probe failed on the {node} node: {probe.error}") from probe.error

@@ -113,6 +113,7 @@ def redis_prefix(url: str = REDIS_URL) -> Iterator[str]:
 
 
 LOCAL, REAL = "local", "real"  # the API servers a benchmark can run against (`--cluster`)
+KUBELET = "kubelet"  # api_load's steady state beside a real node (`api_load_kubelet`)
 BENCH_USER_AGENT = "k8s-dispatch-bench"  # the bench's own requests, told apart in the real server's audit log
 # Every request's metadata, once it has been answered: who sent it, which the counter cannot say.
 AUDIT_POLICY = """apiVersion: audit.k8s.io/v1
@@ -211,10 +212,10 @@ def cluster(work_dir: Path, *, name: str, kind: str = LOCAL, kube_api_qps: int =
 
 @contextmanager
 def real_cluster(
-    directory: Path, *, kube_api_qps: int, mode: str = "simulate", node: str = "agent"
+    directory: Path, *, kube_api_qps: int, mode: str = "simulate", node: str = "agent", max_running: int | None = None
 ) -> Iterator[Cluster]:
-    """The real control plane in `directory` with its audit log on: our node agent in `mode`, or
-    (`node="kubelet"`) a real node."""
+    """The real control plane in `directory` with its audit log on: our node agent in `mode` (in
+    exec mode, `max_running` processes at once), or (`node="kubelet"`) a real node."""
     from k8s_dispatch.lab.realcluster.controlplane import (  # built on first use: only when asked for
         ControlPlane,
         remove,
@@ -224,7 +225,7 @@ def real_cluster(
     policy, audit_log = directory / "audit-policy.yaml", directory / "audit.log"
     policy.write_text(AUDIT_POLICY)
     plane = ControlPlane(
-        directory=directory, mode=mode, node=node, kube_api_qps=kube_api_qps,
+        directory=directory, mode=mode, node=node, kube_api_qps=kube_api_qps, max_running=max_running,
         apiserver_args=(f"--audit-policy-file={policy}", f"--audit-log-path={audit_log}", "--audit-log-format=json",
                         "--audit-log-maxsize=0"),
     )  # fmt: skip

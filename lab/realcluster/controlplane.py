@@ -89,6 +89,7 @@ class ControlPlane:
     nodes: int = 1  # kubelet nodes started with the plane (node="kubelet" only), at most MAX_NODES
     pod_gc_threshold: int = 12500  # --terminated-pod-gc-threshold (Kubernetes' default)
     kube_api_qps: int = 400  # the controller manager's client budget: the Job controller creates Pods with it
+    max_running: int | None = None  # the agent's exec-mode processes at once (None: its default, 2 per CPU)
     apiserver_args: tuple[str, ...] = ()
     ready_timeout: float = 120.0
     admin: User = field(default_factory=lambda: User("admin", secrets.token_urlsafe(24), ("system:masters",)))
@@ -390,6 +391,7 @@ class ControlPlane:
         proc = self._spawn("node", [
             sys.executable, "-m", "k8s_dispatch.demo.localcluster", "node", "--kubeconfig", str(kubeconfig), "--mode", self.mode,
             "--name", NODE_NAME, "--workdir", str(workdir), "--log-port", str(free_port()),
+            *(["--max-running", str(self.max_running)] if self.max_running is not None else []),
         ])  # fmt: skip
 
         def ready() -> bool:

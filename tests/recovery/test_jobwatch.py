@@ -61,6 +61,22 @@ def test_each_event_means_one_step(event: dict, step: Step) -> None:
     assert decide(event) is step
 
 
+@pytest.mark.parametrize(
+    ("stored", "listed", "expected"),
+    [
+        ("900", "120", True),  # the cluster's store restored: the position from before it
+        ("120", "120", False),
+        ("119", "120", False),  # behind: a poll resumes and reads up to it
+        (None, "120", False),  # nothing stored
+        ("900", "", False),  # a LIST that said no version
+        ("abc", "120", False),  # versions that are not numbers are never compared
+        ("900", "x9", False),
+    ],
+)
+def test_a_position_is_ahead_only_of_a_smaller_numbered_list(stored: str | None, listed: str, expected: bool) -> None:
+    assert jobwatch.ahead(stored, listed) is expected
+
+
 def test_apply_keeps_finished_until_delivered_and_follows_the_last_version() -> None:
     start = Position("10", {"old": job("old", **DONE)})
     events = [

@@ -106,3 +106,26 @@ def test_a_job_gone_undelivered_is_recreated_by_the_sweep_from_the_watchs_note(d
     d.wait(lambda: not jobwatch.gone(d.redis, key), timeout_s=10, what="the note checked and forgotten")
     # Found without listing the namespace's Jobs: the sweep looked the one dispatch up by label.
     assert after["LIST"] <= 3, after
+
+
+def test_a_position_ahead_of_a_restored_cluster_is_dropped_by_the_sweeps_list(deploy, real_cluster):
+    """The cluster's store restored from a backup (or replaced) under the same Redis: poll's position
+    stands at a version the cluster has not reached, and kube-apiserver holds a watch from it open
+    without a single event, so the watch looks healthy and sees nothing. The worker's start-up
+    sweep LISTs, finds the position ahead of its LIST and drops it; the next poll LISTs and
+    resumes, and a dispatch ends within seconds though beat's LISTs are an hour apart."""
+    d = deploy(
+        real_cluster, capabilities=CAPABILITIES, poll_interval_s="0.5", sweep_interval_s="1",
+        sweep_list_interval_s="3600",
+    )  # fmt: skip
+    key = jobwatch.key(d.prefix, d.settings.effective_deployment, d.settings.namespace)
+    future = "999999999"  # far ahead of any version this cluster has given
+    d.redis.hset(key, "rv", future)
+    d.start_worker("w1")
+    d.start_beat()
+    [dispatch_id] = d.schedule_batch("sim.ok", 1)
+    events = d.wait_terminal([dispatch_id], timeout_s=30)
+    assert [kind for kind, _ in events[dispatch_id]] == [EventType.WORKER_COMPLETED.value]
+    version = jobwatch.stored_version(d.redis, key)
+    assert version is not None and int(version) < int(future)
+    d.wait_no_jobs()
