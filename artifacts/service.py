@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections.abc import Iterator
+from contextlib import closing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -83,8 +84,9 @@ class Artifacts:
     def verify(self, reference: ResultReference, *, expected_key: str, max_bytes: int) -> ResultReference:
         """`reference`, once the store holds exactly its bytes under `expected_key`.
 
-        A HEAD first (a wrong size costs no download), then the whole object streamed through
-        SHA-256: what is recorded was read back, not taken on the Pod's word.
+        One GET: its size checked before a byte is read (a wrong size costs no download), then
+        the whole object streamed through SHA-256: what is recorded was read back, not taken on
+        the Pod's word.
 
         Raises:
             InvalidResultReference: the reference names another key than its attempt's.
@@ -97,16 +99,19 @@ class Artifacts:
             raise InvalidResultReference(f"the reference names {reference.key!r}, not this attempt's {expected_key!r}")
         if reference.size > max_bytes:
             raise ResultTooLarge(f"the result is {reference.size} bytes, more than maxResultBytes {max_bytes}")
-        size = self.store.size(expected_key)
-        if size is None:
+        opened = self.store.open(expected_key)
+        if opened is None:
             raise ResultObjectMissing(f"no object {expected_key} in the store (the upload did not finish)")
-        if size != reference.size:
-            raise ResultObjectMismatch(f"object {expected_key} is {size} bytes, its reference says {reference.size}")
         digest = hashlib.sha256()
         read = 0
-        for chunk in self.store.read(expected_key):
-            digest.update(chunk)
-            read += len(chunk)
+        with closing(opened):
+            if opened.size != reference.size:
+                raise ResultObjectMismatch(
+                    f"object {expected_key} is {opened.size} bytes, its reference says {reference.size}"
+                )
+            for chunk in opened.chunks:
+                digest.update(chunk)
+                read += len(chunk)
         if read != reference.size or digest.hexdigest() != reference.sha256:
             raise ResultObjectMismatch(
                 f"object {expected_key} ({read} bytes, SHA-256 {digest.hexdigest()}) is not the one its "

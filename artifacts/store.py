@@ -12,11 +12,12 @@ from __future__ import annotations
 import os
 import tempfile
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import closing
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from k8s_dispatch.artifacts.errors import ObjectStoreUnavailable, ResultObjectMissing
 
@@ -37,6 +38,16 @@ class StoredObject:
     modified: datetime  # the store's clock
 
 
+@dataclass(frozen=True)
+class Opened:
+    """An object being read: its size as the store gave it before any byte was read, and its
+    bytes in chunks; whoever opened it closes it (`contextlib.closing`), read to the end or not."""
+
+    size: int
+    chunks: Iterator[bytes]
+    close: Callable[[], None]
+
+
 class ObjectStore(Protocol):
     def upload_url(self, key: str, expires_s: int) -> str: ...
     def read_url(self, key: str, expires_s: int) -> str: ...
@@ -46,6 +57,11 @@ class ObjectStore(Protocol):
 
     def read(self, key: str) -> Iterator[bytes]:
         """The object's bytes in chunks. Raises: ResultObjectMissing, ObjectStoreUnavailable."""
+        ...
+
+    def open(self, key: str) -> Opened | None:
+        """The object opened for reading, its size known before its bytes (one request); None if
+        there is none. Raises: ObjectStoreUnavailable."""
         ...
 
     def put(self, key: str, data: bytes) -> None: ...
@@ -98,13 +114,14 @@ class S3Store:
         return None  # the object is not there
 
     def read(self, key: str) -> Iterator[bytes]:
-        with _translated(key):
-            body = self.client.get_object(Bucket=self.bucket, Key=key)["Body"]
-        try:
-            with _translated(key):
-                yield from body.iter_chunks(CHUNK_BYTES)
-        finally:
-            body.close()
+        return _read(self, key)
+
+    def open(self, key: str) -> Opened | None:
+        with _translated(key, missing_ok=True):
+            response = self.client.get_object(Bucket=self.bucket, Key=key)
+            body = response["Body"]
+            return Opened(response["ContentLength"], _s3_chunks(key, body), body.close)
+        return None  # the object is not there
 
     def put(self, key: str, data: bytes) -> None:
         with _translated(key):
@@ -147,13 +164,14 @@ class DirectoryStore:
             return None
 
     def read(self, key: str) -> Iterator[bytes]:
+        return _read(self, key)
+
+    def open(self, key: str) -> Opened | None:
         try:
             f = self._path(key).open("rb")
-        except FileNotFoundError as e:
-            raise ResultObjectMissing(f"object store: no object {key}") from e
-        with f:
-            while chunk := f.read(CHUNK_BYTES):
-                yield chunk
+        except FileNotFoundError:
+            return None
+        return Opened(os.fstat(f.fileno()).st_size, iter(lambda: f.read(CHUNK_BYTES), b""), f.close)
 
     def put(self, key: str, data: bytes) -> None:
         path = self._path(key)
@@ -174,6 +192,20 @@ class DirectoryStore:
             if path.is_file() and key.startswith(prefix) and not path.name.startswith(".upload-"):
                 stat = path.stat()
                 yield StoredObject(key, stat.st_size, datetime.fromtimestamp(stat.st_mtime, UTC))
+
+
+def _read(store: ObjectStore, key: str) -> Iterator[bytes]:
+    """`ObjectStore.read` by way of `open`, its body closed however the reading ends."""
+    opened = store.open(key)
+    if opened is None:
+        raise ResultObjectMissing(f"object store: no object {key}")
+    with closing(opened):
+        yield from opened.chunks
+
+
+def _s3_chunks(key: str, body: Any) -> Iterator[bytes]:
+    with _translated(key):
+        yield from body.iter_chunks(CHUNK_BYTES)
 
 
 def open_store(settings: Settings) -> ObjectStore | None:
