@@ -35,6 +35,10 @@ ADMIT_TASK = "k8s-dispatch.admit"  # an admission pass under the limits (tasks/a
 # Orphans and expired results in the object store (tasks/artifacts_tasks.py), when one is configured.
 ARTIFACTS_CLEANUP_TASK = "k8s-dispatch.artifacts_cleanup"
 ARTIFACTS_CLEANUP_MIN_INTERVAL_S = 300.0
+# A failed dispatch shown as a failed task, for Flower (tasks/task_events.py): no work, an echo.
+DISPATCH_FAILED_TASK = "k8s-dispatch.dispatch_failed"
+# The periodic and on-demand passes: no events for Flower, their routine log lines at DEBUG.
+HOUSEKEEPING_TASKS = frozenset({POLL_TASK, ADMIT_TASK, CLEANUP_TASK, SWEEP_TASK, ARTIFACTS_CLEANUP_TASK})
 
 
 def artifacts_cleanup_interval_s(settings: Settings) -> float:
@@ -87,7 +91,8 @@ def config(settings: Settings) -> dict[str, Any]:
         "task_soft_time_limit": 240,
         # Events for Flower: task-sent from producers, the rest from workers. Each is a Redis
         # publish, about four per task: affordable because creates and completions travel in
-        # batches (create_jobs, complete_batch), not a task per Job.
+        # batches (create_jobs, complete_batch), not a task per Job. Housekeeping sends none
+        # (tasks/task_events.py), so that Flower's Tasks page is the work.
         "worker_send_task_events": True,
         "task_send_sent_event": True,
         # --- queues and routes ---------------------------------------------------------
@@ -107,6 +112,7 @@ def config(settings: Settings) -> dict[str, Any]:
             CLEANUP_TASK: {"queue": SWEEP_QUEUE},
             SWEEP_TASK: {"queue": SWEEP_QUEUE},
             ARTIFACTS_CLEANUP_TASK: {"queue": SWEEP_QUEUE},
+            DISPATCH_FAILED_TASK: {"queue": COMPLETE_QUEUE},
         },
         # Task modules besides the app's own `include` (Celery imports both at worker start).
         "imports": ("k8s_dispatch.tasks.artifacts_tasks", "k8s_dispatch.tasks.maps"),

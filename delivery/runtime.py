@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 Notifier = Callable[[str], None]  # called with a dispatch id after its terminal event commits
 Ended = Callable[[Sequence[str]], None]  # called with dispatch ids after their terminal events commit
+Failed = Callable[[str, str, str], None]  # dispatch id, reason, message: after a WORKER_FAILED commits
 
 REDIS_TIMEOUT_S = 5.0  # connect and per-command: a Redis that hangs is unavailable, not slow
 
@@ -47,6 +48,9 @@ class Runtime:
     notifier: Notifier | None = None
     # Told of every dispatch that ended (its slot free); the tasks layer runs admission on it.
     on_ended: Ended | None = None
+    # Told of every dispatch that failed, to show it where operators look (the tasks layer: Flower).
+    # Must not raise: the failure is recorded already.
+    on_failed: Failed | None = None
     _closed: bool = field(default=False, repr=False)
 
     @classmethod

@@ -61,9 +61,14 @@ def record_items(session: Session, ends: Sequence[maps.ItemEnd]) -> set[tuple[st
 
 def announce(rt: Runtime, ended: Sequence[tuple[DispatchLike, dispatches.TerminalEvent]]) -> set[str]:
     """After the transaction that `record`ed them committed: a state-change line per ended
-    dispatch, then the engine told (`notify_engines`); the ids sent."""
+    dispatch (and a failed one shown: `Runtime.on_failed`), then the engine told
+    (`notify_engines`); the ids sent."""
     for dispatch, event in ended:
         statelog.dispatch_changed(dispatch, STATE_FOR_TERMINAL_EVENT[event.type], reason=event.payload.get("reason"))
+        if rt.on_failed is not None and event.type == EventType.WORKER_FAILED:
+            rt.on_failed(
+                event.dispatch_id, str(event.payload.get("reason") or ""), str(event.payload.get("message") or "")
+            )
     return notify_engines(rt, [event.dispatch_id for _, event in ended]) if ended else set()
 
 

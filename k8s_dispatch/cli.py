@@ -384,7 +384,8 @@ def _checked_runtime(settings: Settings) -> Runtime:
     once, so that the first problem is one line saying what to fix, not a sweep's table of errors."""
     from k8s_dispatch.delivery.runtime import Runtime
     from k8s_dispatch.ops.preflight import require_api, require_redis
-    from k8s_dispatch.tasks.app import celery_notifier
+    from k8s_dispatch.tasks.app import app, celery_notifier
+    from k8s_dispatch.tasks.task_events import failure_echo
     from k8s_dispatch.workers.kube import KubeClient
 
     resolver = _resolver(settings)
@@ -393,6 +394,7 @@ def _checked_runtime(settings: Settings) -> Runtime:
     except ConfigError as e:
         raise ConfigError(f"set K8S_DISPATCH_KUBECONFIG to a kubeconfig for your cluster: {e}") from e
     runtime = Runtime.from_settings(settings, notifier=celery_notifier(settings), resolver=resolver, kube=kube)
+    runtime.on_failed = failure_echo(app)
     try:
         require_redis(runtime.redis, settings.redis_url)
         require_api(runtime.kube, settings.namespace, kubeconfig=settings.kubeconfig)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from celery import Celery, signals
 
 from k8s_dispatch.tasks import log_levels
+from k8s_dispatch.tasks.task_events import Messages
 
 if TYPE_CHECKING:
     from k8s_dispatch.core.settings import Settings
@@ -21,7 +22,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-app = Celery("k8s-dispatch", include=["k8s_dispatch.tasks.jobs", "k8s_dispatch.tasks.recovery_tasks"])
+# `Messages`: what Flower shows of each task (tasks/task_events.py).
+app = Celery("k8s-dispatch", include=["k8s_dispatch.tasks.jobs", "k8s_dispatch.tasks.recovery_tasks"], amqp=Messages)
 app.config_from_object("k8s_dispatch.celeryconfig")
 log_levels.install()  # poll's and admit's routine lines at DEBUG: INFO is the work
 

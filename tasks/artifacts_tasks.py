@@ -17,7 +17,7 @@ from k8s_dispatch.tasks.worker_runtime import get_runtime
 log = logging.getLogger(__name__)
 
 
-@app.task(name=names.ARTIFACTS_CLEANUP_TASK)
+@app.task(name=names.ARTIFACTS_CLEANUP_TASK, send_events=False)
 def clean_objects() -> dict[str, int | bool]:
     """One pass over the objects under our prefix; nothing without an object store."""
     rt = get_runtime()

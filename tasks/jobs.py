@@ -37,6 +37,7 @@ from k8s_dispatch.store.models import DispatchState, utcnow
 from k8s_dispatch.store.secret_inputs import unseal
 from k8s_dispatch.tasks import admission, lease, supersede
 from k8s_dispatch.tasks.app import app
+from k8s_dispatch.tasks.task_events import DispatchFailed, failure_text
 from k8s_dispatch.tasks.worker_runtime import get_runtime
 from k8s_dispatch.workers import labels as job_labels
 from k8s_dispatch.workers.job_status import job_state
@@ -137,7 +138,7 @@ def schedule(
     return result.dispatch_id
 
 
-@app.task(name=names.ADMIT_TASK, **RETRY)
+@app.task(name=names.ADMIT_TASK, **RETRY, send_events=False)
 def admit(periodic: bool = False) -> int:
     """Admit queued dispatches to the slots free under the limits and send their creates (how
     many). Sent after a queued schedule commits (coalesced with the passes running elsewhere) and
@@ -206,10 +207,21 @@ def cancel(dispatch_id: str, reason: str = CANCELLED_REASON, recorded: bool = Fa
     return cancel_dispatch(get_runtime(), dispatch_id, reason=reason, recorded=recorded)
 
 
+@app.task(name=names.DISPATCH_FAILED_TASK, throws=(DispatchFailed,))
+def dispatch_failed(dispatch_id: str, reason: str, message: str = "") -> None:
+    """A failed dispatch's echo (`tasks.task_events`): fails, so that Flower shows the failure
+    as one. Sent after the failure is recorded; it does nothing else.
+
+    Raises:
+        DispatchFailed: always (an expected error: logged in one line, never retried).
+    """
+    raise DispatchFailed(failure_text(dispatch_id, reason, message))
+
+
 # --- poll -----------------------------------------------------------------------------------
 
 
-@app.task(name=names.POLL_TASK)
+@app.task(name=names.POLL_TASK, send_events=False)
 def poll() -> dict[str, int]:
     """List our undelivered Jobs page by page (one LIST per page, no GET per Job); hand the
     finished ones to `complete_batch`, a few messages per page carrying the LIST's snapshots.
@@ -266,7 +278,7 @@ def _poll(rt: Runtime, running: lease.Lease) -> dict[str, int]:
     return {"seen": seen, "handed_off": handed}
 
 
-@app.task(name=names.CLEANUP_TASK)
+@app.task(name=names.CLEANUP_TASK, send_events=False)
 def cleanup() -> dict[str, int]:
     """Poll's follow-ups that need not be as prompt as a completion, every CLEANUP_POLLS polls (beat):
     per namespace ONE LIST of our failed Pods (disruptions recorded, their Pods freed, a dispatch

@@ -1,5 +1,5 @@
 """Housekeeping at DEBUG: the "received" and "succeeded" lines Celery writes at INFO for each
-poll, admit, cleanup and sweep (several a second while idle) are logged at DEBUG, so that a
+poll, admit, cleanup, sweep and artifacts cleanup (several a second while idle) are logged at DEBUG, so that a
 worker's INFO log is the work and its state changes. A failure or a retry of any task stays
 at Celery's level, and so does every line our own code writes.
 
@@ -15,10 +15,9 @@ from collections.abc import Collection, Mapping
 
 from celery.app import trace
 
-from k8s_dispatch.celeryconfig import ADMIT_TASK, CLEANUP_TASK, POLL_TASK, SWEEP_TASK
+from k8s_dispatch.celeryconfig import HOUSEKEEPING_TASKS
 
 LEVEL_VARIABLE = "K8S_DISPATCH_HOUSEKEEPING_LOG"
-HOUSEKEEPING_TASKS = frozenset({POLL_TASK, ADMIT_TASK, CLEANUP_TASK, SWEEP_TASK})
 # The loggers Celery writes those two lines with (celery.worker.strategy: received; celery.app.trace: succeeded).
 LOGGERS = ("celery.worker.strategy", "celery.app.trace")
 _ROUTINE = frozenset({trace.LOG_RECEIVED, trace.LOG_SUCCESS})

@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 STARTUP_SWEEP_DONE = "start-up sweep done"  # the log line the start-up tests wait for
 
 
-@app.task(name=names.SWEEP_TASK)
+@app.task(name=names.SWEEP_TASK, send_events=False)
 def sweep() -> dict[str, Any]:
     """One recovery sweep (beat sends this every `sweep_interval_s`); skipped if another started
     within half that interval (`tasks.supersede`), so a backlog of sweeps runs once, and skipped

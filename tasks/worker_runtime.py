@@ -20,6 +20,7 @@ from celery import signals
 
 from k8s_dispatch.tasks.admission import on_ended
 from k8s_dispatch.tasks.app import app
+from k8s_dispatch.tasks.task_events import failure_echo
 
 if TYPE_CHECKING:
     from k8s_dispatch.delivery.runtime import Runtime
@@ -42,6 +43,7 @@ def get_runtime() -> Runtime:
             settings = get_settings()
             runtime = Runtime.from_settings(settings, notifier=celery_notifier(settings))
             runtime.on_ended = partial(on_ended, runtime, app)  # ended dispatches free slots: admit
+            runtime.on_failed = failure_echo(app)  # failed dispatches shown as failed tasks (Flower)
             _runtime = runtime
         return _runtime
 

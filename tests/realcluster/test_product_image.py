@@ -41,6 +41,7 @@ import pytest
 import yaml
 from sqlalchemy.engine import make_url
 
+from k8s_dispatch import celeryconfig as names
 from k8s_dispatch.lab.realcluster.binaries import build as build_tool
 from k8s_dispatch.lab.realcluster.controlplane import NODE_NAME
 from k8s_dispatch.lab.realcluster.node import Node
@@ -325,7 +326,8 @@ def test_the_chart_runs_on_the_node_from_the_image_flower_shows_the_work_and_a_d
         return tasks if any(first in str(t.get("args")) for t in tasks.values()) else {}
 
     tasks = d.wait(listed, timeout_s=60, what="Flower listing the task of the first dispatch")
-    assert {"k8s-dispatch.create_jobs", "k8s-dispatch.poll"} <= {t["name"] for t in tasks.values()}
+    assert {names.CREATE_JOBS_TASK, names.COMPLETE_BATCH_TASK} <= {t["name"] for t in tasks.values()}
+    assert not {t["name"] for t in tasks.values()} & names.HOUSEKEEPING_TASKS  # the work only
     status, page = flower_get(flower, "/tasks", flower_auth)
     assert status == 200 and b"<html" in page.lower()
 
@@ -369,19 +371,22 @@ def test_the_chart_runs_on_the_node_from_the_image_flower_shows_the_work_and_a_d
         ]  # fmt: skip
         assert ended_once(d, third) == [EventType.WORKER_SCHEDULED, EventType.WORKER_COMPLETED]
         d.wait_no_jobs(timeout_s=120)
-        assert sorted(d.notifications()) == sorted([first, second, third])
+        assert sorted(d.notifications()) == sorted([first, second, third])  # the fourth's is below
         # Every Pod of the release is on the second node; the drained one held nothing back.
         assert {p["spec"]["nodeName"] for c in ("worker", "beat", "flower") for p in pods(d, c)} == {second_node.name}
         assert unschedulable(kubelet_cluster, NODE_NAME)
-        # Flower there, behind its login, hears the workers' events through the first node's relay.
+        # Flower there, behind its login, hears the workers' events through the first node's relay:
+        # a dispatch from now on is found by its id.
         [moved] = running(d, "flower", second_node.name)
+        [fourth] = d.schedule_batch("slow", 1)
+        d.wait_terminal([fourth], timeout_s=90)
 
-        def polls() -> list[str]:
-            status, body = flower_get(moved, "/api/tasks", flower_auth)
+        def batch_of_fourth() -> list[str]:
+            status, body = flower_get(moved, f"/api/tasks?search={fourth}", flower_auth)
             tasks = json.loads(body) if status == 200 else {}
-            return [t["name"] for t in tasks.values() if t.get("name") == "k8s-dispatch.poll"]
+            return [t["name"] for t in tasks.values() if t.get("name") == names.COMPLETE_BATCH_TASK]
 
-        d.wait(polls, timeout_s=60, what="Flower on the second node listing beat's polls")
+        d.wait(batch_of_fourth, timeout_s=60, what="Flower on the second node finding the fourth's complete_batch")
     finally:
         uncordoned = kubectl(kubelet_cluster, "uncordon", NODE_NAME)
         try:

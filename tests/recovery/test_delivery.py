@@ -286,6 +286,28 @@ def test_a_mixed_batch_gives_each_job_its_own_outcome_in_order(rt, notified):
     assert sorted(notified.ids) == sorted([ok, elsewhere])
 
 
+def test_a_batch_shows_its_failed_dispatch_once_and_nothing_else(rt, notified):
+    """`Runtime.on_failed` (Flower's failed-task echo) hears of the batch's one WORKER_FAILED, with
+    its reason and message, once: not of the completed one, nor of the failure delivered again."""
+    echoed: list[tuple[str, str, str]] = []
+    rt.on_failed = lambda dispatch_id, reason, message: echoed.append((dispatch_id, reason, message))
+    ok, failing = schedule(rt, "sim.ok"), schedule(rt, "sim.fail")
+    for dispatch_id in (ok, failing):
+        create_job_for(rt, dispatch_id)
+        job_finished(rt, dispatch_id)
+    pages = rt.kube.iter_jobs(
+        rt.settings.namespace, label_selector=job_labels.undelivered_selector(rt.settings.effective_deployment)
+    )
+    batch = [job_snapshot(j) for page in pages for j in page]
+
+    assert complete_jobs(rt, rt.settings.namespace, batch).outcomes == [CompleteOutcome.COMPLETED] * 2
+    [(event, payload)] = events(rt, failing)[1:]
+    assert event == EventType.WORKER_FAILED
+    assert echoed == [(failing, payload["reason"], payload.get("message", ""))] and payload["reason"]
+    assert CompleteOutcome.COMPLETED not in complete_jobs(rt, rt.settings.namespace, batch).outcomes  # redelivered
+    assert len(echoed) == 1 and sorted(notified.ids) == sorted([ok, failing])
+
+
 def test_a_job_recreated_under_the_same_name_after_the_list_is_left_alone(rt):
     dispatch_id = schedule(rt, "sim.ok")
     create_job_for(rt, dispatch_id)
