@@ -129,3 +129,13 @@ def test_the_legal_and_project_files_are_there() -> None:
     for name in ("CHANGELOG.md", "CONTRIBUTING.md", "SECURITY.md"):
         assert (REPO / name).stat().st_size > 500, name
     assert "Upgrade notes" in (REPO / "CHANGELOG.md").read_text()
+
+
+def test_the_readme_says_how_to_install_from_a_checkout_and_to_create_the_database() -> None:
+    """No registry release yet: the README's install is `make dist` and the wheel it writes, with
+    the locked dependencies; and the database exists before `migrate` (which refuses a missing one)."""
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    order = ["`make dist`", "pip install --require-hashes -r requirements.lock", "dist/k8s_dispatch-*.whl",
+             "createdb k8s_dispatch", "k8s-dispatch migrate"]  # fmt: skip
+    at = [readme.find(text) for text in order]
+    assert -1 not in at and at == sorted(at), dict(zip(order, at, strict=True))
