@@ -1,4 +1,5 @@
-"""The Celery tasks: schedule, create_job(s), poll, complete(_batch), cancel. Thin: ids in, work elsewhere.
+"""The Celery tasks: schedule, create_job(s), poll, complete(_batch), cancel, and a failure's echo
+for Flower (dispatch_failed). Thin: ids in, work elsewhere.
 
 Each task hands its ids to `delivery` (create, complete, cancel: the path the recovery sweep uses too) and
 lets the error tree drive Celery: `Transient` errors are retried with backoff and jitter,
