@@ -187,6 +187,17 @@ def free_port(host: str = "127.0.0.1") -> int:
         return port
 
 
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """`n` TCP ports free right now, all different (each held until all are found): for a server
+    that listens on several at once."""
+    sockets = [socket.create_server((host, 0)) for _ in range(n)]
+    try:
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
 def localcluster_server(
     *,
     log_dir: Path,

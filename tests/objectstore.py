@@ -12,7 +12,6 @@ from __future__ import annotations
 import atexit
 import os
 import secrets
-import socket
 import subprocess
 import tempfile
 import time
@@ -23,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from k8s_dispatch.lab import seaweedfs
+from k8s_dispatch.ops.processes import free_ports
 
 BUILD_SCRIPT = Path(__file__).resolve().parents[1] / "tools" / "build.sh"
 READY_DEADLINE_S = 60.0
@@ -71,18 +71,6 @@ class ObjectStoreServer:
         }
 
 
-def _free_ports(n: int) -> list[int]:
-    sockets = []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        sockets.append(s)
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
-
-
 def _wait_ready(server: ObjectStoreServer, log: Path) -> None:
     """Until a signed PUT of a probe object succeeds (the gateway answers /healthz before the
     filer and a volume can take writes), within READY_DEADLINE_S."""
@@ -121,7 +109,7 @@ def object_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ObjectSto
     (d / "data").mkdir()
     ak, sk = "dispatch", secrets.token_hex(16)
     (d / "s3.json").write_text(seaweedfs.s3_config("dispatch", ak, sk))
-    p = _free_ports(seaweedfs.PORTS)
+    p = free_ports(seaweedfs.PORTS)
     cmd = seaweedfs.mini_argv(weed, d, p, BUCKET)
     log = d / "weed.log"
     process = seaweedfs.start(cmd, d)

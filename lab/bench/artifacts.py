@@ -55,7 +55,7 @@ from k8s_dispatch.lab import seaweedfs as weed_mini
 from k8s_dispatch.lab.bench import api_load, services, workload
 from k8s_dispatch.lab.bench.results import BenchResult, Figure, Ratio, Target
 from k8s_dispatch.lab.bench.sizes import Size
-from k8s_dispatch.ops.processes import LISTENING, localcluster_server, wait_for_log, wait_until
+from k8s_dispatch.ops.processes import LISTENING, free_ports, localcluster_server, wait_for_log, wait_until
 from k8s_dispatch.store.db import make_engine, make_sessionmaker, transaction
 from k8s_dispatch.store.models import TERMINAL_EVENT_TYPES, CaseEvent, EventType
 from k8s_dispatch.tasks.scheduling import schedule_in_session
@@ -192,7 +192,7 @@ def seaweedfs(work_dir: Path) -> Iterator[Store]:
     (d / "data").mkdir(parents=True)
     access, secret = "bench", secrets.token_hex(16)
     (d / "s3.json").write_text(weed_mini.s3_config("bench", access, secret))
-    p = _free_ports(weed_mini.PORTS)
+    p = free_ports(weed_mini.PORTS)
     argv = weed_mini.mini_argv(weed, d, p, BUCKET, volume_size_mb=1024)
     process = weed_mini.start(argv, d)
     store = Store(f"http://127.0.0.1:{p[6]}", access, secret)
@@ -213,14 +213,6 @@ def seaweedfs(work_dir: Path) -> Iterator[Store]:
         yield store
     finally:
         weed_mini.stop(process)
-
-
-def _free_ports(n: int) -> list[int]:
-    sockets = [socket.create_server(("127.0.0.1", 0)) for _ in range(n)]
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
 
 
 class CountingRelay:

@@ -36,7 +36,7 @@ from typing import Any
 
 from k8s_dispatch.lab import seaweedfs
 from k8s_dispatch.lab.chaos.faketime import libfaketime, write_offset
-from k8s_dispatch.ops.processes import ManagedProcess, free_port, wait_for_log, wait_until
+from k8s_dispatch.ops.processes import ManagedProcess, free_port, free_ports, wait_for_log, wait_until
 
 START_TIMEOUT_S = 60.0
 REDIS_READY = "Ready to accept connections"
@@ -186,7 +186,7 @@ class OwnObjectStore:
         (directory / "data").mkdir(exist_ok=True)
         self.access_key, self.secret_key = "chaos", secrets.token_hex(16)
         (directory / "s3.json").write_text(seaweedfs.s3_config("chaos", self.access_key, self.secret_key))
-        p = [free_port() for _ in range(seaweedfs.PORTS)]
+        p = free_ports(seaweedfs.PORTS)
         self.port = p[6]
         argv = seaweedfs.mini_argv(weed, directory, p, STORE_BUCKET)
         self.proc = ManagedProcess("seaweedfs", argv, env, log_dir / "seaweedfs.log", cwd=directory)
