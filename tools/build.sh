@@ -131,5 +131,12 @@ build_one() {
     echo "$out"
 }
 
+# One build of a tool at a time: a second caller (another test process, `make tools` beside a
+# test) waits for the first and finds its result, instead of compiling the same tool again.
+build_locked() {
+    mkdir -p "$cache"
+    ( flock 9; build_one "$1" ) 9>"$cache/.$1.lock"
+}
+
 [ $# -gt 0 ] || { echo "usage: $0 NAME..." >&2; exit 2; }
-for name in "$@"; do build_one "$name"; done
+for name in "$@"; do build_locked "$name"; done
