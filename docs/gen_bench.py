@@ -126,8 +126,10 @@ KINDS: dict[str, Kind] = {
         "Fan-out: one map against single dispatches",
         "N items as one map dispatch (an Indexed Job) against N single dispatches: requests and objects per item",
         "N items run side by side in one run, first as ONE map dispatch (an Indexed Job at the map's "
-        "parallelism), then as N single dispatches, each on a new localcluster with its own database and a "
-        "real Celery worker and beat (poll every 2 s); every row is written in one transaction, as an engine "
+        "parallelism), then as N single dispatches, each on a new API server with its own database and a "
+        "real Celery worker and beat (poll every 2 s): localcluster, and with `--cluster real` or `both` the "
+        "real control plane too (its figures end in `_real`; the real server counts every sender, so ours "
+        "are its audit log's and the watch events our worker read by its own count); every row is written in one transaction, as an engine "
         "would, and the run ends once every item is recorded and no Job is left. Per variant: our API "
         "requests per item and objects read per item (every request and object the server counted between "
         "two scrapes, the bench's own watch of Pods and its LISTs of one Job taken out; target for the map: "
@@ -146,8 +148,8 @@ KINDS: dict[str, Kind] = {
         "local process whose function returns a file of random bytes written before the round: the runner "
         "reads it once for its Content-MD5, streams it in a PUT to its attempt's presigned URL in 1 MiB "
         "pieces, taking its SHA-256 as it sends, and leaves the "
-        "reference as its termination message; the worker HEADs the object and reads it back through "
-        "SHA-256 before it records the reference. Its throughput is divided, round by round, by that of the "
+        "reference as its termination message; the worker reads the object back with one GET (its size "
+        "checked before its bytes) through SHA-256 before it records the reference. Its throughput is divided, round by round, by that of the "
         "product's own S3 client (boto3) PUTting the same bytes from memory and GETting them back, to the "
         "same store in the same run, rounds interleaved. Then the API-load steady state of 1,000 Jobs of 60 s with an "
         "object store configured (`archiveLogs: onFailure`, the default): Kubernetes requests per finished "

@@ -358,11 +358,11 @@ def measure(
     `leave_out`: namespaces whose requests the audit's split by sender leaves out."""
     audit_from = cluster.audit_log.stat().st_size if cluster.audit_log else 0
     cpu_before = _cpu(pids)
-    read_before = _events_read(worker_metrics)
+    read_before = events_read_by(worker_metrics)
     first, in_flight_at_start, own_events = scrape(cluster), watch.in_flight, watch.events
     time.sleep(window_s)
     last, in_flight_at_end, own_events = scrape(cluster), watch.in_flight, watch.events - own_events
-    events_read = _events_read(worker_metrics) - read_before
+    events_read = events_read_by(worker_metrics) - read_before
     objects = last.objects.copy()
     objects.subtract(first.objects)
     objects["WATCH jobs"] -= own_events  # the bench's own watch is no reader of ours
@@ -383,7 +383,7 @@ def measure(
     return Window(seconds=t1 - t0, span=(t0, t1), requests=+requests, finished=finished,
                   in_flight=(in_flight_at_start, in_flight_at_end),
                   watch_lag_p99_s=_percentile(lags, 0.99) if lags else 0.0,
-                  by_actor=_audited_window(cluster, offset=audit_from, leave_out=leave_out) if cluster.audit_log else {},
+                  by_actor=audited_window(cluster, offset=audit_from, leave_out=leave_out) if cluster.audit_log else {},
                   cpu_s={name: cpu_after[name] - cpu_before[name] for name in cpu_before},
                   server_ms=server_ms(first, last), objects=+objects, events_read=events_read)  # fmt: skip
 
@@ -391,7 +391,7 @@ def measure(
 WORKER_EVENTS = "k8s_dispatch_kube_watch_events_total"
 
 
-def _events_read(url: str | None) -> int:
+def events_read_by(url: str | None) -> int:
     """The watch events on Jobs the worker has read (its own counter, from its /metrics)."""
     if url is None:
         return 0
@@ -443,7 +443,7 @@ def _machine_cpu_seconds() -> float:
     return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
 
 
-def _audited_window(
+def audited_window(
     cluster: services.Cluster, *, offset: int, leave_out: frozenset[str] = frozenset()
 ) -> dict[str, Counter[Key]]:
     """The window's requests by sender, from the audit log written after byte `offset` (before the
