@@ -707,11 +707,14 @@ def test_concurrent_completions_and_cancels_leave_exactly_one_terminal_event(mak
 def test_cancel_a_running_dispatch_records_cancelled_and_removes_its_job(rt, notified):
     dispatch_id = schedule(rt, "sim.hang")
     create_job_for(rt, dispatch_id)
+    # Running: its Pod made. (One the Job controller makes after the cancel let the Pods go is the
+    # sweep's to free, as an ended dispatch's: tests/recovery/test_sweep.py.)
+    wait_until(lambda: pods_of(rt, dispatch_id), what="its pod created", timeout=30.0)
     assert cancel_dispatch(rt, dispatch_id, reason="UserCancelled") is True
     assert events(rt, dispatch_id)[1:] == [(EventType.WORKER_CANCELLED, {"reason": "UserCancelled"})]
     assert load_record(rt, dispatch_id).state is DispatchState.CANCELLED
     wait_until(lambda: not job_exists(rt, dispatch_id), what="job deleted", timeout=10.0)
-    wait_until(lambda: not pods_of(rt, dispatch_id), what="its running pod freed and deleted", timeout=10.0)
+    wait_until(lambda: not pods_of(rt, dispatch_id), what="its running pod freed and deleted", timeout=30.0)
     assert notified.ids == [dispatch_id]
     # A second cancel, and a late completion, change nothing.
     assert cancel_dispatch(rt, dispatch_id) is False

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import time
-import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,27 +23,10 @@ from selenium.webdriver.remote.webdriver import WebDriver
 
 from k8s_dispatch import celeryconfig as names
 from k8s_dispatch.ops import processes
+from tests.tasks.test_flower import CAPABILITIES, answers
 
 USER, PASSWORD = "ops", "s3cret"
-SIM = "localcluster.k8s-dispatch.io/"
-CAPABILITIES = {
-    "sim.ok": {"worker": "sim", "image": "sim:1", "annotations": {SIM + "duration-ms": "20"}},
-    "sim.fail": {
-        "worker": "sim",
-        "image": "sim:1",
-        "backoffLimit": 0,
-        "annotations": {SIM + "duration-ms": "20", SIM + "outcome": "fail", SIM + "exit-code": "3"},
-    },
-}
 WINDOW = (1280, 800)
-
-
-def answers(port: int) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthcheck", timeout=2) as response:
-            return response.status == 200
-    except OSError:
-        return False
 
 
 @pytest.fixture
