@@ -320,12 +320,7 @@ def named_dispatch_ids(job: JobDict) -> list[str]:
     annotation's when it holds the full value): what to look its dispatch up by, cheaply.
     Whether the Job may be delivered for that dispatch is `refusal`'s to say."""
     metadata = _metadata(job)
-    found = []
-    for source in (metadata.get("labels"), metadata.get("annotations")):
-        value = source.get(job_labels.DISPATCH_ID_KEY) if isinstance(source, Mapping) else None
-        if isinstance(value, str) and value not in found:
-            found.append(value)
-    return found
+    return job_labels.named_dispatch_ids(metadata.get("labels"), metadata.get("annotations"))
 
 
 def present_jobs(jobs: Iterable[JobDict]) -> set[tuple[str, str]]:

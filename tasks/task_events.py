@@ -59,10 +59,12 @@ def shown_args(name: str, args: Sequence[Any] | None) -> str | None:
 
 
 def _dispatch_id(job: object) -> str:
+    """The id a snapshot names, whole (a long id's label is a hash; its annotation holds it)."""
     metadata = job.get("metadata") if isinstance(job, Mapping) else None
-    labels = metadata.get("labels") if isinstance(metadata, Mapping) else None
-    value = labels.get(job_labels.DISPATCH_ID_KEY) if isinstance(labels, Mapping) else None
-    return str(value) if value else "?"
+    if not isinstance(metadata, Mapping):
+        return "?"
+    named = job_labels.named_dispatch_ids(metadata.get("labels"), metadata.get("annotations"))
+    return named[-1] if named else "?"
 
 
 def _ids(ids: Sequence[str]) -> str:

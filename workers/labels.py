@@ -172,6 +172,18 @@ def unlabelled_selector() -> str:
     return f"{selector()},!{DEPLOYMENT_LABEL}"
 
 
+def named_dispatch_ids(labels: Mapping[str, object] | None, annotations: Mapping[str, object] | None) -> list[str]:
+    """The dispatch ids an object's labels and annotations may name, unchecked (the label's
+    value, then the annotation's when it holds the full value): what to look a dispatch up or
+    show it by, cheaply. Whether they agree is `decode`'s to say."""
+    found: list[str] = []
+    for source in (labels, annotations):
+        value = source.get(DISPATCH_ID_KEY) if isinstance(source, Mapping) else None
+        if isinstance(value, str) and value not in found:
+            found.append(value)
+    return found
+
+
 def deployment_of(labels: Mapping[str, object] | None) -> str | None:
     """The deployment a Job's labels name; None for a Job made before the label existed."""
     value = (labels or {}).get(DEPLOYMENT_LABEL)

@@ -27,6 +27,14 @@ def test_a_complete_batch_shows_its_namespace_and_dispatch_ids_where_celery_show
     assert msg.sent_event["args"] == msg.headers["argsrepr"]  # what Flower reads and searches
 
 
+def test_a_long_dispatch_id_is_shown_whole_from_its_annotation_not_as_its_labels_hash() -> None:
+    long_id = "d-" + "x" * 70  # over a label's 63 characters: the label holds its hash
+    job = {"metadata": {"labels": {job_labels.DISPATCH_ID_KEY: job_labels.value_hash(long_id)},
+                        "annotations": {job_labels.DISPATCH_ID_KEY: long_id}}}  # fmt: skip
+    assert job_labels.needs_hash(long_id)
+    assert shown_args(names.COMPLETE_BATCH_TASK, ["ns-a", [job]]) == f"('ns-a', [{long_id}])"
+
+
 def test_a_long_batch_shows_its_first_ids_and_how_many_more() -> None:
     ids = [f"d-{i}" for i in range(SHOWN_IDS + 5)]
     shown = shown_args(names.CREATE_JOBS_TASK, [ids])
