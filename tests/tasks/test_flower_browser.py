@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ from selenium.webdriver.remote.webdriver import WebDriver
 
 from k8s_dispatch import celeryconfig as names
 from k8s_dispatch.ops import processes
-from tests.tasks.test_flower import CAPABILITIES, answers
+from tests.tasks.test_flower import CAPABILITIES, answers, schedule
 
 USER, PASSWORD = "ops", "s3cret"
 WINDOW = (1280, 800)
@@ -77,10 +76,7 @@ def test_a_person_logs_in_to_flower_sees_the_failure_and_finds_a_dispatch_by_its
 ) -> None:
     d, port = flower_run
     case_id = d.new_case()
-    ids = [str(uuid.uuid4()) for _ in range(3)]
-    for dispatch_id, capability in zip(ids, ("sim.ok", "sim.ok", "sim.fail"), strict=True):
-        d.send(names.SCHEDULE_TASK, case_id, "tenant-a", capability, {"n": 1}, f"k-{dispatch_id}",
-               dispatch_id=dispatch_id)  # fmt: skip
+    ids = [schedule(d, case_id, capability) for capability in ("sim.ok", "sim.ok", "sim.fail")]
     d.wait_terminal(ids)
     failed = ids[-1]
 
