@@ -200,6 +200,17 @@ class Deployment:
             ids.append(args[0])
         return ids
 
+    def wait_notified(self, dispatch_ids: list[str], *, timeout_s: float = 30.0) -> list[str]:
+        """The notifications once each of these dispatches has one: the engine is told after the
+        terminal event commits (`delivery.terminal.announce`), so a test that saw the event waits."""
+        wait_until(
+            lambda: set(dispatch_ids) <= set(self.notifications()),
+            timeout_s=timeout_s,
+            what=f"{len(dispatch_ids)} dispatches notified",
+            on_fail=self.logs,
+        )
+        return self.notifications()
+
     def dispatch_by_key(self, tenancy_id: str, idempotency_key: str) -> Any:
         with transaction(self.sessions) as session:
             return session.scalars(

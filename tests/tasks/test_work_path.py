@@ -91,7 +91,7 @@ def test_a_hundred_dispatches_across_three_capabilities_complete_once_each(deplo
     assert {rows[i].capability for i in ids} == set(DEMO)
     assert all(rows[i].notified_at is not None and rows[i].job_name == job_name(i) for i in ids)
     d.wait_no_jobs()
-    assert Counter(d.notifications()) == Counter(ids)  # each dispatch notified exactly once
+    assert Counter(d.wait_notified(ids)) == Counter(ids)  # each dispatch notified exactly once
     print(f"100 dispatches, simulate mode, one worker: {elapsed:.1f} s")
 
 
@@ -147,7 +147,8 @@ def test_failure_timeout_bad_result_and_cancel_each_give_their_event_and_reason(
     assert (bad_type, bad_payload["reason"]) == (EventType.WORKER_FAILED, "ResultNotJson")
     assert "<html>oops</html>" in bad_payload["message"]
     d.wait_no_jobs()
-    assert Counter(d.notifications()) == Counter([fail_id, slow_id, hang_id, notjson_id])
+    ended = [fail_id, slow_id, hang_id, notjson_id]
+    assert Counter(d.wait_notified(ended)) == Counter(ended)
 
 
 def test_two_worker_processes_polling_at_once_deliver_each_dispatch_once(deploy, any_cluster):
@@ -252,7 +253,7 @@ def test_a_forged_job_is_polled_but_never_delivered(deploy, any_cluster):
     with transaction(d.sessions) as session:
         assert dispatches.events_for(session, forged_id) == []
     assert [j["metadata"]["name"] for j in d.jobs()] == [job_name(forged_id)]  # left alone
-    assert d.notifications() == [dispatch_id]
+    assert d.wait_notified([dispatch_id]) == [dispatch_id]
 
 
 @pytest.mark.parametrize("cli_args, reason", [
@@ -323,4 +324,4 @@ def test_the_cli_schedules_and_cancels(deploy, any_cluster):
     assert cli("cancel", dispatch_id) == {"dispatch_id": dispatch_id, "cancelled": False, "state": "CANCELLED"}
     assert d.terminal_events([dispatch_id])[dispatch_id] == [(EventType.WORKER_CANCELLED, {"reason": "NotNeeded"})]
     d.wait_no_jobs()
-    assert d.notifications() == [dispatch_id]
+    assert d.wait_notified([dispatch_id]) == [dispatch_id]

@@ -100,7 +100,7 @@ def test_an_evicted_pod_is_recorded_once_and_let_go_by_the_stopping_worker(deplo
     assert [t for t, _ in _story(d, dispatch_id)] == [
         EventType.WORKER_SCHEDULED, EventType.WORKER_DISRUPTED, EventType.WORKER_COMPLETED,
     ]  # fmt: skip
-    assert d.notifications() == [dispatch_id]
+    assert d.wait_notified([dispatch_id]) == [dispatch_id]
     d.wait_no_jobs()
 
 
