@@ -36,6 +36,7 @@ from k8s_dispatch.workers import pod_health
 from k8s_dispatch.workers.indexed import is_map_job
 from k8s_dispatch.workers.job_status import job_state
 from k8s_dispatch.workers.kube import Hold, KubeClient
+from k8s_dispatch.workers.manifest import FINALIZER
 
 log = logging.getLogger(__name__)
 
@@ -77,13 +78,17 @@ def decide(event: Mapping[str, Any]) -> Step:
     """The step for one watch event (pure). DELETED is also how a watch with a label selector
     says an object stopped matching it: labelled delivered by its completion, or otherwise.
     kube-apiserver's event then carries the version before the change, so there a delivered Job
-    is GONE too, and the sweep finds its dispatch ended (one database read, no request)."""
+    is GONE too, and the sweep finds its dispatch ended (one database read, and the namespace's
+    delivered Jobs LISTed once for any our finalizer still holds). So is a Job labelled delivered
+    with our finalizer on: our release takes it off in the same patch, so that was a hand."""
     kind = event.get("type")
     job = event.get("object") or {}
     if kind == "BOOKMARK":
         return Step.ADVANCE
     if kind == "DELETED":
-        return Step.DELIVERED if job_labels.is_delivered((job.get("metadata") or {}).get("labels")) else Step.GONE
+        metadata = job.get("metadata") or {}
+        released = FINALIZER not in (metadata.get("finalizers") or [])
+        return Step.DELIVERED if released and job_labels.is_delivered(metadata.get("labels")) else Step.GONE
     return Step.KEEP if job_state(job).terminal else Step.FORGET
 
 

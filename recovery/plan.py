@@ -13,7 +13,7 @@ from collections.abc import Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from enum import Enum, IntEnum
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from k8s_dispatch.core.errors import LabelMismatch, TenancyMismatch, UnknownDispatch
 from k8s_dispatch.core.ids import is_dispatch_id
@@ -30,6 +30,7 @@ from k8s_dispatch.workers.manifest import FINALIZER, JOB_NAME_PREFIX, job_name
 JOB_TAMPERED_REASON = "JobTampered"
 
 JobDict = Mapping[str, Any]
+Object = TypeVar("Object", bound=JobDict)  # a Job's or a Pod's dict, as the API lists it
 
 
 class Category(IntEnum):
@@ -342,6 +343,33 @@ def plan_jobs(
     return [_decide_job(job, dispatches, policy=policy) for job in jobs]
 
 
+def plan_held(
+    jobs: Iterable[JobDict],
+    dispatches: Mapping[str, DispatchView],
+    *,
+    now: datetime,
+    policy: Policy,
+) -> list[Action]:
+    """Category 8 for the Jobs labelled delivered that still hold our finalizer (pure). Every
+    release of ours takes the finalizer off in the same patch that puts the label on, so only a
+    hand leaves both; no other LIST of ours selects such a Job, and the bulk delete leaves it
+    held for ever. One of a dispatch of ours is a `TamperedJob` (`tamper_step`: released and
+    deleted once its dispatch has ended, delivered by name once it finishes if not); any other
+    is what `plan_jobs` says (an orphan)."""
+    held = holding_finalizer(jobs)
+    actions: list[Action] = []
+    for job, action in zip(held, plan_jobs(held, dispatches, now=now, policy=policy), strict=True):
+        if isinstance(action, (CleanUpJob, CompleteJob, ReportRunning)):
+            action = TamperedJob(action.dispatch_id, action.namespace, action.job_name, job=job, detail="held")
+        actions.append(action)
+    return actions
+
+
+def holding_finalizer(objects: Iterable[Object]) -> list[Object]:
+    """The objects among these that our finalizer holds (pure)."""
+    return [o for o in objects if FINALIZER in (_metadata(o).get("finalizers") or [])]
+
+
 def plan_pods(
     pods: Iterable[JobDict],
     dispatches: Mapping[str, DispatchView],
@@ -357,10 +385,8 @@ def plan_pods(
     frees its Pods, or a queued completion does.
     """
     actions: list[Action] = []
-    for pod in pods:
+    for pod in holding_finalizer(pods):
         metadata = _metadata(pod)
-        if FINALIZER not in (metadata.get("finalizers") or []):
-            continue
         owner = next(
             (o for o in metadata.get("ownerReferences") or [] if o.get("controller") and o.get("kind") == "Job"), None
         )

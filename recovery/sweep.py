@@ -5,7 +5,8 @@ same namespace are never listed), each matched with its dispatches: categories 2
 5 for the created dispatches whose ids the page covers (the LIST is in name order); then our
 finished Pods, for 4 (those an ended dispatch left with our finalizer; the open maps' Pods, which
 only their hand-offs read, are left out of that LIST); then one bulk delete of
-the delivered Jobs per namespace; before that, Jobs made before the deployment label existed
+the delivered Jobs per namespace, and a LIST of those it left: 8 for any labelled delivered by
+hand with our finalizer on (`plan_held`); before that, Jobs made before the deployment label existed
 are given ours when their dispatch is in our database, and only reported otherwise.
 (B) pages of the other pending dispatches, checked with one `dispatch-id in (...)` LIST per
 chunk: 1 and 5; (C) terminal dispatches the engine was not told about. (D) from the database, every sweep: the
@@ -44,7 +45,10 @@ from k8s_dispatch.recovery.plan import (
     ReportOrphan,
     StopStep,
     TamperedJob,
+    holding_finalizer,
+    name_dispatch_id,
     plan_dispatches,
+    plan_held,
     plan_jobs,
     plan_pods,
     present_jobs,
@@ -187,7 +191,7 @@ def _sweep_gone(rt: Runtime, namespace: str, act: Executor, *, now: datetime, po
     undelivered (a hand-edited Job is refused by every completion), and category 5 for the created
     dispatches whose Job the watch saw leave without being delivered (`jobwatch.gone`), each
     checked as (B) checks one (its Job looked up by label), forgotten once checked past the
-    grace period, or ended."""
+    grace period, or ended and its Job not held (`_sweep_held`, one LIST when any has ended)."""
     settings = rt.settings
     name = jobwatch.key(settings.key_prefix, settings.effective_deployment, namespace)
     try:
@@ -210,11 +214,18 @@ def _sweep_gone(rt: Runtime, namespace: str, act: Executor, *, now: datetime, po
             return
         query = sa.select(Dispatch).where(Dispatch.dispatch_id.in_(sorted(ids)))
         checked: set[str] = set(ids)
+        ended: set[str] = set()
         for views in _pages(rt, query, lambda row: view_of(rt, row)):
             open_views = [v for v in views if v.state is DispatchState.CREATED and v.namespace == namespace]
             checked -= {v.dispatch_id for v in open_views if now - v.updated_at < policy.grace}
             act.report.dispatches_checked += len(open_views)
             act.all(plan_dispatches(open_views, _present_jobs(rt, open_views), now=now, policy=policy))
+            ended |= {v.dispatch_id for v in views if v.terminal and v.namespace == namespace}
+        if ended:
+            # An ended dispatch's Job left labelled delivered: by its release, as a rule, or by a
+            # hand, its finalizer still on (`_sweep_held`). Kept to check again until it is let go.
+            held = _sweep_held(rt, namespace, act, now=now, policy=policy)
+            checked -= ended if held is None else held & ended
         jobwatch.forget_gone(rt.redis, name, checked)
     except (DispatchError, redis.RedisError) as e:
         log.warning("sweep: checking the jobs the watch of %s saw leave failed: %s", namespace, e)
@@ -264,7 +275,28 @@ def _sweep_jobs(rt: Runtime, namespace: str, act: Executor, *, now: datetime, po
         except DispatchError as e:
             log.warning("sweep: the bulk delete of delivered jobs in %s failed: %s: %s", namespace, e.reason, e)
             report.add_problem(f"deleting delivered jobs in {namespace}: {e.reason}: {e}")
+    _sweep_held(rt, namespace, act, now=now, policy=policy)
     return lost.matched
+
+
+def _sweep_held(rt: Runtime, namespace: str, act: Executor, *, now: datetime, policy: Policy) -> set[str] | None:
+    """Category 8 for the Jobs labelled delivered by hand that still hold our finalizer
+    (`plan_held`): one LIST of the namespace's delivered Jobs, after the bulk delete, so it
+    holds only what that could not remove. The ids of the dispatches whose Job was found held
+    (None: the LIST or the database failed, the next sweep tries again)."""
+    selector = job_labels.delivered_selector(rt.settings.effective_deployment)
+    found: set[str] = set()
+    try:
+        for page in rt.kube.iter_jobs(namespace, label_selector=selector, page_size=rt.settings.poll_page_size):
+            act.report.jobs_listed += len(page)
+            if held := holding_finalizer(page):  # as a rule none: no database read
+                found |= {i for i in map(name_dispatch_id, held) if i is not None}
+                act.all(plan_held(held, views_for_jobs(rt, held), now=now, policy=policy))
+    except DispatchError as e:
+        log.warning("sweep: going through the delivered jobs in %s stopped: %s: %s", namespace, e.reason, e)
+        act.report.add_problem(f"delivered jobs in {namespace}: {e.reason}: {e}")
+        return None
+    return found
 
 
 class _Position:

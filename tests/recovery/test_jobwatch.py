@@ -53,6 +53,17 @@ DELIVERED = {job_labels.DELIVERED_LABEL: job_labels.DELIVERED}
         ),
         ({"type": "DELETED", "object": job("a", labels=DELIVERED, **DONE)}, Step.DELIVERED),  # released
         ({"type": "DELETED", "object": job("a", **DONE)}, Step.GONE),  # finalizer stripped by hand, deleted
+        # labelled delivered by hand: our release takes the finalizer off in the same patch
+        (
+            {
+                "type": "DELETED",
+                "object": {
+                    **job("a", labels=DELIVERED, **DONE),
+                    "metadata": {"name": "a", "labels": DELIVERED, "finalizers": [FINALIZER]},
+                },
+            },
+            Step.GONE,
+        ),
         ({"type": "DELETED", "object": job("a", active=1)}, Step.GONE),  # relabelled, or deleted, running
         ({"type": "BOOKMARK", "object": {"metadata": {"resourceVersion": "9"}}}, Step.ADVANCE),
     ],

@@ -26,6 +26,7 @@ from k8s_dispatch.recovery.plan import (
     by_category,
     plan,
     plan_dispatches,
+    plan_held,
     plan_jobs,
     plan_pods,
     present_jobs,
@@ -385,3 +386,28 @@ def test_plan_pods(the_pod: dict[str, Any], rows: dict[str, DispatchView], relea
     expected = [FreePod(DID, NS, the_pod["metadata"]["name"], the_pod)] if freed else []
     assert actions == expected
     assert all(a.category is Category.CLEANUP for a in actions)
+
+
+# --- category 8 for Jobs labelled delivered by hand, our finalizer still on ------------------
+
+HAND_DELIVERED = {job_labels.DELIVERED_LABEL: job_labels.DELIVERED}
+
+
+@pytest.mark.parametrize(
+    ("the_job", "rows", "expected"),
+    [
+        # its end recorded, its release lost: released and deleted (`tamper_step` CLEAN)
+        (job(condition="Complete", labels=HAND_DELIVERED), {DID: dispatch(COMPLETED)}, [TamperedJob(**WHERE)]),
+        # open, finished or running: delivered by name once it finishes (DELIVER, RUNS)
+        (job(condition="Complete", labels=HAND_DELIVERED), {DID: dispatch(CREATED)}, [TamperedJob(**WHERE)]),
+        (job(labels=HAND_DELIVERED), {DID: dispatch(CREATED)}, [TamperedJob(**WHERE)]),
+        # released by us (finalizer off in the same patch as the label): the bulk delete's
+        (job(condition="Complete", labels=HAND_DELIVERED, finalizer=False), {DID: dispatch(COMPLETED)}, []),
+        # no dispatch of ours: an orphan, as any other LIST says
+        (job(condition="Complete", labels=HAND_DELIVERED), {}, [orphan("UnknownDispatch")]),
+    ],
+)
+def test_plan_held(the_job: dict[str, Any], rows: dict[str, DispatchView], expected: list[Any]) -> None:
+    actions = plan_held([the_job], rows, now=NOW, policy=POLICY)
+    assert actions == expected
+    assert all(a.job is the_job for a in actions if isinstance(a, TamperedJob))
