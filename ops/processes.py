@@ -8,6 +8,7 @@ and writes its output to a log file the caller can show when something goes wron
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -22,6 +23,8 @@ from typing import TypeVar
 import k8s_dispatch
 
 T = TypeVar("T")
+
+STACK_DUMP_S = 5.0  # for faulthandler to write a hung process's stacks before its SIGKILL
 
 
 class WaitTimeout(TimeoutError):
@@ -111,7 +114,9 @@ class ManagedProcess:
             self.popen.wait()
 
     def stop(self, timeout: float = 15.0) -> int | None:
-        """SIGTERM (a warm shutdown for Celery), then SIGKILL after `timeout` seconds."""
+        """SIGTERM (a warm shutdown for Celery), then SIGKILL after `timeout` seconds. A Python
+        process still there is first sent SIGABRT: `faulthandler` (on in `project_env`) writes
+        every thread's stack to its log, so a hung shutdown says where it hung."""
         if self.popen is None:
             return None
         if self.alive:
@@ -119,8 +124,15 @@ class ManagedProcess:
             try:
                 self.popen.wait(timeout)
             except subprocess.TimeoutExpired:
+                self._dump_stacks()
                 self.kill(signal.SIGKILL)
         return self.popen.wait()
+
+    def _dump_stacks(self) -> None:
+        if self.env.get("PYTHONFAULTHANDLER") and self.popen is not None:
+            self.popen.send_signal(signal.SIGABRT)  # the process only: its children keep theirs
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.popen.wait(STACK_DUMP_S)
 
     def restart(self) -> ManagedProcess:
         self.stop()
@@ -138,6 +150,7 @@ def project_env(overrides: Mapping[str, str]) -> dict[str, str]:
     env = dict(os.environ)
     root = str(Path(k8s_dispatch.__file__).parent.parent)  # where `k8s_dispatch` is found, not its folders
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    env["PYTHONFAULTHANDLER"] = "1"  # a fatal signal (and `stop`'s SIGABRT) writes the stacks to the log
     env.update(overrides)
     return env
 

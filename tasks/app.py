@@ -74,15 +74,22 @@ def _stop_beat_between_ticks(sender: Any = None, **_: Any) -> None:
     signal lands in the scheduler loop itself (asleep between ticks). Anywhere else it just
     sets the loop's flag, so the current send completes and the loop ends after at most one
     interval. Either way `Service.start`'s `finally` closes the connection.
+
+    A second signal can land inside the first's `Event.set()`, which holds the event's lock (not
+    reentrant): the handler marks itself first and returns on any later signal, or beat would
+    deadlock on that lock for ever (a supervisor's SIGTERM sent twice, as a test's teardown does).
     """
     service = sender
     if service is None or threading.current_thread() is not threading.main_thread():
         return  # an embedded beat thread: signals are the worker's
     loop = type(service).start.__code__
+    stopping = False
 
     def stop(_signum: int, frame: Any) -> None:
-        if service._is_shutdown.is_set():
+        nonlocal stopping
+        if stopping or service._is_shutdown.is_set():
             return  # already stopping: let the loop's finally finish its clean-up
+        stopping = True  # before set(): a signal landing inside set() must not take its lock again
         service._is_shutdown.set()  # what Service.stop() does, without logging from a handler
         if frame is not None and frame.f_code is loop:
             raise SystemExit()
