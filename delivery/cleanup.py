@@ -94,9 +94,9 @@ def release_pods(rt: Runtime, namespace: str, pods: Iterable[Mapping[str, Any]],
     return sum(rt.kube.release_pod(namespace, pod, finalizer=FINALIZER) for pod in held)
 
 
-def delete_delivered(rt: Runtime, namespace: str) -> int:
+def delete_delivered(rt: Runtime, namespace: str) -> list[dict[str, Any]]:
     """Delete every delivered Job of this deployment in the namespace, their Pods in the
-    background: ONE request (another deployment's Jobs are never selected).
+    background: ONE request (another deployment's Jobs are never selected); the Jobs it matched.
 
     A failure here loses nothing: the next batch's bulk delete, or the sweep's, removes them.
     """
@@ -137,7 +137,7 @@ def delete_noted(rt: Runtime, namespace: str) -> int:
     if not rt.redis.getdel(_noted_key(rt, namespace)):
         return 0
     try:
-        return delete_delivered(rt, namespace)
+        return len(delete_delivered(rt, namespace))
     except Transient as e:
         log.warning("bulk delete of delivered jobs in %s failed (%s); the next cleanup tries again", namespace, e)
         rt.redis.set(_noted_key(rt, namespace), "1")

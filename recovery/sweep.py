@@ -5,8 +5,8 @@ same namespace are never listed), each matched with its dispatches: categories 2
 5 for the created dispatches whose ids the page covers (the LIST is in name order); then our
 finished Pods, for 4 (those an ended dispatch left with our finalizer; the open maps' Pods, which
 only their hand-offs read, are left out of that LIST); then one bulk delete of
-the delivered Jobs per namespace, and a LIST of those it left: 8 for any labelled delivered by
-hand with our finalizer on (`plan_held`); before that, Jobs made before the deployment label existed
+the delivered Jobs per namespace, whose answer lists what it matched: 8 for any labelled delivered
+by hand with our finalizer on (`plan_held`); before that, Jobs made before the deployment label existed
 are given ours when their dispatch is in our database, and only reported otherwise.
 (B) pages of the other pending dispatches, checked with one `dispatch-id in (...)` LIST per
 chunk: 1 and 5; (C) terminal dispatches the engine was not told about. (D) from the database, every sweep: the
@@ -269,26 +269,40 @@ def _sweep_jobs(rt: Runtime, namespace: str, act: Executor, *, now: datetime, po
         log.warning("sweep: going through the jobs in %s stopped: %s: %s", namespace, e.reason, e)
         report.add_problem(f"jobs in {namespace}: {e.reason}: {e}")
     _sweep_pods(rt, namespace, act)
-    if not act.dry_run:
+    if act.dry_run:
+        _sweep_held(rt, namespace, act, now=now, policy=policy)
+    else:
         try:
-            cleanup.delete_delivered(rt, namespace)
+            deleted = cleanup.delete_delivered(rt, namespace)
         except DispatchError as e:
             log.warning("sweep: the bulk delete of delivered jobs in %s failed: %s: %s", namespace, e.reason, e)
             report.add_problem(f"deleting delivered jobs in {namespace}: {e.reason}: {e}")
-    _sweep_held(rt, namespace, act, now=now, policy=policy)
+        else:
+            _sweep_held(rt, namespace, act, now=now, policy=policy, deleted=deleted)
     return lost.matched
 
 
-def _sweep_held(rt: Runtime, namespace: str, act: Executor, *, now: datetime, policy: Policy) -> set[str] | None:
+def _sweep_held(
+    rt: Runtime,
+    namespace: str,
+    act: Executor,
+    *,
+    now: datetime,
+    policy: Policy,
+    deleted: list[dict[str, Any]] | None = None,
+) -> set[str] | None:
     """Category 8 for the Jobs labelled delivered by hand that still hold our finalizer
-    (`plan_held`): one LIST of the namespace's delivered Jobs, after the bulk delete, so it
-    holds only what that could not remove. The ids of the dispatches whose Job was found held
-    (None: the LIST or the database failed, the next sweep tries again)."""
+    (`plan_held`), found in the answer of the bulk delete (`deleted`: it lists what it matched,
+    finalizers and all), or else by one LIST of the namespace's delivered Jobs. The ids of the
+    dispatches whose Job was found held (None: the LIST or the database failed, the next sweep
+    tries again)."""
     selector = job_labels.delivered_selector(rt.settings.effective_deployment)
     found: set[str] = set()
     try:
-        for page in rt.kube.iter_jobs(namespace, label_selector=selector, page_size=rt.settings.poll_page_size):
-            act.report.jobs_listed += len(page)
+        pages = rt.kube.iter_jobs(namespace, label_selector=selector, page_size=rt.settings.poll_page_size)
+        for page in pages if deleted is None else [deleted]:
+            if deleted is None:
+                act.report.jobs_listed += len(page)
             if held := holding_finalizer(page):  # as a rule none: no database read
                 found |= {i for i in map(name_dispatch_id, held) if i is not None}
                 act.all(plan_held(held, views_for_jobs(rt, held), now=now, policy=policy))

@@ -510,9 +510,10 @@ class KubeClient:
             return False  # re-created under the same name: not the Job we were asked about
         return True
 
-    def delete_jobs(self, namespace: str, *, label_selector: str, propagation: str = "Background") -> int:
+    def delete_jobs(self, namespace: str, *, label_selector: str, propagation: str = "Background") -> list[JsonDict]:
         """Delete every Job the selector matches with ONE request (deletecollection), their Pods
-        by `propagation`; the number of Jobs the API listed as deleted (or marked for deletion)."""
+        by `propagation`; the Jobs the API listed as deleted or marked for deletion (with their
+        finalizers: one a finalizer holds is still there)."""
         deleted = self._call(
             f"delete jobs in {namespace} matching {label_selector}",
             self._batch.delete_collection_namespaced_job,
@@ -520,7 +521,7 @@ class KubeClient:
             label_selector=label_selector,
             propagation_policy=propagation,
         )
-        return len(deleted.get("items") or [])
+        return list(deleted.get("items") or [])
 
     # --- Pods -------------------------------------------------------------------------------
 

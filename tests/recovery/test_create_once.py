@@ -99,7 +99,7 @@ def deliver_and_bulk_delete(rt: Runtime, snapshot: dict[str, Any]) -> int:
     """The completion path as poll's batches run it: deliver, then the namespace's bulk delete."""
     done = complete.complete_jobs(rt, rt.settings.namespace, [snapshot], delete=False)
     assert done.outcomes == [complete.CompleteOutcome.COMPLETED], done
-    return cleanup.delete_delivered(rt, rt.settings.namespace)
+    return len(cleanup.delete_delivered(rt, rt.settings.namespace))
 
 
 @pytest.fixture

@@ -332,12 +332,27 @@ def test_delete_jobs_removes_exactly_the_selected_jobs_and_their_pods(kube, ns):
         kube.create_job(ns, job(name, labels=labels))
     wait_until(lambda: len(kube.list_pods(ns, label_selector="batch.kubernetes.io/job-name in (d1,d2)")) == 2,
                what="the pods of d1 and d2", timeout=10.0)  # fmt: skip
-    assert kube.delete_jobs(ns, label_selector="suite=kube,done=yes") == 2
+    assert len(kube.delete_jobs(ns, label_selector="suite=kube,done=yes")) == 2
     wait_until(lambda: not _exists(kube, ns, "d1") and not _exists(kube, ns, "d2"), what="jobs deleted", timeout=10.0)
     wait_until(lambda: kube.list_pods(ns, label_selector="batch.kubernetes.io/job-name in (d1,d2)") == [],
                what="their pods deleted (background propagation)", timeout=10.0)  # fmt: skip
     assert _exists(kube, ns, "keep")
-    assert kube.delete_jobs(ns, label_selector="suite=kube,done=yes") == 0
+    assert kube.delete_jobs(ns, label_selector="suite=kube,done=yes") == []
+
+
+def test_delete_jobs_answers_with_a_job_a_finalizer_holds_and_its_finalizers(kube, ns):
+    """The sweep reads the held Jobs from the bulk delete's answer instead of another LIST."""
+    kube.create_job(ns, job("held", labels={"suite": "kube", "done": "yes"}, finalizers=[OURS]))
+    kube.create_job(ns, job("free", labels={"suite": "kube", "done": "yes"}))
+    answered = {
+        j["metadata"]["name"]: j["metadata"].get("finalizers") or []
+        for j in kube.delete_jobs(ns, label_selector="suite=kube,done=yes")
+    }
+    assert answered == {"held": [OURS], "free": []}
+    assert _exists(kube, ns, "held")
+    assert [j["metadata"]["name"] for j in kube.delete_jobs(ns, label_selector="suite=kube,done=yes")] == ["held"]
+    kube.release_job(ns, "held", finalizer=OURS)
+    wait_until(lambda: not _exists(kube, ns, "held"), what="the released job gone", timeout=10.0)
 
 
 @pytest.mark.parametrize(
