@@ -29,12 +29,17 @@ def render(url: str, token: str, *, ca_data: str | None = None, namespace: str =
 
 
 def write(path: Path, url: str, token: str, *, ca_data: str | None = None) -> Path:
-    """Write atomically with mode 0600 (it holds a credential)."""
+    return write_private(path, render(url, token, ca_data=ca_data))
+
+
+def write_private(path: Path, text: str) -> Path:
+    """Write a kubeconfig atomically with mode 0600 (it holds a credential): a client that polls
+    for the file never reads it half-written."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
-        f.write(render(url, token, ca_data=ca_data))
+        f.write(text)
     os.replace(tmp, path)
     return path

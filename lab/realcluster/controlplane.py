@@ -31,6 +31,7 @@ from typing import Any
 
 import yaml
 
+from k8s_dispatch.demo.localcluster import kubeconfig as kubeconfig_file
 from k8s_dispatch.lab.realcluster import binaries, pki
 from k8s_dispatch.lab.realcluster.node import Node
 from k8s_dispatch.ops.processes import ManagedProcess, free_port, project_env, wait_until
@@ -404,9 +405,7 @@ class ControlPlane:
         self._wait(proc, ready, f"node {NODE_NAME} Ready")
 
     def _write_kubeconfig(self, path: Path, keys: pki.Pki, user: User) -> Path:
-        path.write_text(kubeconfig_text(self.url, keys.ca_data(), user))
-        path.chmod(0o600)
-        return path
+        return kubeconfig_file.write_private(path, kubeconfig_text(self.url, keys.ca_data(), user))
 
 
 def remove(directory: Path) -> None:
@@ -429,8 +428,7 @@ def serve(directory: Path, *, kubeconfig: Path | None, mode: str, node: str = "a
     try:
         cp.start()
         if kubeconfig is not None:
-            kubeconfig.write_text(cp.kubeconfig.read_text())
-            kubeconfig.chmod(0o600)
+            kubeconfig_file.write_private(kubeconfig, cp.kubeconfig.read_text())
         print(
             f"realcluster: kube-apiserver listening on {cp.url} (kubeconfig {kubeconfig or cp.kubeconfig})", flush=True
         )

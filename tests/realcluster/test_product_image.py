@@ -376,17 +376,24 @@ def test_the_chart_runs_on_the_node_from_the_image_flower_shows_the_work_and_a_d
         assert {p["spec"]["nodeName"] for c in ("worker", "beat", "flower") for p in pods(d, c)} == {second_node.name}
         assert unschedulable(kubelet_cluster, NODE_NAME)
         # Flower there, behind its login, hears the workers' events through the first node's relay:
-        # a dispatch from now on is found by its id.
+        # a dispatch from now on is found by its id. Its `create_jobs` always runs; its end may be
+        # recorded by a `complete_batch` or, with a sweep every 2 s, by the sweep (no task of its own).
         [moved] = running(d, "flower", second_node.name)
+
+        def hears_a_worker() -> bool:  # its event receiver is connected: a worker's heartbeats reached it
+            status, body = flower_get(moved, "/api/workers?status=1", flower_auth)
+            return status == 200 and any(json.loads(body).values())
+
+        d.wait(hears_a_worker, timeout_s=60, what="Flower on the second node hearing a worker's heartbeat")
         [fourth] = d.schedule_batch("slow", 1)
         d.wait_terminal([fourth], timeout_s=90)
 
-        def batch_of_fourth() -> list[str]:
+        def creation_of_fourth() -> list[str]:
             status, body = flower_get(moved, f"/api/tasks?search={fourth}", flower_auth)
             tasks = json.loads(body) if status == 200 else {}
-            return [t["name"] for t in tasks.values() if t.get("name") == names.COMPLETE_BATCH_TASK]
+            return [t["name"] for t in tasks.values() if t.get("name") == names.CREATE_JOBS_TASK]
 
-        d.wait(batch_of_fourth, timeout_s=60, what="Flower on the second node finding the fourth's complete_batch")
+        d.wait(creation_of_fourth, timeout_s=60, what="Flower on the second node finding the fourth's create_jobs")
     finally:
         uncordoned = kubectl(kubelet_cluster, "uncordon", NODE_NAME)
         try:
