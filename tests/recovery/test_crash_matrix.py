@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 import yaml
 from celery import Celery
 from clusters import ClusterHandle
@@ -401,10 +402,15 @@ def test_three_replicas_starting_at_once_on_300_finished_jobs_deliver_each_once(
         list(pool.map(lambda d: create.create_job_for(site.rt, d), ids))
     site.wait(lambda: sum(job_state(j).terminal for j in site.jobs()) == 300, what="300 jobs finished")
 
+    # At once, for real: the table the start-up sweep reads first is locked until all three wait on
+    # it (a process started a few seconds after another, on a loaded machine, found the work done).
     started = time.monotonic()
     workers = [site.worker(f"r{i}", start=False) for i in range(3)]
-    for w in workers:
-        w.start()
+    with site.rt.sessions() as holder, holder.begin():
+        holder.execute(sa.text("LOCK TABLE dispatches IN ACCESS EXCLUSIVE MODE"))
+        for w in workers:
+            w.start()
+        site.wait(lambda: sweeps_waiting_on_the_lock(site) == 3, what="3 start-up sweeps waiting on the lock")
     site.wait(lambda: site.all_terminal(ids), what="300 dispatches terminal")
     converged_s = time.monotonic() - started
 
@@ -429,6 +435,19 @@ def test_three_replicas_starting_at_once_on_300_finished_jobs_deliver_each_once(
     assert prevented > 0 or skipped > 0
     site.wait(lambda: not site.jobs(), timeout_s=30, what="no Job left")
     assert Counter(site.notifications()) == Counter(ids)
+
+
+def sweeps_waiting_on_the_lock(site: Site) -> int:
+    """The start-up sweeps' first read of `dispatches` (their namespaces) waiting on a lock."""
+    with transaction(site.rt.sessions) as session:
+        return int(
+            session.scalar(
+                sa.text(
+                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                    "AND wait_event_type = 'Lock' AND query LIKE '%DISTINCT dispatches.job_namespace%'"
+                )
+            )
+        )
 
 
 # --- a flaky API server that restarts during recovery -------------------------------------------
