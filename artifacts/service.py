@@ -84,9 +84,11 @@ class Artifacts:
     def verify(self, reference: ResultReference, *, expected_key: str, max_bytes: int) -> ResultReference:
         """`reference`, once the store holds exactly its bytes under `expected_key`.
 
-        One GET: its size checked before a byte is read (a wrong size costs no download), then
-        the whole object streamed through SHA-256: what is recorded was read back, not taken on
-        the Pod's word.
+        One HEAD: the object's size, and the SHA-256 the store computed of the bytes it kept
+        (`store.Stat`), compared with the reference's. A store that keeps no SHA-256 is read back
+        instead: one GET, its size checked before a byte is read, then the whole object streamed
+        through SHA-256. Either way what is recorded was hashed by the store or by us, not taken
+        on the Pod's word.
 
         Raises:
             InvalidResultReference: the reference names another key than its attempt's.
@@ -99,25 +101,36 @@ class Artifacts:
             raise InvalidResultReference(f"the reference names {reference.key!r}, not this attempt's {expected_key!r}")
         if reference.size > max_bytes:
             raise ResultTooLarge(f"the result is {reference.size} bytes, more than maxResultBytes {max_bytes}")
-        opened = self.store.open(expected_key)
-        if opened is None:
+        stat = self.store.stat(expected_key)
+        if stat is None:
             raise ResultObjectMissing(f"no object {expected_key} in the store (the upload did not finish)")
+        if stat.size != reference.size:
+            raise ResultObjectMismatch(
+                f"object {expected_key} is {stat.size} bytes, its reference says {reference.size}"
+            )
+        read, digest = (stat.size, stat.sha256) if stat.sha256 is not None else self._read_back(expected_key, reference)
+        if read != reference.size or digest != reference.sha256:
+            raise ResultObjectMismatch(
+                f"object {expected_key} ({read} bytes, SHA-256 {digest}) is not the one its "
+                f"reference names ({reference.size} bytes, SHA-256 {reference.sha256})"
+            )
+        return reference
+
+    def _read_back(self, key: str, reference: ResultReference) -> tuple[int, str]:
+        """(bytes read, their SHA-256) of the object, read whole (a size other than the
+        reference's is refused before a byte is read)."""
+        opened = self.store.open(key)
+        if opened is None:
+            raise ResultObjectMissing(f"no object {key} in the store (the upload did not finish)")
         digest = hashlib.sha256()
         read = 0
         with closing(opened):
             if opened.size != reference.size:
-                raise ResultObjectMismatch(
-                    f"object {expected_key} is {opened.size} bytes, its reference says {reference.size}"
-                )
+                raise ResultObjectMismatch(f"object {key} is {opened.size} bytes, its reference says {reference.size}")
             for chunk in opened.chunks:
                 digest.update(chunk)
                 read += len(chunk)
-        if read != reference.size or digest.hexdigest() != reference.sha256:
-            raise ResultObjectMismatch(
-                f"object {expected_key} ({read} bytes, SHA-256 {digest.hexdigest()}) is not the one its "
-                f"reference names ({reference.size} bytes, SHA-256 {reference.sha256})"
-            )
-        return reference
+        return read, digest.hexdigest()
 
     def read(self, reference: ResultReference) -> Iterator[bytes]:
         """The result's bytes, streamed. Raises: ResultObjectMissing, ObjectStoreUnavailable."""

@@ -5,14 +5,22 @@ no service to run, one machine only).
 boto3 because it is the reference S3 client: SigV4 presigning, paginated listing, streaming
 bodies, retries with backoff, and the standard credential chain (environment, shared files,
 web identity) an operator already knows; with the types-boto3 stubs it is checked by mypy.
+
+An S3 store is asked to hash what it keeps: each presigned PUT names SHA-256 as its checksum
+algorithm in its signed query (no header the Pod must send), so a store that supports S3's
+additional checksums computes the SHA-256 of the bytes it received and gives it back on a HEAD
+(`stat`). Delivery then verifies a result without reading it back; a store that keeps no SHA-256
+is read back in full instead (`artifacts.service.Artifacts.verify`).
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import os
 import tempfile
 import urllib.parse
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import closing
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -29,6 +37,7 @@ if TYPE_CHECKING:
 CHUNK_BYTES = 1 << 20
 MAX_PRESIGN_S = 7 * 24 * 3600  # SigV4's longest-lived presigned URL
 _MISSING = frozenset({"404", "NoSuchKey", "NotFound"})
+_CHECKSUM_ALGORITHM = "x-amz-sdk-checksum-algorithm"
 
 
 @dataclass(frozen=True)
@@ -36,6 +45,15 @@ class StoredObject:
     key: str
     size: int
     modified: datetime  # the store's clock
+
+
+@dataclass(frozen=True)
+class Stat:
+    """An object's size, and the SHA-256 (hex) the store itself computed of its bytes when they
+    were written (None: it keeps none for this object)."""
+
+    size: int
+    sha256: str | None = None
 
 
 @dataclass(frozen=True)
@@ -53,6 +71,11 @@ class ObjectStore(Protocol):
     def read_url(self, key: str, expires_s: int) -> str: ...
     def size(self, key: str) -> int | None:
         """The object's size; None if there is none."""
+        ...
+
+    def stat(self, key: str) -> Stat | None:
+        """The object's size and the SHA-256 the store computed (one request); None if there is
+        none. Raises: ObjectStoreUnavailable."""
         ...
 
     def read(self, key: str) -> Iterator[bytes]:
@@ -73,8 +96,12 @@ class ObjectStore(Protocol):
 
 
 class S3Store:
-    def __init__(self, client: S3Client, bucket: str) -> None:
-        self.client, self.bucket = client, bucket
+    def __init__(self, client: S3Client, bucket: str, *, server_checksums: bool = True) -> None:
+        """`server_checksums`: presigned PUTs ask the store for a SHA-256 of what it keeps (module
+        docstring); off for a store that refuses the request's checksum parameter."""
+        self.client, self.bucket, self.server_checksums = client, bucket, server_checksums
+        if server_checksums:
+            client.meta.events.register("before-sign.s3.PutObject", _checksum_in_query)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> S3Store:
@@ -96,12 +123,13 @@ class S3Store:
                 retries={"max_attempts": 3, "mode": "standard"},
             ),
         )
-        return cls(client, settings.object_store_bucket)
+        return cls(client, settings.object_store_bucket, server_checksums=settings.object_store_server_checksums)
 
     def upload_url(self, key: str, expires_s: int) -> str:
-        return self.client.generate_presigned_url(
-            "put_object", Params={"Bucket": self.bucket, "Key": key}, ExpiresIn=min(expires_s, MAX_PRESIGN_S)
-        )
+        params: dict[str, Any] = {"Bucket": self.bucket, "Key": key}
+        if self.server_checksums:
+            params["ChecksumAlgorithm"] = "SHA256"  # moved into the signed query (`_checksum_in_query`)
+        return self.client.generate_presigned_url("put_object", Params=params, ExpiresIn=min(expires_s, MAX_PRESIGN_S))
 
     def read_url(self, key: str, expires_s: int) -> str:
         return self.client.generate_presigned_url(
@@ -109,8 +137,13 @@ class S3Store:
         )
 
     def size(self, key: str) -> int | None:
+        stat = self.stat(key)
+        return None if stat is None else stat.size
+
+    def stat(self, key: str) -> Stat | None:
         with _translated(key, missing_ok=True):
-            return self.client.head_object(Bucket=self.bucket, Key=key)["ContentLength"]
+            head = self.client.head_object(Bucket=self.bucket, Key=key, ChecksumMode="ENABLED")
+            return Stat(head["ContentLength"], stored_sha256(head))
         return None  # the object is not there
 
     def read(self, key: str) -> Iterator[bytes]:
@@ -158,8 +191,13 @@ class DirectoryStore:
         return self._path(key).as_uri()
 
     def size(self, key: str) -> int | None:
+        stat = self.stat(key)
+        return None if stat is None else stat.size
+
+    def stat(self, key: str) -> Stat | None:
+        """A file's size; no SHA-256 (a folder keeps none): verified by reading it."""
         try:
-            return self._path(key).stat().st_size
+            return Stat(self._path(key).stat().st_size)
         except FileNotFoundError:
             return None
 
@@ -192,6 +230,31 @@ class DirectoryStore:
             if path.is_file() and key.startswith(prefix) and not path.name.startswith(".upload-"):
                 stat = path.stat()
                 yield StoredObject(key, stat.st_size, datetime.fromtimestamp(stat.st_mtime, UTC))
+
+
+def stored_sha256(head: Mapping[str, Any]) -> str | None:
+    """The SHA-256 (hex) of the whole object from a HEAD's answer (pure): None when the store kept
+    none, or one of another kind (a multipart upload's checksum of its parts' checksums), or one
+    that is not a SHA-256 at all."""
+    value, kind = head.get("ChecksumSHA256"), head.get("ChecksumType", "FULL_OBJECT")
+    if not isinstance(value, str) or kind != "FULL_OBJECT":
+        return None
+    try:
+        digest = base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        return None
+    return digest.hex() if len(digest) == 32 else None
+
+
+def _checksum_in_query(request: Any, signature_version: str, **_: Any) -> None:
+    """botocore's `before-sign` hook: a presigned PUT's checksum algorithm goes into its query,
+    signed with it, rather than a header the runner would have to send (a runner of an older
+    release, not sending it, would be refused). A normal request is left as it is."""
+    algorithm = request.headers.get(_CHECKSUM_ALGORITHM)
+    if algorithm is None or not signature_version.endswith("-query"):
+        return
+    del request.headers[_CHECKSUM_ALGORITHM]
+    request.url += ("&" if "?" in request.url else "?") + urllib.parse.urlencode({_CHECKSUM_ALGORITHM: algorithm})
 
 
 def _read(store: ObjectStore, key: str) -> Iterator[bytes]:

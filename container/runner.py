@@ -7,9 +7,11 @@ On any failure it writes nothing there and exits non-zero with the reason on std
 
 With `K8S_DISPATCH_RESULT_URL` set (a capability whose results go to the object store), the
 result (bytes as they are, a `pathlib.Path` the function wrote as that file's bytes, anything
-else as canonical JSON; of any size) is PUT to that URL with its Content-MD5, so the store
-refuses bytes damaged on the way; the termination message is then only the reference (key, size, SHA-256) that delivery verifies the object against. The
-standard library only: the Pod needs neither boto3 nor credentials.
+else as canonical JSON; of any size) is PUT to that URL, read once and hashed as it is sent; the
+termination message is then only the reference (key, size, SHA-256) that delivery verifies the
+object against (the store's own SHA-256 of what it kept, or a read back: bytes damaged on the way
+end in a failure, never in a record). The standard library only: the Pod needs neither boto3 nor
+credentials.
 
 With `K8S_DISPATCH_INPUT_URL` set (an input larger than the env carries), the input is read from
 that URL and checked against `K8S_DISPATCH_INPUT_REF` (size and SHA-256) before the function is
@@ -23,7 +25,6 @@ same two reasons for a failure. A secret input arrives in
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import importlib
 import io
@@ -307,17 +308,9 @@ def result_bytes(result: Any) -> bytes | Path:
         raise RunnerError(f"the result of the function is not JSON: {e}", EXIT_FAILED) from e
 
 
-def _content_md5(source: bytes | Path) -> tuple[int, str]:
-    """Size and base64 MD5 (the Content-MD5 the store checks the bytes against): the one read of
-    the result before its PUT, which must carry it in its headers. The SHA-256 of the reference
-    is taken as the bytes are sent (`_Sending`), not in this pass."""
-    md5 = hashlib.md5(usedforsecurity=False)
-    size = 0
-    with _open(source) as f:
-        while chunk := f.read(CHUNK_BYTES):
-            md5.update(chunk)
-            size += len(chunk)
-    return size, base64.b64encode(md5.digest()).decode()
+def _size(source: bytes | Path) -> int:
+    """The Content-Length to announce: the bytes', or the file's as it is now."""
+    return len(source) if isinstance(source, bytes) else source.stat().st_size
 
 
 def _open(source: bytes | Path) -> BinaryIO:
@@ -327,8 +320,7 @@ def _open(source: bytes | Path) -> BinaryIO:
 class _Sending:
     """The body of one PUT: `source`'s bytes in CHUNK_BYTES pieces (http.client sends an
     iterable's items as they are, a file's in 8 KiB reads), each hashed into the SHA-256 of the
-    reference as it goes out. Exactly `size` bytes, the Content-Length and Content-MD5 taken
-    before: a file that grew or shrank since ends the upload (`RunnerError`) instead of sending
+    reference as it goes out. Exactly `size` bytes, the Content-Length announced: a file that grew or shrank since ends the upload (`RunnerError`) instead of sending
     other bytes than those announced."""
 
     def __init__(self, source: bytes | Path, size: int) -> None:
@@ -349,11 +341,11 @@ class _Sending:
 
 
 def upload(url: str, source: bytes | Path) -> tuple[int, str]:
-    """PUT `source` (bytes, or a file streamed) to the presigned `url` with its Content-MD5, so
-    the store refuses bytes damaged on the way; file:// URLs (the demo's directory store): a
-    temporary file renamed into place, so the object appears whole or not at all. Returns the
-    size and SHA-256 of what was sent (hashed as it was sent: the result is read twice, once for
-    the Content-MD5 its PUT announces, once as it is sent, not three times).
+    """PUT `source` (bytes, or a file streamed) to the presigned `url`; file:// URLs (the demo's
+    directory store): a temporary file renamed into place, so the object appears whole or not at
+    all. Returns the size and SHA-256 of what was sent, hashed as it was sent (one read of the
+    result). No Content-MD5: it would take a read of its own before the PUT, and delivery
+    compares the store's bytes with the SHA-256 anyway.
 
     Raises:
         RunnerError: the store refused it (an expired URL, a bad signature) or stayed unreachable;
@@ -377,7 +369,10 @@ def upload(url: str, source: bytes | Path) -> tuple[int, str]:
         return size, sha256.hexdigest()
     if parts.scheme not in ("http", "https"):
         raise RunnerError(f"{RESULT_URL_ENV} is not an http(s) or file URL", EXIT_USAGE)
-    size, md5 = _content_md5(source)
+    try:
+        size = _size(source)
+    except OSError as e:
+        raise RunnerError(f"cannot read the result: {e}", EXIT_FAILED) from e
     last = ""
     for _ in range(UPLOAD_ATTEMPTS):
         body = _Sending(source, size)  # hashed anew on each try: the SHA-256 of what the store kept
@@ -386,7 +381,6 @@ def upload(url: str, source: bytes | Path) -> tuple[int, str]:
             data=body,
             method="PUT",
             headers={
-                "Content-MD5": md5,
                 "Content-Length": str(size),
                 "Content-Type": "application/octet-stream",
             },

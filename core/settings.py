@@ -71,6 +71,9 @@ class Settings(BaseSettings):
     poll_mode: PollMode = PollMode.WATCH
     # How long poll's watch stream may be kept open between polls (0: a new watch each poll).
     poll_watch_hold_s: float = Field(default=30.0, ge=0, le=1800)
+    # A kept watch stream that receives a finished Job polls its namespace at once
+    # (`tasks.prompt_poll`), not at the next interval.
+    poll_prompt: bool = True
     # While poll's watch is healthy, the sweep LISTs a namespace's Jobs at most this often (its
     # database side runs every sweep); with the watch down, or in LIST mode, every sweep lists.
     sweep_list_interval_s: float = Field(default=600.0, gt=0)
@@ -114,6 +117,9 @@ class Settings(BaseSettings):
     object_store_access_key: SecretStr | None = None
     object_store_secret_key: SecretStr | None = None
     object_store_credentials_dir: Path | None = None
+    # Presigned uploads ask the store to keep a SHA-256 of each result, so that delivery verifies
+    # it with a HEAD instead of reading it back; off for a store that refuses that parameter.
+    object_store_server_checksums: bool = True
     # A presigned upload URL lives for the capability's deadlines plus this much.
     object_store_url_slack_s: int = Field(default=600, ge=0, le=86_400)
     # How long a read URL handed to the engine (`api.result_url`) lives.

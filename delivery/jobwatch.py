@@ -12,7 +12,9 @@ or a broken watch: the old paginated LIST, and the watch starts again from that 
 The watch's stream itself may stay open from one poll to the next (`hold`:
 `KubeClient.watch_jobs`), and is read again only from the very version stored. A poll of many
 namespaces reads their watches side by side (`poll_namespaces`): their slices wait for quiet
-together, and the positions are read and stored in one round trip each.
+together, and the positions are read and stored in one round trip each. A kept stream's reader
+may ring a doorbell (`ring`) when it receives what a poll would hand off (`rings`), so that a
+poll can run at once instead of at the next interval (`tasks.prompt_poll`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from functools import partial
 from typing import Any, cast
 
 import orjson
@@ -43,6 +46,7 @@ log = logging.getLogger(__name__)
 JsonDict = dict[str, Any]
 HandOff = Callable[[list[JsonDict]], int]  # finished Jobs (as read) -> how many were handed off now
 HandOffIn = Callable[[str, list[JsonDict]], int]  # the same, for the namespace named first
+Ring = Callable[[str], object]  # a kept stream of the namespace named received something to hand off
 
 # A slice of the watch reads for at most this share of the poll interval, and never past
 # WATCH_BOUND_MAX_S: what it leaves unread the next poll reads.
@@ -96,6 +100,12 @@ def _running_map(job: Mapping[str, Any]) -> bool:
     """A map's Indexed Job that runs: handed off on each change seen, not kept among the finished
     (its items are delivered as their Pods finish, `delivery.items`; it costs per change)."""
     return is_map_job(job) and not job_state(job).terminal
+
+
+def rings(event: Mapping[str, Any]) -> bool:
+    """Whether a poll reading `event` would hand something off (pure): a Job finished and not
+    delivered, or a running map's Job that changed (an item ended)."""
+    return decide(event) is Step.KEEP or (event.get("type") != "DELETED" and _running_map(event.get("object") or {}))
 
 
 @dataclass
@@ -154,15 +164,26 @@ def bound_s(poll_interval_s: float) -> float:
     return min(WATCH_BOUND_MAX_S, WATCH_BOUND_SHARE * poll_interval_s)
 
 
-def hold(hold_s: float, poll_interval_s: float, namespace: str = "") -> Hold | None:
+def hold(
+    hold_s: float, poll_interval_s: float, namespace: str = "", *, ring: Ring | None = None, spread: bool = True
+) -> Hold | None:
     """How a poll's watch stream of `namespace` is kept for the next poll (pure): at most
     `hold_s` in all (None: not kept), less by a share of HOLD_SPREAD fixed by the namespace's
-    name; dropped once HOLD_IDLE_INTERVALS poll intervals pass without a poll reading it (the
-    next poll ran elsewhere, or not at all)."""
+    name (with `spread`); dropped once HOLD_IDLE_INTERVALS poll intervals pass without a poll
+    reading it (the next poll ran elsewhere, or not at all). With `ring`, the stream's reader
+    calls `ring(namespace)` for each event a poll would hand off (`rings`)."""
     if hold_s <= 0:
         return None
-    share = (zlib.crc32(namespace.encode()) % 1000) / 1000 if namespace else 0.0
-    return Hold(lifetime_s=hold_s * (1 - HOLD_SPREAD * share), idle_s=HOLD_IDLE_INTERVALS * poll_interval_s)
+    share = (zlib.crc32(namespace.encode()) % 1000) / 1000 if namespace and spread else 0.0
+    on_event = None if ring is None else partial(_ring_if, ring, namespace)
+    return Hold(
+        lifetime_s=hold_s * (1 - HOLD_SPREAD * share), idle_s=HOLD_IDLE_INTERVALS * poll_interval_s, on_event=on_event
+    )
+
+
+def _ring_if(ring: Ring, namespace: str, event: Mapping[str, Any]) -> None:
+    if rings(event):
+        ring(namespace)
 
 
 # --- the position in Redis ------------------------------------------------------------------
@@ -421,6 +442,7 @@ def poll_namespace(
     poll_interval_s: float,
     hand_off: HandOff,
     hold_s: float = 0.0,
+    ring: Ring | None = None,
 ) -> NamespacePoll:
     """Resume the namespace's watch (or LIST), hand off its finished Jobs, then store the position
     (`poll_namespaces` of one namespace).
@@ -432,7 +454,7 @@ def poll_namespace(
     """
     polled = poll_namespaces(
         kube, client, prefix=prefix, deployment=deployment, namespaces=[namespace], page_size=page_size,
-        poll_interval_s=poll_interval_s, hand_off=lambda _ns, jobs: hand_off(jobs), hold_s=hold_s,
+        poll_interval_s=poll_interval_s, hand_off=lambda _ns, jobs: hand_off(jobs), hold_s=hold_s, ring=ring,
     )  # fmt: skip
     if namespace in polled.failed:
         raise polled.failed[namespace]
@@ -451,12 +473,13 @@ def poll_namespaces(
     hand_off: HandOffIn,
     hold_s: float = 0.0,
     waiting: Callable[[], object] | None = None,
+    ring: Ring | None = None,
 ) -> Polled:
     """Resume each namespace's watch (or LIST), hand off its finished Jobs, then store the
     positions. The positions are read in one round trip and stored in one; the namespaces'
     watches are read side by side, WATCH_CONCURRENCY at a time, so that their slices' waits for
-    quiet overlap. With `hold_s`, each watch's stream is kept for the next poll (`hold`).
-    `waiting` is called about every poll interval while the slices run (a lease's renewal).
+    quiet overlap. With `hold_s`, each watch's stream is kept for the next poll (`hold`), and
+    rings `ring` when it receives what a poll would hand off. `waiting` is called about every poll interval while the slices run (a lease's renewal).
 
     A namespace's own failure (its API unavailable or refusing, its hand-off's Redis) fails
     that namespace alone (`Polled.failed`): the others' positions are stored.
@@ -472,8 +495,8 @@ def poll_namespaces(
     def one(namespace: str) -> NamespacePoll:
         return _advance(
             kube, namespace, befores[namespace], selector=selector, page_size=page_size,
-            poll_interval_s=poll_interval_s, hand_off=lambda jobs: hand_off(namespace, jobs), hold_s=hold_s,
-            spread=len(namespaces) > 1,
+            poll_interval_s=poll_interval_s, hand_off=lambda jobs: hand_off(namespace, jobs),
+            keep=hold(hold_s, poll_interval_s, namespace, ring=ring, spread=len(namespaces) > 1),
         )  # fmt: skip
 
     if len(namespaces) == 1:  # nothing to wait for side by side: this thread reads it
@@ -530,12 +553,10 @@ def _advance(
     page_size: int,
     poll_interval_s: float,
     hand_off: HandOff,
-    hold_s: float,
-    spread: bool,
+    keep: Hold | None,
 ) -> NamespacePoll:
     """One namespace's watch slice from `before` (or its LIST), its finished Jobs handed off; the
-    position reached is in the result, not yet stored. `spread`: its kept stream's life is cut by
-    its namespace's share (`hold`), so that many namespaces' streams do not all end in one poll.
+    position reached is in the result, not yet stored. `keep`: how its stream is kept (`hold`).
 
     Raises:
         DispatchError: the API (the LIST) is unavailable (Transient) or refused it.
@@ -549,7 +570,7 @@ def _advance(
                 label_selector=selector,
                 resource_version=before.version,
                 bound_s=bound_s(poll_interval_s),
-                hold=hold(hold_s, poll_interval_s, namespace if spread else ""),
+                hold=keep,
             )
         except ApiUnavailable as e:
             log.info("poll: the watch of jobs in %s failed (%s); listing them", namespace, e)

@@ -73,6 +73,11 @@ SETTING_DESCRIPTIONS: dict[str, str] = {
         "How long poll's watch stream is kept open between polls, read by a worker thread, so that "
         "most polls send no WATCH request. `0`: a new watch every poll."
     ),
+    "poll_prompt": (
+        "A kept watch stream that receives a finished Job (or a map's ended item) has its namespace polled "
+        "at once by the worker that holds it, under poll's lease and at most every quarter of "
+        "`poll_interval_s` (and half a second), instead of at beat's next poll. `false`: only beat's polls."
+    ),
     "sweep_list_interval_s": (
         "While poll's watch of a namespace is healthy, how often beat's sweep LISTs that "
         "namespace's Jobs; the sweep's database side runs every sweep. In `list` mode, or with the "
@@ -133,6 +138,11 @@ SETTING_DESCRIPTIONS: dict[str, str] = {
     "object_store_credentials_dir": (
         "A folder holding the files `access-key` and `secret-key` (a mounted Secret), read when the two keys "
         "are not set."
+    ),
+    "object_store_server_checksums": (
+        "Presigned uploads ask the store to keep a SHA-256 of each result (S3's additional checksums, in the "
+        "URL's signed query), so that delivery verifies a result with one HEAD; a store that keeps none is read "
+        "back in full. Turn off only for a store that refuses the parameter."
     ),
     "object_store_url_slack_s": (
         "A presigned upload URL handed to a Job lives for the capability's deadlines plus this much. The Pod "

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from collections import Counter
+from collections.abc import Sequence
 from functools import partial
 from typing import Any, TypedDict, TypeVar, cast
 
@@ -36,7 +38,7 @@ from k8s_dispatch.store import scheduling
 from k8s_dispatch.store.db import transaction
 from k8s_dispatch.store.models import DispatchState, utcnow
 from k8s_dispatch.store.secret_inputs import unseal
-from k8s_dispatch.tasks import admission, lease, supersede
+from k8s_dispatch.tasks import admission, lease, prompt_poll, supersede
 from k8s_dispatch.tasks.app import app
 from k8s_dispatch.tasks.task_events import DispatchFailed, failure_text
 from k8s_dispatch.tasks.worker_runtime import get_runtime
@@ -301,19 +303,24 @@ def cleanup() -> dict[str, int]:
     return {"disrupted_failed": failed, "deleted": deleted}
 
 
-def _poll_watch(rt: Runtime, *, ttl_s: float, renew: bool, running: lease.Lease) -> dict[str, int]:
+def _poll_watch(
+    rt: Runtime, *, ttl_s: float, renew: bool, running: lease.Lease, namespaces: Sequence[str] | None = None
+) -> dict[str, int]:
     """Poll by resuming the namespaces' watches side by side (`delivery.jobwatch`): the events
     since the last poll, not every Job; the finished Jobs not yet delivered are handed off as a
     LIST poll would. A namespace whose API or Redis failed is polled again by the next poll, from
-    the version stored; the others' positions stand."""
+    the version stored; the others' positions stand. `namespaces`: these only (a prompt poll's),
+    not every one; the gauges are then left as the last full poll set them. The streams kept
+    ring this process's doorbell (`tasks.prompt_poll`)."""
     settings = rt.settings
     try:
         polled = jobwatch.poll_namespaces(
             rt.kube, rt.redis, prefix=settings.key_prefix, deployment=settings.effective_deployment,
-            namespaces=rt.namespaces(), page_size=settings.poll_page_size, poll_interval_s=settings.poll_interval_s,
-            hold_s=settings.poll_watch_hold_s, waiting=running.renew,
+            namespaces=rt.namespaces() if namespaces is None else namespaces, page_size=settings.poll_page_size,
+            poll_interval_s=settings.poll_interval_s, hold_s=settings.poll_watch_hold_s, waiting=running.renew,
             hand_off=partial(_hand_off, rt.redis, settings.key_prefix, ttl_s=ttl_s,
                              workers=settings.worker_concurrency, renew=renew),
+            ring=_doorbell(settings.poll_interval_s).ring if settings.poll_prompt else None,
         )  # fmt: skip
     except redis.RedisError as e:
         log.warning("poll stopped (%s); the next one resumes from the versions stored", e)
@@ -323,7 +330,7 @@ def _poll_watch(rt: Runtime, *, ttl_s: float, renew: bool, running: lease.Lease)
         namespace, error = next(iter(sorted(polled.failed.items())))
         log.warning("poll of %d namespaces failed (%s: %s); the next one resumes from the version stored",
                     len(polled.failed), namespace, error)  # fmt: skip
-    else:
+    elif namespaces is None:
         # Running Jobs are not read by a watch poll: the sweep sets the past-deadline gauge from
         # the database instead (`recovery.deadlines`).
         METRICS.finished_jobs_waiting.set(sum(len(d.finished) for d in done))
@@ -334,6 +341,41 @@ def _poll_watch(rt: Runtime, *, ttl_s: float, renew: bool, running: lease.Lease)
         "handed_off": sum(d.handed_off for d in done),
         "listed": sum(d.listed for d in done),
     }
+
+
+_doorbell_lock = threading.Lock()
+_doorbells: dict[float, prompt_poll.Doorbell] = {}
+
+
+def _doorbell(poll_interval_s: float) -> prompt_poll.Doorbell:
+    """This process's doorbell (made on first use: after a fork)."""
+    with _doorbell_lock:
+        if poll_interval_s not in _doorbells:
+            _doorbells[poll_interval_s] = prompt_poll.Doorbell(
+                poll_at_once, gap_s=prompt_poll.gap_s(poll_interval_s), give_up_s=poll_interval_s
+            )
+        return _doorbells[poll_interval_s]
+
+
+def poll_at_once(namespaces: Sequence[str]) -> bool:
+    """A prompt poll of `namespaces` (`tasks.prompt_poll`), by this process, under poll's lease;
+    False (nothing done) while another poll holds it. Only Jobs not yet handed off are handed off
+    (the markers of those queued are renewed by beat's polls)."""
+    rt = get_runtime()
+    settings = rt.settings
+    running = lease.take(
+        rt.redis, settings.key_prefix, names.POLL_TASK, ttl_s=lease.ttl_s(settings.poll_interval_s), quiet=True
+    )
+    if running is None:
+        return False
+    try:
+        done = _poll_watch(
+            rt, ttl_s=handoff.ttl_s(settings.poll_interval_s), renew=False, running=running, namespaces=namespaces
+        )
+    finally:
+        running.release()
+    log.debug("prompt poll of %s: %s", ", ".join(namespaces), done)
+    return True
 
 
 def _hand_off(

@@ -74,10 +74,11 @@ class Lease:
             log.warning("cannot release %s (%s); it expires within %d ms", self._name, e, self._ttl_ms)
 
 
-def take(client: redis.Redis, prefix: str, task: str, *, ttl_s: float) -> Lease | None:
+def take(client: redis.Redis, prefix: str, task: str, *, ttl_s: float, quiet: bool = False) -> Lease | None:
     """The task's lease for this run, or None when another run holds it (then logged and counted
-    as `k8s_dispatch_tasks_discarded_total{reason="running"}`). Redis unreachable: a lease all
-    the same (logged), since running twice is safe."""
+    as `k8s_dispatch_tasks_discarded_total{reason="running"}`, unless `quiet`: a caller that will
+    try again soon, not a run discarded). Redis unreachable: a lease all the same (logged), since
+    running twice is safe."""
     name, token, ttl_ms = key(prefix, task), uuid.uuid4().hex, max(1, int(ttl_s * 1000))
     try:
         taken = client.set(name, token, nx=True, px=ttl_ms)
@@ -85,6 +86,8 @@ def take(client: redis.Redis, prefix: str, task: str, *, ttl_s: float) -> Lease 
         log.warning("%s: cannot tell whether another run is under way (%s); running", task, e)
         return Lease(client, name, token, ttl_ms)
     if not taken:
+        if quiet:
+            return None
         log.info("%s skipped: the previous run is still under way", task)
         METRICS.task_discarded(task=task, reason="running")
         return None

@@ -20,7 +20,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 from urllib.parse import quote
@@ -103,10 +103,13 @@ WATCH_READ_SLACK_S = 5.0
 @dataclass(frozen=True)
 class Hold:
     """How long a watch stream may be kept between slices (`KubeClient.watch_jobs`): at most
-    `lifetime_s` in all (the watch's timeoutSeconds), and `idle_s` without a slice reading it."""
+    `lifetime_s` in all (the watch's timeoutSeconds), and `idle_s` without a slice reading it.
+    `on_event`, if any, is called by the stream's reader thread with each event as it arrives
+    (`watch_stream.WatchStream`): what lets a poll run as soon as there is something to read."""
 
     lifetime_s: float
     idle_s: float
+    on_event: Callable[[JsonDict], object] | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -392,7 +395,10 @@ class KubeClient:
                 raise ApiUnavailable(f"{what}: {type(e).__name__}: {e}") from e
             self._done("watch", str(stream.status), started)  # its latency: until the stream opened
             idle_s = hold.idle_s if hold is not None else lifetime_s
-            return watch_stream.WatchStream(stream, what=what, version=version, idle_s=idle_s, decode=_decoded)
+            on_event = hold.on_event if hold is not None else None
+            return watch_stream.WatchStream(
+                stream, what=what, version=version, idle_s=idle_s, decode=_decoded, on_event=on_event
+            )
         raise AssertionError("unreachable: the last attempt returns, raises or breaks")
 
     def remove_finalizer(self, namespace: str, name: str, finalizer: str) -> bool:

@@ -57,13 +57,17 @@ class WatchStream:
         version: str,
         idle_s: float,
         decode: Callable[[bytes, str], JsonDict],
+        on_event: Callable[[JsonDict], object] | None = None,
     ) -> None:
         """Start reading `response` (a watch opened from `version`), each line an event by
         `decode` (the adapter's, raising ApiUnavailable for what is not a JSON object). The thread
         stops reading once no slice has read it for `idle_s` (a stream nobody reads is dropped,
-        not buffered; an idle namespace's stream, read by every poll, is kept past its bookmarks)."""
+        not buffered; an idle namespace's stream, read by every poll, is kept past its bookmarks).
+        `on_event` is called by the thread with each event once it is queued for a slice (a
+        doorbell: it must not block, and what it raises is logged, not the stream's end)."""
         self.what = what
         self._decode = decode
+        self._on_event = on_event
         self.reached = version
         self.opened_at = time.monotonic()
         self._response = response
@@ -143,6 +147,14 @@ class WatchStream:
                     sock.shutdown(socket.SHUT_RDWR)
         self._thread.join(timeout=CLOSE_WAIT_S)
 
+    def _tell(self, event: JsonDict) -> None:
+        if self._on_event is None:
+            return
+        try:
+            self._on_event(event)
+        except Exception:  # a doorbell's fault is not the stream's
+            log.exception("%s: on_event failed", self.what)
+
     def _read(self) -> None:
         buffer = b""
         try:
@@ -154,7 +166,9 @@ class WatchStream:
                 *lines, buffer = buffer.split(b"\n")
                 for line in lines:
                     if line.strip():
-                        self._items.put(self._decode(line, self.what))
+                        event = self._decode(line, self.what)
+                        self._items.put(event)
+                        self._tell(event)
                 if time.monotonic() - self._taken_at > self._idle_s:
                     log.info("%s: no slice read the stream for %.0f s; closing it", self.what, self._idle_s)
                     break

@@ -4,15 +4,16 @@
    `celery -A tasks worker` and `beat`, PostgreSQL, Redis, SeaweedFS (`weed mini`, built by
    `tools/build.sh seaweedfs`) and localcluster in exec mode, where the Job is the runner as a
    local process whose function returns a file of random bytes the bench wrote before the round
-   (`pathlib:Path`: the runner reads it for its Content-MD5, then streams it in its PUT to the
-   attempt's presigned URL, taking its SHA-256 as it goes) and leaves the reference as its
-   termination message; the worker GETs the object back through SHA-256 (its size checked first) before it
-   records the reference. Its throughput is compared, round by round, with the raw transfer of
+   (`pathlib:Path`: the runner streams it in its PUT to the attempt's presigned URL, taking its
+   SHA-256 as it goes, while the store takes its own, asked for by the URL) and leaves the
+   reference as its termination message; the Job's end is handed off by a prompt poll (the kept
+   watch stream rings: `tasks.prompt_poll`), and the worker HEADs the object (its size and the
+   store's SHA-256) before it records the reference. Its throughput is compared, round by round, with the raw transfer of
    the same bytes by the product's own S3 client (boto3 `put_object` from memory, then
    `get_object` read to the end) in the same run, on the same store: a ratio of 1 would be the
    whole delivery for the price of one PUT and one GET. Where each dispatch's time went is
    reported by phase (`PHASES`: the runner's own marks, the worker's log, the terminal event),
-   and the part that grows with the result's size (the runner's upload and complete_batch's
+   and the part that grows with the result's size (the runner's upload, and complete_batch's
    verification and record) is compared with the raw transfer too, without a target: what is
    left is the fixed cost of a dispatch (the Pod's start, the wait for the next poll).
 2. Requests per finished Job, Kubernetes and object store, with an object store configured (every
@@ -134,14 +135,14 @@ def run(ctx: services.BenchContext, size: Size) -> BenchResult:
     moved = [up + done for up, done in zip(rounds.phases["runner_upload"], rounds.phases["complete"], strict=True)]
     result.ratios.append(
         Ratio("transfer_vs_raw_throughput", f"{what} result: throughput of the runner's upload and complete_batch "
-              "(hashes, PUT, GET through SHA-256, record) / raw PUT + GET's",
+              "(hash and PUT; HEAD and record) / raw PUT + GET's",
               [raw / took for raw, took in zip(raw_s, moved, strict=True)], ref="28")
     )  # fmt: skip
     result.notes.append(
-        f"{what}: the dispatch's time includes creating the Job, the runner's start, its read of the file for its "
-        "Content-MD5, its PUT streamed from the file through SHA-256, the poll that sees the Job end, the worker's "
-        "GET through SHA-256, and the record; the raw transfer only the two requests, from and to memory. The worker's tasks in the rounds "
-        f"(complete_batch: the GET through SHA-256 and the record): {rounds.tasks}"
+        f"{what}: the dispatch's time includes creating the Job, the runner's start, its PUT streamed from the file "
+        "through SHA-256 (the store taking its own), the prompt poll that sees the Job end, the worker's HEAD (size "
+        "and the store's SHA-256) and the record; the raw transfer only the two requests, from and to memory. The "
+        f"worker's tasks in the rounds (complete_batch: the HEAD and the record): {rounds.tasks}"
     )
     result.params["object_store_requests_per_job"] = store_per_job
     result.notes.append(
@@ -330,9 +331,9 @@ class Rounds:
 PHASES = {
     "to_runner": "schedule -> the runner's process started (schedule, create_jobs, the Pod's start)",
     "runner_start": "the runner's start -> its upload began (imports, input, the function)",
-    "runner_upload": "the runner's upload: the result's hashes and its PUT",
+    "runner_upload": "the runner's upload: its PUT, hashed as it is sent",
     "to_complete": "the upload's end -> complete_batch received (the runner's exit, the Job's status, the poll)",
-    "complete": "complete_batch received -> terminal event (the GET through SHA-256, the record)",
+    "complete": "complete_batch received -> terminal event (the HEAD with the store's SHA-256, the record)",
 }
 TASK_RECEIVED = re.compile(r"Task [\w.-]*complete_batch\[[^\]]*\] received")
 

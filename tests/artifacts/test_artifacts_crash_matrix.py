@@ -189,14 +189,14 @@ def test_a_worker_killed_between_the_upload_and_the_record(world: World) -> None
     first = world.schedule(["big", "big"])
     world.killed(doomed)
 
-    # Died after the Pod's upload and the worker's read of it, before the record.
+    # Died after the Pod's upload and the worker's check of it (a HEAD: the store's SHA-256), before the record.
     rows = {r: d.terminal_events([r])[r] for r in first}
     uploaded = [
         dispatch_id
         for dispatch_id in first
         if world.store.store.size(keys.result_key(world.store.prefix, dispatch_id, 0)) == RESULT_BYTES
     ]
-    read = {s.path for s in world.relay.seen("GET")}
+    read = {s.path for s in world.relay.seen("HEAD") + world.relay.seen("GET")}
     verified = [r for r in uploaded if any(path.endswith(keys.result_key(world.store.prefix, r, 0)) for path in read)]
     assert verified and all(rows[r] == [] for r in verified), (rows, read)
 

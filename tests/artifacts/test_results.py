@@ -21,6 +21,7 @@ from store_relay import StoreRelay
 from k8s_dispatch.artifacts import Artifacts, result_upload, verify_for_delivery
 from k8s_dispatch.artifacts.errors import ObjectStoreUnavailable, ResultObjectMissing
 from k8s_dispatch.artifacts.reference import ResultReference, parse_reference
+from k8s_dispatch.artifacts.store import stored_sha256
 from k8s_dispatch.container import runner
 from k8s_dispatch.container.contract import RESULT_KEY_ENV, RESULT_URL_ENV, ResultUpload
 from k8s_dispatch.core.settings import load_settings
@@ -130,6 +131,39 @@ def _uploaded(artifacts: Artifacts, dispatch_id: str, data: bytes, attempt: int 
     return ResultReference(upload.key, len(data), hashlib.sha256(data).hexdigest())
 
 
+@pytest.fixture(params=[True, False], ids=["store-hashes", "read-back"])
+def checked(request: pytest.FixtureRequest, object_store: ObjectStoreServer, unique_prefix: str) -> Any:
+    """Artifacts behind a relay that sees each request: with the store's own SHA-256 asked for
+    (the default), or without (`object_store_server_checksums` off: results are read back)."""
+    relay = StoreRelay(object_store.endpoint)
+    env = object_store.env(unique_prefix) | {
+        "K8S_DISPATCH_OBJECT_STORE_ENDPOINT": relay.endpoint,
+        "K8S_DISPATCH_OBJECT_STORE_SERVER_CHECKSUMS": str(request.param).lower(),
+    }
+    built = Artifacts.from_settings(load_settings(env))
+    assert built is not None
+    yield built, relay, request.param
+    relay.close()
+
+
+def test_delivery_verifies_by_the_stores_own_sha256_or_else_reads_the_object_back(checked: Any) -> None:
+    artifacts, relay, store_hashes = checked
+    dispatch_id = str(uuid.uuid4())
+    data = random_bytes({"seed": 4, "size": 2 * MIB + 3})
+    reference = _uploaded(artifacts, dispatch_id, data)
+    stat = artifacts.store.stat(reference.key)
+    assert stat is not None and stat.size == len(data)
+    assert stat.sha256 == (hashlib.sha256(data).hexdigest() if store_hashes else None)
+    gets = len(relay.seen("GET"))
+
+    event, payload = verify_for_delivery(
+        artifacts, spec(), dispatch_id=dispatch_id, attempt=0, output=reference.to_output()
+    )
+
+    assert event is EventType.WORKER_COMPLETED, payload
+    assert len(relay.seen("GET")) - gets == (0 if store_hashes else 1)  # read back only when the store hashed nothing
+
+
 @pytest.mark.parametrize(
     ("change", "reason"),
     [
@@ -140,7 +174,8 @@ def _uploaded(artifacts: Artifacts, dispatch_id: str, data: bytes, attempt: int 
     ],
     ids=["size", "sha256", "another-attempts-key", "too-large"],
 )
-def test_a_reference_that_does_not_match_its_object_fails_typed(artifacts: Artifacts, change: Any, reason: str) -> None:
+def test_a_reference_that_does_not_match_its_object_fails_typed(checked: Any, change: Any, reason: str) -> None:
+    artifacts = checked[0]
     dispatch_id = str(uuid.uuid4())
     reference = change(_uploaded(artifacts, dispatch_id, b"x" * 1000))
     event, payload = verify_for_delivery(
@@ -162,15 +197,18 @@ def test_a_missing_object_and_a_malformed_reference_fail_typed(artifacts: Artifa
     assert (event, payload["reason"]) == (EventType.WORKER_FAILED, "InvalidResultReference")
 
 
-def test_the_store_refuses_bytes_that_do_not_match_their_content_md5(artifacts: Artifacts) -> None:
+def test_an_upload_url_stripped_of_its_checksum_or_changing_it_is_refused(artifacts: Artifacts) -> None:
+    """The checksum the store is asked for is in the URL's signed query: a Pod cannot drop it (so
+    that the store keeps no SHA-256 and delivery must read back) or ask for another."""
     upload = result_upload(artifacts, spec(), dispatch_id=str(uuid.uuid4()), attempt=0)
-    assert upload is not None
-    wrong = base64.b64encode(hashlib.md5(b"other", usedforsecurity=False).digest()).decode()
-    request = urllib.request.Request(upload.url, data=b"payload", method="PUT", headers={"Content-MD5": wrong})
-    with pytest.raises(urllib.error.HTTPError) as refused:
-        urllib.request.urlopen(request, timeout=30)
-    refused.value.close()
-    assert refused.value.code == 400
+    assert upload is not None and "x-amz-sdk-checksum-algorithm=SHA256" in upload.url
+    stripped = upload.url.replace("x-amz-sdk-checksum-algorithm=SHA256&", "")
+    for url in (stripped, upload.url.replace("=SHA256", "=CRC32")):
+        request = urllib.request.Request(url, data=b"payload", method="PUT")
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=30)
+        refused.value.close()
+        assert refused.value.code in (400, 403)
     assert artifacts.store.size(upload.key) is None
 
 
@@ -178,10 +216,10 @@ def test_the_store_refuses_bytes_that_do_not_match_their_content_md5(artifacts: 
 def test_a_result_file_that_changes_while_it_is_sent_ends_the_run_and_stores_nothing(
     object_store: ObjectStoreServer, unique_prefix: str, tmp_path: Path, change: str
 ) -> None:
-    """The runner takes the Content-MD5 in one read and the SHA-256 as it sends: a file changed in
+    """The runner announces the file's size and takes the SHA-256 as it sends: a file changed in
     between must end the run, never store bytes its reference does not describe. A relay holds the
-    PUT (its Content-MD5 taken), the file changes, the relay drops the PUT: the runner's try again
-    reads the changed file."""
+    PUT (its Content-Length announced), the file changes, the relay drops the PUT: the runner's
+    try again reads the changed file."""
     relay = StoreRelay(object_store.endpoint)
     try:
         env = object_store.env(unique_prefix) | {"K8S_DISPATCH_OBJECT_STORE_ENDPOINT": relay.endpoint}
@@ -236,3 +274,20 @@ def test_an_unreachable_store_is_transient_and_records_nothing(object_store: Obj
     reference = ResultReference(artifacts.key(dispatch_id, 0), 1, hashlib.sha256(b"x").hexdigest())
     with pytest.raises(ObjectStoreUnavailable):
         verify_for_delivery(artifacts, spec(), dispatch_id=dispatch_id, attempt=0, output=reference.to_output())
+
+
+@pytest.mark.parametrize(
+    ("head", "expected"),
+    [
+        ({"ChecksumSHA256": base64.b64encode(bytes(range(32))).decode()}, bytes(range(32)).hex()),
+        ({"ChecksumSHA256": base64.b64encode(bytes(32)).decode(), "ChecksumType": "FULL_OBJECT"}, bytes(32).hex()),
+        ({"ChecksumSHA256": base64.b64encode(bytes(32)).decode(), "ChecksumType": "COMPOSITE"}, None),
+        ({"ChecksumSHA256": base64.b64encode(bytes(20)).decode()}, None),
+        ({"ChecksumSHA256": "not base64!"}, None),
+        ({"ChecksumCRC32": "AAAAAA=="}, None),
+        ({}, None),
+    ],
+    ids=["sha256", "full-object", "composite", "short", "not-base64", "crc32-only", "none"],
+)
+def test_only_a_whole_objects_sha256_from_the_store_is_taken(head: dict[str, str], expected: str | None) -> None:
+    assert stored_sha256(head) == expected

@@ -22,6 +22,8 @@ from clusters import LOCAL, ClusterHandle, local_handle, real_handle
 from k8s_dispatch.delivery import handoff, jobwatch
 from k8s_dispatch.delivery.jobwatch import Position, Step, apply, decide
 from k8s_dispatch.workers import labels as job_labels
+from k8s_dispatch.workers.indexed import MAP_LABEL
+from k8s_dispatch.workers.job_status import job_state
 from k8s_dispatch.workers.kube import KubeClient
 from k8s_dispatch.workers.manifest import FINALIZER
 
@@ -70,6 +72,31 @@ DELIVERED = {job_labels.DELIVERED_LABEL: job_labels.DELIVERED}
 )
 def test_each_event_means_one_step(event: dict, step: Step) -> None:
     assert decide(event) is step
+
+
+MAP = {MAP_LABEL: "true"}
+
+
+@pytest.mark.parametrize(
+    ("event", "rung"),
+    [
+        ({"type": "MODIFIED", "object": job("a", **DONE)}, True),  # finished: a poll hands it off
+        ({"type": "MODIFIED", "object": job("a", **FAILED)}, True),
+        ({"type": "ADDED", "object": job("a", active=1)}, False),  # running: nothing to hand off
+        ({"type": "MODIFIED", "object": job("a", active=1)}, False),
+        ({"type": "MODIFIED", "object": job("m", labels=MAP, active=3, succeeded=2)}, True),  # a map's item ended
+        ({"type": "DELETED", "object": job("m", labels=MAP, active=3)}, False),  # the sweep's to look at
+        ({"type": "DELETED", "object": job("a", labels=DELIVERED, **DONE)}, False),  # delivered
+        ({"type": "BOOKMARK", "object": {"metadata": {"resourceVersion": "9"}}}, False),
+    ],
+)
+def test_a_kept_stream_rings_for_what_a_poll_would_hand_off(event: dict, rung: bool) -> None:
+    assert jobwatch.rings(event) is rung
+    namespaces: list[str] = []
+    keep = jobwatch.hold(30, 2.0, "ns", ring=namespaces.append)
+    assert keep is not None and keep.on_event is not None
+    keep.on_event(event)
+    assert namespaces == (["ns"] if rung else [])
 
 
 @pytest.mark.parametrize(
@@ -199,11 +226,11 @@ class Recorder:
 
 def poll(
     kube: KubeClient, client: redis.Redis, prefix: str, deployment: str, namespace: str, rec: Recorder,
-    *, hold_s: float = 0.0,
+    *, hold_s: float = 0.0, ring: jobwatch.Ring | None = None,
 ):  # fmt: skip
     return jobwatch.poll_namespace(
         kube, client, prefix=prefix, deployment=deployment, namespace=namespace, page_size=2,
-        poll_interval_s=POLL_INTERVAL_S, hand_off=rec, hold_s=hold_s,
+        poll_interval_s=POLL_INTERVAL_S, hand_off=rec, hold_s=hold_s, ring=ring,
     )  # fmt: skip
 
 
@@ -454,6 +481,44 @@ def test_polls_that_follow_each_other_read_one_kept_stream_without_a_new_request
         poll_until(forgotten)
         assert watches.sent == 2 and kept_streams() >= 1
     assert kept_streams() == 0  # closing the client closes its streams
+
+
+def test_a_kept_stream_rings_when_a_job_finishes_before_any_poll_reads_it(
+    cluster_under_test: ClusterHandle, client: redis.Redis, key_prefix: str, deployment: str
+) -> None:
+    """The doorbell of prompt polls: the kept stream's reader rings the namespace as soon as it
+    receives a finished Job (not its creation, nor its start), and the poll that follows hands it off
+    from that stream."""
+    namespace, prefix, rec = watched_namespace(cluster_under_test, client, key_prefix, deployment, "watch-rings")
+    rung = threading.Event()
+    at_ring: list[dict[str, Any]] = []
+
+    def ring(ns: str) -> None:
+        assert ns == namespace
+        if not rung.is_set():
+            at_ring.append(
+                {
+                    j["metadata"]["name"]: j
+                    for page in kube.iter_jobs(namespace, label_selector=job_labels.selector())
+                    for j in page
+                }
+            )
+            rung.set()
+
+    watches = Watches()
+    with KubeClient(cluster_under_test.kubeconfig, on_request=watches) as kube:
+        assert poll(kube, client, prefix, deployment, namespace, rec, hold_s=30, ring=ring).listed
+        for _ in range(2):  # the second watch follows the first and is kept
+            assert not poll(kube, client, prefix, deployment, namespace, rec, hold_s=30, ring=ring).listed
+        sent = watches.sent
+        name = make_job(kube, namespace, deployment, ms=1500)
+        assert rung.wait(60), "the kept stream never rang"
+        jobs = at_ring[0]
+        assert name in jobs and job_state(jobs[name]).terminal, "rang before the Job finished"
+        assert rec.handed == []  # no poll has read it yet
+        assert not poll(kube, client, prefix, deployment, namespace, rec, hold_s=30, ring=ring).listed
+        assert rec.handed == [name]  # read from the kept stream, at once
+        assert watches.sent == sent
 
 
 def test_a_kept_stream_is_not_read_when_another_poll_stored_a_version(

@@ -1,6 +1,7 @@
 """Poll by watch end to end (real worker and beat, both clusters): every dispatch ends once while
-the polls read watch events, not LISTs of every Job; a Job that leaves undelivered is found by
-beat's sweep through the watch's note, without a LIST of the namespace's Jobs."""
+the polls read watch events, not LISTs of every Job, and a Job that ends is delivered by a prompt
+poll without waiting for beat's; a Job that leaves undelivered is found by beat's sweep through
+the watch's note, without a LIST of the namespace's Jobs."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ from collections import Counter
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from k8s_dispatch.celeryconfig import POLL_TASK
 from k8s_dispatch.core.errors import NotFound
 from k8s_dispatch.delivery import jobwatch
 from k8s_dispatch.store.models import EventType
+from k8s_dispatch.tasks import supersede
 from k8s_dispatch.workers import labels as job_labels
 from k8s_dispatch.workers.manifest import FINALIZER, job_name
 
@@ -69,6 +72,34 @@ def test_dispatches_complete_once_each_while_polls_read_the_watch(deploy, any_cl
     # One worker's polls follow each other: they read the stream kept open, not a WATCH each.
     assert 1 <= requests["WATCH"] <= polls // 2, (polls, requests)
     d.wait_no_jobs()
+
+
+def test_a_finished_job_is_delivered_by_a_prompt_poll_with_no_poll_of_beats_to_come(deploy, any_cluster):
+    """Prompt polls (`tasks.prompt_poll`). No beat: the test sends the three polls after which the
+    worker's watch stream is kept (the second watch follows the first), as beat would, then
+    schedules Jobs. Nothing polls after that, so only the kept stream's doorbell can deliver them:
+    each is recorded once, within seconds though beat's interval is 30 s, and the prompt polls read
+    the stream already open (no WATCH each)."""
+    d = deploy(any_cluster, capabilities=CAPABILITIES, poll_interval_s="30", sweep_interval_s="3600")
+    worker = d.start_worker("w1")
+    for n in range(1, 4):
+        d.redis.delete(supersede.key(d.prefix, POLL_TASK))  # the test's polls stand in for beat's, one per interval
+        d.send(POLL_TASK)
+        d.wait(lambda n=n: len(POLL_DONE.findall(worker.log())) >= n, timeout_s=30, what=f"poll {n}")
+    before = job_requests(any_cluster)
+    ids = []
+    for _ in range(3):  # one after the other: each a ring of its own
+        ids += d.schedule_batch("sim.ok", 1)
+        events = d.wait_terminal(ids[-1:], timeout_s=15)  # its Job runs 1.5 s
+        assert [kind for kind, _ in events[ids[-1]]] == [EventType.WORKER_COMPLETED.value]
+    after = job_requests(any_cluster)
+    after.subtract(before)
+    assert len(POLL_DONE.findall(worker.log())) == 3  # no poll but the doorbell's
+    # Read from the kept stream. A server counts a watch when it ends: the second test poll's,
+    # closed after its slice, may be counted after `before`.
+    assert after["WATCH"] <= 1, after
+    released = [job for job in d.jobs() if job_labels.is_delivered(job["metadata"].get("labels"))]
+    assert len(released) == 3  # each released (beat's cleanup, not running here, would delete them)
 
 
 def test_a_job_gone_undelivered_is_recreated_by_the_sweep_from_the_watchs_note(deploy, any_cluster):
