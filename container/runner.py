@@ -320,8 +320,9 @@ def _open(source: bytes | Path) -> BinaryIO:
 class _Sending:
     """The body of one PUT: `source`'s bytes in CHUNK_BYTES pieces (http.client sends an
     iterable's items as they are, a file's in 8 KiB reads), each hashed into the SHA-256 of the
-    reference as it goes out. Exactly `size` bytes, the Content-Length announced: a file that grew or shrank since ends the upload (`RunnerError`) instead of sending
-    other bytes than those announced."""
+    reference as it goes out. Exactly `size` bytes, the Content-Length announced: a file that
+    grew or shrank since ends the upload (`RunnerError`) instead of sending other bytes than
+    those announced."""
 
     def __init__(self, source: bytes | Path, size: int) -> None:
         self.source, self.size = source, size

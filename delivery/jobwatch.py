@@ -479,7 +479,8 @@ def poll_namespaces(
     positions. The positions are read in one round trip and stored in one; the namespaces'
     watches are read side by side, WATCH_CONCURRENCY at a time, so that their slices' waits for
     quiet overlap. With `hold_s`, each watch's stream is kept for the next poll (`hold`), and
-    rings `ring` when it receives what a poll would hand off. `waiting` is called about every poll interval while the slices run (a lease's renewal).
+    rings `ring` when it receives what a poll would hand off. `waiting` is called about every
+    poll interval while the slices run (a lease's renewal).
 
     A namespace's own failure (its API unavailable or refusing, its hand-off's Redis) fails
     that namespace alone (`Polled.failed`): the others' positions are stored.
