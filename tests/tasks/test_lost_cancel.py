@@ -63,6 +63,9 @@ def test_a_lost_cancel_has_its_job_deleted_by_the_sweep_and_its_slot_held_until_
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     try:
+        # Seen running before the cancel: once the sweep deletes it, a prompt poll releases it at
+        # once, and it may be gone before a sample taken after the cancel.
+        d.wait(lambda: any(first in s for s in samples), timeout_s=30, what="the first job sampled running")
         # The engine cancels in its own transaction; the `cancel` message that would delete the
         # Job at once is lost (never sent).
         with transaction(d.sessions) as session:
