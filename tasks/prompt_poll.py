@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 
 log = logging.getLogger(__name__)
 
-# Prompt polls run at most once per this share of the poll interval, and at least every GAP_MAX_S.
+# Prompt polls run at most once per this share of the poll interval; that gap is never over GAP_MAX_S.
 GAP_SHARE = 0.25
 GAP_MAX_S = 0.5
 
@@ -59,12 +59,11 @@ class Doorbell:
         self._wake.set()
 
     def _loop(self) -> None:
-        pause = threading.Event()  # never set: a timed wait between runs
         while True:
             self._wake.wait()
             early = self._last_run + self._gap_s - time.monotonic()
             if early > 0:
-                pause.wait(early)  # rings that come meanwhile are answered by the same run
+                time.sleep(early)  # the gap: rings that come meanwhile are answered by the same run
             with self._lock:
                 self._wake.clear()
                 now = time.monotonic()
