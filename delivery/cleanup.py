@@ -77,7 +77,8 @@ def release_job(
 
 def release_pods(rt: Runtime, namespace: str, pods: Iterable[Mapping[str, Any]], *, now: datetime | None = None) -> int:
     """Take our finalizer off Pods as a LIST read them, one patch per Pod that has it (none for
-    the rest); how many this call freed. Called once their result is recorded, or not wanted.
+    the rest) that also labels it released (`labels.RELEASED_LABEL`); how many this call freed.
+    Called once their result is recorded, or not wanted.
     First the logs their capability's `archiveLogs` keeps go to the object store (`artifacts.logs`;
     `now` against their containers' end, for a log that cannot be read).
 
@@ -91,7 +92,8 @@ def release_pods(rt: Runtime, namespace: str, pods: Iterable[Mapping[str, Any]],
         artifacts.for_settings(rt.settings), rt.kube, rt.resolver, namespace,
         [failure_detail.pod_log(p) for p in held], now=now,
     )  # fmt: skip
-    return sum(rt.kube.release_pod(namespace, pod, finalizer=FINALIZER) for pod in held)
+    released = (job_labels.RELEASED_LABEL, job_labels.RELEASED)
+    return sum(rt.kube.release_pod(namespace, pod, finalizer=FINALIZER, label=released) for pod in held)
 
 
 def delete_delivered(rt: Runtime, namespace: str) -> list[dict[str, Any]]:

@@ -2,16 +2,18 @@
 
 A map's Job is handed to the completion path while it runs, not only once it has finished
 (`delivery.jobwatch` keeps it among the Jobs to hand off), and `complete.complete_jobs` passes it
-here. Per hand-off of a running map, only the Pods that can change something are read
-(`indexes_to_read`, pure): those of the indexes the Job's status counts completed or failed whose
-item has no end yet, selected by the Pod label `batch.kubernetes.io/job-completion-index` (`in`,
-chunked), and those of indexes with a failed Pod the controller let go of since the last look
-(`retried_count`, a counter kept in Redis: a Job change that retried nothing reads no failed
-Pod). So a map of n items costs each item's Pods about once, not n Pods per change. The database
-is asked only about the items such an index may end (`store.maps.ended_items(among=...)`):
-those the Job counts that a note in Redis (`_Notes`, per Job) does not say ended already; each
-hand-off notes the counted items it saw ended. So a hand-off of k newly finished indexes reads
-about k rows, not the map's. Each Pod's
+here; poll hands a running map off at every poll too, whether its Job changed or not. Per
+hand-off of a running map, only the Pods that can change something are read: the succeeded Pods
+we have not freed (`_fresh_successes`: one LIST by phase and by the label our release puts on a
+Pod, so an item is recorded as its Pod ends, not once the Job controller counts it), those of the
+indexes the Job's status counts completed or failed whose item has no end yet (`indexes_to_read`,
+pure), selected by the Pod label `batch.kubernetes.io/job-completion-index` (`in`, chunked), and
+those of indexes with a failed Pod the controller let go of since the last look (`retried_count`,
+a counter kept in Redis: a Job change that retried nothing reads no failed Pod). So a map of n
+items costs each item's Pods about once, not n Pods per change. The database is asked only about
+the items such Pods may end (`store.maps.ended_items(among=...)`): those that a note in Redis
+(`_Notes`, per Job) does not say ended already; each hand-off notes the items it saw ended. So a
+hand-off of k newly finished indexes reads about k rows, not the map's. Each Pod's
 item is decided (`decide`, pure): a succeeded Pod's result, or the failure of an index the Job
 controller gave up on (`failedIndexes`); the ends are written in one transaction through
 `terminal.record_items` (the primary key on (dispatch, item) is the arbiter); then the Pods whose
@@ -54,6 +56,7 @@ from k8s_dispatch.store import dispatches, maps
 from k8s_dispatch.store.db import transaction
 from k8s_dispatch.store.models import EventType, ItemEventType
 from k8s_dispatch.workers import failure_detail
+from k8s_dispatch.workers import labels as job_labels
 from k8s_dispatch.workers.indexed import (
     COMPLETION_INDEX,
     failure_count,
@@ -306,16 +309,19 @@ def _deliver(rt: Runtime, namespace: str, job: Mapping[str, Any], context: Deliv
         indexes = item_indexes(job)
         notes = _Notes() if finished else _Notes.read(rt, namespace, job)
         held = [] if finished else _held_failed_pods(rt, namespace, job, notes)
+        fresh = [] if finished else _fresh_successes(rt, namespace, job)
         with transaction(rt.sessions) as session:
             shape = maps.map_shapes(session, [dispatch_id])[dispatch_id]
             if finished:  # every open item ends now: the whole map's ends are wanted
                 ended: set[int] = set(maps.ended_items(session, dispatch_id))
             else:  # only the items this hand-off may end, less those noted ended already
-                retried = {i for i in (pod_index(p) for p in held) if i is not None}
-                asked = {item_of(indexes, i) for i in _counted(job) | retried}
+                seen = {i for i in (pod_index(p) for p in held + fresh) if i is not None}
+                asked = {item_of(indexes, i) for i in _counted(job) | seen}
                 among = {i for i in asked if i is not None and _open(i, shape.items, notes.ended)}
                 ended = set(notes.ended) | set(maps.ended_items(session, dispatch_id, among=among))
-        read = _pods_to_read(rt, namespace, job, ended, shape.items, held=_not_busy(job, held, busy))
+        read = _pods_to_read(
+            rt, namespace, job, ended, shape.items, held=_not_busy(job, held, busy), fresh=_not_busy(job, fresh, busy)
+        )
         ours = [p for p in read if controller_uids(p) <= {uid}]
         with transaction(rt.sessions) as session:
             decided = decide(dispatch_id, job, ours, ended, shape.items)
@@ -516,6 +522,15 @@ def _release(rt: Runtime, namespace: str, pods: Sequence[Mapping[str, Any]], kep
 INDEX_CHUNK = 250
 _NOTES_TTL_S = 86_400  # a lost note costs one LIST of failed Pods, or some rows, nothing more
 _FAILED_PODS = "status.phase=Failed"
+_SUCCEEDED_PODS = "status.phase=Succeeded"
+
+
+def _fresh_successes(rt: Runtime, namespace: str, job: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """A running map's succeeded Pods that we have not freed (no `RELEASED_LABEL`), whatever the
+    Job's status counts. The Job controller counts a finished index only at its next sync,
+    seconds later on a busy control plane; a succeeded Pod's result is final once it has
+    succeeded, so its item is decided from the Pod as soon as a look sees it."""
+    return _held_pods(rt, namespace, job, field_selector=_SUCCEEDED_PODS, label=f"!{job_labels.RELEASED_LABEL}")
 
 
 def _held_failed_pods(rt: Runtime, namespace: str, job: Mapping[str, Any], notes: _Notes) -> list[dict[str, Any]]:
@@ -523,10 +538,17 @@ def _held_failed_pods(rt: Runtime, namespace: str, job: Mapping[str, Any], notes
     (`retried_count` above the one noted); none otherwise, with no request."""
     if retried_count(job) <= notes.retries_read:
         return []
-    selector = f"{JOB_NAME_LABEL}={(job.get('metadata') or {}).get('name', '')}"
+    return _held_pods(rt, namespace, job, field_selector=_FAILED_PODS)
+
+
+def _held_pods(
+    rt: Runtime, namespace: str, job: Mapping[str, Any], *, field_selector: str, label: str = ""
+) -> list[dict[str, Any]]:
+    """The Job's Pods of one phase (and `label`, a selector term) that hold our finalizer: one LIST."""
+    selector = f"{JOB_NAME_LABEL}={(job.get('metadata') or {}).get('name', '')}" + (f",{label}" if label else "")
     return [
         pod
-        for page in rt.kube.iter_pods(namespace, label_selector=selector, field_selector=_FAILED_PODS)
+        for page in rt.kube.iter_pods(namespace, label_selector=selector, field_selector=field_selector)
         for pod in page
         if FINALIZER in ((pod.get("metadata") or {}).get("finalizers") or [])
     ]
@@ -540,19 +562,23 @@ def _pods_to_read(
     items: int,
     *,
     held: Sequence[dict[str, Any]] = (),
+    fresh: Sequence[dict[str, Any]] = (),
 ) -> list[dict[str, Any]]:
     """The Pods a hand-off needs. A Job that ended: all of them (one paginated LIST: every open
     item ends now, and no Pod may stay held). A running one: the `held` failed Pods
     (`_held_failed_pods`) whose item has ended (a look that died before it freed them left them),
-    then the Pods of `indexes_to_read` by their completion index label."""
+    the `fresh` succeeded ones (`_fresh_successes`), then the Pods of the other `indexes_to_read`
+    by their completion index label."""
     name = str((job.get("metadata") or {}).get("name", ""))
     if job_state(job).terminal:
         return pods_by_job(rt, namespace, [name])[name]
     selector = f"{JOB_NAME_LABEL}={name}"
     indexes = item_indexes(job)
     retried = {i for i in (pod_index(p) for p in held) if i is not None}
-    to_read = indexes_to_read(job, ended, items, retried=retried)
+    known = {pod_index(p) for p in fresh}
+    to_read = [i for i in indexes_to_read(job, ended, items, retried=retried) if i not in known]
     pods = [p for p in held if item_of(indexes, pod_index(p)) in ended]  # their item ended: freed now
+    pods += fresh
     for start in range(0, len(to_read), INDEX_CHUNK):
         values = ",".join(str(index) for index in to_read[start : start + INDEX_CHUNK])
         chunk = f"{selector},{COMPLETION_INDEX} in ({values})"
@@ -572,9 +598,9 @@ def _key(rt: Runtime, kind: str, namespace: str, job: Mapping[str, Any]) -> str:
 class _Notes:
     """What the hand-offs of one running map Job noted in Redis (both read with one MGET, per
     Job uid): the `retried_count` whose retried Pods were freed (`map-retries`), and the items
-    the Job counts that were seen ended (`map-ended`, in the interval format). Each only spares
-    reads: a note lost, or Redis unavailable, costs one LIST of failed Pods or the counted items'
-    rows, nothing more. An item noted ended has its end committed, and ends are never taken back."""
+    seen ended (`map-ended`, in the interval format). Each only spares reads: a note lost, or
+    Redis unavailable, costs one LIST of failed Pods or the items' rows, nothing more. An item
+    noted ended has its end committed, and ends are never taken back."""
 
     retries_read: int = 0
     ended: frozenset[int] = frozenset()
@@ -590,10 +616,9 @@ class _Notes:
             return cls()
 
     def write(self, rt: Runtime, namespace: str, job: Mapping[str, Any], *, ended: Collection[int]) -> None:
-        """Once this hand-off freed what it read: the Job's `retried_count`, and the items it
-        counts that have ended, where they grew."""
-        indexes = item_indexes(job)
-        seen = {item for i in _counted(job) if (item := item_of(indexes, i)) is not None and item in ended}
+        """Once this hand-off freed what it read: the Job's `retried_count`, and the items seen
+        ended (counted by the Job or not yet), where they grew."""
+        seen = set(ended)
         pipe = rt.redis.pipeline(transaction=False)
         if retried_count(job) > self.retries_read:
             pipe.set(_key(rt, "map-retries", namespace, job), str(retried_count(job)), ex=_NOTES_TTL_S)

@@ -1,11 +1,12 @@
 """Poll's watch: each poll reads only what changed since the previous one, and hands off the finished Jobs.
 
 A Job watch cut into bounded slices (kopf's `continuous_watch`, client-go's reflector), its
-position kept between polls in Redis, per namespace: the `resourceVersion` reached and the
+position kept between polls in Redis, per namespace: the `resourceVersion` reached, the
 finished Jobs not yet delivered (what a LIST poll would find finished again, so they are handed
-off again if their message is lost, and renewed while a backlog waits). The state is written
-only after the hand-off, by compare-and-set on the version read, together with the note of the
-Jobs that left undelivered (one script: neither is written without the other): of two
+off again if their message is lost, and renewed while a backlog waits) and the running maps'
+Jobs (handed off by every poll: their items end as their Pods do, which changes no Job). The
+state is written only after the hand-off, by compare-and-set on the version read, together with
+the note of the Jobs that left undelivered (one script: neither is written without the other): of two
 overlapping polls one stores, the other's write is dropped, and what both handed off was
 deduplicated by the hand-off markers. Without a version (first poll, Redis flushed), on 410 Gone
 or a broken watch: the old paginated LIST, and the watch starts again from that LIST's version.
@@ -66,6 +67,7 @@ WATCH_CONCURRENCY = 256
 _RV = b"rv"
 _JOB = "j:"
 _UNSTARTED = "u:"
+_MAP = "m:"
 
 
 class Step(Enum):
@@ -97,8 +99,8 @@ def decide(event: Mapping[str, Any]) -> Step:
 
 
 def _running_map(job: Mapping[str, Any]) -> bool:
-    """A map's Indexed Job that runs: handed off on each change seen, not kept among the finished
-    (its items are delivered as their Pods finish, `delivery.items`; it costs per change)."""
+    """A map's Indexed Job that runs: handed off by every poll and on each change seen (its items
+    are delivered as their Pods finish, `delivery.items`, and a Pod's end changes no Job)."""
     return is_map_job(job) and not job_state(job).terminal
 
 
@@ -111,12 +113,14 @@ def rings(event: Mapping[str, Any]) -> bool:
 @dataclass
 class Position:
     """Where a namespace's watch stands: the version reached (None: never, or lost), the
-    finished Jobs not yet delivered, and the running Jobs with no container started yet (what
-    the sweep's start checks read), by name, as last read (`complete.job_snapshot`)."""
+    finished Jobs not yet delivered, the running Jobs with no container started yet (what the
+    sweep's start checks read), and the running maps' Jobs (`_running_map`), by name, as last
+    read (`complete.job_snapshot`)."""
 
     version: str | None = None
     finished: dict[str, JsonDict] = field(default_factory=dict)
     unstarted: dict[str, JsonDict] = field(default_factory=dict)
+    maps: dict[str, JsonDict] = field(default_factory=dict)
 
 
 @dataclass
@@ -126,16 +130,14 @@ class Applied:
     position: Position
     gone: list[JsonDict] = field(default_factory=list)  # Jobs that left without delivery
     events: int = 0
-    maps: list[JsonDict] = field(default_factory=list)  # running maps' Jobs that changed (`_running_map`)
 
 
 def apply(position: Position, events: Sequence[Mapping[str, Any]]) -> Applied:
     """The position after `events`, in order (pure): the version of the last, the finished set
     updated by each event's step."""
-    finished, unstarted = dict(position.finished), dict(position.unstarted)
+    finished, unstarted, maps = dict(position.finished), dict(position.unstarted), dict(position.maps)
     version = position.version
     gone: list[JsonDict] = []
-    maps: dict[str, JsonDict] = {}
     for event in events:
         job = event.get("object") or {}
         metadata = job.get("metadata") or {}
@@ -145,6 +147,7 @@ def apply(position: Position, events: Sequence[Mapping[str, Any]]) -> Applied:
         if step is Step.ADVANCE:
             continue
         unstarted.pop(name, None)
+        maps.pop(name, None)
         if step is Step.KEEP:
             finished[name] = job_snapshot(job)
             continue
@@ -153,10 +156,9 @@ def apply(position: Position, events: Sequence[Mapping[str, Any]]) -> Applied:
             unstarted[name] = job_snapshot(job)
         if step is Step.GONE:
             gone.append(job_snapshot(job))
-        maps.pop(name, None)
         if step is Step.FORGET and _running_map(job):
             maps[name] = job_snapshot(job)
-    return Applied(Position(version, finished, unstarted), gone=gone, events=len(events), maps=list(maps.values()))
+    return Applied(Position(version, finished, unstarted, maps), gone=gone, events=len(events))
 
 
 def bound_s(poll_interval_s: float) -> float:
@@ -224,7 +226,8 @@ def _position(raw: dict[bytes, bytes]) -> Position:
     fields = {k.decode(): v for k, v in raw.items()}
     finished = {k[len(_JOB) :]: orjson.loads(v) for k, v in fields.items() if k.startswith(_JOB)}
     unstarted = {k[len(_UNSTARTED) :]: orjson.loads(v) for k, v in fields.items() if k.startswith(_UNSTARTED)}
-    return Position(raw[_RV].decode(), finished, unstarted)
+    maps = {k[len(_MAP) :]: orjson.loads(v) for k, v in fields.items() if k.startswith(_MAP)}
+    return Position(raw[_RV].decode(), finished, unstarted, maps)
 
 
 # Compare-and-set of one position, with its gone note and its healthy mark, in one script (atomic,
@@ -325,6 +328,8 @@ def store_many(client: redis.Redis, writes: Sequence[Write], *, healthy_ms: int)
                 args += [_JOB + n, orjson.dumps(job)]
             for n, job in w.position.unstarted.items():
                 args += [_UNSTARTED + n, orjson.dumps(job)]
+            for n, job in w.position.maps.items():
+                args += [_MAP + n, orjson.dumps(job)]
         script(keys=[w.name, healthy_key(w.name), gone_key(w.name)], args=args, client=pipe)
     replies = pipe.execute()
     marked = iter(replies[0] if idle else [])
@@ -582,7 +587,7 @@ def _advance(
                 applied = apply(before, watched.events)
                 out.position, out.seen, out.gone = applied.position, applied.events, applied.gone
                 out.finished = list(applied.position.finished.values())
-                out.handed_off = hand_off(out.finished + applied.maps)
+                out.handed_off = hand_off(out.finished + list(applied.position.maps.values()))
                 return out
     out.listed = True
     out.position = _relist(kube, namespace, selector=selector, page_size=page_size, hand_off=hand_off, out=out)
@@ -610,6 +615,7 @@ def _relist(
     version: str | None = None
     finished: dict[str, JsonDict] = {}
     unstarted: dict[str, JsonDict] = {}
+    maps: dict[str, JsonDict] = {}
     token: str | None = None
     while True:
         page = kube.list_jobs_page(namespace, label_selector=selector, limit=page_size, continue_token=token)
@@ -619,12 +625,14 @@ def _relist(
         out.seen += len(items)
         done = [job for job in items if job_state(job).terminal]
         out.finished += done
-        out.handed_off += hand_off(done + [job for job in items if _running_map(job)])
+        running_maps = [job for job in items if _running_map(job)]
+        out.handed_off += hand_off(done + running_maps)
         finished.update({_name(job): job_snapshot(job) for job in done})
         unstarted.update({_name(job): job_snapshot(job) for job in items if pod_health.unstarted(job)})
+        maps.update({_name(job): job_snapshot(job) for job in running_maps})
         token = (page.get("metadata") or {}).get("continue") or None
         if token is None:
-            return Position(version, finished, unstarted)
+            return Position(version, finished, unstarted, maps)
 
 
 def _name(job: Mapping[str, Any]) -> str:

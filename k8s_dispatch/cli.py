@@ -343,6 +343,16 @@ def demo(count: int, broker: str, timeout_s: float, keep: bool) -> int:
     return EXIT_OK if summary.ok else EXIT_FAILED
 
 
+@cli.command(context_settings={"ignore_unknown_options": True}, add_help_option=False)
+@click.argument("flower_args", nargs=-1, type=click.UNPROCESSED)
+def flower(flower_args: tuple[str, ...]) -> int:
+    """Flower for this deployment (its own options: --port, --basic-auth, ...; --help lists them),
+    its Broker page listing the engine's notification queue even while no engine reads it."""
+    from k8s_dispatch.ops import flower as flower_ui
+
+    return flower_ui.run(flower_args)
+
+
 def _show_logs(dispatch_id: str) -> int:
     """`show --logs`: the logs from the object store, byte for byte; EXIT_FAILED if none is kept."""
     from k8s_dispatch.core.settings import get_settings

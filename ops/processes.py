@@ -185,10 +185,8 @@ def celery_flower(
     extra: tuple[str, ...] = (),
     name: str = "flower",
 ) -> ManagedProcess:
-    """`celery -A k8s_dispatch.tasks flower` on `address:port`; its state (--persistent off) stays in memory."""
-    argv = [
-        sys.executable, "-m", "celery", "-A", "k8s_dispatch.tasks", "flower", f"--port={port}", f"--address={address}", *extra,
-    ]  # fmt: skip
+    """`k8s-dispatch flower` on `address:port`; its state (--persistent off) stays in memory."""
+    argv = [sys.executable, "-m", "k8s_dispatch.cli", "flower", f"--port={port}", f"--address={address}", *extra]
     return ManagedProcess(name, argv, project_env(env), log_dir / f"{name}.log")
 
 

@@ -359,8 +359,9 @@ def _doorbell(poll_interval_s: float) -> prompt_poll.Doorbell:
 
 def poll_at_once(namespaces: Sequence[str]) -> bool:
     """A prompt poll of `namespaces` (`tasks.prompt_poll`), by this process, under poll's lease;
-    False (nothing done) while another poll holds it. Only Jobs not yet handed off are handed off
-    (the markers of those queued are renewed by beat's polls)."""
+    False (nothing done) while another poll holds it. Like beat's, it renews the markers of the
+    Jobs already handed off while completions are queued: prompt polls that ring all along keep
+    beat's from the lease, and a marker left to expire behind a backlog sends its Job again."""
     rt = get_runtime()
     settings = rt.settings
     running = lease.take(
@@ -369,8 +370,9 @@ def poll_at_once(namespaces: Sequence[str]) -> bool:
     if running is None:
         return False
     try:
+        renew = _queued(names.COMPLETE_QUEUE) > 0
         done = _poll_watch(
-            rt, ttl_s=handoff.ttl_s(settings.poll_interval_s), renew=False, running=running, namespaces=namespaces
+            rt, ttl_s=handoff.ttl_s(settings.poll_interval_s), renew=renew, running=running, namespaces=namespaces
         )
     finally:
         running.release()

@@ -550,16 +550,19 @@ class KubeClient:
             page_size=page_size, label_selector=label_selector, **extra,
         )  # fmt: skip
 
-    def release_pod(self, namespace: str, pod: Mapping[str, Any], *, finalizer: str) -> bool:
-        """Remove `finalizer` from a Pod as a LIST read it, in one JSON patch that `test`s its uid
-        and the finalizer's index (as `release_job`'s); True if this call changed the Pod.
+    def release_pod(
+        self, namespace: str, pod: Mapping[str, Any], *, finalizer: str, label: tuple[str, str] | None = None
+    ) -> bool:
+        """Remove `finalizer` from a Pod as a LIST read it, and put `label` on it, in one JSON patch
+        that `test`s its uid and the finalizer's index (as `release_job`'s); True if this call
+        changed the Pod.
 
         No GET and no retry (Pods are only ever listed): a Pod gone, or whose finalizers moved
         under the patch, is left as it is (False), for the sweep's next LIST of Pods.
         """
         metadata = pod.get("metadata") or {}
         name = str(metadata.get("name", ""))
-        patch = release_patch(metadata, finalizer=finalizer, label=None)
+        patch = release_patch(metadata, finalizer=finalizer, label=label)
         if not patch:
             return False
         what = f"release pod {namespace}/{name} (finalizer {finalizer})"

@@ -44,6 +44,10 @@ ATTEMPT_KEY = PREFIX + "attempt"  # annotation: which re-creation of the Job thi
 # event: nothing is left to do but delete it, which one bulk delete does for every such Job.
 DELIVERED_LABEL = PREFIX + "delivered"
 DELIVERED = "true"
+# Set on a Pod in the patch that takes our finalizer off it: a running map's hand-off lists its
+# Job's succeeded Pods without it (`delivery.items`), the ones whose item may not be recorded yet.
+RELEASED_LABEL = PREFIX + "released"
+RELEASED = "true"
 
 # DispatchRef field -> label key, in a fixed order.
 FIELD_KEYS: dict[str, str] = {

@@ -69,7 +69,7 @@ def test_app_services_share_one_image_built_from_the_dockerfile(compose: Doc) ->
     [
         ("worker", [*CELERY_APP, "worker", "--loglevel=INFO"]),
         ("beat", [*CELERY_APP, "beat", "--loglevel=INFO"]),
-        ("flower", [*CELERY_APP, "flower", "--port=5555"]),
+        ("flower", ["k8s-dispatch", "flower", "--port=5555"]),
         ("migrate", ["k8s-dispatch", "migrate"]),
     ],
 )

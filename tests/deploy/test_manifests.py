@@ -297,7 +297,7 @@ def test_pdb_covers_the_workers_only(objects: dict[tuple[str, str], Doc]) -> Non
     [
         ("Deployment", WORKER, ["celery", "-A", "k8s_dispatch.tasks", "worker", "--loglevel=INFO"]),
         ("Deployment", BEAT, ["celery", "-A", "k8s_dispatch.tasks", "beat", "--loglevel=INFO"]),
-        ("Deployment", FLOWER, ["celery", "-A", "k8s_dispatch.tasks", "flower", "--port=5555"]),
+        ("Deployment", FLOWER, ["k8s-dispatch", "flower", "--port=5555"]),
         ("Job", MIGRATE, ["k8s-dispatch", "migrate"]),
     ],
 )

@@ -147,6 +147,23 @@ def test_apply_holds_the_running_jobs_with_no_container_started_for_the_sweeps_s
     assert sorted(apply(Position("1"), events).position.unstarted) == ["p"]
 
 
+def test_apply_keeps_the_running_maps_until_they_finish_or_leave() -> None:
+    events = [
+        {"type": "ADDED", "object": job("m", rv="2", labels=MAP, active=3)},
+        {"type": "ADDED", "object": job("n", rv="3", labels=MAP, active=3)},
+        {"type": "MODIFIED", "object": job("m", rv="4", labels=MAP, active=2, succeeded=1)},
+        {"type": "ADDED", "object": job("s", rv="5", active=1)},  # a single dispatch's: not a map
+        {"type": "ADDED", "object": job("f", rv="6", labels=MAP, active=1)},
+        {"type": "MODIFIED", "object": job("f", rv="7", labels=MAP, **DONE)},  # finished: among the finished
+        {"type": "ADDED", "object": job("g", rv="8", labels=MAP, active=1)},
+        {"type": "DELETED", "object": job("g", rv="9", labels=MAP, active=1)},  # left
+    ]
+    position = apply(Position("1"), events).position
+    assert sorted(position.maps) == ["m", "n"] and sorted(position.finished) == ["f"]
+    assert position.maps["m"]["status"]["succeeded"] == 1  # as last read
+    assert apply(position, []).position.maps == position.maps  # kept while nothing happens
+
+
 def test_apply_of_nothing_keeps_the_position() -> None:
     start = Position("10", {"a": job("a", **DONE)})
     assert apply(start, []).position == start
@@ -184,9 +201,15 @@ def deployment() -> str:
     return f"w{uuid.uuid4().hex[:10]}"
 
 
-def make_job(kube: KubeClient, namespace: str, deployment: str, *, ms: int) -> str:
+def make_job(kube: KubeClient, namespace: str, deployment: str, *, ms: int, map_items: int = 0) -> str:
+    """One of our Jobs whose Pod runs `ms`; with `map_items`, a map's Indexed Job of that many."""
     name = f"kd-{uuid.uuid4()}"
     labels = {job_labels.MANAGED_BY_LABEL: job_labels.MANAGED_BY, job_labels.DEPLOYMENT_LABEL: deployment}
+    spec: dict[str, Any] = {"backoffLimit": 0}
+    if map_items:
+        labels |= MAP
+        spec = {"completionMode": "Indexed", "completions": map_items, "parallelism": map_items,
+                "backoffLimitPerIndex": 0}  # fmt: skip
     kube.create_job(
         namespace,
         {
@@ -194,9 +217,12 @@ def make_job(kube: KubeClient, namespace: str, deployment: str, *, ms: int) -> s
             "kind": "Job",
             "metadata": {"name": name, "labels": labels, "finalizers": [FINALIZER]},
             "spec": {
-                "backoffLimit": 0,
+                **spec,
                 "template": {
-                    "metadata": {"annotations": {SIM + "duration-ms": str(ms), SIM + "result": "{}"}},
+                    "metadata": {
+                        "labels": MAP if map_items else {},
+                        "annotations": {SIM + "duration-ms": str(ms), SIM + "result": "{}"},
+                    },
                     "spec": {"restartPolicy": "Never", "containers": [{"name": "w", "image": "sim:1"}]},
                 },
             },
@@ -298,6 +324,30 @@ def test_a_poll_resumes_from_the_version_the_last_one_stored(
     assert (quiet.listed, quiet.seen) == (False, 0)
     assert jobwatch.load(client, jobwatch.key(prefix, deployment, namespace)).version == stored.version
     assert client.exists(listed)  # resumed polls leave the sweep's LIST standing
+
+
+def test_every_poll_hands_a_running_map_off_whether_its_job_changed_or_not(
+    cluster_under_test: ClusterHandle, kube: KubeClient, client: redis.Redis, key_prefix: str, deployment: str
+) -> None:
+    """A map's item ends with its Pod, which changes no Job: the Job controller counts it at its
+    next sync, seconds later on a busy control plane. Poll keeps the running maps in its position
+    and hands each off at every poll, so that its hand-off reads the Pods that ended."""
+    namespace = cluster_under_test.ensure_namespace("watch-maps")
+    prefix = f"{key_prefix}-{deployment}"
+    rec = Recorder(client, prefix, namespace)
+    name = make_job(kube, namespace, deployment, ms=60_000, map_items=2)
+    first = poll(kube, client, prefix, deployment, namespace, rec)  # no version yet: the LIST
+    assert first.listed and rec.handed == [name]
+    stored = jobwatch.load(client, jobwatch.key(prefix, deployment, namespace))
+    assert list(stored.maps) == [name]
+
+    for _ in range(3):  # each poll after the last hand-off began (it takes its marker away)
+        client.delete(handoff.key(prefix, namespace, stored.maps[name]))
+        done = poll(kube, client, prefix, deployment, namespace, rec)
+        assert (done.listed, done.handed_off) == (False, 1)
+    assert rec.handed == [name] * 4
+    # Handed off, not yet begun (its marker is live): no second message behind the first.
+    assert poll(kube, client, prefix, deployment, namespace, rec).handed_off == 0
 
 
 def test_an_expired_version_falls_back_to_the_list_and_resumes_from_it(

@@ -1,7 +1,7 @@
 """What a running map costs the reads that come back to it (real PostgreSQL, Redis, localcluster;
 hand-offs and the sweep in-process): a hand-off of k newly finished indexes asks the database
-about those k items, not every item the map has ended (`store.maps.ended_items(among=...)`, the
-counted items noted in Redis), and the sweep's LIST of finished Pods leaves out a running map's,
+about those k items, whether the Job counts them yet or not, not every item the map has ended
+(`store.maps.ended_items(among=...)`, the items noted ended in Redis), and the sweep's LIST of finished Pods leaves out a running map's,
 which only its hand-offs read; every item still ends once, and an ended dispatch's Pods are
 still freed by the sweep. A look frees its Pods several PATCHes at a time, after it let the claim
 go; an ended map's hand-off leaves the Pods of such frees in flight to them (and those a look
@@ -19,6 +19,8 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from kubernetes import client as k8s
+from kubernetes import config as k8s_config
 from runtimes import own_database_values
 
 from k8s_dispatch.delivery import cleanup, create, handoff, items, terminal
@@ -31,6 +33,7 @@ from k8s_dispatch.store import dispatches, maps, scheduling
 from k8s_dispatch.store.db import transaction
 from k8s_dispatch.store.models import EventType
 from k8s_dispatch.workers import indexed
+from k8s_dispatch.workers import labels as job_labels
 from k8s_dispatch.workers.job_status import job_state
 from k8s_dispatch.workers.manifest import FINALIZER, job_name
 
@@ -118,7 +121,7 @@ def held(rt: Runtime, map_id: str) -> list[int]:
     return sorted(indexed.pod_index(p) or 0 for p in pods if FINALIZER in (p["metadata"].get("finalizers") or []))
 
 
-def test_a_hand_off_asks_about_the_newly_finished_items_and_the_sweep_leaves_a_running_maps_pods(
+def test_a_hand_off_asks_about_the_items_whose_pods_finished_once_and_the_sweep_leaves_a_running_maps_pods(
     rt: Runtime, sim_cluster: LocalCluster
 ) -> None:
     map_id = start_map(rt, "sim.running", QUICK + HANGING)
@@ -128,13 +131,13 @@ def test_a_hand_off_asks_about_the_newly_finished_items_and_the_sweep_leaves_a_r
 
     with item_end_reads(rt) as reads:
         assert items.deliver_maps(rt, rt.settings.namespace, [earlier]).outcomes == [items.RUNNING]
-    assert reads == [(20, 0)]  # the 20 items counted, none ended yet
+    # The 25 whose Pods succeeded, the 5 the Job does not count yet among them; none ended yet.
+    assert reads == [(QUICK, 0)]
+    with transaction(rt.sessions) as session:
+        assert sorted(e.payload["item"] for e in maps.item_events(session, map_id)) == list(range(QUICK))
     with item_end_reads(rt) as reads:
         items.deliver_maps(rt, rt.settings.namespace, [job])
-    assert reads == [(5, 0)]  # the 5 counted since: the 20 that ended are noted, not read again
-    with item_end_reads(rt) as reads:
-        items.deliver_maps(rt, rt.settings.namespace, [job])
-    assert reads == []  # nothing counted that is not noted ended: no statement
+    assert reads == []  # the 5 counted since are noted ended, and their Pods are freed: no statement
 
     # The notes lost (a Redis flush): the counted items are asked about again, and end no second time.
     rt.redis.delete(*rt.redis.keys(f"{rt.settings.key_prefix}:map-*"))
@@ -204,6 +207,17 @@ def test_an_ended_maps_pods_are_freed_once_by_whoever_holds_its_claim(rt: Runtim
     assert +patched == Counter({200: 20})  # each Pod once, none in vain
 
 
+def seen_later(rt: Runtime, map_id: str, indexes: range) -> None:
+    """Leave these finished Pods out of a look's LIST of succeeded Pods not yet freed (they carry
+    the label our release puts on, and still hold our finalizer): as if they ended after it."""
+    core = k8s.CoreV1Api(k8s_config.new_client_from_config(config_file=str(rt.settings.kubeconfig)))
+    selector = f"batch.kubernetes.io/job-name={job_name(map_id)}"
+    for pod in rt.kube.list_pods(rt.settings.namespace, label_selector=selector):
+        if indexed.pod_index(pod) in indexes:
+            labels = {job_labels.RELEASED_LABEL: job_labels.RELEASED}
+            core.patch_namespaced_pod(pod["metadata"]["name"], rt.settings.namespace, {"metadata": {"labels": labels}})
+
+
 def as_running(job: dict[str, Any], completed: str) -> dict[str, Any]:
     """An ended map's Job as a watch saw it while it ran, `completed` indexes counted."""
     status = {k: v for k, v in job["status"].items() if k not in ("conditions", "completionTime")}
@@ -219,10 +233,10 @@ def test_a_running_maps_look_frees_its_pods_several_at_a_time(rt: Runtime, sim_c
     job = job_when(rt, map_id, lambda j: j["status"].get("completedIndexes") == f"0-{QUICK - 1}", "25 finished")
     together, calls, release_pod = threading.Barrier(2, timeout=30), itertools.count(), rt.kube.release_pod
 
-    def met(namespace: str, pod: Any, *, finalizer: str) -> bool:
+    def met(namespace: str, pod: Any, **kwargs: Any) -> bool:
         if next(calls) < 2:
             together.wait()  # the first two PATCHes are in flight at once, or this breaks
-        return release_pod(namespace, pod, finalizer=finalizer)
+        return release_pod(namespace, pod, **kwargs)
 
     monkeypatch.setattr(rt.kube, "release_pod", met)
     before = pod_patches(sim_cluster)
@@ -249,12 +263,13 @@ def test_an_ended_maps_hand_off_frees_no_pod_a_running_look_is_freeing(
     map_id = start_map(rt, "sim.quick", 20)
     job = job_when(rt, map_id, lambda j: job_state(j).terminal, "the map's Job finished")
     in_flight, go, release_pod = threading.Event(), threading.Event(), rt.kube.release_pod
+    seen_later(rt, map_id, range(10, 20))  # the running look sees 0-9 ended
 
-    def slow(namespace: str, pod: Any, *, finalizer: str) -> bool:
+    def slow(namespace: str, pod: Any, **kwargs: Any) -> bool:
         if (indexed.pod_index(pod) or 0) < 10:  # the running look's
             in_flight.set()
             assert go.wait(timeout=60)
-        return release_pod(namespace, pod, finalizer=finalizer)
+        return release_pod(namespace, pod, **kwargs)
 
     monkeypatch.setattr(rt.kube, "release_pod", slow)
     running: list[str] = []
@@ -288,6 +303,7 @@ def test_the_pods_a_look_that_died_while_freeing_left_are_freed_by_the_sweep_onc
 ) -> None:
     map_id = start_map(rt, "sim.quick", 10)
     job = job_when(rt, map_id, lambda j: job_state(j).terminal, "the map's Job finished")
+    seen_later(rt, map_id, range(5, 10))  # the first look sees 0-4 ended, the second the rest
     assert items.deliver_maps(rt, rt.settings.namespace, [as_running(job, "0-4")]).outcomes == [items.RUNNING]
 
     def killed(*args: Any, **kwargs: Any) -> bool:

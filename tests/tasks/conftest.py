@@ -106,12 +106,14 @@ class Deployment:
     def prefix(self) -> str:
         return self.settings.key_prefix
 
-    def start_worker(self, name: str, *, env: dict[str, str] | None = None, wait: bool = True) -> Proc:
-        proc = Proc(
-            processes.celery_worker(
-                name, env={**self.env, **(env or {})}, log_dir=self.tmp, concurrency=self.settings.worker_concurrency
-            )
-        )
+    def start_worker(
+        self, name: str, *, env: dict[str, str] | None = None, wait: bool = True, queues: str | None = None
+    ) -> Proc:
+        """A worker of the deployment; `queues` ("a,b"): only those consumed (Celery's -Q)."""
+        extra = ("-Q", queues) if queues else ()
+        environ = {**self.env, **(env or {})}
+        concurrency = self.settings.worker_concurrency
+        proc = Proc(processes.celery_worker(name, env=environ, log_dir=self.tmp, concurrency=concurrency, extra=extra))
         self.procs.append(proc)
         if wait:  # a start's time is not under test: room for a machine busy with the suite's other files
             proc.wait_for_log(" ready.", timeout_s=START_TIMEOUT_S)

@@ -1,4 +1,4 @@
-"""Flower, the real one (`celery -A k8s_dispatch.tasks flower`), against the test broker with a real worker:
+"""Flower, the real one (`k8s-dispatch flower`), against the test broker with a real worker:
 through its HTTP API it lists the worker with our queues and the tasks the dispatches went
 through (schedule, create_job, complete_batch) as the worker's events told it; housekeeping
 (poll, admit, cleanup, sweeps) not at all; a search for a dispatch id finds the batch that

@@ -3,7 +3,8 @@ opened in headless Chromium (Debian's, driven through its chromedriver by Seleni
 credentials Flower refuses the page; with them its Workers page lists the worker with the failed
 dispatch counted as failed, and on its Tasks page a person who types a dispatch id finds the
 `complete_batch` that recorded it and the failed task that shows its failure, with no housekeeping
-row anywhere. Screenshots go to the test's tmp_path.
+row anywhere; its Broker page lists the engine's queue with the notifications no engine has read.
+Screenshots go to the test's tmp_path.
 """
 
 from __future__ import annotations
@@ -138,3 +139,19 @@ def test_a_person_logs_in_to_flower_sees_the_failure_and_finds_a_dispatch_by_its
     listed = d.wait(whole_table, timeout_s=30, what="the whole Tasks table")
     browser.save_screenshot(str(tmp_path / "flower-all-tasks.png"))
     assert not [r for r in listed if any(name in r for name in names.HOUSEKEEPING_TASKS)], listed
+
+    # The Broker page: our queues, and the engine's holding the notifications no engine has read
+    # (no worker here consumes it: plain Flower would leave it out).
+    browser.get(f"http://127.0.0.1:{port}/broker")
+
+    def queues() -> dict[str, list[str]] | None:
+        rows = {cells[0]: cells for cells in table_cells(browser, "table#queue-table") if len(cells) > 1}
+        unread = rows.get(d.settings.notify_queue, ["", ""])[1]
+        if unread.isdigit() and int(unread) >= len(ids):
+            return rows
+        browser.refresh()
+        return None
+
+    rows = d.wait(queues, timeout_s=30, what="the engine's queue and its notifications on the Broker page")
+    browser.save_screenshot(str(tmp_path / "flower-broker.png"))
+    assert {names.JOBS_QUEUE, names.COMPLETE_QUEUE, names.SWEEP_QUEUE} <= set(rows), rows

@@ -5,12 +5,15 @@ the watch's note, without a LIST of the namespace's Jobs."""
 
 from __future__ import annotations
 
+import base64
+import json
 import re
+import time
 from collections import Counter
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from k8s_dispatch.celeryconfig import POLL_TASK
+from k8s_dispatch.celeryconfig import COMPLETE_QUEUE, JOBS_QUEUE, POLL_TASK, SWEEP_QUEUE
 from k8s_dispatch.core.errors import NotFound
 from k8s_dispatch.delivery import jobwatch
 from k8s_dispatch.store.models import EventType
@@ -100,6 +103,38 @@ def test_a_finished_job_is_delivered_by_a_prompt_poll_with_no_poll_of_beats_to_c
     assert after["WATCH"] <= 1, after
     released = [job for job in d.jobs() if job_labels.is_delivered(job["metadata"].get("labels"))]
     assert len(released) == 3  # each released (beat's cleanup, not running here, would delete them)
+
+
+def queued_completions(d) -> Counter[str]:
+    """How many times each Job is in the completions' queue (its messages kept)."""
+    names: Counter[str] = Counter()
+    for message in d.redis.lrange(f"{d.prefix}:{COMPLETE_QUEUE}", 0, -1):
+        args, _kwargs, _embed = json.loads(base64.b64decode(json.loads(message)["body"]))
+        names.update(job["metadata"]["name"] for job in args[1])
+    return names
+
+
+def test_prompt_polls_renew_the_markers_of_completions_still_queued(deploy, sim_cluster):
+    """A backlog of completions (no worker reads their queue here) while prompt polls run and
+    beat's do not: each prompt poll renews the markers of the Jobs it handed off before, so none
+    is sent a second time once its marker's TTL is over."""
+    d = deploy(sim_cluster, capabilities=CAPABILITIES, poll_interval_s="30", sweep_interval_s="3600")
+    worker = d.start_worker("w1", queues=f"{JOBS_QUEUE},{SWEEP_QUEUE}")
+    for n in range(1, 4):  # the polls after which the worker's watch stream is kept, as in the test above
+        d.redis.delete(supersede.key(d.prefix, POLL_TASK))
+        d.send(POLL_TASK)
+        d.wait(lambda n=n: len(POLL_DONE.findall(worker.log())) >= n, timeout_s=30, what=f"poll {n}")
+    first = job_name(d.schedule_batch("sim.ok", 1)[0])
+    d.wait(lambda: queued_completions(d)[first] == 1, timeout_s=15, what="the first Job handed off by a prompt poll")
+    marker = next(iter(d.redis.keys(f"{d.prefix}:handoff:*/{first}/*")))
+    left_ms, read_at = d.redis.pttl(marker), time.monotonic()
+    second = job_name(d.schedule_batch("sim.ok", 1)[0])  # its Job runs 1.5 s: the first marker ages
+    d.wait(lambda: queued_completions(d)[second] == 1, timeout_s=15, what="the second Job handed off")
+    aged_ms = (time.monotonic() - read_at) * 1000
+    assert aged_ms > 1000
+    # Renewed by the second Job's prompt poll, which found a backlog: younger than it would be.
+    assert d.redis.pttl(marker) > left_ms - aged_ms + 500
+    assert queued_completions(d) == Counter({first: 1, second: 1})
 
 
 def test_a_job_gone_undelivered_is_recreated_by_the_sweep_from_the_watchs_note(deploy, any_cluster):
