@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -192,21 +193,47 @@ def celery_flower(
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port free right now: for a server that must come back on the same port after a restart."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        port: int = sock.getsockname()[1]
-        return port
+    return free_ports(1, host)[0]
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     """`n` TCP ports free right now, all different (each held until all are found): for a server
-    that listens on several at once."""
-    sockets = [socket.create_server((host, 0)) for _ in range(n)]
+    that listens on several at once and comes back on them after a restart.
+
+    Taken below the kernel's ephemeral range (`ip_local_port_range`), where port 0 would land:
+    the kernel gives those to every outgoing connection, and one could take a stopped server's
+    port before it starts again ("bind: address already in use")."""
+    candidates = _server_ports()
+    held: list[socket.socket] = []
     try:
-        return [s.getsockname()[1] for s in sockets]
+        while len(held) < n:
+            if not candidates:
+                raise OSError(f"no {n} free TCP ports on {host} outside the ephemeral range")
+            port = candidates.pop(_random.randrange(len(candidates)))
+            try:
+                held.append(socket.create_server((host, port)))
+            except OSError:
+                continue
+        return [s.getsockname()[1] for s in held]
     finally:
-        for s in sockets:
+        for s in held:
             s.close()
+
+
+SERVER_PORTS_FLOOR = 10_000  # below it: the well-known services' ports (PostgreSQL, Redis, ...)
+_PORT_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_random = random.SystemRandom()  # forked test workers must not draw the same ports
+
+
+def _server_ports() -> list[int]:
+    """The ports `free_ports` draws from: between SERVER_PORTS_FLOOR and the ephemeral range's
+    low end, or above its high end where that leaves more."""
+    try:
+        low, high = (int(x) for x in _PORT_RANGE.read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999  # Linux's default
+    below, above = range(SERVER_PORTS_FLOOR, low), range(high + 1, 65536)
+    return list(below if len(below) >= len(above) else above)
 
 
 def localcluster_server(
