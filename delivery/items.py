@@ -566,18 +566,19 @@ def _pods_to_read(
 ) -> list[dict[str, Any]]:
     """The Pods a hand-off needs. A Job that ended: all of them (one paginated LIST: every open
     item ends now, and no Pod may stay held). A running one: the `held` failed Pods
-    (`_held_failed_pods`) whose item has ended (a look that died before it freed them left them),
-    the `fresh` succeeded ones (`_fresh_successes`), then the Pods of the other `indexes_to_read`
-    by their completion index label."""
+    (`_held_failed_pods`) whose item has ended (a look that died before it freed them left them)
+    or has a `fresh` succeeded Pod (`_fresh_successes`: its retry succeeded), those, then the
+    Pods of the other `indexes_to_read` by their completion index label."""
     name = str((job.get("metadata") or {}).get("name", ""))
     if job_state(job).terminal:
         return pods_by_job(rt, namespace, [name])[name]
     selector = f"{JOB_NAME_LABEL}={name}"
     indexes = item_indexes(job)
     retried = {i for i in (pod_index(p) for p in held) if i is not None}
-    known = {pod_index(p) for p in fresh}
+    known = {pod_index(p) for p in fresh}  # indexes read already: no LIST of their own
     to_read = [i for i in indexes_to_read(job, ended, items, retried=retried) if i not in known]
-    pods = [p for p in held if item_of(indexes, pod_index(p)) in ended]  # their item ended: freed now
+    # Failed Pods whose item ended, or ends now from its retry's fresh success: freed now.
+    pods = [p for p in held if item_of(indexes, pod_index(p)) in ended or pod_index(p) in known]
     pods += fresh
     for start in range(0, len(to_read), INDEX_CHUNK):
         values = ",".join(str(index) for index in to_read[start : start + INDEX_CHUNK])

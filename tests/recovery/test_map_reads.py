@@ -41,11 +41,11 @@ SIM = "localcluster.k8s-dispatch.io/"
 QUICK, HANGING = 25, 5  # a running map: 25 items finish at once, 5 never do
 
 
-def map_capability(by_index: dict[str, Any]) -> dict[str, Any]:
+def map_capability(by_index: dict[str, Any], *, retries: int = 0) -> dict[str, Any]:
     return {
         "worker": "sim",
         "image": "sim:1",
-        "backoffLimit": 0,
+        "backoffLimit": retries,
         "annotations": {SIM + "duration-ms": "20", SIM + "by-index": json.dumps(by_index)},
     }
 
@@ -54,6 +54,10 @@ CAPABILITIES = {
     "capabilities": {
         "sim.running": map_capability({str(i): {"outcome": "hang"} for i in range(QUICK, QUICK + HANGING)}),
         "sim.quick": map_capability({}),
+        # Index 0 fails once and its retry succeeds; 1 and 2 never end.
+        "sim.retried": map_capability(
+            {"0": {"outcome": "fail", "attempts": 1}, "1": {"outcome": "hang"}, "2": {"outcome": "hang"}}, retries=1
+        ),
     }
 }
 
@@ -165,6 +169,18 @@ def test_a_hand_off_asks_about_the_items_whose_pods_finished_once_and_the_sweep_
     assert held(rt, ended_id) == []  # the ended map's Pods are freed by the sweep's Pod pass
     # ...which read those 3, not the running map's 25 finished Pods.
     assert pods_listed(sim_cluster) - before == 3
+
+
+def test_a_retry_that_succeeded_frees_its_items_failed_pod_with_its_own(rt: Runtime) -> None:
+    """The look that records an item from its retry's succeeded Pod frees the item's failed Pod
+    too, though that look reads the index's Pods from the succeeded ones, not by its label."""
+    map_id = start_map(rt, "sim.retried", 3)
+    job = job_when(rt, map_id, lambda j: j["status"].get("completedIndexes") == "0", "item 0's retry succeeded")
+    assert items.retried_count(job) == 1
+    assert items.deliver_maps(rt, rt.settings.namespace, [job]).outcomes == [items.RUNNING]
+    with transaction(rt.sessions) as session:
+        assert [e.payload["item"] for e in maps.item_events(session, map_id)] == [0]
+    assert held(rt, map_id) == [1, 2]  # both of item 0's Pods are freed, while the map runs
 
 
 def pod_patches(cluster: LocalCluster) -> Counter[int]:
