@@ -253,13 +253,18 @@ class RemoteHost:
                 params = {"resourceVersion": rv, "allowWatchBookmarks": "true"}
                 if selector:
                     params["fieldSelector"] = selector
-                opened = self._loop.time()
+                opened, events = self._loop.time(), 0
                 async for event in self.api.watch(path, params=params, timeout=WATCH_TIMEOUT):
                     obj = event.get("object") or {}
                     rv = (obj.get("metadata") or {}).get("resourceVersion") or rv
+                    events += 1
                     if event.get("type") != "BOOKMARK":
                         on_event(str(event.get("type", "")), obj)
-                if self._loop.time() - opened < 1.0:  # a server ending every watch at once: do not spin
+                # A server ending every watch at once is not asked again at once. A watch that ended
+                # soon after events is resumed at once: the API server ends a watch whose client reads
+                # behind a burst of events, and waiting then would hold this node's Pods back for the
+                # whole backoff (Pods bound here waited Pending for it, 10 s at a time).
+                if self._loop.time() - opened < 1.0 and not events:
                     await asyncio.sleep(backoff)
                     backoff = min(backoff * 2, RETRY_MAX)
                 else:
