@@ -257,8 +257,8 @@ class RemoteHost:
                 async for event in self.api.watch(path, params=params, timeout=WATCH_TIMEOUT):
                     obj = event.get("object") or {}
                     rv = (obj.get("metadata") or {}).get("resourceVersion") or rv
-                    events += 1
                     if event.get("type") != "BOOKMARK":
+                        events += 1
                         on_event(str(event.get("type", "")), obj)
                 # A server ending every watch at once is not asked again at once. A watch that ended
                 # soon after events is resumed at once: the API server ends a watch whose client reads
