@@ -261,9 +261,9 @@ class RemoteHost:
                         events += 1
                         on_event(str(event.get("type", "")), obj)
                 # A server ending every watch at once is not asked again at once. A watch that ended
-                # soon after events is resumed at once: the API server ends a watch whose client reads
-                # behind a burst of events, and waiting then would hold this node's Pods back for the
-                # whole backoff (Pods bound here waited Pending for it, 10 s at a time).
+                # soon after events is resumed at once: the API server may end a node's watch within
+                # a second in a burst of its Pods' changes, and waiting then would hold this node's
+                # Pods back for the whole backoff (Pods bound here waited Pending, 10 s at a time).
                 if self._loop.time() - opened < 1.0 and not events:
                     await asyncio.sleep(backoff)
                     backoff = min(backoff * 2, RETRY_MAX)
